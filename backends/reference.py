@@ -1,0 +1,187 @@
+"""Pure-torch ops: the CPU backend, and the definition every kernel is tested against.
+
+LoRA (see ``runtime.backend_api``), for every row t with slot s = slot(t) != -1:
+
+    shrink:  h[i, t, :r_{i,s}]      = x[t] @ A_{i,s}^T                     (fp32 accumulate)
+    expand:  y[t, o_i : o_i + n_i] += scale_{i,s} * h[i, t, :r_{i,s}] @ B_{i,s}^T
+
+where ``A_{i,s} = a_rows[start : start + r]`` and ``B_{i,s}^T = b_rows[start : start + r]``
+of slice i's flat buffers. Two equivalent schedules are provided:
+
+- segment (SGMV, prefill): one matmul per (slice, segment of rows sharing a slot);
+- per-token (BGMV, decode): gather each row's rank-padded weights and ``bmm``.
+
+Both accumulate in float32 and cast the result to ``y``'s dtype once.
+
+Attention: write the new K/V into the paged cache, gather each sequence's blocks,
+and run causal ``scaled_dot_product_attention`` (GQA by repeating kv heads).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from runtime.kv.attention_meta import AttentionMeta
+from runtime.lora.batch_meta import LoRABatchMeta
+from runtime.lora.slice_weights import LoRASliceWeights
+
+
+def _segment_rows(meta: LoRABatchMeta) -> list[tuple[int, Tensor]]:
+    """(slot, row ids) for each segment, from host offsets (no device reads)."""
+    starts = meta.host_seg_starts
+    return [(slot, meta.sorted_tokens[starts[i] : starts[i + 1]].long()) for i, slot in enumerate(meta.host_seg_slots)]
+
+
+def shrink_segment(x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
+    """SGMV shrink: ``out[i, rows_s, :r] = x[rows_s] @ A_{i,s}^T`` per segment s."""
+    for slot, rows in _segment_rows(meta):
+        xs = x.index_select(0, rows).float()
+        for i, w in enumerate(weights):
+            r, start = w.host_rank[slot], w.host_start[slot]
+            if r == 0:
+                continue
+            a = w.a_rows[start : start + r].float()
+            out[i, rows, :r] = (xs @ a.t()).to(out.dtype)
+
+
+def expand_segment(
+    h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
+) -> None:
+    """SGMV expand: ``y[rows_s, o_i:o_i+n_i] += scale * h[i, rows_s, :r] @ B_{i,s}^T``."""
+    for slot, rows in _segment_rows(meta):
+        for i, w in enumerate(weights):
+            r, start = w.host_rank[slot], w.host_start[slot]
+            if r == 0:
+                continue
+            b_t = w.b_rows[start : start + r].float()
+            delta = w.host_scale[slot] * (h[i, rows, :r].float() @ b_t)
+            cols = slice(slice_offsets[i], slice_offsets[i] + w.out_features)
+            y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+
+
+def _gather_per_token(w: LoRASliceWeights, slots: Tensor, rank_pad: int, buffer: Tensor) -> Tensor:
+    """Per-row rank-padded weights: ``[T, rank_pad, cols]``, zero past each row's rank."""
+    safe = slots.clamp(min=0).long()
+    start = w.slot_start.long()[safe]
+    rank = w.slot_rank.long()[safe] * (slots >= 0).long()
+    offs = torch.arange(rank_pad, device=slots.device)
+    idx = start[:, None] + offs[None, :]
+    valid = offs[None, :] < rank[:, None]
+    idx = torch.where(valid, idx, torch.zeros_like(idx))
+    gathered = buffer.float()[idx]  # [T, rank_pad, cols]
+    return gathered * valid[..., None]
+
+
+def shrink_per_token(x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
+    """BGMV shrink: ``out[i, t, :r] = x[t] @ A_{i,slot(t)}^T`` for rows with an adapter."""
+    slots = meta.token_slots
+    for i, w in enumerate(weights):
+        pad = w.max_rank
+        if pad == 0:
+            continue
+        a = _gather_per_token(w, slots, pad, w.a_rows)  # [T, pad, in]
+        h = torch.bmm(a, x.float()[:, :, None])[:, :, 0]  # [T, pad]
+        rank = w.slot_rank.long()[slots.clamp(min=0).long()] * (slots >= 0).long()
+        keep = torch.arange(pad, device=x.device)[None, :] < rank[:, None]
+        out[i, :, :pad] = torch.where(keep, h.to(out.dtype), out[i, :, :pad])
+
+
+def expand_per_token(
+    h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
+) -> None:
+    """BGMV expand: ``y[t, o_i:o_i+n_i] += scale * h[i, t, :r] @ B_{i,slot(t)}^T``."""
+    slots = meta.token_slots
+    has = (slots >= 0)[:, None]
+    for i, w in enumerate(weights):
+        pad = w.max_rank
+        if pad == 0:
+            continue
+        b_t = _gather_per_token(w, slots, pad, w.b_rows)  # [T, pad, out]
+        scale = w.slot_scale[slots.clamp(min=0).long()] * has[:, 0]
+        hi = h[i, :, :pad].float()[:, None, :]  # [T, 1, pad]
+        delta = torch.bmm(hi, b_t)[:, 0, :] * scale[:, None]
+        cols = slice(slice_offsets[i], slice_offsets[i] + w.out_features)
+        y[:, cols] = torch.where(has, (y[:, cols].float() + delta).to(y.dtype), y[:, cols])
+
+
+class ReferenceLoRAOps:
+    """Segment schedule for prefill steps, per-token schedule for decode-only steps."""
+
+    def shrink(self, x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
+        _check_shapes(x, weights, out)
+        (shrink_per_token if meta.decode_only else shrink_segment)(x, weights, meta, out)
+
+    def expand(
+        self, h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
+    ) -> None:
+        _check_expand(h, weights, y, slice_offsets)
+        (expand_per_token if meta.decode_only else expand_segment)(h, weights, meta, y, slice_offsets)
+
+
+def _check_shapes(x: Tensor, weights: Sequence[LoRASliceWeights], out: Tensor) -> None:
+    if out.dim() != 3 or out.shape[0] < len(weights) or out.shape[1] != x.shape[0]:
+        raise ValueError(f"shrink: out must be [n_slices={len(weights)}, T={x.shape[0]}, R], got {tuple(out.shape)}")
+    for w in weights:
+        if w.in_features != x.shape[1]:
+            raise ValueError(f"shrink: x has {x.shape[1]} features, slice expects {w.in_features}")
+        if w.max_rank > out.shape[2]:
+            raise ValueError(f"shrink: out holds rank {out.shape[2]}, a slot has rank {w.max_rank}")
+
+
+def _check_expand(h: Tensor, weights: Sequence[LoRASliceWeights], y: Tensor, slice_offsets: Sequence[int]) -> None:
+    if len(slice_offsets) != len(weights):
+        raise ValueError(f"expand: {len(weights)} slices but {len(slice_offsets)} offsets")
+    for off, w in zip(slice_offsets, weights):
+        if off < 0 or off + w.out_features > y.shape[1]:
+            raise ValueError(f"expand: slice at {off} with {w.out_features} columns exceeds y's {y.shape[1]}")
+    if h.shape[1] != y.shape[0]:
+        raise ValueError(f"expand: h has {h.shape[1]} rows, y has {y.shape[0]}")
+
+
+class ReferenceAttention:
+    """Paged attention by gathering each sequence's blocks and calling SDPA."""
+
+    def paged_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMeta, scale: float) -> Tensor:
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+        out = torch.empty_like(q)
+        hq, hkv = q.shape[1], k.shape[1]
+        bs = meta.block_size
+        qs = meta.host_query_starts
+        for b, ctx in enumerate(meta.host_context_lens):
+            table = meta.host_block_tables[b]
+            n_blocks = (ctx + bs - 1) // bs
+            idx = (torch.tensor(table[:n_blocks], device=q.device)[:, None] * bs + torch.arange(bs, device=q.device)).flatten()[:ctx]
+            keys = kv_cache[0].index_select(0, idx).transpose(0, 1)  # [Hkv, ctx, D]
+            vals = kv_cache[1].index_select(0, idx).transpose(0, 1)
+            if hq != hkv:
+                keys = keys.repeat_interleave(hq // hkv, dim=0)
+                vals = vals.repeat_interleave(hq // hkv, dim=0)
+            qb = q[qs[b] : qs[b + 1]].transpose(0, 1)  # [Hq, q_len, D]
+            q_len = qb.shape[1]
+            pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q  # [q_len, ctx]
+            ob = F.scaled_dot_product_attention(qb, keys.to(qb.dtype), vals.to(qb.dtype), attn_mask=mask, scale=scale)
+            out[qs[b] : qs[b + 1]] = ob.transpose(0, 1)
+        return out
+
+
+class ReferenceBackend:
+    """The CPU backend: pure torch, the ground truth."""
+
+    name = "cpu"
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.lora = ReferenceLoRAOps()
+        self.attention = ReferenceAttention()
+
+    @staticmethod
+    def availability() -> tuple[bool, str]:
+        return True, "pure torch, always available"
+
+    def synchronize(self) -> None:
+        return None

@@ -1,0 +1,1 @@
+"""lorafleet runtime: everything device-independent."""

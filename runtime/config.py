@@ -1,0 +1,96 @@
+"""Engine configuration: frozen dataclasses; unknown keys and bad values are errors naming the key."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    model:                  HF checkpoint folder (config.json + safetensors)
+    device:                 auto | cpu | cuda | npu (auto: cuda, then npu, then cpu)
+    dtype:                  float32 | bfloat16 | float16 (compute and weight dtype)
+    max_loras:              distinct adapters in one step (= device slots)
+    max_lora_rank:          largest rank accepted at adapter load
+    max_cpu_loras:          host-tier LRU capacity (adapters)
+    lora_pool_rows:         device rank-rows per target slice; None = max_loras * max_lora_rank.
+                            Adapters take only their own rank's rows, so a smaller value
+                            still fits many low-rank adapters.
+    max_num_seqs:           running sequences per step
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes)
+    max_model_len:          longest prompt + output; None = the model's max_position_embeddings
+    block_size:             tokens per KV block
+    num_kv_blocks:          KV blocks in the pool; None = enough for max_num_seqs full-length sequences, capped by kv_cache_mb
+    kv_cache_mb:            cap on KV memory when num_kv_blocks is None
+    enable_prefix_caching:  reuse full KV blocks across requests of the same (base, adapter, version)
+    seed:                   seed for sampling when a request gives none
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "float32"
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
+    lora_pool_rows: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_mb: int = 1024
+    enable_prefix_caching: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        positive = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_mb")
+        for name in positive:
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("lora_pool_rows", "max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching: expected true or false, got {self.enable_prefix_caching!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is below max_loras={self.max_loras}; the host tier must hold every device adapter")
+        if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:
+            raise ConfigError(f"lora_pool_rows: {self.lora_pool_rows} cannot hold one adapter of max_lora_rank={self.max_lora_rank}")
+
+    @property
+    def pool_rows(self) -> int:
+        return self.lora_pool_rows if self.lora_pool_rows is not None else self.max_loras * self.max_lora_rank
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+        if "model" not in values:
+            raise ConfigError("model: required")
+        return cls(**dict(values))
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")

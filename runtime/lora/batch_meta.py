@@ -1,0 +1,90 @@
+"""Per-step LoRA launch metadata, built once per step and shared by every layer.
+
+A step holds ``T`` token rows. Row ``t`` belongs to adapter slot ``token_slots[t]``
+(``-1`` means "no adapter": the row gets the base output only). Segment kernels
+(SGMV, prefill) walk rows grouped by slot; per-token kernels (BGMV, decode) index
+``token_slots`` directly.
+
+    sorted_tokens = stable argsort of token_slots, rows with slot -1 dropped
+    seg_starts[i] .. seg_starts[i+1]  = positions in sorted_tokens of segment i
+    seg_slots[i]                      = the slot of segment i
+
+Everything is built on the host from Python lists and copied to the device in
+one go, so no layer ever needs a host<->device sync to find its segments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+NO_ADAPTER = -1
+
+
+@dataclass(frozen=True)
+class LoRABatchMeta:
+    """Row -> adapter-slot mapping for one step (see module docstring for the math)."""
+
+    token_slots: Tensor  # [T] int32, slot of each row, -1 = no adapter
+    sorted_tokens: Tensor  # [N] int32, rows with an adapter, grouped by slot (stable)
+    seg_slots: Tensor  # [S] int32, slot of each segment
+    seg_starts: Tensor  # [S+1] int32, offsets into sorted_tokens
+    decode_only: bool  # every row is one decode token -> the BGMV path may be used
+    # Host copies, so host-side planners (e.g. the Ascend grouped-matmul split) never
+    # read device memory back.
+    host_seg_slots: tuple[int, ...]
+    host_seg_starts: tuple[int, ...]
+    max_seg_len: int  # longest segment, sizes the segment kernels' grid
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_slots.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.host_seg_slots)
+
+    @property
+    def has_lora(self) -> bool:
+        return self.num_segments > 0
+
+    @classmethod
+    def build(
+        cls,
+        token_slots: Sequence[int],
+        device: torch.device | str = "cpu",
+        decode_only: bool = False,
+    ) -> "LoRABatchMeta":
+        """Group rows by slot. ``token_slots`` is a host list; no device reads happen."""
+        slots = [int(s) for s in token_slots]
+        for s in slots:
+            if s < NO_ADAPTER:
+                raise ValueError(f"token slot {s} is invalid: slots are >= 0, or -1 for no adapter")
+        order = sorted((i for i, s in enumerate(slots) if s != NO_ADAPTER), key=lambda i: slots[i])
+        seg_slots: list[int] = []
+        seg_starts: list[int] = [0]
+        for pos, row in enumerate(order):
+            if not seg_slots or slots[row] != seg_slots[-1]:
+                if seg_slots:
+                    seg_starts.append(pos)
+                seg_slots.append(slots[row])
+        if seg_slots:
+            seg_starts.append(len(order))
+        lengths = [b - a for a, b in zip(seg_starts[:-1], seg_starts[1:])]
+        device = torch.device(device)
+        # One packed host tensor, one copy to the device.
+        packed = torch.tensor(slots + order + seg_slots + seg_starts, dtype=torch.int32)
+        packed = packed.to(device, non_blocking=True)
+        t, n, s = len(slots), len(order), len(seg_slots)
+        return cls(
+            token_slots=packed[:t],
+            sorted_tokens=packed[t : t + n],
+            seg_slots=packed[t + n : t + n + s],
+            seg_starts=packed[t + n + s :],
+            decode_only=decode_only,
+            host_seg_slots=tuple(seg_slots),
+            host_seg_starts=tuple(seg_starts),
+            max_seg_len=max(lengths, default=0),
+        )

@@ -1,0 +1,106 @@
+"""Device-tier storage of LoRA weights for one target slice of one layer.
+
+Adapters are stored at their own rank, never padded to ``max_lora_rank``. All
+resident adapters of a slice share two flat row buffers:
+
+    a_rows[slot_start[s] : slot_start[s] + slot_rank[s], :] = A_s        (A_s: [r_s, in])
+    b_rows[slot_start[s] : slot_start[s] + slot_rank[s], :] = B_s^T      (B_s: [out, r_s])
+
+so that, for a row t served by slot s = slot(t),
+
+    h[t, :r_s] = x[t] @ A_s^T                     (shrink)
+    y[t, :]   += slot_scale[s] * h[t, :r_s] @ B_s^T  (expand)
+
+``slot_rank[s] == 0`` means slot s has nothing for this slice (the adapter does not
+target this module): shrink and expand then leave the row untouched. The row
+layout is decided by the adapter pool; this object only holds the tensors and the
+write/clear primitives. ``host_rank`` mirrors ``slot_rank`` on the host, so planners
+(rank buckets, workspace sizes) never read device memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(eq=False)
+class LoRASliceWeights:
+    """Flat row buffers plus per-slot offsets, ranks and scales (see module docstring)."""
+
+    a_rows: Tensor  # [row_capacity, in_features], compute dtype
+    b_rows: Tensor  # [row_capacity, out_features], compute dtype
+    slot_start: Tensor  # [max_slots] int32
+    slot_rank: Tensor  # [max_slots] int32
+    slot_scale: Tensor  # [max_slots] float32
+    host_start: list[int] = field(default_factory=list)
+    host_rank: list[int] = field(default_factory=list)
+    host_scale: list[float] = field(default_factory=list)
+
+    @classmethod
+    def allocate(
+        cls,
+        in_features: int,
+        out_features: int,
+        max_slots: int,
+        row_capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "LoRASliceWeights":
+        device = torch.device(device)
+        return cls(
+            a_rows=torch.zeros(row_capacity, in_features, dtype=dtype, device=device),
+            b_rows=torch.zeros(row_capacity, out_features, dtype=dtype, device=device),
+            slot_start=torch.zeros(max_slots, dtype=torch.int32, device=device),
+            slot_rank=torch.zeros(max_slots, dtype=torch.int32, device=device),
+            slot_scale=torch.zeros(max_slots, dtype=torch.float32, device=device),
+            host_start=[0] * max_slots,
+            host_rank=[0] * max_slots,
+            host_scale=[0.0] * max_slots,
+        )
+
+    @property
+    def in_features(self) -> int:
+        return int(self.a_rows.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.b_rows.shape[1])
+
+    @property
+    def max_slots(self) -> int:
+        return int(self.slot_rank.shape[0])
+
+    @property
+    def row_capacity(self) -> int:
+        return int(self.a_rows.shape[0])
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.host_rank, default=0)
+
+    def write_slot(self, slot: int, row_start: int, lora_a: Tensor, lora_b: Tensor, scale: float) -> None:
+        """Copy ``A [r, in]`` and ``B [out, r]`` into rows ``row_start .. row_start + r``."""
+        rank = int(lora_a.shape[0])
+        if lora_a.shape != (rank, self.in_features) or lora_b.shape != (self.out_features, rank):
+            raise ValueError(
+                f"slot {slot}: A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a slice "
+                f"with in={self.in_features}, out={self.out_features}"
+            )
+        if row_start < 0 or row_start + rank > self.row_capacity:
+            raise ValueError(f"slot {slot}: rows {row_start}..{row_start + rank} exceed capacity {self.row_capacity}")
+        rows = slice(row_start, row_start + rank)
+        self.a_rows[rows].copy_(lora_a, non_blocking=True)
+        self.b_rows[rows].copy_(lora_b.t(), non_blocking=True)
+        self._set_slot(slot, row_start, rank, scale)
+
+    def clear_slot(self, slot: int) -> None:
+        """Mark ``slot`` empty for this slice (rank 0); its rows may be reused."""
+        self._set_slot(slot, 0, 0, 0.0)
+
+    def _set_slot(self, slot: int, start: int, rank: int, scale: float) -> None:
+        self.host_start[slot], self.host_rank[slot], self.host_scale[slot] = start, rank, float(scale)
+        self.slot_start[slot] = start
+        self.slot_rank[slot] = rank
+        self.slot_scale[slot] = float(scale)
