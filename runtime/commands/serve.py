@@ -1,0 +1,138 @@
+"""`lorafleet serve`: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from runtime.config import ConfigError
+
+log = logging.getLogger("lorafleet.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Every default is None so that only flags actually given override the --config file.
+    p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it")
+    p.add_argument("--model", help="HF checkpoint folder; default: the bundled demo model and its adapters")
+    p.add_argument("--lora-modules", nargs="+", metavar="SPEC", help='adapters to serve: name=path, or JSON {"name":..., "path":..., "base_model_name":...}')
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="auto picks cuda, then npu, then cpu (default auto)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and compute dtype (default float32)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--served-model-name", help="the base model's name in the API (default: the checkpoint's name)")
+    p.add_argument("--max-loras", type=int, help="distinct adapters in one step (device slots; default 8)")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 64)")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (default 32)")
+    p.add_argument("--lora-pool-rows", type=int, help="device rank-rows per target slice (default max_loras * max_lora_rank)")
+    p.add_argument("--max-num-seqs", type=int, help="running sequences per step (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default 2048)")
+    p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from max-num-seqs and kv-cache-mb)")
+    p.add_argument("--kv-cache-mb", type=int, help="KV memory cap when --num-kv-blocks is not given (default 1024)")
+    p.add_argument("--enable-prefix-caching", action="store_const", const=True, help="reuse KV blocks across requests of the same adapter version")
+    p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
+    p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--ray", action="store_const", const=True, help="run as a Ray Serve application (needs the 'ray' extra)")
+    p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (with --ray; default 1)")
+    p.add_argument("--ray-address", help="join an existing Ray cluster (e.g. 'auto'); default: start a local one")
+    p.add_argument("--registry-dir", help="with --ray: folder for the shared adapter registry manifest")
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    values = {k: v for k, v in vars(args).items() if k != "config"}
+    return values
+
+
+def _demo_paths() -> tuple[str | None, dict[str, str]]:
+    try:
+        from runtime.demo import demo_adapters, demo_model_dir
+    except ImportError:
+        return None, {}
+    try:
+        return str(demo_model_dir()), {name: str(path) for name, path in demo_adapters().items()}
+    except FileNotFoundError:
+        return None, {}
+
+
+def load_settings(args: argparse.Namespace) -> Any:
+    from runtime.server.serve_config import LoRAModule, build_settings, load_yaml, normalize_keys
+
+    file_values = load_yaml(args.config) if args.config else {}
+    flags = normalize_keys(_flag_values(args), "flags")
+    demo_model, demo_adapters = _demo_paths()
+    settings = build_settings(file_values, flags, demo_model)
+    if settings.uses_demo:
+        given = {m.name for m in settings.lora_modules}
+        extra = tuple(LoRAModule(n, p) for n, p in demo_adapters.items() if n not in given)
+        settings = dataclasses.replace(settings, lora_modules=extra + settings.lora_modules)
+    return settings
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def build_engine(settings: Any) -> Any:
+    """Create the async engine and register the configured adapters (validated, all or nothing)."""
+    from runtime.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(settings.engine)
+    base_name = settings.server.served_model_name or engine.model_name
+    try:
+        for module in settings.lora_modules:
+            if module.base_model_name is not None and module.base_model_name not in (base_name, engine.model_name):
+                raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {base_name!r}")
+            engine.register_adapter(module.name, module.path)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def summary(settings: Any, engine: Any) -> str:
+    mem = engine.memory_report()
+    lines = [
+        f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}",
+        f"device     {engine.device} (backend {engine.backend_name}), dtype {settings.engine.dtype}",
+        f"adapters   {', '.join(f'{a.name}@{a.version} r={a.max_rank}' for a in engine.adapters()) or 'none'}",
+        f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
+        f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} max_model_len={engine.max_model_len}",
+        f"admin      {'on' if settings.server.enable_adapter_admin else 'off'}; api key {'required' if settings.server.api_key else 'not set'}",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args)
+    except (ConfigError, ValueError) as err:
+        print(f"lorafleet serve: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.ray:
+        from runtime.distributed.launcher import run_ray
+
+        return run_ray(settings)
+    import uvicorn
+
+    from runtime.server.app import create_app
+
+    try:
+        engine = build_engine(settings)
+    except (ConfigError, ValueError, RuntimeError) as err:
+        print(f"lorafleet serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(engine, settings.server)
+        log.info("lorafleet serving on http://%s:%d\n%s", settings.server.host, settings.server.port, summary(settings, engine))
+        uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=settings.log_level, timeout_graceful_shutdown=30)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,47 @@
+"""Adapter admin: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+
+Only mounted with ``--enable-adapter-admin``. A path must resolve, symlinks
+included, inside one of the ``--adapter-root`` folders before anything is read.
+Loading an existing name is a hot update: a new immutable version; requests in
+flight finish on the version they started with.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from runtime.request import UnknownAdapterError
+from runtime.server.errors import APIError
+from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
+from runtime.server.security import confine_path
+
+
+def build_router(state: Any) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/load_lora_adapter", tags=["admin"])
+    async def load_lora_adapter(body: LoadAdapterRequest) -> Any:
+        if body.lora_name == state.base_name:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
+        try:
+            path = confine_path(body.lora_path, state.options.adapter_roots)
+        except PermissionError as err:
+            raise APIError(403, str(err), param="lora_path", code="path_not_allowed") from err
+        try:
+            ref = await asyncio.to_thread(state.engine.register_adapter, body.lora_name, str(path))
+        except ValueError as err:  # the validator's message: names the file and the key/tensor
+            raise APIError(400, str(err), param="lora_path", code="invalid_adapter") from err
+        return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "version": ref.version, "lora_path": str(path)})
+
+    @router.post("/v1/unload_lora_adapter", tags=["admin"])
+    async def unload_lora_adapter(body: UnloadAdapterRequest) -> Any:
+        try:
+            await asyncio.to_thread(state.engine.unregister_adapter, body.lora_name)
+        except UnknownAdapterError as err:
+            raise APIError(404, str(err), param="lora_name", code="model_not_found") from err
+        return JSONResponse({"object": "lora_adapter", "lora_name": body.lora_name, "unloaded": True})
+
+    return router

@@ -1,0 +1,77 @@
+"""FastAPI app factory: OpenAI-compatible routes, adapter admin, health and metrics.
+
+``create_app(engine, options)`` builds an app around an already-constructed async
+engine, so tests run it in-process and the Ray deployment reuses the same routes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from runtime.server import admin, chat, completions
+from runtime.server.errors import install_error_handlers
+from runtime.server.metrics import ServerMetrics
+from runtime.server.options import ServerOptions
+from runtime.server.security import GuardMiddleware
+
+
+@dataclass
+class AppState:
+    """What the routes need, held by one app (no module globals)."""
+
+    engine: Any
+    options: ServerOptions
+    base_name: str
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    metrics: ServerMetrics
+    started: int
+
+
+def create_app(engine: Any, options: ServerOptions | None = None, replica: str | None = None) -> FastAPI:
+    options = options or ServerOptions()
+    base_name = options.served_model_name or engine.model_name
+    metrics = ServerMetrics(engine.snapshot, replica=replica)
+    engine.add_observer(metrics.observe)
+    state = AppState(
+        engine=engine,
+        options=options,
+        base_name=base_name,
+        tokenizer=engine.tokenizer,
+        vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len,
+        metrics=metrics,
+        started=int(time.time()),
+    )
+    app = FastAPI(title="lorafleet", version="0.1.0", description="OpenAI-compatible multi-LoRA serving.")
+    app.state.lorafleet = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=options.api_key, max_request_bytes=options.max_request_bytes)
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> Any:
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models() -> Any:
+        base = {"id": base_name, "object": "model", "created": state.started, "owned_by": "lorafleet", "root": base_name, "parent": None}
+        adapters = [
+            {"id": a.name, "object": "model", "created": state.started, "owned_by": "lorafleet", "root": str(a.path), "parent": base_name, "version": a.version}
+            for a in engine.adapters()
+        ]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
+
+    app.include_router(completions.build_router(state))
+    app.include_router(chat.build_router(state))
+    if options.enable_adapter_admin:
+        app.include_router(admin.build_router(state))
+    return app

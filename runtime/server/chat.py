@@ -1,0 +1,74 @@
+"""POST /v1/chat/completions: the checkpoint's chat template (or the documented default) + completion."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from runtime.server import generation as gen
+from runtime.server.errors import error_body
+from runtime.server.protocol import ChatCompletionRequest
+from runtime.server.sse import DONE, event
+
+
+def build_router(state: Any) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", tags=["openai"])
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+        engine = state.engine
+        target = gen.resolve_model(engine, state.base_name, body.model)
+        messages = [m.model_dump() for m in body.messages]
+        prompt = state.tokenizer.apply_chat_template(messages)
+        prompt_len = len(state.tokenizer.encode(prompt))
+        # Default: whatever room the context has left (as vLLM does for chat).
+        max_tokens = body.max_tokens or max(1, state.max_model_len - prompt_len)
+        params = gen.sampling_params(body, max_tokens)
+        request_id = gen.new_id("chatcmpl")
+        created = int(time.time())
+        first, rest = await gen.open_stream(engine, request_id, prompt, params, target.adapter)
+
+        def payload(obj: str, choice: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice] if choice else []}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        def usage(out: Any) -> dict[str, int]:
+            p, c = len(out.prompt_token_ids), len(out.token_ids)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[str]:
+                yield event(payload("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
+                last = None
+                async for _, out in gen.merge_streams([(first, rest)]):
+                    if out.finish_reason == "error":
+                        yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
+                        break
+                    if out.new_text or out.finished:
+                        delta = {"content": out.new_text} if out.new_text else {}
+                        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(out)}
+                        if out.finished and body.return_token_ids:
+                            choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
+                        yield event(payload("chat.completion.chunk", choice))
+                    last = out
+                else:
+                    if include_usage and last is not None:
+                        yield event(payload("chat.completion.chunk", {}, usage(last)))
+                yield DONE
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        final = await gen.until_disconnected(request, gen.collect(first, rest))
+        gen.raise_if_failed(final)
+        choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": None, "finish_reason": final.finish_reason}
+        if body.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = list(final.prompt_token_ids), list(final.token_ids)
+        return JSONResponse(payload("chat.completion", choice, usage(final)))
+
+    return router

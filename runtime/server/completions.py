@@ -1,0 +1,107 @@
+"""POST /v1/completions: text completion, streamed (SSE) or whole."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from runtime.server import generation as gen
+from runtime.server.errors import APIError, error_body
+from runtime.server.protocol import CompletionRequest
+from runtime.server.sse import DONE, event
+
+
+def _prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_parameter")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, int) for x in p):
+        gen.check_token_ids(p, vocab_size)
+        return [list(p)]
+    for ids in p:
+        if not ids:
+            raise APIError(400, "token-id prompts must not be empty", param="prompt", code="invalid_parameter")
+        gen.check_token_ids(ids, vocab_size)
+    return [list(ids) for ids in p]
+
+
+def _choice(index: int, out: Any, with_ids: bool, text: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": gen.finish_reason(out)}
+    if with_ids:
+        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        choice["token_ids"] = list(out.token_ids)
+    return choice
+
+
+def _usage(finals: list[Any]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(o.token_ids) for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def build_router(state: Any) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions", tags=["openai"])
+    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+        engine = state.engine
+        target = gen.resolve_model(engine, state.base_name, body.model)
+        params = gen.sampling_params(body, body.max_tokens or gen.DEFAULT_COMPLETION_TOKENS)
+        prompts = _prompts(body, state.vocab_size)
+        request_id = gen.new_id("cmpl")
+        created = int(time.time())
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await gen.open_stream(engine, f"{request_id}-{i}", prompt, params, target.adapter))
+        except BaseException:
+            for _, rest in streams:
+                await rest.aclose()
+            raise
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": body.model, "choices": choices}
+            if usage is not None:
+                payload["usage"] = usage
+            return payload
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            async def events() -> AsyncIterator[str]:
+                finals: dict[int, Any] = {}
+                async for index, out in gen.merge_streams(streams):
+                    if out.finish_reason == "error":
+                        yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
+                        break
+                    if out.new_text or out.finished:
+                        yield event(chunk([_choice(index, out, body.return_token_ids and out.finished, out.new_text)]))
+                    if out.finished:
+                        finals[index] = out
+                else:
+                    if include_usage:
+                        yield event(chunk([], _usage(list(finals.values()))))
+                yield DONE
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def drain() -> dict[int, Any]:
+            finals: dict[int, Any] = {}
+            async for index, out in gen.merge_streams(streams):
+                if out.finished:
+                    gen.raise_if_failed(out)
+                    finals[index] = out
+            return finals
+
+        finals = await gen.until_disconnected(request, drain())
+        ordered = [finals[i] for i in range(len(prompts))]
+        choices = [_choice(i, o, body.return_token_ids, o.text) for i, o in enumerate(ordered)]
+        return JSONResponse(chunk(choices, _usage(ordered)))
+
+    return router

@@ -1,0 +1,163 @@
+"""Shared generation plumbing for the completions and chat routes.
+
+Maps an API request to engine calls: the model name to an adapter (or the base),
+the sampling fields to ``SamplingParams``, engine errors to OpenAI-style errors,
+and one or more prompts to merged output streams. A consumer that goes away
+(client disconnect) closes the engine's stream, which aborts the request there.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
+from runtime.server.errors import APIError
+from runtime.server.protocol import _SamplingFields
+
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's ``model`` field names: the base (adapter None) or an adapter."""
+
+    model: str
+    adapter: str | None
+
+
+def resolve_model(engine: Any, base_name: str, model: str) -> Target:
+    if model == base_name:
+        return Target(model, None)
+    if any(info.name == model for info in engine.adapters()):
+        return Target(model, model)
+    raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the base model and its adapters", param="model", code="model_not_found")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=0 if req.top_k == -1 else req.top_k,
+            seed=req.seed,
+            stop=tuple(stops),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as err:
+        raise APIError(400, str(err), code="invalid_parameter") from err
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt", code="invalid_parameter")
+
+
+async def open_stream(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None) -> tuple[Any, AsyncIterator[Any]]:
+    """Start a request and wait for its first output, so admission errors become HTTP errors.
+
+    Returns (first_output, the rest of the stream).
+    """
+    stream = engine.generate(request_id, prompt, params, adapter)
+    try:
+        first = await stream.__anext__()
+    except UnknownAdapterError as err:
+        raise APIError(404, str(err), param="model", code="model_not_found") from err
+    except (PromptTooLongError, RequestRejected) as err:
+        raise APIError(400, str(err), param="prompt", code="context_length_exceeded") from err
+    except ValueError as err:
+        raise APIError(400, str(err), code="invalid_parameter") from err
+    except StopAsyncIteration as err:
+        raise APIError(500, f"request {request_id} ended without output") from err
+    return first, stream
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def collect(first: Any, rest: AsyncIterator[Any]) -> Any:
+    """Drain a stream and return its final output; closing early aborts the request."""
+    last = first
+    try:
+        async for item in rest:
+            last = item
+    finally:
+        await rest.aclose()
+    return last
+
+
+async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several output streams as (index, output), in arrival order.
+
+    Closing this generator closes every underlying stream (aborting their requests).
+    """
+    queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(index: int, first: Any, rest: AsyncIterator[Any]) -> None:
+        try:
+            async for item in _chain(first, rest):
+                await queue.put((index, item))
+        except BaseException as err:  # forwarded to the consumer, re-raised there
+            await queue.put((index, err))
+            raise
+        finally:
+            await queue.put((index, done_marker))
+
+    tasks = [asyncio.create_task(pump(i, f, r)) for i, (f, r) in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in (r for _, r in streams):
+            await stream.aclose()
+
+
+def raise_if_failed(output: Any) -> None:
+    """A request that finished with an engine-side error (e.g. a corrupted adapter file)."""
+    if output.finish_reason == "error":
+        raise APIError(500, output.error or "the request failed in the engine", code="engine_error")
+
+
+def finish_reason(output: Any) -> str | None:
+    return output.finish_reason if output.finished else None
+
+
+
+
+async def until_disconnected(request: Any, awaitable: Any, poll_s: float = 0.25) -> Any:
+    """Await ``awaitable``; if the HTTP client goes away first, cancel it (aborting the engine request)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

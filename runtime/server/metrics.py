@@ -1,0 +1,87 @@
+"""Prometheus metrics with per-adapter labels, on a registry owned by one app.
+
+Per-request figures (TTFT, TPOT, queue time, tokens) come from the engine's
+finished-request observer; pool, KV and cache counters are read from the engine's
+snapshot at scrape time, so they can never drift from the engine's own books.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+BASE_LABEL = "__base__"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], replica: str | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["adapter"]
+        self.requests = Counter("lorafleet_requests", "Finished requests", labels + ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry)
+        self.output_tokens = Counter("lorafleet_generation_tokens", "Tokens generated", labels, registry=self.registry)
+        self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("lorafleet_queue_time_seconds", "Time from arrival to first scheduling", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_SnapshotCollector(snapshot, replica))
+
+    def observe(self, m: Any) -> None:
+        """Engine observer: called once per finished request with its RequestMetrics."""
+        adapter = m.adapter or BASE_LABEL
+        self.requests.labels(adapter, m.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(adapter).inc(m.prompt_tokens)
+        self.output_tokens.labels(adapter).inc(m.output_tokens)
+        if m.ttft is not None:
+            self.ttft.labels(adapter).observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.labels(adapter).observe(m.tpot)
+        if m.queue_time is not None:
+            self.queue.labels(adapter).observe(m.queue_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """Gauges and counters read from ``engine.snapshot()`` at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], replica: str | None) -> None:
+        self.snapshot = snapshot
+        self.replica = replica
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.snapshot()
+        extra = ["replica"] if self.replica else []
+        extra_values = [self.replica] if self.replica else []
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(name, doc, labels=extra)
+            g.add_metric(extra_values, float(value))
+            return g
+
+        yield gauge("lorafleet_requests_running", "Sequences running", snap.get("running", 0))
+        yield gauge("lorafleet_requests_waiting", "Sequences waiting", snap.get("waiting", 0))
+        yield gauge("lorafleet_kv_blocks_total", "KV blocks in the pool", snap.get("kv_blocks_total", 0))
+        yield gauge("lorafleet_kv_blocks_free", "KV blocks free", snap.get("kv_blocks_free", 0))
+        yield gauge("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", snap.get("pool_bytes_in_use", 0))
+        yield gauge("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", snap.get("pool_bytes_capacity", 0))
+        yield gauge("lorafleet_adapter_host_entries", "Adapters in the host tier", snap.get("host_entries", 0))
+        per_adapter = snap.get("adapters", {})
+        families = {
+            "loads": CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads from disk", labels=["adapter"] + extra),
+            "evictions": CounterMetricFamily("lorafleet_adapter_evictions", "Adapter evictions (host or device)", labels=["adapter"] + extra),
+            "device_hits": CounterMetricFamily("lorafleet_adapter_device_hits", "Requests whose adapter was already on device", labels=["adapter"] + extra),
+            "host_hits": CounterMetricFamily("lorafleet_adapter_host_hits", "Requests whose adapter was in the host tier", labels=["adapter"] + extra),
+        }
+        resident = GaugeMetricFamily("lorafleet_adapter_resident", "1 when the adapter is on device", labels=["adapter"] + extra)
+        for name, counters in sorted(per_adapter.items()):
+            for key, family in families.items():
+                family.add_metric([name] + extra_values, float(counters.get(key, 0)))
+            resident.add_metric([name] + extra_values, 1.0 if counters.get("on_device") else 0.0)
+        yield from families.values()
+        yield resident

@@ -1,0 +1,25 @@
+"""Server options (frozen): everything ``lorafleet serve`` needs besides the engine config."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """
+    host, port:            where uvicorn listens (default loopback only)
+    served_model_name:     the base model's name in the API; None = the engine's model name
+    enable_adapter_admin:  expose /v1/load_lora_adapter and /v1/unload_lora_adapter
+    api_key:               when set, every route but /health needs ``Authorization: Bearer <key>``
+    adapter_roots:         folders that admin-loaded adapter paths must resolve into
+    max_request_bytes:     largest accepted request body
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    enable_adapter_admin: bool = False
+    api_key: str | None = None
+    adapter_roots: tuple[Path, ...] = field(default_factory=tuple)
+    max_request_bytes: int = 1 << 20

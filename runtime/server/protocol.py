@@ -1,0 +1,82 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), so /openapi.json describes them.
+
+Every accepted field is honoured. OpenAI fields lorafleet does not implement are
+declared with their only supported value (e.g. ``n`` must be 1, ``logprobs`` must be
+null) and anything else is a 400; unknown fields are a 400 too.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
+    max_tokens: Optional[int] = Field(None, ge=1, description="Tokens to generate; default 16, capped by the model length.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match.")
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Literal[1] = Field(1, description="Only n=1 is supported.")
+    presence_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
+    frequency_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
+    user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, value: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+    )
+    return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
+    echo: Literal[False] = Field(False, description="echo is not supported; only false is accepted.")
+    logprobs: Optional[Literal[None]] = Field(None, description="logprobs are not supported; only null is accepted.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    return_token_ids: bool = False
+    logprobs: Optional[Literal[False]] = Field(None, description="logprobs are not supported.")
+
+
+class LoadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    lora_path: str = Field(..., min_length=1, max_length=4096)
+
+
+class UnloadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(..., min_length=1, max_length=128)

@@ -1,0 +1,93 @@
+"""Request guards: API key (constant-time), body size limit, adapter path confinement."""
+from __future__ import annotations
+
+import hmac
+import json
+from pathlib import Path
+from typing import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from runtime.server.errors import error_body
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware: rejects requests without the API key, and bodies over the limit.
+
+    The body limit is enforced on the bytes actually received, not only on the
+    Content-Length header, so a chunked upload cannot slip past it.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope.get("path") not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await _reply(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _reply(send, 413, f"request body of {int(declared)} bytes exceeds the limit of {self.max_bytes}")
+            return
+        received = 0
+        responded = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal responded
+            if message["type"] == "http.response.start":
+                responded = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not responded:
+                await _reply(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _reply(send: Send, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def confine_path(raw: str, roots: Iterable[Path]) -> Path:
+    """Resolve ``raw`` (symlinks included) and return it if it lies inside one of ``roots``.
+
+    Raises PermissionError otherwise. Nothing inside the path is read: only the
+    path components are resolved.
+    """
+    roots = [Path(r).resolve() for r in roots]
+    if not roots:
+        raise PermissionError("adapter loading by path is disabled: start the server with --adapter-root DIR")
+    candidate = Path(raw)
+    if not candidate.is_absolute():
+        raise PermissionError(f"lora_path must be absolute, got {raw!r}")
+    resolved = candidate.resolve()
+    for root in roots:
+        if resolved == root or root in resolved.parents:
+            return resolved
+    raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")

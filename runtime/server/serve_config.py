@@ -1,0 +1,138 @@
+"""`lorafleet serve` settings: one key set for flags and the --config YAML file.
+
+Precedence: built-in defaults < the YAML file < command-line flags. Unknown keys and
+bad values are errors that name the key. Keys may be written with dashes or underscores.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from runtime.config import ConfigError, EngineConfig
+from runtime.server.options import ServerOptions
+
+ENGINE_KEYS = (
+    "model", "device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_pool_rows",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
+    "kv_cache_mb", "enable_prefix_caching", "seed",
+)
+SERVER_KEYS = ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "adapter_root", "max_request_bytes")
+OTHER_KEYS = ("lora_modules", "log_level", "ray", "num_replicas", "ray_address", "registry_dir")
+ALL_KEYS = ENGINE_KEYS + SERVER_KEYS + OTHER_KEYS
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    engine: EngineConfig
+    server: ServerOptions
+    lora_modules: tuple[LoRAModule, ...]
+    log_level: str
+    uses_demo: bool
+    ray: bool = False
+    num_replicas: int = 1
+    ray_address: str | None = None
+    registry_dir: str | None = None
+
+
+def normalize_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    out = {}
+    for key, value in values.items():
+        norm = str(key).replace("-", "_")
+        if norm not in ALL_KEYS:
+            raise ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(ALL_KEYS)}")
+        out[norm] = value
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read: {err.strerror}") from err
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return normalize_keys(data, f"--config {path}")
+
+
+def parse_lora_module(spec: Any) -> LoRAModule:
+    """``name=path``, a JSON object string, or a mapping with name/path/base_model_name."""
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"lora_modules: {spec!r} is not valid JSON: {err.msg}") from err
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise ConfigError(f"lora_modules: unknown field(s) {sorted(unknown)} in {dict(spec)}")
+        if not spec.get("name") or not spec.get("path"):
+            raise ConfigError(f"lora_modules: {dict(spec)} needs both 'name' and 'path'")
+        return LoRAModule(str(spec["name"]), str(spec["path"]), spec.get("base_model_name"))
+    if isinstance(spec, str) and "=" in spec:
+        name, path = spec.split("=", 1)
+        if name and path:
+            return LoRAModule(name, path)
+    raise ConfigError(f"lora_modules: {spec!r} is not 'name=path' or a JSON object with name and path")
+
+
+def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any], demo_model: str | None) -> ServeSettings:
+    merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
+    modules = tuple(parse_lora_module(m) for m in (merged.get("lora_modules") or []))
+    names = [m.name for m in modules]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"lora_modules: adapter name(s) given twice: {', '.join(dupes)}")
+    uses_demo = not merged.get("model")
+    if uses_demo:
+        if demo_model is None:
+            raise ConfigError("model: no --model given and the bundled demo model is not installed")
+        merged["model"] = demo_model
+    engine = EngineConfig.from_dict({k: merged[k] for k in ENGINE_KEYS if k in merged})
+    roots = merged.get("adapter_root") or []
+    if isinstance(roots, str):
+        roots = [roots]
+    server_kwargs = {k: merged[k] for k in ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "max_request_bytes") if k in merged}
+    port = server_kwargs.get("port", 8000)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port: expected 0..65535, got {port!r}")
+    max_bytes = server_kwargs.get("max_request_bytes", 1 << 20)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1024:
+        raise ConfigError(f"max_request_bytes: expected an integer >= 1024, got {max_bytes!r}")
+    for root in roots:
+        if not Path(root).is_dir():
+            raise ConfigError(f"adapter_root: {root!r} is not a directory")
+    server = ServerOptions(adapter_roots=tuple(Path(r).resolve() for r in roots), **server_kwargs)
+    if server.api_key is not None and len(server.api_key) < 8:
+        raise ConfigError("api_key: use at least 8 characters")
+    log_level = str(merged.get("log_level", "info")).lower()
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log_level: {log_level!r} is not one of debug, info, warning, error")
+    num_replicas = merged.get("num_replicas", 1)
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ConfigError(f"num_replicas: expected an integer >= 1, got {num_replicas!r}")
+    return ServeSettings(
+        engine=engine,
+        server=server,
+        lora_modules=modules,
+        log_level=log_level,
+        uses_demo=uses_demo,
+        ray=bool(merged.get("ray", False)),
+        num_replicas=num_replicas,
+        ray_address=merged.get("ray_address"),
+        registry_dir=merged.get("registry_dir"),
+    )

@@ -1,0 +1,38 @@
+"""Server fixtures: one real engine on the tiny llama with three adapters, shared per module."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runtime.config import EngineConfig
+
+
+
+def make_engine_config(model_dir: Path, **overrides) -> EngineConfig:
+    values = dict(model=str(model_dir), device="cpu", dtype="float32", max_loras=4, max_lora_rank=32,
+                  max_cpu_loras=8, max_num_seqs=16, max_model_len=96, block_size=8, num_kv_blocks=128)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tiny_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Copies of the test adapters inside one folder, to act as --adapter-root."""
+    root = tmp_path_factory.mktemp("adapter_root")
+    for name, path in tiny_adapters.items():
+        shutil.copytree(path, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path, tiny_adapters: dict[str, Path]):
+    from runtime.async_engine import AsyncLLMEngine
+
+    eng = AsyncLLMEngine(make_engine_config(tiny_llama_dir))
+    names = sorted(tiny_adapters)[:3]
+    for name in names:
+        eng.register_adapter(name, str(tiny_adapters[name]))
+    yield eng
+    eng.shutdown()

@@ -1,0 +1,183 @@
+"""In-process tests of every route and error (httpx over ASGI), on a real engine."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime.server.app import create_app
+from runtime.server.options import ServerOptions
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def client_for(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def app(engine, adapter_root: Path):
+    return create_app(engine, ServerOptions(enable_adapter_admin=True, adapter_roots=(adapter_root,)))
+
+
+def greedy(model: str, prompt, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+
+
+async def test_health_and_models(app, engine) -> None:
+    async with client_for(app) as c:
+        assert (await c.get("/health")).json() == {"status": "ok"}
+        data = (await c.get("/v1/models")).json()["data"]
+    base = engine.model_name
+    assert data[0]["id"] == base and data[0]["parent"] is None
+    adapters = {m["id"]: m for m in data[1:]}
+    assert set(adapters) == {a.name for a in engine.adapters()} and len(adapters) == 3
+    assert all(m["parent"] == base for m in adapters.values())
+
+
+async def test_completion_shapes(app, engine) -> None:
+    name = engine.adapters()[0].name
+    async with client_for(app) as c:
+        one = (await c.post("/v1/completions", json=greedy(name, "hello", return_token_ids=True))).json()
+        many = (await c.post("/v1/completions", json=greedy(name, ["hello", "other words"]))).json()
+        ids = (await c.post("/v1/completions", json=greedy(name, one["choices"][0]["prompt_token_ids"]))).json()
+    choice = one["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert len(choice["token_ids"]) == one["usage"]["completion_tokens"] <= 6
+    assert one["usage"]["total_tokens"] == one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"]
+    assert [c["index"] for c in many["choices"]] == [0, 1]
+    assert many["choices"][0]["text"] == choice["text"]  # same prompt, greedy
+    assert ids["choices"][0]["text"] == choice["text"]  # token-id prompt == its text prompt
+
+
+async def test_stream_matches_whole(app, engine) -> None:
+    name = engine.adapters()[1].name
+    async with client_for(app) as c:
+        whole = (await c.post("/v1/completions", json=greedy(name, "stream me"))).json()["choices"][0]["text"]
+        async with c.stream("POST", "/v1/completions", json=greedy(name, "stream me", stream=True, stream_options={"include_usage": True})) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+    assert text == whole
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1
+    assert any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in chunks)
+
+
+async def test_chat_whole_and_stream(app, engine) -> None:
+    body = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5, "temperature": 0}
+    async with client_for(app) as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["role"] == "assistant"
+    assert lines[-1] == "data: [DONE]"
+    deltas = [json.loads(l[6:])["choices"][0]["delta"] for l in lines[:-1]]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == whole["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    "patch, status, fragment",
+    [
+        ({"model": "no-such-adapter"}, 404, "does not exist"),
+        ({"temperature": -1}, 400, "temperature"),
+        ({"n": 2}, 400, "n"),
+        ({"logprobs": 3}, 400, "logprobs"),
+        ({"surprise": True}, 400, "surprise"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x" * 400}, 400, ""),
+        ({"prompt": [999999]}, 400, "vocabulary"),
+        ({"prompt": []}, 400, "empty"),
+    ],
+)
+async def test_errors_are_openai_shaped(app, engine, patch, status, fragment) -> None:
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", json={**greedy(engine.model_name, "hi"), **patch})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert fragment in err["message"] and err["type"]
+        # The server keeps serving everyone else.
+        ok = await c.post("/v1/completions", json=greedy(engine.model_name, "still fine"))
+        assert ok.status_code == 200
+
+
+async def test_admin_disabled_by_default(engine) -> None:
+    async with client_for(create_app(engine, ServerOptions())) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert r.status_code == 404
+
+
+async def test_api_key_on_every_route_but_health(engine) -> None:
+    app = create_app(engine, ServerOptions(api_key="s3cret-key"))
+    async with client_for(app) as c:
+        assert (await c.get("/health")).status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("POST", "/v1/completions")):
+            r = await c.request(method, path, json=greedy(engine.model_name, "hi"))
+            assert r.status_code == 401, path
+            assert "API key" in r.json()["error"]["message"]
+        r = await c.get("/v1/models", headers={"Authorization": "Bearer s3cret-key"})
+        assert r.status_code == 200
+        r = await c.get("/v1/models", headers={"Authorization": "Bearer wrong-key"})
+        assert r.status_code == 401
+
+
+async def test_body_size_limit(engine) -> None:
+    app = create_app(engine, ServerOptions(max_request_bytes=2048))
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", json=greedy(engine.model_name, "y" * 5000))
+    assert r.status_code == 413
+
+
+async def test_path_escapes_refused(app, adapter_root: Path, tiny_adapters, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = adapter_root / "sneaky"
+    if not link.exists():
+        os.symlink(next(iter(tiny_adapters.values())), link)  # points outside the root
+    attempts = [str(adapter_root / ".." / "x"), str(outside), str(link), "relative/path", "/etc"]
+    async with client_for(app) as c:
+        for path in attempts:
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "evil", "lora_path": path})
+            assert r.status_code == 403, (path, r.text)
+        names = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+    assert "evil" not in names
+
+
+async def test_bad_adapter_gets_validator_message(app, adapter_root: Path) -> None:
+    bad = adapter_root / "broken"
+    bad.mkdir(exist_ok=True)
+    (bad / "adapter_config.json").write_text("{not json")
+    async with client_for(app) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(bad)})
+    assert r.status_code == 400
+    assert "adapter_config.json" in r.json()["error"]["message"]
+
+
+async def test_metrics_have_adapter_labels(app, engine) -> None:
+    name = engine.adapters()[2].name
+    async with client_for(app) as c:
+        await c.post("/v1/completions", json=greedy(name, "count me"))
+        text = (await c.get("/metrics")).text
+    assert f'lorafleet_requests_total{{adapter="{name}"' in text
+    assert f'lorafleet_time_to_first_token_seconds_count{{adapter="{name}"}}' in text
+    for gauge in ("lorafleet_kv_blocks_free", "lorafleet_requests_running", "lorafleet_adapter_pool_bytes_in_use"):
+        assert gauge in text
+
+
+async def test_openapi_describes_request_bodies(app) -> None:
+    async with client_for(app) as c:
+        schema = (await c.get("/openapi.json")).json()
+    comps = schema["components"]["schemas"]
+    assert {"prompt", "model", "max_tokens", "stream", "return_token_ids"} <= set(comps["CompletionRequest"]["properties"])
+    assert "messages" in comps["ChatCompletionRequest"]["properties"]
+    assert "/v1/load_lora_adapter" in schema["paths"]
