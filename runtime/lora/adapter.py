@@ -1,0 +1,429 @@
+"""Read and validate a PEFT LoRA adapter folder against the base model, before allocating anything.
+
+Folder: ``adapter_config.json`` + ``adapter_model.safetensors``. ``adapter_model.bin``
+(pickle) is refused and never opened. Tensor keys look like
+``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``; shapes are
+A ``[r, in]`` and B ``[out, r]``.
+
+Per targeted module (PEFT semantics; ``path`` = ``model.layers.{i}.{self_attn|mlp}.{name}``):
+
+    r     = rank_pattern[k]  for the first key k with re.match(rf"(.*\\.)?({k})$", path), else r
+    alpha = alpha_pattern[k] likewise, else lora_alpha
+    scale = alpha / sqrt(r) if use_rslora else alpha / r
+    delta(x) = scale * (x @ A^T) @ B^T
+
+``target_modules``: a list matches a module when ``path == t`` or ``path`` ends with
+``"." + t``; a string is a regex that must ``fullmatch`` the path. Every list entry
+must match a module of the model. ``layers_to_transform`` (int or list) restricts the
+layers (list targets only, as in PEFT). ``exclude_modules`` (list or regex) removes modules.
+
+Validation order: files -> JSON -> config fields -> targets -> safetensors header
+(names, dtypes, shapes, ranks, byte ranges) -> tensor values (NaN/Inf). Every failure
+is an ``AdapterError`` naming the file and the key or tensor.
+
+``version``: the first 12 hex digits of sha256 over the canonical (sorted-key) config
+JSON, then, per tensor in name order, its name, dtype and raw bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+KEY_PREFIX = "base_model.model."
+MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+# Modules of a Llama-family model that exist but cannot carry LoRA here.
+UNSUPPORTED_MODULES = ("lm_head", "model.embed_tokens")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_TENSOR_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Config fields that change the math; a non-default value we cannot honour is refused.
+_REFUSED_IF_TRUTHY = ("use_dora", "fan_in_fan_out", "lora_bias", "layer_replication", "target_parameters",
+                      "trainable_token_indices", "alora_invocation_tokens", "use_qalora", "use_bdlora")  # fmt: skip
+
+
+class AdapterError(ValueError):
+    """The adapter cannot be served; the message names the file and the key or tensor."""
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One targeted linear: ``delta(x) = scale * (x @ lora_a^T) @ lora_b^T``."""
+
+    rank: int
+    scale: float
+    lora_a: Tensor  # [r, in] float32
+    lora_b: Tensor  # [out, r] float32
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    name: str
+    version: str
+    path: str
+    modules: Mapping[tuple[int, str], LoRAModule]  # (layer index, module name) -> weights
+    max_rank: int
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    base_model_name_or_path: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.lora_a.numel() * 4 + m.lora_b.numel() * 4 for m in self.modules.values())
+
+
+def load_adapter(
+    path: str | Path,
+    name: str,
+    targets: Mapping[str, tuple[int, int]],
+    *,
+    num_layers: int,
+    max_lora_rank: int,
+) -> LoRAAdapter:
+    """Validate and read the PEFT adapter at ``path`` (see module docstring).
+
+    ``targets``: module name -> (in, out), from ``ModelRunner.lora_targets()``;
+    ``num_layers`` and ``max_lora_rank`` are keyword-only so they cannot be swapped.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise AdapterError(f"{root}: adapter folder does not exist")
+    config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"{config_path}: missing (a PEFT adapter folder needs {CONFIG_FILE})")
+    if not weights_path.is_file():
+        pickled = [p for p in PICKLE_FILES if (root / p).is_file()]
+        if pickled:
+            raise AdapterError(
+                f"{root / pickled[0]}: pickled adapter weights are refused and never unpickled; "
+                f"save the adapter with safe_serialization=True to get {WEIGHTS_FILE}"
+            )
+        raise AdapterError(f"{weights_path}: missing (a PEFT adapter folder needs {WEIGHTS_FILE})")
+    raw = _read_config(config_path)
+    cfg = _parse_config(raw, config_path, max_lora_rank)
+    modules = _resolve_modules(cfg, config_path, targets, num_layers)
+    header, data_start, blob = _read_safetensors(weights_path)
+    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank)
+    tensors = _decode_tensors(header, data_start, blob, weights_path)
+    built: dict[tuple[int, str], LoRAModule] = {}
+    for key, (rank, scale, a_name, b_name) in plan.items():
+        built[key] = LoRAModule(rank, scale, tensors[a_name], tensors[b_name])
+    return LoRAAdapter(
+        name=name,
+        version=_version(raw, header, data_start, blob),
+        path=str(root),
+        modules=built,
+        max_rank=max(m.rank for m in built.values()),
+        r=cfg.r,
+        lora_alpha=cfg.lora_alpha,
+        use_rslora=cfg.use_rslora,
+        target_modules=cfg.target_modules,
+        rank_pattern=dict(cfg.rank_pattern),
+        alpha_pattern=dict(cfg.alpha_pattern),
+        base_model_name_or_path=raw.get("base_model_name_or_path"),
+    )
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Config:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str
+    rank_pattern: Mapping[str, int]
+    alpha_pattern: Mapping[str, float]
+    layers_to_transform: tuple[int, ...] | None
+    exclude_modules: tuple[str, ...] | str | None
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise AdapterError(f"{path}: invalid JSON: {err}") from err
+    except UnicodeDecodeError as err:
+        raise AdapterError(f"{path}: not UTF-8 text: {err}") from err
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Config:
+    peft_type = raw.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"{path}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+    for key in _REFUSED_IF_TRUTHY:
+        if raw.get(key):
+            what = "DoRA (use_dora)" if key == "use_dora" else key
+            raise AdapterError(f"{path}: {key}={raw[key]!r} is not supported: {what} changes the math lorafleet serves")
+    if raw.get("modules_to_save"):
+        raise AdapterError(f"{path}: modules_to_save={raw['modules_to_save']!r} is not supported: full module copies cannot be served per request")
+    bias = raw.get("bias", "none")
+    if bias != "none":
+        raise AdapterError(f"{path}: bias={bias!r} is not supported; only 'none'")
+    r = raw.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise AdapterError(f"{path}: r must be a positive integer, got {r!r}")
+    alpha = raw.get("lora_alpha", r)
+    if not _is_number(alpha):
+        raise AdapterError(f"{path}: lora_alpha must be a finite number, got {alpha!r}")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(f"{path}: use_rslora must be true or false, got {use_rslora!r}")
+    rank_pattern = raw.get("rank_pattern") or {}
+    alpha_pattern = raw.get("alpha_pattern") or {}
+    for key, pattern, ok in (("rank_pattern", rank_pattern, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0),
+                             ("alpha_pattern", alpha_pattern, _is_number)):  # fmt: skip
+        if not isinstance(pattern, dict):
+            raise AdapterError(f"{path}: {key} must be an object, got {pattern!r}")
+        for k, v in pattern.items():
+            if not ok(v):
+                raise AdapterError(f"{path}: {key}[{k!r}]={v!r} is not a valid value")
+            _compile(k, path, key)
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        _compile(targets, path, "target_modules")
+        target_modules: tuple[str, ...] | str = targets
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        target_modules = tuple(sorted(set(targets)))
+    else:
+        raise AdapterError(f"{path}: target_modules must be a non-empty list of names or a regex string, got {targets!r}")
+    layers = raw.get("layers_to_transform")
+    layers_t: tuple[int, ...] | None = None
+    if layers is not None and layers != []:
+        if isinstance(target_modules, str):
+            raise AdapterError(f"{path}: layers_to_transform cannot be combined with a regex target_modules (PEFT refuses it too)")
+        items = [layers] if isinstance(layers, int) else layers
+        if not isinstance(items, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise AdapterError(f"{path}: layers_to_transform must be an int or a list of ints, got {layers!r}")
+        pattern = raw.get("layers_pattern")
+        if pattern not in (None, "", [], "layers", ["layers"]):
+            raise AdapterError(f"{path}: layers_pattern={pattern!r} is not supported; this model's layers are 'model.layers'")
+        layers_t = tuple(items)
+    exclude = raw.get("exclude_modules")
+    exclude_t: tuple[str, ...] | str | None = None
+    if isinstance(exclude, str):
+        _compile(exclude, path, "exclude_modules")
+        exclude_t = exclude
+    elif isinstance(exclude, list) and all(isinstance(e, str) for e in exclude):
+        exclude_t = tuple(exclude) or None
+    elif exclude is not None:
+        raise AdapterError(f"{path}: exclude_modules must be a list or a regex string, got {exclude!r}")
+    for k, v in rank_pattern.items():
+        if v > max_lora_rank:
+            raise AdapterError(f"{path}: rank_pattern[{k!r}]={v} exceeds max_lora_rank={max_lora_rank}")
+    return _Config(r, float(alpha), use_rslora, target_modules, dict(rank_pattern), {k: float(v) for k, v in alpha_pattern.items()}, layers_t, exclude_t)
+
+
+def _compile(pattern: str, path: Path, key: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise AdapterError(f"{path}: {key} {pattern!r} is not a valid regex: {err}") from err
+
+
+def _pattern_key(keys: Any, module_path: str) -> str | None:
+    """PEFT's ``get_pattern_key``: the first key that matches the end of ``module_path`` at a dot boundary."""
+    for key in keys:
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return key
+    return None
+
+
+# ---- targets -----------------------------------------------------------------------------
+
+
+def _module_path(layer: int, name: str) -> str:
+    return f"model.layers.{layer}.{MODULE_PARENT[name]}.{name}"
+
+
+def _all_module_paths(num_layers: int) -> list[str]:
+    """Every named module of a Llama-family CausalLM, as PEFT walks them."""
+    paths = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        paths += [p, f"{p}.self_attn", f"{p}.mlp", f"{p}.input_layernorm", f"{p}.post_attention_layernorm", f"{p}.mlp.act_fn"]
+        paths += [_module_path(i, n) for n in MODULE_PARENT]
+    return paths
+
+
+def _matches(cfg: _Config, module_path: str) -> bool:
+    if isinstance(cfg.target_modules, str):
+        return re.fullmatch(cfg.target_modules, module_path) is not None
+    return any(module_path == t or module_path.endswith("." + t) for t in cfg.target_modules)
+
+
+def _excluded(cfg: _Config, module_path: str) -> bool:
+    if cfg.exclude_modules is None:
+        return False
+    if isinstance(cfg.exclude_modules, str):
+        return re.fullmatch(cfg.exclude_modules, module_path) is not None
+    return any(module_path == e or module_path.endswith("." + e) for e in cfg.exclude_modules)
+
+
+def _resolve_modules(cfg: _Config, path: Path, targets: Mapping[str, tuple[int, int]], num_layers: int) -> list[tuple[int, str]]:
+    """(layer, module) pairs the adapter targets, or an error naming the offending target."""
+    if cfg.layers_to_transform is not None:
+        bad = [i for i in cfg.layers_to_transform if not 0 <= i < num_layers]
+        if bad:
+            raise AdapterError(f"{path}: layers_to_transform {bad} are outside the model's {num_layers} layers")
+    if isinstance(cfg.target_modules, tuple):
+        known = set(_all_module_paths(num_layers))
+        for t in cfg.target_modules:
+            hits = [p for p in known if p == t or p.endswith("." + t)]
+            if not hits:
+                raise AdapterError(f"{path}: target_modules entry {t!r} is not a module of this model; LoRA targets are {', '.join(targets)}")
+            _refuse_unsupported(hits, path, f"target_modules entry {t!r}", targets)
+    else:
+        hits = [p for p in _all_module_paths(num_layers) if re.fullmatch(cfg.target_modules, p)]
+        if not hits:
+            raise AdapterError(f"{path}: target_modules regex {cfg.target_modules!r} matches no module of this model")
+        _refuse_unsupported(hits, path, f"target_modules regex {cfg.target_modules!r}", targets)
+    chosen = []
+    for layer in range(num_layers):
+        if cfg.layers_to_transform is not None and layer not in cfg.layers_to_transform:
+            continue
+        for name in MODULE_PARENT:
+            mp = _module_path(layer, name)
+            if _matches(cfg, mp) and not _excluded(cfg, mp):
+                if name not in targets:
+                    raise AdapterError(f"{path}: target module {mp} is not a LoRA target of this model ({', '.join(targets)})")
+                chosen.append((layer, name))
+    if not chosen:
+        raise AdapterError(f"{path}: target_modules / layers_to_transform / exclude_modules select no module of this model")
+    return chosen
+
+
+def _refuse_unsupported(hits: list[str], path: Path, what: str, targets: Mapping[str, tuple[int, int]]) -> None:
+    for hit in sorted(hits):
+        leaf = hit.rsplit(".", 1)[-1]
+        if hit in UNSUPPORTED_MODULES:
+            raise AdapterError(f"{path}: {what} selects {hit}, which lorafleet cannot serve LoRA on (supported: {', '.join(targets)})")
+        if leaf not in MODULE_PARENT:
+            raise AdapterError(f"{path}: {what} selects {hit}, which is not a linear layer LoRA can target (supported: {', '.join(targets)})")
+
+
+# ---- safetensors -------------------------------------------------------------------------
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Any], int, bytes]:
+    """Parse and check the header (size, JSON, byte ranges); returns (tensor entries, data offset, file bytes)."""
+    blob = path.read_bytes()
+    if len(blob) < 8:
+        raise AdapterError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    if 8 + header_len > len(blob):
+        raise AdapterError(f"{path}: truncated safetensors file: header claims {header_len} bytes, file has {len(blob) - 8}")
+    try:
+        header = json.loads(blob[8 : 8 + header_len])
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"{path}: corrupt safetensors header: {err}") from err
+    if not isinstance(header, dict):
+        raise AdapterError(f"{path}: corrupt safetensors header: not a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    data_len = len(blob) - data_start
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise AdapterError(f"{path}: tensor {name}: corrupt header entry {entry!r}")
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise AdapterError(f"{path}: tensor {name}: dtype {entry['dtype']} is not supported ({', '.join(SAFETENSORS_DTYPES)})")
+        start, end = entry["data_offsets"]
+        itemsize = torch.tensor([], dtype=SAFETENSORS_DTYPES[entry["dtype"]]).element_size()
+        if end > data_len:
+            raise AdapterError(f"{path}: truncated safetensors file: tensor {name} needs bytes up to {end}, the file has {data_len}")
+        if end - start != math.prod(entry["shape"]) * itemsize:
+            raise AdapterError(f"{path}: tensor {name}: {end - start} bytes do not fit shape {entry['shape']} of {entry['dtype']}")
+    return header, data_start, blob
+
+
+def _check_tensors(
+    header: Mapping[str, Any],
+    path: Path,
+    modules: list[tuple[int, str]],
+    targets: Mapping[str, tuple[int, int]],
+    cfg: _Config,
+    max_lora_rank: int,
+) -> dict[tuple[int, str], tuple[int, float, str, str]]:
+    """Names and shapes against the base; returns (layer, module) -> (rank, scale, A name, B name)."""
+    expected: dict[str, tuple[int, str, str]] = {}
+    for layer, name in modules:
+        for ab in "AB":
+            expected[f"{KEY_PREFIX}{_module_path(layer, name)}.lora_{ab}.weight"] = (layer, name, ab)
+    extra = sorted(set(header) - set(expected))
+    if extra:
+        hint = " (not selected by target_modules)" if any(_TENSOR_KEY.match(e) for e in extra) else ""
+        raise AdapterError(f"{path}: unexpected tensor {extra[0]}{hint}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else ""))
+    missing = [n for n in expected if n not in header]
+    if missing:
+        raise AdapterError(f"{path}: missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    plan = {}
+    for layer, name in modules:
+        mp = _module_path(layer, name)
+        a_name, b_name = f"{KEY_PREFIX}{mp}.lora_A.weight", f"{KEY_PREFIX}{mp}.lora_B.weight"
+        a_shape, b_shape = list(header[a_name]["shape"]), list(header[b_name]["shape"])
+        rk = _pattern_key(cfg.rank_pattern, mp)
+        ak = _pattern_key(cfg.alpha_pattern, mp)
+        rank = cfg.rank_pattern[rk] if rk is not None else cfg.r
+        alpha = cfg.alpha_pattern[ak] if ak is not None else cfg.lora_alpha
+        d_in, d_out = targets[name]
+        if len(a_shape) != 2 or a_shape[1] != d_in:
+            raise AdapterError(f"{path}: tensor {a_name} has shape {a_shape}; the base {name} has in_features={d_in}, so A must be [r, {d_in}]")
+        if len(b_shape) != 2 or b_shape[0] != d_out:
+            raise AdapterError(f"{path}: tensor {b_name} has shape {b_shape}; the base {name} has out_features={d_out}, so B must be [{d_out}, r]")
+        if a_shape[0] != b_shape[1]:
+            raise AdapterError(f"{path}: tensors {a_name} and {b_name} disagree on the rank ({a_shape[0]} vs {b_shape[1]})")
+        if a_shape[0] != rank:
+            source = f"rank_pattern[{rk!r}]" if rk is not None else "r"
+            raise AdapterError(f"{path}: tensor {a_name} has rank {a_shape[0]} but adapter_config.json {source} says {rank}")
+        if rank > max_lora_rank:
+            raise AdapterError(f"{path}: {mp} has rank {rank}, above max_lora_rank={max_lora_rank}")
+        scale = alpha / math.sqrt(rank) if cfg.use_rslora else alpha / rank
+        plan[(layer, name)] = (rank, scale, a_name, b_name)
+    return plan
+
+
+def _decode_tensors(header: Mapping[str, Any], data_start: int, blob: bytes, path: Path) -> dict[str, Tensor]:
+    """float32 host tensors; NaN/Inf is an error naming the tensor."""
+    out: dict[str, Tensor] = {}
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        raw = bytearray(blob[data_start + start : data_start + end])
+        t = torch.frombuffer(raw, dtype=SAFETENSORS_DTYPES[entry["dtype"]]) if raw else torch.empty(0)
+        t = t.reshape(entry["shape"]).float()
+        if not torch.isfinite(t).all():
+            raise AdapterError(f"{path}: tensor {name} contains NaN or Inf")
+        out[name] = t
+    return out
+
+
+def _version(raw: Mapping[str, Any], header: Mapping[str, Any], data_start: int, blob: bytes) -> str:
+    h = hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(header):
+        entry = header[name]
+        start, end = entry["data_offsets"]
+        h.update(name.encode() + b"\0" + entry["dtype"].encode() + b"\0")
+        h.update(blob[data_start + start : data_start + end])
+    return h.hexdigest()[:12]

@@ -1,0 +1,211 @@
+"""ModelRunner: the model, its tokenizer, the paged KV cache and the LoRA slice buffers on one backend.
+
+One ``execute(steps)`` call runs one engine step: the new tokens of several
+sequences (prefill chunks and/or single decode tokens) concatenated into ``T`` rows.
+It builds the step's ``AttentionMeta`` and ``LoRABatchMeta`` once, runs the decoder,
+and returns float32 logits for the last row of every step with ``sample=True``.
+
+KV cache: per layer ``[2, num_kv_blocks * block_size, Hkv, D]`` in the model dtype.
+With ``num_kv_blocks=None`` the pool holds ``max_num_seqs`` sequences of
+``max_model_len`` tokens, capped by ``kv_cache_mb``.
+
+LoRA: every layer's q/k/v/o/gate/up/down slice owns a ``LoRASliceWeights`` with
+``max_loras`` slots and ``pool_rows`` rows. ``write_adapter(slot, adapter, row_start)``
+writes each slice's own rank at ``row_start`` (rank 0 where the adapter does not
+target the slice). The float32 shrink workspace is ``[3, max_num_batched_tokens, max_lora_rank]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from runtime.config import ConfigError, EngineConfig
+from runtime.kv.attention_meta import AttentionMeta
+from runtime.lora.adapter import LoRAAdapter
+from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta
+from runtime.models.hf_config import load_model_config
+from runtime.models.llama import LlamaModel, LoRAPoolShape, StepContext, lora_targets
+from runtime.models.loader import load_weights, torch_dtype
+from runtime.tokenizer import Tokenizer
+
+MAX_SLICES_PER_PROJECTION = 3  # q/k/v
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's share of a step.
+
+    token_ids:   this step's new tokens (a prefill chunk, or one decode token)
+    start_pos:   position of token_ids[0]; KV of positions < start_pos is already in block_table's blocks
+    block_table: KV block ids of the sequence, covering positions 0 .. start_pos + len(token_ids) - 1
+    lora_slot:   device adapter slot, or -1 for the base model
+    sample:      return logits for the last token of this step
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    lora_slot: int = NO_ADAPTER
+    sample: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) == 0:
+            raise ValueError("SeqStep.token_ids: a step needs at least one token")
+        if self.start_pos < 0:
+            raise ValueError(f"SeqStep.start_pos: must be >= 0, got {self.start_pos}")
+        if self.lora_slot < NO_ADAPTER:
+            raise ValueError(f"SeqStep.lora_slot: must be >= 0 or -1, got {self.lora_slot}")
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, backend: Any) -> None:
+        self.config = config
+        self.backend = backend
+        self.device = torch.device(backend.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.model_config = load_model_config(config.model)
+        mc = self.model_config
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = Tokenizer(config.model)
+        self.block_size = config.block_size
+        weights = load_weights(mc, config.model, self.dtype, self.device)
+        pool = LoRAPoolShape(max_slots=config.max_loras, row_capacity=config.pool_rows)
+        self.model = LlamaModel(mc, weights, pool, self.max_model_len)
+        del weights
+        self.num_kv_blocks = self._num_kv_blocks()
+        cache_rows = self.num_kv_blocks * self.block_size
+        self.kv_caches = [
+            torch.zeros(2, cache_rows, mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.workspace = torch.zeros(
+            MAX_SLICES_PER_PROJECTION, config.max_num_batched_tokens, config.max_lora_rank, dtype=torch.float32, device=self.device
+        )
+
+    # ---- sizing -------------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_model_len
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            why = "sliding_window" if self.model_config.sliding_window == limit else "max_position_embeddings"
+            raise ConfigError(f"max_model_len: {wanted} exceeds the model's limit {limit} ({why} in {self.model_config.path}/config.json)")
+        return wanted
+
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        per_token = 2 * mc.num_key_value_heads * mc.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return per_token * self.block_size * mc.num_hidden_layers
+
+    def _num_kv_blocks(self) -> int:
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        wanted = self.config.max_num_seqs * blocks_per_seq
+        cap = (self.config.kv_cache_mb << 20) // self.kv_bytes_per_block()
+        if cap < blocks_per_seq:
+            raise ConfigError(
+                f"kv_cache_mb: {self.config.kv_cache_mb} MiB holds {cap} KV blocks, fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs ({blocks_per_seq})"
+            )
+        return min(wanted, cap)
+
+    # ---- LoRA slots ---------------------------------------------------------------------
+
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """HF module name -> (in_features, out_features); what adapters are validated against."""
+        return lora_targets(self.model_config)
+
+    def write_adapter(self, slot: int, adapter: LoRAAdapter, row_start: int) -> None:
+        """Copy ``adapter`` into device ``slot`` at rows ``row_start ..`` of every slice it targets."""
+        self._check_slot(slot)
+        if adapter.max_rank > self.config.max_lora_rank:
+            raise ValueError(f"adapter {adapter.name}: rank {adapter.max_rank} exceeds max_lora_rank={self.config.max_lora_rank}")
+        unknown = [key for key in adapter.modules if not (0 <= key[0] < len(self.model.layers)) or key[1] not in self.lora_targets()]
+        if unknown:
+            raise ValueError(f"adapter {adapter.name}: modules {unknown[:4]} do not exist in this model")
+        for layer, name, weights in self.model.all_slices():
+            module = adapter.modules.get((layer, name))
+            if module is None:
+                weights.clear_slot(slot)
+            else:
+                weights.write_slot(slot, row_start, module.lora_a.to(self.dtype), module.lora_b.to(self.dtype), module.scale)
+
+    def clear_slot(self, slot: int) -> None:
+        self._check_slot(slot)
+        for _, _, weights in self.model.all_slices():
+            weights.clear_slot(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.config.max_loras:
+            raise ValueError(f"slot {slot} is out of range 0..{self.config.max_loras - 1} (max_loras)")
+
+    # ---- forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, steps: Sequence[SeqStep]) -> Tensor:
+        """Run one step; float32 logits [n_sampled, vocab] for the last token of each sampled step."""
+        if not steps:
+            raise ValueError("execute: no steps")
+        tokens: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        sample_rows: list[int] = []
+        vocab = self.model_config.vocab_size
+        for i, step in enumerate(steps):
+            if step.end_pos > self.max_model_len:
+                raise ValueError(f"steps[{i}]: positions up to {step.end_pos - 1} exceed max_model_len={self.max_model_len}")
+            if step.lora_slot >= self.config.max_loras:
+                raise ValueError(f"steps[{i}]: lora_slot {step.lora_slot} is out of range (max_loras={self.config.max_loras})")
+            bad = [t for t in step.token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"steps[{i}]: token ids {bad[:4]} are outside the vocabulary (size {vocab})")
+            tokens.extend(step.token_ids)
+            positions.extend(range(step.start_pos, step.end_pos))
+            token_slots.extend([step.lora_slot] * len(step.token_ids))
+            if step.sample:
+                sample_rows.append(len(tokens) - 1)
+        if len(tokens) > self.workspace.shape[1]:
+            raise ValueError(f"execute: {len(tokens)} tokens exceed max_num_batched_tokens={self.config.max_num_batched_tokens}")
+        decode_only = all(len(s.token_ids) == 1 for s in steps)
+        attn_meta = AttentionMeta.build(
+            [len(s.token_ids) for s in steps],
+            [s.end_pos for s in steps],
+            [list(s.block_table) for s in steps],
+            self.block_size,
+            self.device,
+        )
+        for i, step in enumerate(steps):
+            too_big = [b for b in step.block_table if not 0 <= b < self.num_kv_blocks]
+            if too_big:
+                raise ValueError(f"steps[{i}]: block ids {too_big[:4]} are outside the KV pool (num_kv_blocks={self.num_kv_blocks})")
+        lora_meta = LoRABatchMeta.build(token_slots, self.device, decode_only=decode_only)
+        ctx = StepContext(attn_meta, lora_meta, self.backend.lora, self.backend.attention, self.workspace)
+        ids = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model.forward(ids, pos, self.kv_caches, ctx)
+        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model.logits(hidden.index_select(0, rows))
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held on the device: base weights, KV cache, LoRA slice buffers, shrink workspace."""
+        lora = sum(
+            t.numel() * t.element_size()
+            for _, _, w in self.model.all_slices()
+            for t in (w.a_rows, w.b_rows, w.slot_start, w.slot_rank, w.slot_scale)
+        )
+        return {
+            "weights_bytes": self.model.weight_bytes(),
+            "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.kv_caches),
+            "lora_pool_bytes": lora,
+            "workspace_bytes": self.workspace.numel() * self.workspace.element_size(),
+        }

@@ -1,0 +1,223 @@
+"""Parse a HF ``config.json`` into a frozen ``ModelConfig`` for the Llama-family decoder.
+
+Supported ``model_type``: llama, qwen2, mistral. Everything the decoder cannot honour
+is a ``ModelConfigError`` naming the file and the field; nothing is silently ignored.
+
+Rope: both layouts are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and
+transformers 5.x (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the
+scaling fields). Supported rope types: default, ``linear``, ``llama3``.
+
+Sliding window (mistral, qwen2 with ``use_sliding_window``): the decoder runs full
+causal attention, which equals sliding-window attention as long as a sequence is no
+longer than the window. So ``max_model_len`` is capped to the window instead of
+ignoring it; ``ModelConfig.max_model_len`` is that cap.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """config.json describes a model this decoder cannot run; the message names file and field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """``rope_type`` linear: positions divided by ``factor``. llama3: frequency-dependent (see rope.py)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str  # base-model id (the checkpoint folder's name); part of prefix-cache keys
+    path: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    vocab_size: int
+    attention_bias: bool  # q/k/v carry a bias (qwen2 always; llama with attention_bias)
+    o_proj_bias: bool  # llama's attention_bias also puts a bias on o_proj
+    sliding_window: int | None  # honoured by capping max_model_len to it
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None  # the checkpoint's own dtype, informational
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the decoder computes exactly (see module docstring)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir/config.json``; errors name the file and field."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path}: missing (a HF checkpoint folder needs config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ModelConfigError(f"{path}: invalid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object")
+    return parse_model_config(raw, path)
+
+
+def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
+    f = _Fields(raw, path)
+    model_type = f.get("model_type", str)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (the decoder uses SwiGLU with silu)")
+    if raw.get("mlp_bias"):
+        raise ModelConfigError(f"{path}: mlp_bias=true is not supported")
+    if raw.get("pretraining_tp", 1) not in (1, None):
+        raise ModelConfigError(f"{path}: pretraining_tp={raw['pretraining_tp']} is not supported (only 1)")
+    hidden = f.get("hidden_size", int)
+    heads = f.get("num_attention_heads", int)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ModelConfigError(f"{path}: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
+    head_dim = raw.get("head_dim") or hidden // heads
+    if not isinstance(head_dim, int) or head_dim % 2:
+        raise ModelConfigError(f"{path}: head_dim={head_dim!r} must be an even integer")
+    theta, scaling = _parse_rope(raw, path)
+    max_pos = f.get("max_position_embeddings", int)
+    attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        name=path.parent.resolve().name,
+        path=str(path.parent),
+        model_type=model_type,
+        hidden_size=hidden,
+        intermediate_size=f.get("intermediate_size", int),
+        num_hidden_layers=f.get("num_hidden_layers", int),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(f.get("rms_norm_eps", (int, float))),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        vocab_size=f.get("vocab_size", int),
+        attention_bias=attention_bias,
+        o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+        sliding_window=_sliding_window(raw, model_type, path),
+        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        eos_token_ids=eos_ids(raw.get("eos_token_id"), path, "eos_token_id"),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def eos_ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
+    """``eos_token_id`` may be absent, an int, or a list of ints."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ModelConfigError(f"{path}: {key} must be an int or a list of ints, got {value!r}")
+    return tuple(values)
+
+
+def _sliding_window(raw: Mapping[str, Any], model_type: str, path: Path) -> int | None:
+    window = raw.get("sliding_window")
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        return None  # qwen2 stores a window but only uses it with use_sliding_window
+    if window is None:
+        return None
+    if not isinstance(window, int) or window <= 0:
+        raise ModelConfigError(f"{path}: sliding_window={window!r} must be a positive integer or null")
+    return window
+
+
+def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling_src: Mapping[str, Any] | None = params
+        theta = params["rope_theta"]
+        field = "rope_parameters"
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+        scaling_src = raw.get("rope_scaling")
+        field = "rope_scaling"
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ModelConfigError(f"{path}: rope_theta={theta!r} must be a positive number")
+    if raw.get("partial_rotary_factor", 1.0) != 1.0 or (scaling_src or {}).get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelConfigError(f"{path}: partial_rotary_factor other than 1.0 is not supported")
+    if scaling_src is None:
+        return float(theta), None
+    if not isinstance(scaling_src, dict):
+        raise ModelConfigError(f"{path}: {field} must be an object or null, got {scaling_src!r}")
+    rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{path}: {field}.rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    factor = scaling_src.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise ModelConfigError(f"{path}: {field}.factor={factor!r} must be a positive number for rope_type {rope_type!r}")
+    if rope_type == "linear":
+        return float(theta), RopeScaling("linear", float(factor))
+    needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in needed if not isinstance(scaling_src.get(k), (int, float))]
+    if missing:
+        raise ModelConfigError(f"{path}: {field} of rope_type 'llama3' needs {', '.join(missing)}")
+    if scaling_src["high_freq_factor"] <= scaling_src["low_freq_factor"]:
+        raise ModelConfigError(f"{path}: {field}.high_freq_factor must exceed low_freq_factor")
+    return float(theta), RopeScaling(
+        "llama3",
+        float(factor),
+        float(scaling_src["low_freq_factor"]),
+        float(scaling_src["high_freq_factor"]),
+        int(scaling_src["original_max_position_embeddings"]),
+    )
+
+
+class _Fields:
+    """Required, typed fields of config.json."""
+
+    def __init__(self, raw: Mapping[str, Any], path: Path) -> None:
+        self.raw, self.path = raw, path
+
+    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in self.raw:
+            raise ModelConfigError(f"{self.path}: required field {key!r} is missing")
+        value = self.raw[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ModelConfigError(f"{self.path}: field {key!r} has the wrong type: {value!r}")
+        if isinstance(value, (int, float)) and value <= 0:
+            raise ModelConfigError(f"{self.path}: field {key!r} must be positive, got {value!r}")
+        return value

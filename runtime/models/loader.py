@@ -1,0 +1,135 @@
+"""Load a HF checkpoint's weights from safetensors: single file or sharded index.
+
+Accepted layouts: ``model.safetensors``, or ``model.safetensors.index.json`` whose
+``weight_map`` names the shard of every tensor. Pickled weights (``*.bin``, ``*.pt``,
+``*.pth``) are refused and never opened. Every expected tensor must be present with
+the shape ``ModelConfig`` implies; a missing, misshapen or unexpected tensor is a
+``CheckpointError`` naming the tensor and the file. Weights are cast to the compute
+dtype on the way in.
+
+Tolerated extras: ``*.rotary_emb.inv_freq`` (a buffer older checkpoints saved; we
+recompute it from the config) and ``lm_head.weight`` when embeddings are tied (HF
+uses the embedding matrix then, and so do we).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from runtime.models.hf_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's weights are missing, misshapen or in a refused format; names file + tensor."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the decoder needs."""
+    h, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    return shapes
+
+
+def weight_files(model_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file that holds it (from the index, or the single file)."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    single = root / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {err}") from err
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+        files = {name: root / shard for name, shard in weight_map.items()}
+        for name, shard in files.items():
+            if not shard.is_file():
+                raise CheckpointError(f"{index}: tensor {name!r} lives in shard {shard.name}, which is missing")
+        return files
+    if single.is_file():
+        return {name: single for name in _keys(single)}
+    pickled = sorted(p.name for p in root.glob("*") if p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise CheckpointError(
+            f"{root}: only pickled weights found ({', '.join(pickled)}); they are refused and never unpickled. "
+            "Convert the checkpoint to safetensors (model.safetensors)."
+        )
+    raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+
+def _keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as err:  # safetensors raises several error types for a corrupt file; re-raise with the file named
+        raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
+
+
+def load_weights(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """Check names and shapes first (from headers), then read every tensor cast to ``dtype``."""
+    files = weight_files(model_dir)
+    shapes = expected_shapes(cfg)
+    missing = [n for n in shapes if n not in files]
+    if missing:
+        where = sorted({str(p) for p in files.values()}) or [str(model_dir)]
+        raise CheckpointError(f"{', '.join(where)}: missing tensor(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    unexpected = [n for n in files if n not in shapes and not _tolerated(n, cfg)]
+    if unexpected:
+        raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor(s) {', '.join(sorted(unexpected)[:8])} for a {cfg.model_type} of this config")
+    out: dict[str, Tensor] = {}
+    for path, names in _by_file(files, shapes).items():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                got = tuple(f.get_slice(name).get_shape())
+                if got != shapes[name]:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json implies {shapes[name]}")
+            for name in names:
+                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def _tolerated(name: str, cfg: ModelConfig) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+
+
+def _by_file(files: dict[str, Path], names: Iterable[str]) -> dict[Path, list[str]]:
+    grouped: dict[Path, list[str]] = {}
+    for name in names:
+        grouped.setdefault(files[name], []).append(name)
+    return grouped

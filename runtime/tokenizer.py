@@ -1,0 +1,161 @@
+"""Tokenizer: a HF ``tokenizer.json`` through the ``tokenizers`` library, plus the checkpoint's configs.
+
+Sources, in the checkpoint folder:
+- ``tokenizer.json`` (required): vocabulary, normaliser, pre-tokenizer, post-processor, decoder.
+- ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token``, ``add_bos_token``,
+  ``add_eos_token``, ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects.
+- ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
+
+``eos_token_ids`` is the union of all eos ids found (tokenizer_config first, then
+generation_config, then config), in that order without duplicates.
+
+``encode(text, add_special_tokens=True)`` runs the tokenizer's post-processor; when
+``add_bos_token`` is true and the post-processor did not already put bos first, bos is
+prepended (older Llama tokenizer.json files leave that to the Python class). Likewise
+``add_eos_token`` appends eos.
+
+``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox.
+Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
+
+    {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token or '' }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token or '' }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    """The checkpoint's tokenizer files are missing or inconsistent; names file and key."""
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        root = Path(model_dir)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{path}: missing (lorafleet reads HF fast tokenizers: tokenizer.json)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises plain Exception subclasses; name the file
+            raise TokenizerError(f"{path}: cannot be parsed by the tokenizers library: {err}") from err
+        cfg = _read_json(root / "tokenizer_config.json")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.pad_token = _token_text(cfg.get("pad_token"))
+        self.bos_token_id = self._id_of(self.bos_token, root / "tokenizer_config.json", "bos_token")
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.add_eos_token = bool(cfg.get("add_eos_token", False))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # HF also allows [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        eos: list[int] = []
+        tok_eos = self._id_of(self.eos_token, root / "tokenizer_config.json", "eos_token")
+        if tok_eos is not None:
+            eos.append(tok_eos)
+        for name in ("generation_config.json", "config.json"):
+            eos.extend(_eos_ids(_read_json(root / name).get("eos_token_id"), root / name))
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        if self.bos_token_id is None:
+            self.bos_token_id = _first_int(_read_json(root / "config.json").get("bos_token_id"))
+        if self.add_bos_token and self.bos_token_id is None:
+            raise TokenizerError(f"{root / 'tokenizer_config.json'}: add_bos_token is true but no bos token is defined")
+        self._special_ids = frozenset(self._tok.get_added_tokens_decoder())
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token and self.eos_token_ids and (not ids or ids[-1] != self.eos_token_ids[0]):
+                ids.append(self.eos_token_ids[0])
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default)."""
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+                raise TokenizerError(f"messages[{i}]: each message needs 'role' and 'content'")
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"chat_template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+            return template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as err:
+            raise TokenizerError(f"chat_template: cannot render: {err}") from err
+
+    def _id_of(self, token: str | None, path: Path, key: str) -> int | None:
+        if token is None:
+            return None
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise TokenizerError(f"{path}: {key} {token!r} is not in tokenizer.json's vocabulary")
+        return tid
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise TokenizerError(f"{path}: invalid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _first_int(value: Any) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _eos_ids(value: Any, path: Path) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TokenizerError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return list(values)
