@@ -1,0 +1,80 @@
+"""The CUDA backend: Triton LoRA kernels, attention through the reference gather + SDPA.
+
+``CudaLoRAOps`` picks the schedule per step: per-token (BGMV) kernels when
+``meta.decode_only`` (every row is one decode token), segment (SGMV) kernels
+otherwise. Both launch ONE kernel per op for all slices of a layer (q/k/v, gate/up),
+through a per-slice pointer table cached per slice group (see ``slice_table``), so a
+steady-state forward does no host->device copies and reads no device data on the host.
+
+CUDA graphs: safe to capture after one warm-up forward (which builds the tables and
+compiles the kernels). The per-token grids depend only on the batch size and the
+slices' widths; replaying with other adapters in the rows stays correct.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from backends.reference import ReferenceAttention
+from runtime.lora.batch_meta import LoRABatchMeta
+from runtime.lora.slice_weights import LoRASliceWeights
+
+
+class CudaLoRAOps:
+    """Triton shrink/expand (``runtime.backend_api.LoRAOps``); works on any device Triton
+    can launch on, including CPU tensors under ``TRITON_INTERPRET=1``."""
+
+    def __init__(self, table_cache_capacity: int = 4096) -> None:
+        # Imported here so that `backends.cuda.backend` (and its availability()) can be
+        # imported on machines without triton.
+        from backends.cuda.bgmv_expand import bgmv_expand
+        from backends.cuda.bgmv_shrink import bgmv_shrink
+        from backends.cuda.sgmv_expand import sgmv_expand
+        from backends.cuda.sgmv_shrink import sgmv_shrink
+        from backends.cuda.slice_table import SliceTableCache
+
+        self._shrink = {True: bgmv_shrink, False: sgmv_shrink}
+        self._expand = {True: bgmv_expand, False: sgmv_expand}
+        self.tables = SliceTableCache(table_cache_capacity)
+
+    def shrink(self, x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
+        """``out[i, t, :r] = x[t] @ A_{i,slot(t)}^T`` (BGMV if ``meta.decode_only`` else SGMV)."""
+        table = self.tables.get(weights, [0] * len(weights))
+        self._shrink[meta.decode_only](x, weights, meta, out, table)
+
+    def expand(
+        self, h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
+    ) -> None:
+        """``y[t, o_i:o_i+n_i] += scale * h[i, t, :r] @ B_{i,slot(t)}^T`` in place."""
+        table = self.tables.get(weights, slice_offsets)
+        self._expand[meta.decode_only](h, weights, meta, y, slice_offsets, table)
+
+
+class CudaBackend:
+    """NVIDIA GPUs: Triton LoRA kernels; attention = gather + SDPA (``ReferenceAttention``)."""
+
+    name = "cuda"
+
+    def __init__(self, device: str | torch.device = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaBackend: device must be a cuda device, got {self.device}")
+        ok, reason = self.availability()
+        if not ok:
+            raise RuntimeError(reason)
+        self.lora = CudaLoRAOps()
+        self.attention = ReferenceAttention()
+
+    @staticmethod
+    def availability() -> tuple[bool, str]:
+        if importlib.util.find_spec("triton") is None:
+            return False, "cuda: triton is not installed (pip install 'lorafleet[cuda]')"
+        if not torch.cuda.is_available():
+            return False, "cuda: torch.cuda.is_available() is False"
+        return True, f"cuda: {torch.cuda.get_device_name(0)}"
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,110 @@
+"""Segment (SGMV) LoRA expand for prefill, all slices of a layer in one launch.
+
+For every segment g (rows served by slot ``s = seg_slots[g]``), every slice i with
+rank ``r = rank_{i,s} > 0``, and every row t of the segment:
+
+    y[t, o_i : o_i + n_i] += scale_{i,s} * h[i, t, :r] @ B_{i,s}^T
+                              B_{i,s}^T = b_rows_i[start_{i,s} : start_{i,s} + r]
+
+with fp32 accumulation and one rounding to ``y``'s dtype. Grid: (segment, row block,
+slice x column block); a column block past its slice's width returns at once.
+The rank (the reduction) is walked in ``BLOCK_R`` tiles masked to the slot's own
+rank, so entries of ``h`` past it are never read. On a GPU, fp16/bf16 runs cast the
+fp32 ``h`` tile to the weights' dtype for a tensor-core dot (as vLLM does); fp32 runs
+(and bf16 in the interpreter) dot in fp32 with ``input_precision="ieee"``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from backends.cuda.kernel_config import dot_in_fp32, segment_tiles
+from backends.cuda.lora_checks import check_expand
+from backends.cuda.slice_table import COL_B, COL_OFFSET, COL_OUT, COL_RANK, COL_SCALE, COL_START, TABLE_WIDTH, SliceTable
+from runtime.lora.batch_meta import LoRABatchMeta
+from runtime.lora.slice_weights import LoRASliceWeights
+
+
+@triton.jit
+def _kernel(
+    h_ptr, y_ptr, table_ptr, sorted_ptr, seg_slots_ptr, seg_starts_ptr,
+    n_col_blocks, stride_hs, stride_ht, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    m_block = tl.program_id(1)
+    sid = tl.program_id(2) // n_col_blocks
+    n_block = tl.program_id(2) % n_col_blocks
+    seg_begin = tl.load(seg_starts_ptr + seg)
+    seg_end = tl.load(seg_starts_ptr + seg + 1)
+    m0 = seg_begin + m_block * BLOCK_M
+    if m0 >= seg_end:
+        return
+    entry = table_ptr + sid * TABLE_WIDTH
+    n_out = tl.load(entry + COL_OUT)
+    n0 = n_block * BLOCK_N
+    if n0 >= n_out:  # column blocks are sized for the widest slice
+        return
+    slot = tl.load(seg_slots_ptr + seg)
+    rank = tl.load(tl.load(entry + COL_RANK).to(tl.pointer_type(tl.int32)) + slot)
+    if rank == 0:
+        return
+    start = tl.load(tl.load(entry + COL_START).to(tl.pointer_type(tl.int32)) + slot)
+    scale = tl.load(tl.load(entry + COL_SCALE).to(tl.pointer_type(tl.float32)) + slot)
+    b_ptr = tl.load(entry + COL_B).to(tl.pointer_type(y_ptr.dtype.element_ty))
+    col_offset = tl.load(entry + COL_OFFSET)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_end
+    rows = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    h_base = h_ptr + sid.to(tl.int64) * stride_hs + rows[:, None] * stride_ht
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        ht = tl.load(h_base + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        b_rows = (start + offs_r).to(tl.int64)
+        bt = tl.load(b_ptr + b_rows[:, None] * n_out + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(ht.to(bt.dtype), bt)
+    mask = m_mask[:, None] & n_mask[None, :]
+    dst = y_ptr + rows[:, None] * stride_ym + (col_offset + offs_n)[None, :]
+    old = tl.load(dst, mask=mask, other=0.0)
+    tl.store(dst, (old.to(tl.float32) + scale * acc).to(old.dtype), mask=mask)
+
+
+def sgmv_expand(
+    h: Tensor,
+    weights: Sequence[LoRASliceWeights],
+    meta: LoRABatchMeta,
+    y: Tensor,
+    slice_offsets: Sequence[int],
+    table: SliceTable | None = None,
+) -> None:
+    """``y[t, o_i:o_i+n_i] += scale * h[i, t, :r] @ B_{i,slot(t)}^T`` over segments, in place.
+
+    h: [>= n_slices, T, >= max rank] float32; y: [T, total_out] in the weights' dtype;
+    slice_offsets: first column of each slice in y; table: built with these offsets.
+    """
+    check_expand(h, weights, meta, y, slice_offsets, op="sgmv_expand")
+    if table is None:
+        table = SliceTable.build(weights, slice_offsets)
+    table.check("sgmv_expand", weights, slice_offsets)
+    max_rank = max(w.max_rank for w in weights)
+    if meta.num_segments == 0 or max_rank == 0:
+        return
+    tiles = segment_tiles(meta.max_seg_len, max_rank, weights[0].in_features, table.max_out)
+    n_col_blocks = triton.cdiv(table.max_out, tiles.block_n)
+    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, tiles.block_m), len(weights) * n_col_blocks)
+    _kernel[grid](
+        h, y, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts,
+        n_col_blocks, h.stride(0), h.stride(1), y.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, DOT_FP32=dot_in_fp32(y.dtype),
+    )

@@ -1,0 +1,401 @@
+"""Triton LoRA kernels (backends/cuda) against the reference ops and a float64 oracle.
+
+``interpreter`` tests run the real kernels on CPU tensors under TRITON_INTERPRET=1
+(``make test`` sets it); shapes are tiny and launches few (~40 ms each). ``cuda``
+tests run the same checks at realistic shapes on a GPU, plus CUDA-graph capture and
+a whole-model greedy comparison with the cpu backend.
+
+Every case mixes ranks (including ones that are not multiples of 16 and one larger
+than a rank tile), rows with no adapter, a slot whose rows are scattered in the
+batch, slices where a slot has rank 0, and poisoned buffers: ``out``/``h`` entries
+that must not be written or read are NaN, weight rows outside any slot are NaN, and
+``y`` entries that must stay untouched are compared bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import pytest
+import torch
+
+from backends.reference import ReferenceLoRAOps
+from runtime.backend_api import apply_lora
+from runtime.lora.batch_meta import LoRABatchMeta
+from runtime.lora.slice_weights import LoRASliceWeights
+
+triton = pytest.importorskip("triton")
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+interpreter = pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
+on_gpu = pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU and no TRITON_INTERPRET")
+
+# slot -> rank per slice. Slot 1 skips slice 1 and slot 4 skips slice 0 (rank 0);
+# 80 > the 64-wide rank tile, 24 and 8 are not multiples of 16.
+SMALL_RANKS = (
+    {0: 16, 1: 80, 2: 48, 3: 24, 4: 0},
+    {0: 16, 1: 0, 2: 8, 3: 24, 4: 32},
+    {0: 32, 1: 16, 2: 48, 3: 8, 4: 16},
+)
+# Slot 2's rows are scattered; -1 rows have no adapter; slot 5 exists but is unused.
+SMALL_SLOTS = (2, -1, 0, 3, 2, 1, -1, 4, 2, 3, 1, 2, 0, -1)
+MAX_SLOTS = 6
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Weights of several slices, the batch mapping and the float64 copies for the oracle."""
+
+    weights: list[LoRASliceWeights]
+    ranks: Sequence[dict[int, int]]
+    offsets: list[int]
+    y_width: int
+
+
+def make_slices(in_features: int, outs: Sequence[int], ranks: Sequence[dict[int, int]], dtype: torch.dtype, device: str, seed: int) -> list[LoRASliceWeights]:
+    """Slices with random A/B at each slot's own rank, rows placed with gaps and in
+    shuffled slot order; every row no slot owns is NaN (a read past a rank shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    slices = []
+    for out_features, slot_ranks in zip(outs, ranks):
+        capacity = sum(slot_ranks.values()) + 3 * len(slot_ranks) + 5
+        w = LoRASliceWeights.allocate(in_features, out_features, MAX_SLOTS, capacity, dtype, device)
+        w.a_rows.fill_(float("nan"))
+        w.b_rows.fill_(float("nan"))
+        row = 3
+        for slot in sorted(slot_ranks, reverse=True):
+            r = slot_ranks[slot]
+            if r == 0:
+                continue
+            a = torch.randn(r, in_features, generator=gen) / in_features**0.5
+            b = torch.randn(out_features, r, generator=gen) / r**0.5
+            scale = float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
+            w.write_slot(slot, row, a.to(dtype), b.to(dtype), scale)
+            row += r + 3
+        slices.append(w)
+    return slices
+
+
+def finite(weights: Sequence[LoRASliceWeights]) -> list[LoRASliceWeights]:
+    """Copies with the NaN poison rows zeroed: the reference per-token path gathers
+    rank-padded rows and masks by multiplying, so it needs finite unused rows."""
+    return [dataclasses.replace(w, a_rows=w.a_rows.nan_to_num(0.0), b_rows=w.b_rows.nan_to_num(0.0)) for w in weights]
+
+
+def oracle_shrink(x: torch.Tensor, w: LoRASliceWeights, slot: int) -> torch.Tensor:
+    r, s = w.host_rank[slot], w.host_start[slot]
+    return x.double() @ w.a_rows[s : s + r].double().t()
+
+
+def oracle_delta(h_row: torch.Tensor, w: LoRASliceWeights, slot: int) -> torch.Tensor:
+    r, s = w.host_rank[slot], w.host_start[slot]
+    return w.host_scale[slot] * (h_row[:r].double() @ w.b_rows[s : s + r].double())
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
+
+
+def check_shrink_result(x: torch.Tensor, weights: Sequence[LoRASliceWeights], slots: Sequence[int], out: torch.Tensor) -> None:
+    """Adapter rows hold x @ A^T up to their rank and NaN past it; -1 rows are all NaN."""
+    for i, w in enumerate(weights):
+        for t, slot in enumerate(slots):
+            r = w.host_rank[slot] if slot >= 0 else 0
+            if r:
+                expect = oracle_shrink(x[t : t + 1], w, slot)[0]
+                torch.testing.assert_close(out[i, t, :r].double(), expect, rtol=1e-4, atol=1e-4, msg=f"slice {i} row {t} slot {slot}")
+            assert torch.isnan(out[i, t, r:]).all(), f"slice {i} row {t}: wrote past rank {r}"
+
+
+def check_expand_result(h: torch.Tensor, weights: Sequence[LoRASliceWeights], slots: Sequence[int], offsets: Sequence[int], y0: torch.Tensor, y: torch.Tensor) -> None:
+    """Adapter rows gain scale * h @ B^T in each slice; every other entry is bit-identical."""
+    expect = y0.double().clone()
+    touched = torch.zeros_like(y0, dtype=torch.bool)
+    for i, (w, off) in enumerate(zip(weights, offsets)):
+        for t, slot in enumerate(slots):
+            if slot >= 0 and w.host_rank[slot]:
+                cols = slice(off, off + w.out_features)
+                expect[t, cols] += oracle_delta(h[i, t], w, slot)
+                touched[t, cols] = True
+    assert torch.equal(y[~touched], y0[~touched]), "expand wrote outside the adapter rows' slices"
+    torch.testing.assert_close(y.double()[touched], expect[touched], **tolerance(y.dtype))
+
+
+def poisoned_h(weights: Sequence[LoRASliceWeights], slots: Sequence[int], width: int, device: str, seed: int) -> torch.Tensor:
+    """h with random values inside each row's rank and NaN everywhere a kernel must not read."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.full((len(weights), len(slots), width), float("nan"), device=device)
+    for i, w in enumerate(weights):
+        for t, slot in enumerate(slots):
+            r = w.host_rank[slot] if slot >= 0 else 0
+            h[i, t, :r] = torch.randn(r, generator=gen).to(device)
+    return h
+
+
+def run_case(path: str, dtype: torch.dtype, device: str, in_features: int, outs: Sequence[int], ranks: Sequence[dict[int, int]], slots: Sequence[int], seed: int) -> None:
+    from backends.cuda.bgmv_expand import bgmv_expand
+    from backends.cuda.bgmv_shrink import bgmv_shrink
+    from backends.cuda.sgmv_expand import sgmv_expand
+    from backends.cuda.sgmv_shrink import sgmv_shrink
+
+    shrink, expand = {"segment": (sgmv_shrink, sgmv_expand), "per_token": (bgmv_shrink, bgmv_expand)}[path]
+    weights = make_slices(in_features, outs, ranks, dtype, device, seed)
+    meta = LoRABatchMeta.build(slots, device, decode_only=(path == "per_token"))
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(len(slots), in_features, generator=gen).to(dtype).to(device)
+    width = max(w.max_rank for w in weights)
+
+    out = torch.full((len(weights), len(slots), width), float("nan"), device=device)
+    shrink(x, weights, meta, out)
+    check_shrink_result(x, weights, slots, out)
+
+    # Slices sit at offsets with gaps between them; the gaps must stay untouched.
+    offsets, col = [], 3
+    for w in weights:
+        offsets.append(col)
+        col += w.out_features + 5
+    h = poisoned_h(weights, slots, width, device, seed + 2)
+    y0 = torch.randn(len(slots), col, generator=gen).to(dtype).to(device)
+    y = y0.clone()
+    expand(h, weights, meta, y, offsets)
+    check_expand_result(h, weights, slots, offsets, y0, y)
+
+    # The reference ops agree (they are the definition the cpu backend serves with).
+    if device == "cpu":
+        ref_y = y0.clone()
+        ReferenceLoRAOps().expand(torch.nan_to_num(h), finite(weights), meta, ref_y, offsets)
+        torch.testing.assert_close(y.float(), ref_y.float(), **tolerance(dtype))
+
+
+# ---------------------------------------------------------------- interpreter (CI)
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["segment", "per_token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_kernels_match_oracle_interpreted(path: str, dtype: torch.dtype) -> None:
+    run_case(path, dtype, "cpu", in_features=40, outs=(24, 40, 8), ranks=SMALL_RANKS, slots=SMALL_SLOTS, seed=7)
+
+
+@interpreter
+@pytest.mark.interpreter
+def test_backend_ops_pick_path_and_reuse_tables_interpreted() -> None:
+    """CudaLoRAOps through apply_lora equals the reference ops on the same inputs, for a
+    decode step (per-token kernels) and a prefill step (segment kernels)."""
+    from backends.cuda.backend import CudaLoRAOps
+
+    ops, ref = CudaLoRAOps(), ReferenceLoRAOps()
+    weights = finite(make_slices(32, (16, 32), SMALL_RANKS[1:], torch.float32, "cpu", seed=3))
+    x = torch.randn(len(SMALL_SLOTS), 32)
+    for decode_only in (True, False):
+        meta = LoRABatchMeta.build(SMALL_SLOTS, "cpu", decode_only=decode_only)
+        y0 = torch.randn(len(SMALL_SLOTS), 48)
+        got, want = y0.clone(), y0.clone()
+        apply_lora(ops, x, got, weights, meta, [0, 16], torch.zeros(2, len(SMALL_SLOTS), 64))
+        apply_lora(ref, x, want, weights, meta, [0, 16], torch.zeros(2, len(SMALL_SLOTS), 64))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(ops.tables) == 2  # one shrink table and one expand table, reused across steps
+
+
+@interpreter
+@pytest.mark.interpreter
+def test_no_adapter_batch_writes_nothing_interpreted() -> None:
+    from backends.cuda.backend import CudaLoRAOps
+
+    weights = make_slices(32, (16,), SMALL_RANKS[:1], torch.float16, "cpu", seed=5)
+    for decode_only in (True, False):
+        meta = LoRABatchMeta.build([-1, -1, -1], "cpu", decode_only=decode_only)
+        out = torch.full((1, 3, 80), float("nan"))
+        CudaLoRAOps().shrink(torch.randn(3, 32).half(), weights, meta, out)
+        assert torch.isnan(out).all()
+        y0 = torch.randn(3, 16).half()
+        y = y0.clone()
+        CudaLoRAOps().expand(out, weights, meta, y, [0])
+        assert torch.equal(y, y0)
+
+
+def test_bf16_dot_is_upcast_when_interpreting() -> None:
+    from backends.cuda.kernel_config import dot_in_fp32
+
+    assert dot_in_fp32(torch.float32)
+    assert not dot_in_fp32(torch.float16)
+    assert dot_in_fp32(torch.bfloat16) == INTERPRETING
+
+
+# ---------------------------------------------------------------- argument checks (no launches)
+
+def _small() -> tuple[list[LoRASliceWeights], LoRABatchMeta]:
+    return make_slices(32, (16, 24), SMALL_RANKS[1:], torch.float16, "cpu", seed=1), LoRABatchMeta.build([0, -1, 2], "cpu")
+
+
+def test_launchers_reject_bad_arguments() -> None:
+    from backends.cuda.bgmv_expand import bgmv_expand
+    from backends.cuda.sgmv_shrink import sgmv_shrink
+
+    weights, meta = _small()
+    x = torch.randn(3, 32).half()
+    with pytest.raises(ValueError, match=r"sgmv_shrink: weights\[0\].a_rows is torch.float16, the activations are torch.float32"):
+        sgmv_shrink(x.float(), weights, meta, torch.zeros(2, 3, 64))
+    with pytest.raises(ValueError, match=r"sgmv_shrink: x has 16 features, weights\[0\] expects 32"):
+        sgmv_shrink(x[:, :16], weights, meta, torch.zeros(2, 3, 64))
+    with pytest.raises(ValueError, match=r"sgmv_shrink: out must be \[>= 2 slices, T=3, >= max rank 48\]"):
+        sgmv_shrink(x, weights, meta, torch.zeros(2, 3, 40))
+    with pytest.raises(ValueError, match=r"sgmv_shrink: out must be a 3-D float32"):
+        sgmv_shrink(x, weights, meta, torch.zeros(2, 3, 64).half())
+    with pytest.raises(ValueError, match=r"sgmv_shrink: meta has 4 token rows, the activations have 3"):
+        sgmv_shrink(x, weights, LoRABatchMeta.build([0, 1, 2, 3], "cpu"), torch.zeros(2, 3, 64))
+    with pytest.raises(ValueError, match=r"sgmv_shrink: meta uses slot 9, weights\[0\] has only 6 slots"):
+        sgmv_shrink(x, weights, LoRABatchMeta.build([9, 0, 0], "cpu"), torch.zeros(2, 3, 64))
+    h = torch.zeros(2, 3, 64)
+    with pytest.raises(ValueError, match=r"bgmv_expand: slice 1 at column 20 with 24 columns exceeds y's 40 columns"):
+        bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0, 20])
+    with pytest.raises(ValueError, match=r"bgmv_expand: 2 slices but 1 slice_offsets"):
+        bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0])
+    with pytest.raises(ValueError, match=r"bgmv_expand: h must be a 3-D float32"):
+        bgmv_expand(h.half(), weights, meta, torch.zeros(3, 40).half(), [0, 16])
+
+
+def test_slice_table_is_reused_checked_and_rebuilt() -> None:
+    from backends.cuda.bgmv_shrink import bgmv_shrink
+    from backends.cuda.slice_table import SliceTable, SliceTableCache
+
+    weights, meta = _small()
+    cache = SliceTableCache(capacity=2)
+    first = cache.get(weights, [0, 16])
+    assert cache.get(weights, [0, 16]) is first
+    assert first.table.tolist()[1][:7] == [
+        weights[1].a_rows.data_ptr(), weights[1].b_rows.data_ptr(), weights[1].slot_start.data_ptr(),
+        weights[1].slot_rank.data_ptr(), weights[1].slot_scale.data_ptr(), 24, 16,
+    ]
+    with pytest.raises(ValueError, match="offsets"):
+        first.check("expand", weights, [0, 8])
+    weights[0].a_rows = weights[0].a_rows.clone()  # reallocated: the old table is stale
+    with pytest.raises(ValueError, match=r"bgmv_shrink: the slice table was built for other weights"):
+        bgmv_shrink(torch.zeros(3, 32).half(), weights, meta, torch.zeros(2, 3, 64), SliceTable.build(list(reversed(weights)), [0, 0]))
+    assert cache.get(weights, [0, 16]) is not first
+    cache.get(weights, [0, 0])
+    cache.get(weights[:1], [0])
+    assert len(cache) == 2
+
+
+def test_cuda_backend_reports_availability() -> None:
+    from backends.cuda.backend import CudaBackend
+
+    ok, reason = CudaBackend.availability()
+    assert ok == torch.cuda.is_available()
+    assert reason.startswith("cuda: ")
+    if not ok:
+        assert reason == "cuda: torch.cuda.is_available() is False"
+        with pytest.raises(RuntimeError, match="cuda: torch.cuda.is_available"):
+            CudaBackend()
+
+
+# ---------------------------------------------------------------- real GPU
+
+def _gpu_ranks(n_slots: int, seed: int, skip_every: int) -> dict[int, int]:
+    gen = torch.Generator().manual_seed(seed)
+    choices = (8, 16, 24, 32, 64, 96, 128)
+    return {s: (0 if (s + seed) % skip_every == 0 else choices[int(torch.randint(len(choices), (1,), generator=gen))]) for s in range(n_slots)}
+
+
+def _gpu_slots(rows: int, n_slots: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [int(v) for v in torch.randint(-1, n_slots, (rows,), generator=gen)]
+
+
+@on_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 7, 64, 256])
+@pytest.mark.parametrize("path", ["segment", "per_token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_kernels_match_oracle_on_gpu(rows: int, path: str, dtype: torch.dtype) -> None:
+    """q/k/v-like slices at hidden 4096 (GQA widths), ranks 8..128 mixed, rank-0 slices."""
+    ranks = [_gpu_ranks(MAX_SLOTS, seed, skip_every=7) for seed in (1, 2, 3)]
+    run_case(path, dtype, "cuda", in_features=4096, outs=(4096, 1024, 1024), ranks=ranks, slots=_gpu_slots(rows, MAX_SLOTS, rows), seed=rows)
+
+
+@on_gpu
+@pytest.mark.cuda
+def test_per_token_kernels_replay_in_cuda_graph() -> None:
+    """Capture shrink+expand once, then replay with other slots written into the same
+    meta tensors: the result follows the new slots (no host reads were baked in)."""
+    from backends.cuda.backend import CudaLoRAOps
+
+    ops, ref = CudaLoRAOps(), ReferenceLoRAOps()
+    ranks = [_gpu_ranks(MAX_SLOTS, seed, skip_every=5) for seed in (4, 5)]
+    weights = finite(make_slices(4096, (4096, 1024), ranks, torch.bfloat16, "cuda", seed=11))
+    rows = 32
+    meta = LoRABatchMeta.build(_gpu_slots(rows, MAX_SLOTS, 1), "cuda", decode_only=True)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(rows, 5120, device="cuda", dtype=torch.bfloat16)
+    ws = torch.zeros(2, rows, 128, device="cuda")
+    apply_lora(ops, x, y, weights, meta, [0, 4096], ws)  # warm-up: compile + tables
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        apply_lora(ops, x, y, weights, meta, [0, 4096], ws)
+    new_slots = _gpu_slots(rows, MAX_SLOTS, 2)
+    meta.token_slots.copy_(torch.tensor(new_slots, dtype=torch.int32, device="cuda"))
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.zeros_like(y)
+    apply_lora(ref, x, want, weights, LoRABatchMeta.build(new_slots, "cuda", decode_only=True), [0, 4096], torch.zeros_like(ws))
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def greedy_tokens(runner_mod, model_dir, adapters: dict, device: str, dtype: str, new_tokens: int = 8) -> list[list[int]]:
+    """Greedy continuations of a mixed batch (adapters and base rows) through ModelRunner:
+    one prefill step for all sequences, then batched decode steps."""
+    from backends import get_backend
+    from runtime.config import EngineConfig
+    from runtime.lora.adapter import load_adapter
+
+    config = EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_loras=8, max_lora_rank=64)
+    runner = runner_mod.ModelRunner(config, get_backend(device))
+    row = 0
+    names = sorted(adapters)
+    for slot, name in enumerate(names):
+        adapter = load_adapter(adapters[name], name, runner.lora_targets(), config.max_lora_rank)
+        runner.write_adapter(slot, adapter, row)
+        row += adapter.max_rank
+    seq_slots = [0, -1, *range(1, len(names)), 0, -1]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[int(v) for v in torch.randint(3, 250, (5 + i,), generator=gen)] for i in range(len(seq_slots))]
+    per_seq = -(-(max(map(len, prompts)) + new_tokens) // runner.block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
+    outs: list[list[int]] = [[] for _ in prompts]
+    steps = [runner_mod.SeqStep(p, 0, t, s, True) for p, t, s in zip(prompts, tables, seq_slots)]
+    for _ in range(new_tokens):
+        logits = runner.execute(steps)
+        nxt = logits.argmax(dim=-1).tolist()
+        for i, tok in enumerate(nxt):
+            outs[i].append(int(tok))
+        steps = [
+            runner_mod.SeqStep([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], seq_slots[i], True)
+            for i in range(len(prompts))
+        ]
+    return outs
+
+
+@on_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_model_greedy_matches_cpu_backend(tmp_path, dtype: str) -> None:
+    """Greedy tokens of a mixed-adapter batch on the cuda backend equal the cpu backend's:
+    exactly in fp32; in bf16 the first 4 tokens of every row (documented tolerance: bf16
+    rounding differs between the kernels and torch's CPU matmuls, and a near-tie can
+    flip a later token)."""
+    runner_mod = pytest.importorskip("runtime.model_runner", reason="runtime/model_runner.py (ModelRunner) is not there yet")
+    from tests.fixtures.tiny_models import build_standard_adapters, build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", "llama", seed=0)
+    adapters = build_standard_adapters(model_dir, tmp_path / "adapters")
+    cpu = greedy_tokens(runner_mod, model_dir, adapters, "cpu", dtype)
+    gpu = greedy_tokens(runner_mod, model_dir, adapters, "cuda", dtype)
+    if dtype == "float32":
+        assert gpu == cpu
+    else:
+        assert [g[:4] for g in gpu] == [c[:4] for c in cpu]
