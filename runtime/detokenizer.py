@@ -1,0 +1,83 @@
+"""Incremental detokenization with stop strings.
+
+Byte-level BPE tokens do not map one-to-one to characters: a character may span two
+tokens, and a token's text depends on its left neighbour (leading spaces). So text is
+never decoded token by token. Instead (the scheme vLLM uses) two offsets into the
+token list are kept, ``prefix`` <= ``read``:
+
+    prefix_text = decode(ids[prefix:read])      (already emitted, used as left context)
+    full_text   = decode(ids[prefix:])
+    delta       = full_text[len(prefix_text):]  unless full_text ends in U+FFFD
+                                                 (an incomplete UTF-8 sequence: wait)
+
+Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
+previous text, so a stop string split over two deltas is found. The text is cut right
+before the first stop string. While running, the last ``len(longest stop) - 1``
+characters are held back from the emitted text, because they could be the start of a
+stop string that a later token completes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas; finds stop strings."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._prefix = 0
+        self._read = 0
+        self.text = ""  # all text decoded so far (cut at a stop string once found)
+        self._emitted = 0  # characters of ``text`` already handed out
+        self.stopped = False
+
+    def add_tokens(self, ids: Sequence[int]) -> None:
+        """Decode ``ids`` (the full output list, of which the new part is beyond the read offset)."""
+        if self.stopped or len(ids) <= self._read:
+            return
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        full_text = self._decode(ids[self._prefix :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return
+        before = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(ids)
+        self._find_stop(before)
+
+    def finish_pending(self, ids: Sequence[int]) -> None:
+        """At finish: emit trailing tokens even if they end in an incomplete character."""
+        if self.stopped or len(ids) <= self._read:
+            return
+        prefix_text = self._decode(ids[self._prefix : self._read])
+        full_text = self._decode(ids[self._prefix :])
+        before = len(self.text)
+        self.text += full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(ids)
+        self._find_stop(before)
+
+    def _find_stop(self, before: int) -> None:
+        for_start = max(0, before - self._hold)
+        best = -1
+        for s in self._stop:
+            at = self.text.find(s, for_start)
+            if at != -1 and (best == -1 or at < best):
+                best = at
+        if best != -1:
+            self.text = self.text[:best]
+            self.stopped = True
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet handed out; holds back a possible stop-string prefix unless finished."""
+        limit = len(self.text) if (finished or self.stopped) else max(self._emitted, len(self.text) - self._hold)
+        delta = self.text[self._emitted : limit]
+        self._emitted = limit
+        return delta
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self._emitted]

@@ -1,0 +1,341 @@
+"""LLMEngine: the step loop  schedule -> adapter pool -> model forward -> sample -> outputs.
+
+One ``step()``:
+  1. collect finished adapter loads (a failed load finishes its requests with "error");
+  2. ``Scheduler.schedule()`` picks prefill chunks + decodes under the token budget,
+     holding device slots for their adapters (at most ``max_loras`` per step);
+  3. the pool fences the copies of those slots, ``ModelRunner.execute`` runs the step;
+  4. one token is sampled per sequence whose chunk reached its end; stop rules and the
+     incremental detokenizer produce ``RequestOutput`` deltas;
+  5. finished requests release KV blocks, device refs, host demand and registry readers;
+     the next step's adapters are prefetched into free device space.
+
+Not thread-safe by itself: ``AsyncLLMEngine`` serialises calls with a lock.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence as Seq
+
+import torch
+
+from runtime.capabilities import check_adapter, check_engine_config
+from runtime.config import EngineConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.prefix_cache import PrefixCache
+from runtime.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from runtime.lora.pool import AdapterPool
+from runtime.lora.registry import AdapterInfo, AdapterRegistry
+from runtime.model_runner import ModelRunner, SeqStep
+from runtime.request import (
+    AdapterRef,
+    PromptTooLongError,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    Sequence,
+)
+from runtime.sampler import Sampler, token_stop_reason
+from runtime.scheduler import Scheduler
+from runtime.stats import AdapterRequestCounters, RequestMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, backend: Any = None) -> None:
+        if backend is None:
+            from backends import get_backend
+
+            backend = get_backend(config.device)
+        self.config = config
+        self.backend = backend
+        self.backend_name = backend.name
+        for decision in check_engine_config(config, self.backend_name):
+            logger.warning("%s", decision.message)
+        self.runner = ModelRunner(config, backend)
+        self.tokenizer = self.runner.tokenizer
+        self.model_name = self.runner.model_config.name
+        self.max_model_len = self.runner.max_model_len
+        self._eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.runner.model_config.eos_token_ids)
+        self._vocab_size = self.runner.model_config.vocab_size
+        self._targets = self.runner.lora_targets()
+        self._num_layers = self.runner.model_config.num_hidden_layers
+        prefix_cache = PrefixCache(self.model_name) if config.enable_prefix_caching else None
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size, prefix_cache)
+        self.registry = AdapterRegistry()
+        element = torch.tensor([], dtype=self.runner.dtype).element_size()
+        row_bytes = sum(i + o for i, o in self._targets.values()) * self._num_layers * element
+        self.pool = AdapterPool(
+            writer=self.runner,
+            loader=self._load_registered,
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            pool_rows=config.pool_rows,
+            max_lora_rank=config.max_lora_rank,
+            row_bytes=row_bytes,
+            device=self.runner.device,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.pool,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_loras=config.max_loras,
+            prefix_seed=prefix_cache.seed if prefix_cache is not None else None,
+        )
+        self.sampler = Sampler(config.seed)
+        self._live: dict[str, _Live] = {}
+        self._pending: list[RequestOutput] = []
+        self._observers: list[Callable[[RequestMetrics], None]] = []
+        self._arrivals = itertools.count()
+        self._request_counters: dict[str, AdapterRequestCounters] = {}
+        self.steps = 0
+
+    # ---- adapters -------------------------------------------------------------------------
+    def load_adapter_files(self, name: str, path: str) -> LoRAAdapter:
+        """Read and validate an adapter (no engine state touched; may run outside the engine lock)."""
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
+        adapter = load_adapter(
+            str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
+        )
+        for decision in check_adapter(adapter, self.backend_name):
+            logger.warning("%s", decision.message)
+        return adapter
+
+    def install_adapter(self, adapter: LoRAAdapter, path: str) -> AdapterRef:
+        """Make a loaded adapter the current version of its name (hot update if the name exists)."""
+        ref = AdapterRef(adapter.name, adapter.version)
+        previous = self.registry.register(ref, str(path), adapter.max_rank)
+        self.pool.insert_host(ref, adapter)
+        if previous is not None:
+            self.pool.retire(previous)
+        return ref
+
+    def register_adapter(self, name: str, path: str) -> AdapterRef:
+        return self.install_adapter(self.load_adapter_files(name, path), str(path))
+
+    def unregister_adapter(self, name: str) -> None:
+        self.pool.retire(self.registry.unregister(name))
+
+    def adapters(self) -> list[AdapterInfo]:
+        return self.registry.infos()
+
+    def _load_registered(self, ref: AdapterRef) -> LoRAAdapter:
+        """Pool loader (runs in the pool's load thread): re-read a registered version from disk."""
+        path = self.registry.path_of(ref)
+        adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
+        if adapter.version != ref.version:
+            raise AdapterError(
+                f"{path}: the adapter changed on disk since it was registered (registered version {ref.version[:12]}, "
+                f"found {adapter.version[:12]}); register it again to serve the new content"
+            )
+        return adapter
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: Optional[SamplingParams] = None,
+        adapter: Optional[str] = None,
+    ) -> None:
+        """Validate and queue a request; raises at once for anything that can never be served."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if request_id in self._live:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_ids(prompt)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"prompt: {n} tokens; the model's max_model_len is {self.max_model_len} (prompt + output)")
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
+            )
+        need = self.block_manager.blocks_for(n + params.max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise RequestRejected(
+                f"request {request_id!r} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens, "
+                f"but the KV pool has only {self.block_manager.num_blocks} (num_kv_blocks)"
+            )
+        ref = self.registry.resolve(adapter) if adapter is not None else None
+        seq = Sequence(
+            request_id=request_id,
+            arrival_index=next(self._arrivals),
+            prompt_token_ids=prompt_ids,
+            params=params,
+            adapter=ref,
+            arrival_time=time.monotonic(),
+        )
+        if ref is not None:
+            self.registry.acquire(ref)
+            seq.adapter_location = self.pool.demand(ref)
+        self.sampler.add(request_id, params)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop))
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids {bad[:4]} are not integers in [0, {self._vocab_size})")
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: empty (it must have at least one token)")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release everything it holds; False if it is not in flight."""
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        self._finish(live, "abort", None)
+        self._pending.append(self._output(live, [], finished=True))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or bool(self._pending)
+
+    def add_observer(self, callback: Callable[[RequestMetrics], None]) -> None:
+        self._observers.append(callback)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        for failure in self.pool.poll():
+            for live in [l for l in self._live.values() if l.seq.adapter == failure.ref]:
+                self._finish(live, "error", failure.message)
+                outputs.append(self._output(live, [], finished=True))
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            if self.scheduler.has_unfinished() and self.pool.loads_pending:
+                self.pool.wait_for_load(timeout=1.0)  # nothing runnable until an adapter arrives
+            return outputs
+        self.steps += 1
+        now = time.monotonic()
+        steps: list[SeqStep] = []
+        slots: set[int] = set()
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            slot = -1
+            if seq.adapter is not None:
+                slot = self.pool.slot_of(seq.adapter)
+                if slot is None:
+                    raise AssertionError(f"{seq.request_id}: adapter {seq.adapter} was scheduled without a device slot")
+                slots.add(slot)
+            tokens = seq.all_token_ids[seq.num_computed : seq.num_computed + chunk.num_tokens]
+            steps.append(SeqStep(tokens, seq.num_computed, self.block_manager.table(seq.request_id), slot, chunk.sample))
+        self.pool.fence(sorted(slots))
+        logits = self.runner.execute(steps)
+        sampled = [c.seq for c in sched.chunks if c.sample]
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+        for chunk in sched.chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+            self.block_manager.commit(chunk.seq.request_id, chunk.seq.all_token_ids, chunk.seq.num_computed)
+        now = time.monotonic()
+        for seq, token in zip(sampled, tokens):
+            live = self._live[seq.request_id]
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = token_stop_reason(token, len(seq.output_token_ids), seq.params, self._eos_ids)
+            text_ids = seq.output_token_ids
+            if reason == "stop":  # the stopping token (eos or a stop id) is not part of the text
+                text_ids = text_ids[:-1]
+            live.detok.add_tokens(text_ids)
+            if reason is not None:
+                live.detok.finish_pending(text_ids)
+            if live.detok.stopped:
+                reason = "stop"
+            if reason is not None:
+                self._finish(live, reason, None)
+            outputs.append(self._output(live, seq.output_token_ids[live.emitted_tokens :], finished=reason is not None))
+            live.emitted_tokens = len(seq.output_token_ids)
+        self.pool.prefetch(self.scheduler.waiting_adapters()[: self.config.max_loras])
+        return outputs
+
+    def _output(self, live: _Live, new_tokens: list[int], finished: bool) -> RequestOutput:
+        seq = live.seq
+        delta = live.detok.take_delta(finished)
+        return RequestOutput(
+            request_id=seq.request_id,
+            adapter=seq.adapter,
+            new_token_ids=tuple(new_tokens),
+            new_text=delta,
+            token_ids=tuple(seq.output_token_ids),
+            text=live.detok.emitted_text,
+            finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            error=seq.error,
+            prompt_token_ids=tuple(seq.prompt_token_ids),
+        )
+
+    def _finish(self, live: _Live, reason: str, error: Optional[str]) -> None:
+        seq = live.seq
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.error = error
+        seq.finished_time = time.monotonic()
+        self.scheduler.remove(seq)
+        if seq.adapter is not None:
+            self.pool.undemand(seq.adapter)
+            self.registry.release(seq.adapter)
+        self.sampler.remove(seq.request_id)
+        del self._live[seq.request_id]
+        metrics = RequestMetrics.of(seq)
+        key = seq.adapter.name if seq.adapter is not None else ""
+        self._request_counters.setdefault(key, AdapterRequestCounters()).record(metrics)
+        for observer in self._observers:
+            observer(metrics)
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        pool = self.pool.snapshot()
+        per_adapter: dict[str, dict[str, Any]] = {}
+        for name, c in self._request_counters.items():
+            per_adapter.setdefault(name, {}).update(vars(c))
+        for name, c in self.pool.counters.items():
+            per_adapter.setdefault(name, {}).update(vars(c))
+        cache = self.block_manager.prefix_cache
+        return {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_block_refcount_total": self.block_manager.total_refcount,
+            "prefix_cache_hit_blocks": cache.hit_blocks if cache is not None else 0,
+            "prefix_cache_queried_blocks": cache.queried_blocks if cache is not None else 0,
+            "pool": pool,
+            "pool_device_bytes_in_use": pool["device_bytes_in_use"],
+            "pool_device_bytes_capacity": pool["device_bytes_capacity"],
+            "pool_device_bytes_if_padded": pool["device_bytes_if_padded"],
+            "host_entries": pool["host_entries"],
+            "total_refcounts": {"adapter_demand": pool["total_demand"], "adapter_device_refs": pool["total_device_refs"]},
+            "adapters": per_adapter,
+            "steps": self.steps,
+        }
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,433 @@
+"""Two-tier adapter pool: host LRU (``max_cpu_loras``) + device slots (``max_loras``).
+
+Stages: disk -> host (``loader``: read + validate, in a background thread) -> device
+(``writer.write_adapter(slot, adapter, row_start)`` on a copy stream, fenced by an
+event before any kernel reads the slot).
+
+Device rows. Every target slice has ``pool_rows`` rank-rows (``LoRASliceWeights``).
+An adapter takes one contiguous range of ``adapter.max_rank`` rows, at the same start
+in every slice, found first-fit over the gaps between resident ranges. So a rank-8
+adapter costs 8 rows, not ``max_lora_rank``: device bytes in use are
+
+    sum over resident adapters a of  max_rank(a) * row_bytes,
+    row_bytes = sum over target slices of (in + out) * element size,
+
+against ``len(resident) * max_lora_rank * row_bytes`` if every slot were padded.
+
+References. Two counts per ``AdapterRef``:
+
+- ``demand``: live requests (waiting or running) bound to the version. An entry with
+  demand > 0 is never evicted from the host tier. A version that is retired (hot update
+  replaced it, or its name was unregistered) is freed from both tiers when its demand
+  falls to 0.
+- ``device refs``: running sequences using the slot. A slot with refs > 0 is never
+  evicted or overwritten. Unreferenced slots stay resident (a later request hits them)
+  and are evicted least recently used first when rows or slots run out.
+
+Host capacity counts resident entries plus loads in flight. When every host entry is
+demanded, further loads wait in FIFO order until a request finishes.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from runtime.request import AdapterRef
+
+
+class DeviceWriter(Protocol):
+    def write_adapter(self, slot: int, adapter: Any, row_start: int) -> None: ...
+
+    def clear_slot(self, slot: int) -> None: ...
+
+
+Loader = Callable[[AdapterRef], Any]  # returns a LoRAAdapter with .max_rank; raises ValueError on bad input
+
+
+@dataclass
+class AdapterCounters:
+    """Per-adapter-name pool counters (summed over versions)."""
+
+    loads: int = 0  # disk -> host
+    load_time_s: float = 0.0
+    device_loads: int = 0  # host -> device
+    host_evictions: int = 0
+    device_evictions: int = 0
+    host_hits: int = 0  # request arrived with the adapter already on the host (not on device)
+    device_hits: int = 0  # request arrived with the adapter already on the device
+    disk_misses: int = 0  # request arrived with the adapter on disk only
+
+
+@dataclass
+class _DeviceEntry:
+    ref: AdapterRef
+    row_start: int
+    rows: int
+
+
+@dataclass
+class _Load:
+    future: Future
+    started: float
+
+
+class CopyFence:
+    """Orders adapter copies before the kernels that read them.
+
+    On CUDA/NPU the copies go to a side stream and an event is recorded per slot; before
+    a step, the compute stream waits on the events of the slots it will read. On CPU
+    copies are synchronous, so there is nothing to wait for.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._module = getattr(torch, device.type) if device.type in ("cuda", "npu") else None
+        self._stream = self._module.Stream(device=device) if self._module is not None else None
+        self._events: dict[int, Any] = {}
+
+    def copy(self, slot: int, fn: Callable[[], None]) -> None:
+        if self._module is None:
+            fn()
+            return
+        # The side stream must not start before the compute stream is done with the slot's
+        # previous occupant (eviction only happens to unreferenced slots, but an earlier
+        # step may still be executing).
+        self._stream.wait_stream(self._module.current_stream())
+        with self._module.stream(self._stream):
+            fn()
+            event = self._module.Event()
+            event.record(self._stream)
+        self._events[slot] = event
+
+    def wait(self, slots: Sequence[int]) -> None:
+        if self._module is None:
+            return
+        current = self._module.current_stream()
+        for slot in slots:
+            event = self._events.pop(slot, None)
+            if event is not None:
+                current.wait_event(event)
+
+
+@dataclass
+class PoolFailure:
+    ref: AdapterRef
+    message: str
+
+
+class AdapterPool:
+    def __init__(
+        self,
+        writer: DeviceWriter,
+        loader: Loader,
+        max_loras: int,
+        max_cpu_loras: int,
+        pool_rows: int,
+        max_lora_rank: int,
+        row_bytes: int = 0,
+        device: torch.device | str = "cpu",
+        async_loads: bool = True,
+    ) -> None:
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        if pool_rows < max_lora_rank:
+            raise ValueError(f"pool_rows ({pool_rows}) cannot hold one adapter of max_lora_rank={max_lora_rank}")
+        self.writer = writer
+        self.loader = loader
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.pool_rows = pool_rows
+        self.max_lora_rank = max_lora_rank
+        self.row_bytes = row_bytes
+        self._fence = CopyFence(torch.device(device))
+        self._executor: Optional[ThreadPoolExecutor] = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-load") if async_loads else None
+        )
+        self._host: "OrderedDict[AdapterRef, Any]" = OrderedDict()  # LRU: oldest first
+        self._loading: dict[AdapterRef, _Load] = {}
+        self._load_queue: deque[AdapterRef] = deque()
+        self._demand: dict[AdapterRef, int] = {}
+        self._retired: set[AdapterRef] = set()
+        self._slots: list[Optional[_DeviceEntry]] = [None] * max_loras
+        self._slot_of: dict[AdapterRef, int] = {}
+        self._device_refs: dict[AdapterRef, int] = {}
+        self._device_lru: "OrderedDict[AdapterRef, None]" = OrderedDict()  # oldest first
+        self._failures: list[PoolFailure] = []
+        self.counters: dict[str, AdapterCounters] = {}
+
+    # ---- host tier ---------------------------------------------------------------------
+    def insert_host(self, ref: AdapterRef, adapter: Any) -> bool:
+        """Cache an adapter loaded elsewhere (at registration); False if the host tier is full of demanded entries."""
+        if ref in self._host:
+            self._host.move_to_end(ref)
+            return True
+        if not self._make_host_room():
+            return False
+        self._host[ref] = adapter
+        return True
+
+    def demand(self, ref: AdapterRef) -> str:
+        """A request binds to ``ref``. Returns where the adapter was: "device", "host" or "disk"."""
+        counters = self._counters(ref)
+        self._demand[ref] = self._demand.get(ref, 0) + 1
+        if ref in self._slot_of:
+            counters.device_hits += 1
+            location = "device"
+        elif ref in self._host:
+            counters.host_hits += 1
+            location = "host"
+        else:
+            counters.disk_misses += 1
+            location = "disk"
+        if ref in self._host:
+            self._host.move_to_end(ref)
+        elif ref not in self._loading and ref not in self._load_queue:
+            self._load_queue.append(ref)
+        self._start_loads()
+        return location
+
+    def undemand(self, ref: AdapterRef) -> None:
+        """A request bound to ``ref`` finished or was aborted (including while its load is in flight)."""
+        left = self._demand.get(ref, 0) - 1
+        if left < 0:
+            raise AssertionError(f"adapter {ref}: demand went negative")
+        if left == 0:
+            del self._demand[ref]
+            if ref in self._load_queue:
+                self._load_queue.remove(ref)
+            if ref in self._retired:
+                self._free_version(ref)
+        else:
+            self._demand[ref] = left
+
+    def retire(self, ref: AdapterRef) -> None:
+        """``ref`` is no longer the current version of its name: free it after its last reader."""
+        self._retired.add(ref)
+        if self._demand.get(ref, 0) == 0:
+            self._free_version(ref)
+
+    def host_ready(self, ref: AdapterRef) -> bool:
+        return ref in self._host
+
+    def poll(self) -> list[PoolFailure]:
+        """Collect finished loads, start queued ones; returns loads that failed since the last poll."""
+        for ref, load in list(self._loading.items()):
+            if load.future.done():
+                self._finish_load(ref, load)
+        self._start_loads()
+        failures, self._failures = self._failures, []
+        return failures
+
+    def wait_for_load(self, timeout: Optional[float] = None) -> None:
+        """Block until at least one in-flight load finishes (used when nothing else can run)."""
+        futures = [load.future for load in self._loading.values()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    @property
+    def loads_pending(self) -> bool:
+        return bool(self._loading) or bool(self._load_queue)
+
+    # ---- device tier ----------------------------------------------------------------------
+    def slot_of(self, ref: AdapterRef) -> Optional[int]:
+        return self._slot_of.get(ref)
+
+    def acquire_device(self, ref: AdapterRef) -> Optional[int]:
+        """Pin ``ref`` on the device for one running sequence; None if it cannot be placed now."""
+        slot = self._slot_of.get(ref)
+        if slot is None:
+            if ref not in self._host:
+                return None
+            removable = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
+            plan = self._plan(self._host[ref].max_rank, removable)
+            if plan is None:
+                return None
+            evict, slot, row_start = plan
+            for victim in evict:
+                self._evict_device(victim)
+            self._write(ref, slot, row_start)
+        self._device_refs[ref] = self._device_refs.get(ref, 0) + 1
+        self._device_lru.move_to_end(ref)
+        return slot
+
+    def release_device(self, ref: AdapterRef) -> None:
+        left = self._device_refs.get(ref, 0) - 1
+        if left < 0:
+            raise AssertionError(f"adapter {ref}: device refs went negative")
+        self._device_refs[ref] = left
+        if left == 0 and ref in self._retired and self._demand.get(ref, 0) == 0:
+            self._free_version(ref)
+
+    def device_blockers(self, ref: AdapterRef, prefer: Sequence[AdapterRef]) -> Optional[list[AdapterRef]]:
+        """Referenced resident adapters that must drain before ``ref`` fits (in ``prefer`` order).
+
+        Unreferenced residents are assumed evicted first. None: ``ref`` cannot fit even
+        after every adapter in ``prefer`` drains (or it is not on the host yet).
+        """
+        if ref not in self._host:
+            return None
+        unreferenced = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
+        referenced = [r for r in prefer if r in self._slot_of and self._device_refs.get(r, 0) > 0]
+        plan = self._plan(self._host[ref].max_rank, unreferenced + referenced)
+        if plan is None:
+            return None
+        return [r for r in plan[0] if self._device_refs.get(r, 0) > 0]
+
+    def prefetch(self, refs: Sequence[AdapterRef]) -> None:
+        """Copy host-ready adapters into free device space ahead of need (never evicts)."""
+        for ref in refs:
+            if ref in self._slot_of or ref not in self._host:
+                continue
+            plan = self._plan(self._host[ref].max_rank, [])
+            if plan is None:
+                return
+            _, slot, row_start = plan
+            self._write(ref, slot, row_start)
+            self._device_refs.setdefault(ref, 0)
+
+    def fence(self, slots: Sequence[int]) -> None:
+        """Make the compute stream wait for the copies into ``slots``."""
+        self._fence.wait(slots)
+
+    # ---- reporting -----------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        resident = [e for e in self._slots if e is not None]
+        rows_used = sum(e.rows for e in resident)
+        return {
+            "device_slots_used": len(resident),
+            "device_slots_total": self.max_loras,
+            "device_rows_used": rows_used,
+            "device_rows_total": self.pool_rows,
+            "device_bytes_in_use": rows_used * self.row_bytes,
+            "device_bytes_capacity": self.pool_rows * self.row_bytes,
+            "device_bytes_if_padded": len(resident) * self.max_lora_rank * self.row_bytes,
+            "host_entries": len(self._host),
+            "host_capacity": self.max_cpu_loras,
+            "loads_in_flight": len(self._loading),
+            "loads_queued": len(self._load_queue),
+            "total_demand": sum(self._demand.values()),
+            "total_device_refs": sum(self._device_refs.values()),
+        }
+
+    def demand_of(self, ref: AdapterRef) -> int:
+        return self._demand.get(ref, 0)
+
+    def device_refs_of(self, ref: AdapterRef) -> int:
+        return self._device_refs.get(ref, 0)
+
+    def host_refs(self) -> list[AdapterRef]:
+        return list(self._host)
+
+    def device_residents(self) -> dict[int, tuple[AdapterRef, int, int]]:
+        return {i: (e.ref, e.row_start, e.rows) for i, e in enumerate(self._slots) if e is not None}
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _counters(self, ref: AdapterRef) -> AdapterCounters:
+        return self.counters.setdefault(ref.name, AdapterCounters())
+
+    def _make_host_room(self) -> bool:
+        """Evict unreferenced host entries (LRU) until one more entry fits."""
+        while len(self._host) + len(self._loading) >= self.max_cpu_loras:
+            victim = next((r for r in self._host if self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0), None)
+            if victim is None:
+                return False
+            self._evict_host(victim)
+        return True
+
+    def _start_loads(self) -> None:
+        while self._load_queue and self._make_host_room():
+            ref = self._load_queue.popleft()
+            started = time.perf_counter()
+            if self._executor is None:
+                future: Future = Future()
+                try:
+                    future.set_result(self.loader(ref))
+                except Exception as err:  # recorded and reported to the requests bound to ref
+                    future.set_exception(err)
+            else:
+                future = self._executor.submit(self.loader, ref)
+            self._loading[ref] = _Load(future, started)
+            if self._executor is None:
+                self._finish_load(ref, self._loading[ref])
+
+    def _finish_load(self, ref: AdapterRef, load: _Load) -> None:
+        del self._loading[ref]
+        counters = self._counters(ref)
+        err = load.future.exception()
+        if err is not None:
+            if self._demand.get(ref, 0) > 0:
+                self._failures.append(PoolFailure(ref, f"loading adapter {ref.name!r} (version {ref.version[:12]}) failed: {err}"))
+            return
+        counters.loads += 1
+        counters.load_time_s += time.perf_counter() - load.started
+        if self._demand.get(ref, 0) == 0 and ref in self._retired:
+            self._retired.discard(ref)  # aborted while loading and retired: nobody will read it
+            return
+        self._host[ref] = load.future.result()
+
+    def _plan(self, rows: int, removable: Sequence[AdapterRef]) -> Optional[tuple[list[AdapterRef], int, int]]:
+        """(adapters to evict, slot, row_start) to place ``rows`` rows, evicting a prefix of ``removable``."""
+        for k in range(len(removable) + 1):
+            gone = set(removable[:k])
+            entries = [e for e in self._slots if e is not None and e.ref not in gone]
+            free_slot = next((i for i, e in enumerate(self._slots) if e is None or e.ref in gone), None)
+            if free_slot is None:
+                continue
+            start = _first_fit(sorted((e.row_start, e.row_start + e.rows) for e in entries), rows, self.pool_rows)
+            if start is not None:
+                return list(removable[:k]), free_slot, start
+        return None
+
+    def _write(self, ref: AdapterRef, slot: int, row_start: int) -> None:
+        adapter = self._host[ref]
+        self._fence.copy(slot, lambda: self.writer.write_adapter(slot, adapter, row_start))
+        self._slots[slot] = _DeviceEntry(ref, row_start, adapter.max_rank)
+        self._slot_of[ref] = slot
+        self._device_lru[ref] = None
+        self._host.move_to_end(ref)
+        self._counters(ref).device_loads += 1
+
+    def _evict_device(self, ref: AdapterRef) -> None:
+        if self._device_refs.get(ref, 0) > 0:
+            raise AssertionError(f"adapter {ref} is referenced by a running request and cannot be evicted")
+        slot = self._slot_of.pop(ref)
+        self._slots[slot] = None
+        self._device_lru.pop(ref, None)
+        self._device_refs.pop(ref, None)
+        self.writer.clear_slot(slot)
+        self._counters(ref).device_evictions += 1
+
+    def _evict_host(self, ref: AdapterRef) -> None:
+        if self._demand.get(ref, 0) > 0:
+            raise AssertionError(f"adapter {ref} is demanded by a request and cannot be evicted from the host")
+        del self._host[ref]
+        self._counters(ref).host_evictions += 1
+
+    def _free_version(self, ref: AdapterRef) -> None:
+        """Drop a retired version with no readers from both tiers."""
+        if ref in self._slot_of and self._device_refs.get(ref, 0) == 0:
+            self._evict_device(ref)
+        if ref in self._host:
+            self._evict_host(ref)
+        if ref in self._load_queue:
+            self._load_queue.remove(ref)
+        if ref not in self._slot_of and ref not in self._loading:
+            self._retired.discard(ref)
+
+
+def _first_fit(used: Sequence[tuple[int, int]], rows: int, capacity: int) -> Optional[int]:
+    """Lowest start of a gap of ``rows`` rows between the sorted used ranges [a, b)."""
+    cursor = 0
+    for a, b in used:
+        if a - cursor >= rows:
+            return cursor
+        cursor = max(cursor, b)
+    return cursor if capacity - cursor >= rows else None

@@ -1,0 +1,101 @@
+"""Adapter registry: name -> current version, and every version that still has readers.
+
+Registering a name loads and validates the adapter (the caller passes the loaded
+``LoRAAdapter``); its content hash is the version. Registering an existing name with
+different content makes a new current version; the old version stays known (path and
+all) until its last reader, a request bound to it at arrival, has finished.
+Unregistering removes the name at once: new requests get ``UnknownAdapterError``,
+requests already bound keep their version record until they finish.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from runtime.request import AdapterRef, UnknownAdapterError
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What ``LLMEngine.adapters()`` lists for each registered name."""
+
+    name: str
+    version: str
+    path: str
+    max_rank: int
+
+
+@dataclass
+class _VersionRecord:
+    ref: AdapterRef
+    path: str
+    max_rank: int
+    readers: int = 0
+
+
+class AdapterRegistry:
+    def __init__(self) -> None:
+        self._current: dict[str, AdapterRef] = {}
+        self._records: dict[AdapterRef, _VersionRecord] = {}
+
+    def register(self, ref: AdapterRef, path: str, max_rank: int) -> Optional[AdapterRef]:
+        """Make ``ref`` the current version of ``ref.name``; returns the version it replaces (or None)."""
+        previous = self._current.get(ref.name)
+        self._current[ref.name] = ref
+        record = self._records.get(ref)
+        if record is None:
+            self._records[ref] = _VersionRecord(ref, path, max_rank)
+        else:
+            record.path = path
+        if previous is not None and previous != ref:
+            self._drop_if_unused(previous)
+            return previous
+        return None
+
+    def unregister(self, name: str) -> AdapterRef:
+        """Remove ``name``; returns its last version. Unknown names raise UnknownAdapterError."""
+        ref = self._current.pop(name, None)
+        if ref is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {sorted(self._current) or 'none'}")
+        self._drop_if_unused(ref)
+        return ref
+
+    def resolve(self, name: str) -> AdapterRef:
+        ref = self._current.get(name)
+        if ref is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {sorted(self._current) or 'none'}")
+        return ref
+
+    def acquire(self, ref: AdapterRef) -> None:
+        self._records[ref].readers += 1
+
+    def release(self, ref: AdapterRef) -> None:
+        record = self._records[ref]
+        record.readers -= 1
+        if record.readers < 0:
+            raise AssertionError(f"adapter {ref} reader count went negative")
+        self._drop_if_unused(ref)
+
+    def is_current(self, ref: AdapterRef) -> bool:
+        return self._current.get(ref.name) == ref
+
+    def path_of(self, ref: AdapterRef) -> str:
+        return self._records[ref].path
+
+    def readers(self, ref: AdapterRef) -> int:
+        record = self._records.get(ref)
+        return record.readers if record is not None else 0
+
+    def known(self, ref: AdapterRef) -> bool:
+        return ref in self._records
+
+    def infos(self) -> list[AdapterInfo]:
+        return [
+            AdapterInfo(name, ref.version, self._records[ref].path, self._records[ref].max_rank)
+            for name, ref in sorted(self._current.items())
+        ]
+
+    def _drop_if_unused(self, ref: AdapterRef) -> None:
+        record = self._records.get(ref)
+        if record is not None and record.readers == 0 and not self.is_current(ref):
+            del self._records[ref]

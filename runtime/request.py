@@ -1,0 +1,164 @@
+"""Requests: sampling parameters, adapter identity, outputs, and the errors ``add_request`` raises.
+
+A request is bound, at arrival, to one immutable ``AdapterRef(name, version)`` (or to
+no adapter). It keeps that binding for its whole life, also across a hot update of
+the name, so it always finishes on the weights it started with.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class UnknownAdapterError(ValueError):
+    """The request (or an admin call) names an adapter that is not registered."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt, or prompt + max_tokens, exceeds the model's maximum length."""
+
+
+class RequestRejected(ValueError):
+    """The request can never be served by this engine (e.g. it needs more KV blocks than the pool has)."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Immutable adapter identity: the registered name and the content hash of its weights + config."""
+
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version[:12]}"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 means greedy (argmax); otherwise sample from softmax(logits / temperature).
+    top_k:       keep only the k most likely tokens (0 = off).
+    top_p:       keep the smallest set of most likely tokens whose probability mass is >= top_p.
+    seed:        seeds this request's own torch.Generator (None: drawn from the engine's seed).
+    stop:        strings that end generation; the returned text is cut before the stop string.
+    stop_token_ids: token ids that end generation (finish_reason "stop").
+    ignore_eos:  keep generating past the tokenizer's eos tokens.
+    max_tokens:  most new tokens (finish_reason "length" when reached).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists for convenience but store tuples, so the object stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed: must be a non-negative integer or None, got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One incremental update of a request.
+
+    new_token_ids / new_text: what this step added; token_ids / text: everything so far.
+    ``text`` never contains a stop string or anything after it; while a request with stop
+    strings runs, the last ``len(longest stop) - 1`` characters are held back so a
+    streamed prefix of a stop string is never emitted and then retracted.
+    """
+
+    request_id: str
+    adapter: Optional[AdapterRef]
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: Optional[FinishReason]
+    error: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-internal state of one request (prompt + generated tokens, KV progress, timings).
+
+    ``num_computed`` counts the leading tokens of ``all_token_ids`` whose KV is in the cache.
+    The tokens still to run are ``all_token_ids[num_computed:]``; a decode step is the
+    case where only the last sampled token is left. Preemption by recompute resets
+    ``num_computed`` to 0 and keeps the generated tokens, which are prefilled again.
+    """
+
+    request_id: str
+    arrival_index: int  # monotone admission order; "newest" = largest
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: Optional[AdapterRef]
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    preemptions: int = 0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    finish_reason: Optional[FinishReason] = None
+    error: Optional[str] = None
+    adapter_location: str = "none"  # "device" | "host" | "disk" at arrival, "none" without adapter
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,99 @@
+"""Token selection and token-level stop rules.
+
+For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams``:
+
+    greedy (temperature == 0):  next = argmax_j z_j            (lowest index on ties)
+    otherwise:                  z' = z / temperature
+                                top_k > 0: z'_j = -inf unless z_j is among the k largest
+                                top_p < 1: keep the smallest prefix of tokens sorted by
+                                           probability whose mass reaches top_p (the most
+                                           likely token is always kept)
+                                next ~ Categorical(softmax(z'))  drawn with the request's own
+                                       torch.Generator, so a seeded request gives the same
+                                       tokens whatever else is in the batch.
+
+Stop rules after a token is appended (the string-level ``stop`` rule lives in
+``runtime.detokenizer``): eos (unless ignore_eos) or a ``stop_token_ids`` member gives
+"stop"; reaching ``max_tokens`` gives "length".
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from runtime.request import FinishReason, SamplingParams
+
+
+class Sampler:
+    """Picks one token per logits row; owns one torch.Generator per sampling request."""
+
+    def __init__(self, seed: int = 0) -> None:
+        # Seeds for requests that bring none are drawn from this generator, so one engine
+        # run is reproducible given the engine's seed.
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        if params.greedy:
+            return
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
+        self._generators[request_id] = torch.Generator().manual_seed(seed)
+
+    def remove(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> list[int]:
+        """One token per row of ``logits`` [n, vocab]."""
+        if logits.dim() != 2 or logits.shape[0] != len(request_ids) or len(params) != len(request_ids):
+            raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(request_ids)} requests")
+        logits = logits.float()
+        out = [0] * len(request_ids)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            picked = logits[greedy_rows].argmax(dim=-1).tolist()
+            for i, tok in zip(greedy_rows, picked):
+                out[i] = int(tok)
+        for i, p in enumerate(params):
+            if not p.greedy:
+                out[i] = sample_row(logits[i], p, self._generators[request_ids[i]])
+        return out
+
+
+def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:
+    """Temperature, top-k and top-p applied to one row (see module docstring)."""
+    z = z.float() / params.temperature
+    vocab = z.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = torch.where(z < kth, torch.full_like(z, float("-inf")), z)
+    if params.top_p < 1.0:
+        sorted_z, order = torch.sort(z, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= params.top_p  # token j is dropped once the mass before it suffices
+        drop_sorted[0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+def sample_row(z: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    probs = torch.softmax(filtered_logits(z, params), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_stop_reason(
+    token: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Iterable[int]
+) -> Optional[FinishReason]:
+    """Finish reason after appending ``token`` (the request's ``num_output_tokens``-th), or None."""
+    if token in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token in set(eos_token_ids):
+        return "stop"
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    return None

@@ -1,0 +1,242 @@
+"""Continuous batching with chunked prefill, a device-slot limit, and fairness across adapters.
+
+Plain Python: no torch, no device code. Each ``schedule()`` builds one step under two
+budgets, ``max_num_batched_tokens`` (C) and ``max_num_seqs``:
+
+1. Running sequences, decodes first, then unfinished prefills, oldest first. A
+   sequence gets ``min(tokens left to compute, budget left)`` tokens: long prompts are
+   prefilled in chunks while decodes keep going. When the KV pool cannot hold a
+   sequence's next chunk, the newest running sequence is preempted by recompute (its
+   blocks are freed, its tokens kept; it goes back to the front of its adapter's queue
+   and is prefilled again later). Nothing is ever dropped.
+2. If nothing was preempted, waiting requests are admitted while budget, sequence and
+   KV room remain. A request with an adapter must hold a device slot; the slots are
+   ``max_loras``, so a step never has more than ``max_loras`` distinct adapters.
+
+Fairness (virtual token counter, after Sheng et al., "Fairness in Serving Large
+Language Models", OSDI'24). Each adapter key (an ``AdapterRef``, or None for the base
+model) has a counter ``c`` of tokens it was served (prefill and decode tokens, weight
+1). Admission always picks the backlogged key with the smallest ``(c, arrival of its
+oldest waiting request)``. A key that becomes backlogged (no waiting or running
+request before) is lifted to ``c = max(c, min c over backlogged keys)``, so idle time
+is never banked as credit. If the chosen key X cannot get a device slot (every slot, or
+the rows it needs, are held by running requests), the scheduler computes the resident
+adapters whose rows X needs (most-served first) and stops admitting *new* requests of
+those adapters ("drain"); their running requests finish and free the slot, and X, still
+holding the minimum counter, takes it at the start of the next step.
+
+Bound (documented guarantee, tested in tests/test_scheduler.py and tests/test_engine.py).
+Let P be the longest prompt, M the largest max_tokens of the drained requests, C the
+token budget. Once X's oldest request is at the head of X's queue, X's adapter is on
+the host and X holds the minimum counter, the request is admitted within
+
+    ceil(P / C) + M + 1 steps
+
+(the drained requests' remaining prefill chunks and decodes, plus the step in which
+the slot is taken), not counting steps lost to KV-pressure preemption. A newly
+backlogged X holds the minimum as soon as keys with a smaller or equal counter and an
+older head have been served one more token, i.e. after at most one more admission per
+such key.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional, Protocol, Sequence as Seq
+
+from runtime.kv.block_manager import BlockManager
+from runtime.request import AdapterRef, Sequence
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs from the adapter pool (``runtime.lora.pool.AdapterPool``)."""
+
+    def host_ready(self, ref: AdapterRef) -> bool: ...
+
+    def acquire_device(self, ref: AdapterRef) -> Optional[int]: ...
+
+    def release_device(self, ref: AdapterRef) -> None: ...
+
+    def device_blockers(self, ref: AdapterRef, prefer: Seq[AdapterRef]) -> Optional[list[AdapterRef]]: ...
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at ``seq.num_computed``; ``sample`` when they reach its end."""
+
+    seq: Sequence
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    drained: list[Optional[AdapterRef]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def adapters(self) -> set[AdapterRef]:
+        return {c.seq.adapter for c in self.chunks if c.seq.adapter is not None}
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        pool: AdapterSlots,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int,
+        prefix_seed: Optional[Callable[[Optional[AdapterRef]], Optional[bytes]]] = None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
+        self._prefix_seed = prefix_seed
+        self.waiting: dict[Optional[AdapterRef], deque[Sequence]] = {}
+        self.running: list[Sequence] = []  # sorted by arrival_index (oldest first)
+        self.counters: dict[Optional[AdapterRef], float] = {}
+
+    # ---- queue membership ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        key = seq.adapter
+        if not self._backlogged(key):
+            active = [self.counters.get(k, 0.0) for k in self._backlogged_keys()]
+            if active:
+                self.counters[key] = max(self.counters.get(key, 0.0), min(active))
+        self.counters.setdefault(key, 0.0)
+        self.waiting.setdefault(key, deque()).append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out (finish or abort): frees its KV blocks and its device slot reference."""
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.adapter is not None:
+                self.pool.release_device(seq.adapter)
+        else:
+            queue = self.waiting.get(seq.adapter)
+            if queue is not None and seq in queue:
+                queue.remove(seq)
+                if not queue:
+                    del self.waiting[seq.adapter]
+        self.block_manager.free(seq.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or any(self.waiting.values())
+
+    def waiting_adapters(self) -> list[AdapterRef]:
+        """Adapters of waiting requests in the order admission would consider them (for prefetch)."""
+        keys = [k for k, q in self.waiting.items() if q and k is not None]
+        return sorted(keys, key=lambda k: (self.counters.get(k, 0.0), self.waiting[k][0].arrival_index))
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        planned: dict[Sequence, int] = {}
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.block_manager.ensure(seq.request_id, seq.num_computed + n):
+                victim = self.running[-1]
+                if victim in planned:
+                    budget += planned.pop(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                planned[seq] = n
+                budget -= n
+        if not out.preempted:
+            budget = self._admit(out, planned, budget)
+        for seq, n in planned.items():
+            out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
+            self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
+        if len(out.adapters) > self.max_loras:
+            raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
+        return out
+
+    def _admit(self, out: SchedulerOutput, planned: dict[Sequence, int], budget: int) -> int:
+        blocked: set[Optional[AdapterRef]] = set()
+        drained: set[AdapterRef] = set()
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            candidates = [
+                k
+                for k, q in self.waiting.items()
+                if q and k not in blocked and k not in drained and (k is None or self.pool.host_ready(k))
+            ]
+            if not candidates:
+                break
+            # The counter is charged for tokens planned in this step too, so two
+            # admissions in one step already see each other's cost.
+            key = min(candidates, key=lambda k: (self._charged(k, planned), self.waiting[k][0].arrival_index))
+            seq = self.waiting[key][0]
+            if key is not None and self.pool.acquire_device(key) is None:
+                blocked.add(key)
+                resident = {s.adapter for s in self.running if s.adapter is not None}
+                prefer = sorted(resident, key=lambda k: -self._charged(k, planned))
+                for victim in self.pool.device_blockers(key, prefer) or []:
+                    drained.add(victim)
+                    if victim not in out.drained:
+                        out.drained.append(victim)
+                continue
+            seed = self._prefix_seed(key) if self._prefix_seed is not None else None
+            seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids)
+            n = min(seq.num_uncomputed, budget)
+            if not self.block_manager.ensure(seq.request_id, seq.num_computed + n):
+                # Not enough KV for even its first chunk: stop admitting (first come first
+                # served on memory, so a large request is not overtaken forever).
+                self.block_manager.free(seq.request_id)
+                seq.num_computed = 0
+                if key is not None:
+                    self.pool.release_device(key)
+                break
+            self.waiting[key].popleft()
+            if not self.waiting[key]:
+                del self.waiting[key]
+            bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
+            out.admitted.append(seq)
+            planned[seq] = n
+            budget -= n
+        return budget
+
+    def _charged(self, key: Optional[AdapterRef], planned: dict[Sequence, int]) -> float:
+        return self.counters.get(key, 0.0) + sum(n for s, n in planned.items() if s.adapter == key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        if seq.adapter is not None:
+            self.pool.release_device(seq.adapter)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.waiting.setdefault(seq.adapter, deque()).appendleft(seq)
+
+    def _backlogged(self, key: Hashable) -> bool:
+        return bool(self.waiting.get(key)) or any(s.adapter == key for s in self.running)
+
+    def _backlogged_keys(self) -> set:
+        return {k for k, q in self.waiting.items() if q} | {s.adapter for s in self.running}
