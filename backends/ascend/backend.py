@@ -1,0 +1,45 @@
+"""The Ascend NPU backend (registry name ``npu``): torch_npu operators for LoRA, with
+declared plain-torch fallbacks, and gather + SDPA attention (device-generic).
+
+``AscendBackend(device="npu", npu_ops=None, soc_name=None)``:
+
+- ``npu_ops`` provides ``npu_grouped_matmul`` and ``npu_batch_gather_matmul_``. ``None``
+  imports ``torch_npu`` (lazily, here, never at module import). Tests inject an
+  emulation of the documented semantics; nothing ships one as a fallback.
+- ``soc_name`` is the device name (``Ascend910B2``...). ``None`` asks
+  ``torch_npu.npu.get_device_name``. It decides which ops are allowed (``soc.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from backends.ascend import import_guard
+from backends.ascend.fallback_log import FallbackLog
+from backends.ascend.lora_ops import AscendLoRAOps
+from backends.ascend.soc import classify
+from backends.reference import ReferenceAttention
+
+
+class AscendBackend:
+    name = "npu"
+
+    def __init__(self, device: str | torch.device = "npu", npu_ops=None, soc_name: str | None = None) -> None:
+        torch_npu = None
+        if npu_ops is None or soc_name is None:
+            torch_npu = import_guard.import_torch_npu()  # registers the "npu" device type with torch
+        self.device = torch.device(device)
+        if soc_name is None:
+            soc_name = torch_npu.npu.get_device_name(self.device)
+        self.soc_name = soc_name
+        self.soc = classify(soc_name)
+        self.fallbacks = FallbackLog()
+        self.lora = AscendLoRAOps(torch_npu if npu_ops is None else npu_ops, self.soc, self.fallbacks)
+        self.attention = ReferenceAttention()
+
+    @staticmethod
+    def availability() -> tuple[bool, str]:
+        return import_guard.availability()
+
+    def synchronize(self) -> None:
+        if self.device.type == "npu":
+            torch.npu.synchronize(self.device)

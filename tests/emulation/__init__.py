@@ -1,0 +1,1 @@
+"""CPU emulations of device operators, written from their documentation. Tests only."""

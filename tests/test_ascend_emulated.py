@@ -1,0 +1,332 @@
+"""The Ascend backend on CPU, against an emulation of torch_npu's documented op semantics.
+
+Everything here is "emulated": it checks the arguments the backend builds for
+``npu_grouped_matmul`` / ``npu_batch_gather_matmul_`` (the emulation rejects what the
+docs forbid), the plain-torch fallback, where each declared fallback triggers, and
+the import-error message. Nothing here has run on Ascend hardware.
+"""
+from __future__ import annotations
+
+import ast
+import zlib
+import importlib.util
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends import availability as registry_availability
+from backends.ascend.backend import AscendBackend
+from backends.ascend.import_guard import TorchNpuImportError
+from backends.reference import ReferenceLoRAOps
+from runtime.backend_api import apply_lora
+from runtime.lora.batch_meta import LoRABatchMeta
+from tests.emulation.lora_grid import POPULARITY, TOLERANCE, expected_float64, make_weights, token_slots
+from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps, NpuOpError
+
+pytestmark = pytest.mark.emulated
+
+A2 = "Ascend910B2"
+ASCEND_SRC = Path(__file__).resolve().parents[1] / "backends" / "ascend"
+
+
+def seeded(*key) -> torch.Generator:
+    """A generator seeded from the test's parameters (stable across runs, distinct per case)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def emulated_backend(soc: str = A2) -> tuple[AscendBackend, EmulatedTorchNpuOps]:
+    ops = EmulatedTorchNpuOps()
+    return AscendBackend(device="cpu", npu_ops=ops, soc_name=soc), ops
+
+
+def run_both(backend, weights, slots, decode_only, dtype, gen, offsets=None):
+    """(ascend result, reference-ops result, float64 expectation) for one step."""
+    offsets = offsets or [sum(w.out_features for w in weights[:i]) for i in range(len(weights))]
+    width = offsets[-1] + weights[-1].out_features
+    t = len(slots)
+    x = torch.randn(t, weights[0].in_features, generator=gen).to(dtype)
+    y0 = torch.randn(t, width, generator=gen).to(dtype)
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=decode_only)
+    max_rank = max(w.max_rank for w in weights)
+    # Garbage in the workspace: entries beyond a row's rank must never be read.
+    ws_a = torch.randn(len(weights), t, max_rank, generator=gen)
+    ws_b = ws_a.clone()
+    y_npu, y_ref = y0.clone(), y0.clone()
+    backend.lora.apply(x, y_npu, weights, meta, offsets, ws_a)
+    apply_lora(ReferenceLoRAOps(), x, y_ref, weights, meta, offsets, ws_b)
+    return y_npu, y_ref, expected_float64(x, y0, weights, slots, offsets)
+
+
+def assert_close(y_npu, y_ref, y64, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y_npu.double(), y64, atol=tol, rtol=tol)
+    torch.testing.assert_close(y_npu.double(), y_ref.double(), atol=tol, rtol=tol)
+
+
+# Three slices (q/k/v-like widths), eight slots at mixed ranks, one slot absent from slice 1.
+DIMS = [(32, 32), (32, 16), (32, 48)]
+RANKS = [
+    [16, 8, 32, 16, 4, 32, 16, 8],
+    [16, 0, 32, 16, 4, 32, 0, 8],
+    [16, 8, 32, 16, 4, 32, 16, 8],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_emulated_prefill_grouped_matmul_matches_reference(dtype, popularity):
+    gen = seeded((str(dtype), popularity))
+    backend, ops = emulated_backend()
+    weights = make_weights(DIMS, RANKS, dtype, "cpu", gen)
+    slots = token_slots(popularity, 24, 8, gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=False, dtype=dtype, gen=gen)
+    assert_close(y_npu, y_ref, y64, dtype)
+    assert ops.calls["npu_grouped_matmul"] > 0
+    assert backend.fallbacks.counts == {}, "Atlas A2 takes fp16/bf16/fp32 grouped matmul: no fallback is declared"
+
+
+def test_emulated_prefill_one_call_per_rank_bucket():
+    gen = torch.Generator().manual_seed(1)
+    backend, ops = emulated_backend()
+    weights = make_weights([(32, 32)], [[16, 8, 16, 8, 32]], torch.float32, "cpu", gen)
+    slots = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, -1]
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=False, dtype=torch.float32, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float32)
+    # ranks {8, 16, 32}: three buckets, each one shrink and one expand call; no padding.
+    assert ops.calls["npu_grouped_matmul"] == 6
+    assert sorted(ops.groups_per_call) == [1, 1, 2, 2, 2, 2]
+
+
+def test_emulated_prefill_splits_beyond_128_segments():
+    gen = torch.Generator().manual_seed(2)
+    backend, ops = emulated_backend()
+    n_slots = 130
+    weights = make_weights([(16, 16)], [[4] * n_slots], torch.float32, "cpu", gen)
+    slots = list(range(n_slots)) + [-1, 5, 129]
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=False, dtype=torch.float32, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float32)
+    assert ops.groups_per_call == [128, 2, 128, 2]  # shrink split, then expand split
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_emulated_decode_fused_and_torch_path_match_reference(popularity):
+    """fp16 on A2: ranks 16/32 go to the fused op, ranks 8/4 to the torch path, in one step."""
+    gen = seeded(popularity)
+    backend, ops = emulated_backend()
+    weights = make_weights(DIMS, RANKS, torch.float16, "cpu", gen)
+    slots = token_slots(popularity, 16, 8, gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=True, dtype=torch.float16, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float16)
+    used_ranks = {w.host_rank[s] for w in weights for s in slots if s >= 0}
+    assert (ops.calls["npu_batch_gather_matmul"] > 0) == bool(used_ranks & {16, 32})
+    assert ("decode:rank" in backend.fallbacks.counts) == bool(used_ranks & {4, 8})
+
+
+@pytest.mark.parametrize(
+    "dtype, rank, fused, reason",
+    [
+        (torch.float16, 16, True, None),
+        (torch.float16, 128, True, None),
+        (torch.bfloat16, 16, False, "decode:dtype"),
+        (torch.float32, 16, False, "decode:dtype"),
+        (torch.float16, 8, False, "decode:rank"),
+        (torch.float16, 24, False, "decode:rank"),
+        (torch.float16, 256, False, "decode:rank"),
+    ],
+)
+def test_emulated_decode_fallback_triggers_exactly_where_declared(dtype, rank, fused, reason):
+    gen = torch.Generator().manual_seed(rank)
+    backend, ops = emulated_backend()
+    weights = make_weights([(32, 32), (32, 16)], [[rank, rank], [rank, rank]], dtype, "cpu", gen)
+    slots = [0, 1, -1, 1, 0]
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=True, dtype=dtype, gen=gen)
+    assert_close(y_npu, y_ref, y64, dtype)
+    assert ops.calls["npu_batch_gather_matmul"] == (2 if fused else 0)  # one per slice (one rank bucket)
+    assert backend.fallbacks.counts == ({} if fused else {reason: 2})
+
+
+def test_emulated_decode_slice_as_wide_as_y_falls_back():
+    """Docs: H2 < y_column. A lone slice filling y takes the torch path (conservative reading)."""
+    gen = torch.Generator().manual_seed(3)
+    backend, ops = emulated_backend()
+    weights = make_weights([(32, 32)], [[16, 16]], torch.float16, "cpu", gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, [0, 1, -1], decode_only=True, dtype=torch.float16, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float16)
+    assert ops.calls["npu_batch_gather_matmul"] == 0
+    assert backend.fallbacks.counts == {"decode:slice-width": 1}
+
+
+def test_emulated_fallback_logged_once_per_reason(caplog):
+    gen = torch.Generator().manual_seed(4)
+    backend, _ = emulated_backend()
+    weights = make_weights([(32, 32), (32, 16)], [[8, 8], [8, 8]], torch.float16, "cpu", gen)
+    with caplog.at_level(logging.WARNING, logger="lorafleet.backends.ascend"):
+        for _ in range(3):
+            run_both(backend, weights, [0, 1], decode_only=True, dtype=torch.float16, gen=gen)
+    assert backend.fallbacks.counts == {"decode:rank": 6}
+    assert [r.getMessage().count("decode:rank") for r in caplog.records] == [1]
+    # The once-state belongs to the backend object: a new backend logs again.
+    other, _ = emulated_backend()
+    with caplog.at_level(logging.WARNING, logger="lorafleet.backends.ascend"):
+        run_both(other, weights, [0, 1], decode_only=True, dtype=torch.float16, gen=gen)
+    assert len(caplog.records) == 2
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_emulated_torch_path_matches_reference(decode_only, popularity):
+    """A SoC the docs do not cover (A3 name): every call takes the torch path, and no op is used."""
+    gen = seeded((decode_only, popularity))
+    backend, ops = emulated_backend(soc="Ascend910_9392")
+    weights = make_weights(DIMS, RANKS, torch.float32, "cpu", gen)
+    slots = token_slots(popularity, 20, 8, gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=decode_only, dtype=torch.float32, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float32)
+    assert sum(ops.calls.values()) == 0
+    if any(s >= 0 for s in slots):
+        assert set(backend.fallbacks.counts) == {"decode:soc" if decode_only else "prefill:soc"}
+
+
+def test_emulated_310p_prefill_falls_back_where_n_is_not_a_multiple_of_16():
+    gen = torch.Generator().manual_seed(5)
+    backend, ops = emulated_backend(soc="Ascend310P3")
+    weights = make_weights([(32, 48)], [[8, 16]], torch.float16, "cpu", gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, [0, 1, 1, -1, 0], decode_only=False, dtype=torch.float16, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float16)
+    # shrink: rank 8 (N=8) falls back, rank 16 runs; expand: N=48 runs for both buckets.
+    assert ops.calls["npu_grouped_matmul"] == 3
+    assert backend.fallbacks.counts == {"prefill:n-multiple-16": 1}
+
+
+def test_emulated_split_decode_calls_take_the_torch_path():
+    gen = torch.Generator().manual_seed(6)
+    backend, ops = emulated_backend()
+    weights = make_weights(DIMS, RANKS, torch.float16, "cpu", gen)
+    slots = [0, 2, -1, 5, 3]
+    x = torch.randn(5, 32, generator=gen).half()
+    y0 = torch.randn(5, 96, generator=gen).half()
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    y = y0.clone()
+    apply_lora(backend.lora, x, y, weights, meta, [0, 32, 48], torch.randn(3, 5, 32, generator=gen))
+    assert_close(y, y, expected_float64(x, y0, weights, slots, [0, 32, 48]), torch.float16)
+    assert sum(ops.calls.values()) == 0
+    assert backend.fallbacks.counts == {"decode:split-call": 2}
+
+
+def test_emulated_mismatched_dtype_is_a_clear_error():
+    gen = torch.Generator().manual_seed(7)
+    backend, _ = emulated_backend()
+    weights = make_weights([(32, 32)], [[16]], torch.float16, "cpu", gen)
+    meta = LoRABatchMeta.build([0], "cpu")
+    with pytest.raises(ValueError, match="x is torch.float32 but slice 0's a_rows are torch.float16"):
+        backend.lora.apply(torch.randn(1, 32), torch.randn(1, 32), weights, meta, [0], torch.zeros(1, 1, 16))
+
+
+# ------------------------------------------------------------------ the emulation itself
+def test_emulation_enforces_documented_limits():
+    ops = EmulatedTorchNpuOps()
+    x = torch.randn(6, 32)
+    w = torch.randn(2, 32, 16)
+    gl = torch.tensor([2, 6], dtype=torch.int64)
+    (out,) = ops.npu_grouped_matmul([x], [w], group_list=gl, split_item=2, group_type=0, group_list_type=0)
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
+    bad = {
+        "last cumsum": dict(group_list=torch.tensor([2, 5], dtype=torch.int64)),
+        "non-decreasing": dict(group_list=torch.tensor([4, 2], dtype=torch.int64)),
+        "int64": dict(group_list=torch.tensor([2, 6], dtype=torch.int32)),
+        "length 1": dict(group_list=torch.tensor([6], dtype=torch.int64), group_list_type=1, w=w[:1]),
+        "split_item": dict(split_item=0),
+    }
+    for what, kw in bad.items():
+        args = dict(group_list=gl, split_item=2, group_type=0, group_list_type=0) | kw
+        weight = args.pop("w", w)
+        with pytest.raises(NpuOpError):
+            ops.npu_grouped_matmul([x], [weight], **args)
+    with pytest.raises(NpuOpError, match="1..128"):
+        ops.npu_grouped_matmul([x] * 129, [w] * 129, group_list=gl, split_item=2, group_type=0)
+    with pytest.raises(NpuOpError, match="dtypes"):
+        ops.npu_grouped_matmul([x.half()], [w], group_list=gl, split_item=2, group_type=0)
+
+    y = torch.randn(4, 64).half()
+    xb = torch.randn(4, 32).half()
+    wa = torch.randn(2, 1, 16, 32).half()
+    wb = torch.randn(2, 1, 48, 16).half()
+    idx = torch.tensor([0, -1, 1, 0], dtype=torch.int32)
+    y0 = y.clone()
+    ops.npu_batch_gather_matmul_(y, xb, wb, idx, wa, layer_idx=0, scale=0.5, y_offset=8, y_slice_size=48)
+    want = y0.float().clone()
+    for b, w_i in enumerate(idx.tolist()):
+        if w_i >= 0:
+            want[b, 8:56] += 0.5 * (xb[b].float() @ wa[w_i, 0].float().t()) @ wb[w_i, 0].float().t()
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(y[1], y0[1]) and torch.equal(y[:, :8], y0[:, :8])
+    rejects = [
+        dict(input=y.float()),  # fp16 only
+        dict(weight_a=torch.randn(2, 1, 8, 32).half(), weight_b=torch.randn(2, 1, 48, 8).half()),  # R < 16
+        dict(indices=idx.long()),  # int32 only
+        dict(y_slice_size=64, y_offset=0, weight_b=torch.randn(2, 1, 64, 16).half()),  # H2 == y_column
+        dict(layer_idx=1),
+    ]
+    base = dict(input=y, x=xb, weight_b=wb, indices=idx, weight_a=wa, layer_idx=0, scale=1.0, y_offset=8, y_slice_size=48)
+    for kw in rejects:
+        with pytest.raises(NpuOpError):
+            ops.npu_batch_gather_matmul_(**(base | kw))
+
+
+# ------------------------------------------------------------------ import and code review
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
+def test_emulated_import_error_is_one_clear_line():
+    ok, reason = AscendBackend.availability()
+    assert not ok
+    assert reason.startswith("npu backend needs torch_npu and the CANN toolkit: ModuleNotFoundError: ")
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in reason and "\n" not in reason
+    assert registry_availability("npu") == (ok, reason)
+    with pytest.raises(TorchNpuImportError) as err:
+        AscendBackend()
+    assert str(err.value) == reason
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
+def test_emulated_probe_npu_prints_one_line_and_fails():
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "probe", "--device", "npu"], capture_output=True, text=True, timeout=120
+    )
+    if "No module named 'runtime.commands.probe'" in proc.stderr:
+        pytest.skip("lorafleet probe is not written yet")
+    assert proc.returncode != 0
+    assert "npu backend needs torch_npu and the CANN toolkit" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_importing_runtime_and_backends_never_imports_torch_npu():
+    code = "import sys, runtime, backends, backends.ascend.backend; print('torch_npu' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+FORBIDDEN_CALLS = {"cpu", "item", "numpy", "tolist"}
+FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "eye", "linspace"}
+
+
+def test_code_review_ascend_source_has_no_host_reads_and_creates_tensors_on_device():
+    files = sorted(ASCEND_SRC.glob("*.py"))
+    assert {p.name for p in files} >= {"backend.py", "lora_ops.py", "grouped_matmul.py", "batch_gather.py", "torch_path.py"}
+    problems = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            attr = node.func.attr
+            where = f"{path.name}:{node.lineno}"
+            if attr in FORBIDDEN_CALLS:
+                problems.append(f"{where} calls .{attr}()")
+            if attr in {"to", "copy_"} and any(isinstance(a, ast.Constant) and a.value == "cpu" for a in node.args):
+                problems.append(f"{where} moves a tensor to the cpu")
+            is_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+            if is_torch and attr in FACTORIES and not any(k.arg == "device" for k in node.keywords):
+                problems.append(f"{where} torch.{attr}(...) without device=")
+    assert problems == []
