@@ -1,0 +1,288 @@
+"""PEFT adapter reader: every bad input gets a specific error naming the file and key/tensor.
+
+Good adapters: scales and ranks agree with PEFT's own LoRA layers (rank_pattern,
+alpha_pattern, rsLoRA), regex target_modules and layers_to_transform are honoured,
+and the version is a content hash.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.lora.adapter import AdapterError, load_adapter
+from runtime.models.hf_config import load_model_config
+from runtime.models.llama import lora_targets
+from tests.fixtures.tiny_models import build_adapter
+
+KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_llama_dir):
+    return lora_targets(load_model_config(tiny_llama_dir))
+
+
+def load(path, targets, max_lora_rank=64, num_layers=2):
+    return load_adapter(path, "x", targets, num_layers=num_layers, max_lora_rank=max_lora_rank)
+
+
+@pytest.fixture
+def copy_of(tmp_path, tiny_adapters):
+    def make(name: str = "a") -> Path:
+        dst = tmp_path / f"copy_{name}"
+        shutil.copytree(tiny_adapters[name], dst)
+        return dst
+
+    return make
+
+
+def edit_config(path: Path, **changes) -> None:
+    cfg_path = path / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(changes)
+    cfg_path.write_text(json.dumps(cfg))
+
+
+def edit_tensors(path: Path, fn) -> None:
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    fn(tensors)
+    save_file(tensors, str(file))
+
+
+def expect(path: Path, targets, *fragments: str, **kw) -> AdapterError:
+    with pytest.raises(AdapterError) as info:
+        load(path, targets, **kw)
+    msg = str(info.value)
+    for frag in fragments:
+        assert frag in msg, f"{frag!r} not in error: {msg}"
+    return info.value
+
+
+# ---- files ---------------------------------------------------------------------------------
+
+
+def test_missing_folder(tmp_path, targets):
+    expect(tmp_path / "nope", targets, "nope", "does not exist")
+
+
+def test_missing_config(copy_of, targets):
+    path = copy_of()
+    (path / "adapter_config.json").unlink()
+    expect(path, targets, "adapter_config.json", "missing")
+
+
+def test_missing_weights(copy_of, targets):
+    path = copy_of()
+    (path / "adapter_model.safetensors").unlink()
+    expect(path, targets, "adapter_model.safetensors", "missing")
+
+
+def test_broken_json(copy_of, targets):
+    path = copy_of()
+    (path / "adapter_config.json").write_text('{"r": 4, "peft_type": "LORA",')
+    expect(path, targets, "adapter_config.json", "invalid JSON")
+
+
+def test_truncated_safetensors(copy_of, targets):
+    path = copy_of()
+    file = path / "adapter_model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 100])
+    expect(path, targets, "adapter_model.safetensors", "truncated", "lora_")
+
+
+def test_truncated_safetensors_header(copy_of, targets):
+    path = copy_of()
+    file = path / "adapter_model.safetensors"
+    file.write_bytes(file.read_bytes()[:50])
+    expect(path, targets, "adapter_model.safetensors", "truncated")
+
+
+class _MarksIfUnpickled:
+    """Unpickling this creates a file: proof that the loader never unpickles."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_only_bin_is_refused_and_never_unpickled(copy_of, targets, tmp_path):
+    path = copy_of()
+    (path / "adapter_model.safetensors").unlink()
+    marker = tmp_path / "unpickled"
+    (path / "adapter_model.bin").write_bytes(pickle.dumps(_MarksIfUnpickled(marker)))
+    expect(path, targets, "adapter_model.bin", "never unpickled")
+    assert not marker.exists()
+
+
+# ---- config fields -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, fragments",
+    [
+        ({"peft_type": "IA3"}, ["peft_type", "IA3"]),
+        ({"use_dora": True}, ["use_dora", "DoRA"]),
+        ({"modules_to_save": ["lm_head"]}, ["modules_to_save", "lm_head"]),
+        ({"bias": "all"}, ["bias", "'all'"]),
+        ({"fan_in_fan_out": True}, ["fan_in_fan_out"]),
+        ({"r": 0}, ["r must be a positive integer"]),
+        ({"lora_alpha": "big"}, ["lora_alpha"]),
+        ({"target_modules": ["q_proj", "foo_proj"]}, ["target_modules", "foo_proj", "not a module"]),
+        ({"target_modules": ["q_proj", "lm_head"]}, ["lm_head", "cannot serve"]),
+        ({"target_modules": ["embed_tokens"]}, ["model.embed_tokens", "cannot serve"]),
+        ({"target_modules": r".*\.nothing_here"}, ["regex", "matches no module"]),
+        ({"target_modules": r".*input_layernorm"}, ["input_layernorm", "not a linear"]),
+        ({"target_modules": "q_proj("}, ["not a valid regex"]),
+        ({"layers_to_transform": [5]}, ["layers_to_transform", "[5]"]),
+        ({"target_modules": r".*q_proj", "layers_to_transform": [0]}, ["layers_to_transform", "regex"]),
+        ({"layers_pattern": "blocks", "layers_to_transform": [0]}, ["layers_pattern", "blocks"]),
+        ({"rank_pattern": {"q_proj": 128}}, ["rank_pattern", "max_lora_rank"]),
+        ({"use_rslora": "yes"}, ["use_rslora"]),
+    ],
+)
+def test_bad_config_fields(copy_of, targets, changes, fragments):
+    path = copy_of()
+    edit_config(path, **changes)
+    expect(path, targets, "adapter_config.json", *fragments)
+
+
+def test_config_not_an_object(copy_of, targets):
+    path = copy_of()
+    (path / "adapter_config.json").write_text("[1, 2]")
+    expect(path, targets, "adapter_config.json", "JSON object")
+
+
+# ---- tensors -------------------------------------------------------------------------------
+
+
+def test_shape_mismatch_with_base(copy_of, targets):
+    path = copy_of()
+    edit_tensors(path, lambda t: t.__setitem__(KEY, torch.randn(4, 32)))
+    expect(path, targets, "adapter_model.safetensors", KEY, "in_features=64")
+
+
+def test_b_shape_mismatch_with_base(copy_of, targets):
+    path = copy_of()
+    key_b = KEY.replace("lora_A", "lora_B")
+    edit_tensors(path, lambda t: t.__setitem__(key_b, torch.randn(48, 4)))
+    expect(path, targets, key_b, "out_features=64")
+
+
+def test_rank_disagrees_with_config(copy_of, targets):
+    path = copy_of()
+    edit_config(path, r=5, lora_alpha=10)
+    expect(path, targets, "adapter_model.safetensors", "rank 4", "says 5")
+
+
+def test_rank_disagrees_between_a_and_b(copy_of, targets):
+    path = copy_of()
+    edit_tensors(path, lambda t: t.__setitem__(KEY, torch.randn(3, 64)))
+    expect(path, targets, KEY, "disagree on the rank")
+
+
+def test_rank_above_max_lora_rank(tiny_adapters, targets):
+    expect(tiny_adapters["c"], targets, "rank 16", "max_lora_rank=8", max_lora_rank=8)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_inf_weights(copy_of, targets, bad):
+    path = copy_of()
+
+    def poison(t):
+        t[KEY] = t[KEY].clone()
+        t[KEY][1, 3] = bad
+
+    edit_tensors(path, poison)
+    expect(path, targets, "adapter_model.safetensors", KEY, "NaN or Inf")
+
+
+def test_missing_tensor(copy_of, targets):
+    path = copy_of()
+    edit_tensors(path, lambda t: t.pop(KEY))
+    expect(path, targets, "adapter_model.safetensors", "missing tensor", KEY)
+
+
+def test_extra_tensor(copy_of, targets):
+    path = copy_of()
+    extra = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"
+    edit_tensors(path, lambda t: t.__setitem__(extra, torch.randn(4, 64)))
+    expect(path, targets, "unexpected tensor", extra)
+
+
+def test_target_module_the_model_lacks(copy_of, targets):
+    """The model exposes only q/k/v/o targets: an adapter on the MLP is refused by name."""
+    path = copy_of("c")
+    attn_only = {k: v for k, v in targets.items() if k.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))}
+    expect(path, attn_only, "not a LoRA target")
+
+
+# ---- good adapters: PEFT semantics ---------------------------------------------------------
+
+
+def peft_ranks_and_scales(base_dir: Path, adapter_dir: Path) -> dict[tuple[int, str], tuple[int, float]]:
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(adapter_dir), adapter_name="x")
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and "x" in module.r:
+            m = re.search(r"layers\.(\d+)\.\w+\.(\w+)$", name)
+            assert m is not None, name
+            out[(int(m.group(1)), m.group(2))] = (module.r["x"], float(module.scaling["x"]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c", "d", "e"])
+def test_ranks_and_scales_match_peft(tiny_llama_dir, tiny_adapters, targets, name):
+    adapter = load(tiny_adapters[name], targets)
+    ref = peft_ranks_and_scales(tiny_llama_dir, tiny_adapters[name])
+    ours = {k: (m.rank, m.scale) for k, m in adapter.modules.items()}
+    assert ours.keys() == ref.keys()
+    for key, (rank, scale) in ref.items():
+        assert ours[key][0] == rank, key
+        assert ours[key][1] == pytest.approx(scale, rel=1e-12), key
+    assert adapter.max_rank == max(r for r, _ in ref.values())
+
+
+def test_weights_are_the_files_tensors(tiny_adapters, targets):
+    adapter = load(tiny_adapters["e"], targets)
+    tensors = load_file(str(tiny_adapters["e"] / "adapter_model.safetensors"))
+    m = adapter.modules[(1, "down_proj")]
+    assert m.rank == 12 and m.lora_a.dtype == torch.float32
+    assert torch.equal(m.lora_a, tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].float())
+    assert torch.equal(m.lora_b, tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].float())
+    assert m.lora_b.abs().sum() > 0  # init_lora_weights=False: B is random
+
+
+def test_regex_target_modules_and_layers_to_transform(tiny_llama_dir, tmp_path, targets):
+    regex = build_adapter(tiny_llama_dir, tmp_path / "regex", r=4, target_modules=r"model\.layers\.1\.(self_attn\.k_proj|mlp\.up_proj)", seed=3)
+    assert set(load(regex, targets).modules) == {(1, "k_proj"), (1, "up_proj")}
+    assert set(load(regex, targets).modules) == set(peft_ranks_and_scales(tiny_llama_dir, regex))
+    layered = build_adapter(tiny_llama_dir, tmp_path / "layered", r=4, target_modules=["v_proj", "down_proj"], seed=4, layers_to_transform=[0])
+    assert set(load(layered, targets).modules) == {(0, "v_proj"), (0, "down_proj")}
+    assert set(load(layered, targets).modules) == set(peft_ranks_and_scales(tiny_llama_dir, layered))
+
+
+def test_version_is_a_content_hash(copy_of, tiny_adapters, targets):
+    first = load(tiny_adapters["a"], targets)
+    assert re.fullmatch(r"[0-9a-f]{12}", first.version)
+    same = copy_of("a")
+    assert load(same, targets).version == first.version
+    edit_tensors(same, lambda t: t.__setitem__(KEY, t[KEY] + 1e-3))
+    assert load(same, targets).version != first.version
+    renamed_alpha = copy_of("b")
+    edit_config(renamed_alpha, lora_alpha=3)
+    assert load(renamed_alpha, targets).version != load(tiny_adapters["b"], targets).version
