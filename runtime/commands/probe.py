@@ -1,0 +1,89 @@
+"""`lorafleet probe`: run every capability verifier of one backend on this machine.
+
+Prints one row per capability of the backend's matrix section: what is declared,
+what the verifier found (pass / fail / skipped with the reason) and its figures.
+Exit status: 0 when every declared capability verifies, 1 when one fails or the
+device is absent, 2 when the matrix itself is unreadable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import backends
+from runtime.capabilities import Capability, CapabilityMatrixError, load_matrix
+
+DEVICES = ("auto", *backends.NAMES)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="backend to probe (auto: cuda, then npu, then cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--matrix", metavar="PATH", default=None,
+                        help="capability matrix to check (default: capability_matrix.yaml at the repo root)")
+
+
+def _declared(entry: Capability) -> str:
+    if not entry.supported:
+        return "no"
+    return "yes, with fallback" if entry.fallback is not None else "yes"
+
+
+def _one_line_reason(name: str, reason: str) -> str:
+    return reason if reason.startswith(f"{name}:") else f"{name}: {reason}"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        matrix = load_matrix(args.matrix)
+    except CapabilityMatrixError as err:
+        print(f"lorafleet probe: {err}", file=sys.stderr)
+        return 2
+    name = backends.resolve_name(args.device)
+    available, reason = backends.availability(name)
+    if not available:
+        line = _one_line_reason(name, " ".join(reason.split()))
+        if args.json:
+            print(json.dumps({"device": name, "available": False, "reason": line, "ok": False}))
+        else:
+            print(line)
+        return 1
+    from runtime.verifiers import run_all  # imports torch-heavy modules only when probing
+
+    results = run_all(name, matrix)
+    rows = []
+    for capability, result in results.items():
+        entry = matrix.entry(name, capability)
+        rows.append({
+            "capability": capability,
+            "declared": _declared(entry),
+            "status": result.status,
+            "detail": result.detail,
+            "metrics": dict(result.metrics),
+            "verified_on": entry.verified_on.how,
+        })
+    ok = all(r["status"] != "fail" for r in rows)
+    if args.json:
+        print(json.dumps({"device": name, "available": True, "matrix": str(matrix.path), "ok": ok, "results": rows}, default=_jsonable))
+    else:
+        _print_table(name, str(matrix.path), rows)
+        failed = [r["capability"] for r in rows if r["status"] == "fail"]
+        print(f"\n{name}: {'all declared capabilities verified' if ok else 'FAILED: ' + ', '.join(failed)}")
+    return 0 if ok else 1
+
+
+def _jsonable(value: Any) -> Any:
+    return str(value)
+
+
+def _print_table(name: str, path: str, rows: list[dict[str, Any]]) -> None:
+    print(f"lorafleet probe --device {name}  (matrix: {path})\n")
+    headers = ("capability", "declared", "verified", "ms", "detail")
+    table = [(r["capability"], r["declared"], r["status"], f"{r['metrics'].get('verifier_ms', 0):.0f}", r["detail"]) for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers[:-1])]
+    print("  ".join(h.ljust(w) for h, w in zip(headers[:-1], widths)) + "  " + headers[-1])
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1])

@@ -1,0 +1,186 @@
+"""A random multi-adapter LoRA problem and its float64 reference, checked on a backend.
+
+The problem: ``T`` rows, each served by an adapter slot or by none (-1), rows of one
+adapter scattered (not contiguous), adapters of different ranks stored at their own
+rank in flat row buffers sized exactly to the sum of ranks (no room for padding),
+several output slices with gaps between them, optionally a slot with rank 0 in a slice
+(module not targeted). Weights are scaled so every value is O(1):
+
+    A_{i,s} ~ N(0, 1/in),  B_{i,s} ~ N(0, 1/r),  scale_{i,s} ~ U(0.5, 2),  x, y ~ N(0, 1)
+
+Reference (float64, from the values as stored in the compute dtype):
+
+    h[i, t, :r] = x[t] @ A_{i,s}^T ;   y[t, o_i:o_i+n_i] += scale_{i,s} * h[i, t, :r] @ B_{i,s}^T
+
+Checks: shrink against h, expand (fed the reference h) against y, ``apply_lora``
+end to end, and that every entry the contract says is untouched is bit-identical
+(outputs are poisoned before each call).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from runtime.backend_api import apply_lora
+from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta
+from runtime.lora.slice_weights import LoRASliceWeights
+from runtime.verifiers.numerics import compare, unchanged
+from runtime.verifiers.result import VerificationFailure
+
+POISON = 7777.0  # finite, so a stray read shows up as a large error rather than NaN noise
+GAP = 3  # columns left between output slices; expand must not touch them
+
+
+@dataclass(frozen=True)
+class LoRAProblem:
+    dtype: torch.dtype
+    device: torch.device
+    x: Tensor  # [T, in], compute dtype, on the device
+    token_slots: tuple[int, ...]
+    weights: tuple[LoRASliceWeights, ...]
+    slice_offsets: tuple[int, ...]
+    y_width: int
+    ranks: tuple[tuple[int, ...], ...]  # ranks[i][slot], 0 = slice not targeted
+    a64: tuple[dict[int, Tensor], ...]  # slice -> slot -> A [r, in] float64
+    b64: tuple[dict[int, Tensor], ...]  # slice -> slot -> B [out, r] float64
+    scales: tuple[dict[int, float], ...]
+    seed: int
+
+    @property
+    def max_rank(self) -> int:
+        return max(max(r) for r in self.ranks)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_slots)
+
+
+def build_problem(
+    device: torch.device,
+    dtype: torch.dtype,
+    slot_ranks: Sequence[int],
+    slice_outs: Sequence[int],
+    in_features: int,
+    seed: int,
+    extra_rows: int = 4,
+    no_adapter_rows: int = 3,
+    untargeted: frozenset[tuple[int, int]] = frozenset(),
+) -> LoRAProblem:
+    """Slot s has rank ``slot_ranks[s]`` in every slice except (slice, slot) in ``untargeted``."""
+    g = torch.Generator().manual_seed(seed)
+    n_slots = len(slot_ranks)
+    rows = list(range(n_slots)) + [NO_ADAPTER] * no_adapter_rows
+    rows += torch.randint(0, n_slots, (extra_rows,), generator=g).tolist()
+    token_slots = tuple(rows[i] for i in torch.randperm(len(rows), generator=g).tolist())
+    # Pack adapters in a shuffled order into a buffer of exactly sum(ranks) rows.
+    order = torch.randperm(n_slots, generator=g).tolist()
+    starts, cursor = {}, 0
+    for s in order:
+        starts[s], cursor = cursor, cursor + slot_ranks[s]
+    weights, a64, b64, scales, ranks = [], [], [], [], []
+    for i, out_features in enumerate(slice_outs):
+        w = LoRASliceWeights.allocate(in_features, out_features, n_slots, cursor, dtype, device)
+        a_i, b_i, sc_i, r_i = {}, {}, {}, []
+        for s, r in enumerate(slot_ranks):
+            if (i, s) in untargeted:
+                r_i.append(0)
+                continue
+            a = (torch.randn(r, in_features, generator=g, dtype=torch.float64) / in_features**0.5).to(dtype)
+            b = (torch.randn(out_features, r, generator=g, dtype=torch.float64) / r**0.5).to(dtype)
+            scale = float(0.5 + 1.5 * torch.rand((), generator=g, dtype=torch.float64))
+            w.write_slot(s, starts[s], a.to(device), b.to(device), scale)
+            a_i[s], b_i[s], sc_i[s] = a.double(), b.double(), scale
+            r_i.append(r)
+        weights.append(w)
+        a64.append(a_i), b64.append(b_i), scales.append(sc_i), ranks.append(tuple(r_i))
+    offsets, col = [], 1  # column 0 and the gaps belong to nobody
+    for out_features in slice_outs:
+        offsets.append(col)
+        col += out_features + GAP
+    x = torch.randn(len(token_slots), in_features, generator=g, dtype=torch.float64).to(dtype)
+    return LoRAProblem(
+        dtype, device, x.to(device), token_slots, tuple(weights), tuple(offsets), col,
+        tuple(ranks), tuple(a64), tuple(b64), tuple(scales), seed,
+    )
+
+
+def reference_shrink(p: LoRAProblem, width: int) -> tuple[Tensor, Tensor]:
+    """(h [n, T, width] float64, mask of the entries shrink must write)."""
+    n, t = len(p.weights), p.num_tokens
+    h = torch.zeros(n, t, width, dtype=torch.float64)
+    mask = torch.zeros(n, t, width, dtype=torch.bool)
+    x = p.x.detach().cpu().double()
+    for row, s in enumerate(p.token_slots):
+        for i in range(n):
+            if s == NO_ADAPTER or p.ranks[i][s] == 0:
+                continue
+            r = p.ranks[i][s]
+            h[i, row, :r] = x[row] @ p.a64[i][s].t()
+            mask[i, row, :r] = True
+    return h, mask
+
+
+def reference_expand(p: LoRAProblem, h: Tensor, y0: Tensor) -> tuple[Tensor, Tensor]:
+    """(y0 + deltas in float64, mask of the entries expand must change)."""
+    y = y0.detach().cpu().double().clone()
+    mask = torch.zeros_like(y, dtype=torch.bool)
+    for row, s in enumerate(p.token_slots):
+        for i, w in enumerate(p.weights):
+            if s == NO_ADAPTER or p.ranks[i][s] == 0:
+                continue
+            r, cols = p.ranks[i][s], slice(p.slice_offsets[i], p.slice_offsets[i] + w.out_features)
+            y[row, cols] += p.scales[i][s] * (h[i, row, :r] @ p.b64[i][s].t())
+            mask[row, cols] = True
+    return y, mask
+
+
+def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool) -> dict[str, float]:
+    """Run shrink, expand and apply_lora on ``backend``; raise VerificationFailure on a mismatch."""
+    path = "per-token" if decode_only else "segment"
+    tag = f"{path} {str(p.dtype).removeprefix('torch.')} ranks {sorted(set(r for rr in p.ranks for r in rr) - {0})} seed {p.seed}"
+    meta = LoRABatchMeta.build(p.token_slots, p.device, decode_only=decode_only)
+    n, t, width = len(p.weights), p.num_tokens, p.max_rank + 2
+    h_ref, h_mask = reference_shrink(p, width)
+
+    out = torch.full((n, t, width), POISON, dtype=torch.float32, device=p.device)
+    t0 = time.perf_counter()
+    backend.lora.shrink(p.x, p.weights, meta, out)
+    backend.synchronize()
+    shrink_ms = (time.perf_counter() - t0) * 1e3
+    got = out.cpu()
+    err_shrink = compare(f"shrink ({tag})", got[h_mask], h_ref[h_mask], p.dtype)
+    unchanged(f"shrink ({tag}): no-adapter rows, entries past a row's rank, untargeted slices", got[~h_mask], torch.full_like(got[~h_mask], POISON))
+
+    g = torch.Generator().manual_seed(p.seed + 1)
+    y0 = torch.randn(t, p.y_width, generator=g, dtype=torch.float64).to(p.dtype)
+    h_in = torch.where(h_mask, h_ref.float(), torch.full_like(h_ref, POISON).float()).to(p.device)
+    y = y0.clone().to(p.device)  # clone: .to() on the same device would alias y0
+    t0 = time.perf_counter()
+    backend.lora.expand(h_in, p.weights, meta, y, p.slice_offsets)
+    backend.synchronize()
+    expand_ms = (time.perf_counter() - t0) * 1e3
+    y_ref, y_mask = reference_expand(p, h_ref, y0)
+    got_y = y.cpu()
+    if got_y.dtype != p.dtype:
+        raise VerificationFailure(f"expand ({tag}): y changed dtype to {got_y.dtype}")
+    err_expand = compare(f"expand ({tag})", got_y[y_mask], y_ref[y_mask], p.dtype)
+    unchanged(f"expand ({tag}): no-adapter rows, gap columns, untargeted slices", got_y[~y_mask], y0[~y_mask])
+
+    y2 = y0.clone().to(p.device)
+    workspace = torch.full((n, t, width), POISON, dtype=torch.float32, device=p.device)
+    apply_lora(backend.lora, p.x, y2, p.weights, meta, p.slice_offsets, workspace)
+    backend.synchronize()
+    err_apply = compare(f"apply_lora ({tag})", y2.cpu()[y_mask], y_ref[y_mask], p.dtype, scale=2.0)
+    unchanged(f"apply_lora ({tag}): untouched entries", y2.cpu()[~y_mask], y0[~y_mask])
+    return {
+        "shrink_err": err_shrink["max_abs_err"],
+        "expand_err": err_expand["max_abs_err"],
+        "apply_err": err_apply["max_abs_err"],
+        "tol_used": max(err_shrink["tol_used"], err_expand["tol_used"], err_apply["tol_used"]),
+        "shrink_ms": shrink_ms,
+        "expand_ms": expand_ms,
+    }

@@ -1,0 +1,57 @@
+"""Verifier for max_rank: an adapter at exactly the declared max rank runs correctly
+(mixed with the smallest rank, both paths), is accepted by the gate, and one
+granularity step above it is refused at adapter load with the matrix's words."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.capabilities import Capability, CapabilityError, CapabilityMatrix, check_adapter
+from runtime.verifiers.lora_problem import build_problem, check_lora_ops
+from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
+from runtime.verifiers.sampling import fresh_seed, torch_dtype
+
+
+@dataclass(frozen=True)
+class RankOnlyModule:
+    """The attributes of a LoRAModule the gate reads."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class RankOnlyAdapter:
+    """The attributes of a LoRAAdapter the gate reads: one q_proj module of ``max_rank``."""
+
+    name: str
+    max_rank: int
+
+    @property
+    def modules(self) -> dict[tuple[int, str], RankOnlyModule]:
+        return {(0, "q_proj"): RankOnlyModule(self.max_rank)}
+
+
+@verifier("max_rank")
+def verify_max_rank(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
+    top = entry.limits.max_rank
+    if top is None:
+        raise VerificationFailure(f"{entry.key}: declares no max_rank")
+    low = entry.limits.admissible_ranks()[0]
+    check_adapter(RankOnlyAdapter("probe-max-rank", top), entry.backend, matrix)  # must not raise
+    above = top + (entry.limits.rank_granularity or 1)
+    try:
+        check_adapter(RankOnlyAdapter("probe-above-max-rank", above), entry.backend, matrix)
+    except CapabilityError as err:
+        refusal = str(err)
+    else:
+        raise VerificationFailure(f"an adapter of rank {above} > max_rank {top} was not refused")
+    if entry.quote() not in refusal:
+        raise VerificationFailure(f"the refusal of rank {above} does not quote the matrix entry: {refusal}")
+    name = matrix.entry(entry.backend, "dtypes").limits.dtypes[0]
+    seed = fresh_seed()
+    errs = []
+    for decode_only in (False, True):
+        p = build_problem(backend.device, torch_dtype(name), [top, low, top], (32,), 32, seed)
+        m = check_lora_ops(backend, p, decode_only)
+        errs.append(max(m["shrink_err"], m["expand_err"], m["apply_err"]))
+    return VerifierResult("pass", f"rank {top} (+ rank {low}) correct on both paths ({name}, max err {max(errs):.2g}); rank {above} refused", {"max_err": max(errs)})

@@ -1,0 +1,48 @@
+"""Tolerances and comparisons against float64 references.
+
+An output ``o`` matches its float64 reference ``r`` in dtype ``d`` when, elementwise,
+
+    |o - r| <= tol_d * (1 + |r|),     tol_d = max(2 * eps(d), 1e-5)
+
+i.e. two roundings in the output dtype, and float32-accumulation noise for float32.
+Inputs are drawn with O(1) magnitudes so this bound is meaningful.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime.verifiers.result import VerificationFailure
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    if not dtype.is_floating_point:
+        raise VerificationFailure(f"{dtype} is not a floating-point dtype: LoRA deltas and attention cannot be represented")
+    return max(2.0 * torch.finfo(dtype).eps, 1e-5)
+
+
+def compare(what: str, out: Tensor, ref: Tensor, dtype: torch.dtype, scale: float = 1.0) -> dict[str, float]:
+    """Check ``out`` against the float64 ``ref``; returns error figures, raises on a mismatch.
+
+    ``scale`` widens the tolerance for ops with more rounding steps (softmax chains).
+    """
+    tol = tolerance(dtype) * scale
+    o = out.detach().to("cpu", torch.float64)
+    if o.shape != ref.shape:
+        raise VerificationFailure(f"{what}: shape {tuple(o.shape)} != expected {tuple(ref.shape)}")
+    if not torch.isfinite(o).all():
+        raise VerificationFailure(f"{what}: {int((~torch.isfinite(o)).sum())} non-finite values")
+    err = (o - ref).abs()
+    ratio = float((err / (tol * (1 + ref.abs()))).max()) if err.numel() else 0.0
+    max_abs = float(err.max()) if err.numel() else 0.0
+    if ratio > 1.0:
+        raise VerificationFailure(f"{what}: max abs error {max_abs:.3g} exceeds tolerance {tol:.3g}*(1+|ref|) ({ratio:.2f}x)")
+    return {"max_abs_err": max_abs, "tol_used": ratio}
+
+
+def unchanged(what: str, after: Tensor, before: Tensor) -> None:
+    """Entries the op must not touch are bit-identical (poisoned outputs catch stray writes)."""
+    a, b = after.detach().cpu(), before.detach().cpu()
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    if not bool(same.all()):
+        raise VerificationFailure(f"{what}: {int((~same).sum())} entries changed that the op must leave untouched")

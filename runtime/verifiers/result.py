@@ -1,0 +1,82 @@
+"""What a verifier returns, and the wrapper every verifier shares.
+
+A verifier checks one capability of one backend on this machine:
+
+    backend absent                 -> skipped, with the backend's one-line availability reason
+    capability declared supported  -> the capability's real check (pass / fail)
+    capability declared unsupported-> pass only if the runtime refuses it with a clear error
+                                      quoting the matrix entry
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import backends
+from runtime.capabilities import Capability, CapabilityError, CapabilityMatrix, load_matrix, require
+
+STATUSES = ("pass", "fail", "skipped")
+
+
+@dataclass(frozen=True)
+class VerifierResult:
+    status: str  # pass | fail | skipped
+    detail: str
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"VerifierResult.status: {self.status!r} is not one of {', '.join(STATUSES)}")
+
+
+class VerificationFailure(AssertionError):
+    """Raised inside a check when the backend disagrees with what the matrix declares."""
+
+
+Body = Callable[[Any, Capability, CapabilityMatrix], VerifierResult]
+Refusal = Callable[[Capability, CapabilityMatrix], str]
+
+
+def refused_by_require(entry: Capability, matrix: CapabilityMatrix) -> str:
+    """The runtime's ``require`` must refuse an unsupported capability, quoting the entry."""
+    try:
+        require(entry.name, entry.backend, matrix)
+    except CapabilityError as err:
+        return str(err)
+    raise VerificationFailure(f"declared unsupported, but require({entry.name!r}) did not refuse it")
+
+
+def verifier(capability: str, refusal: Refusal = refused_by_require) -> Callable[[Body], Callable[..., VerifierResult]]:
+    """Wrap ``body(backend, entry, matrix)`` into ``verify(backend_name, matrix=None)``."""
+
+    def wrap(body: Body) -> Callable[..., VerifierResult]:
+        @functools.wraps(body)
+        def verify(backend_name: str, matrix: CapabilityMatrix | None = None) -> VerifierResult:
+            m = matrix or load_matrix()
+            entry = m.entry(backend_name, capability)
+            available, reason = backends.availability(backend_name)
+            if not available:
+                return VerifierResult("skipped", reason)
+            start = time.perf_counter()
+            try:
+                if not entry.supported:
+                    message = refusal(entry, m)
+                    if entry.note not in message:
+                        raise VerificationFailure(f"the refusal does not quote the matrix note {entry.note!r}: {message}")
+                    result = VerifierResult("pass", f"refused as declared, quoting the matrix: {entry.note}", {"refusal": message})
+                else:
+                    result = body(backends.get_backend(backend_name), entry, m)
+            except VerificationFailure as err:
+                result = VerifierResult("fail", str(err))
+            except Exception as err:  # the backend raised: that is this capability's failure, reported, not hidden
+                result = VerifierResult("fail", f"{type(err).__name__}: {err}")
+            metrics = dict(result.metrics)
+            metrics["verifier_ms"] = round((time.perf_counter() - start) * 1e3, 2)
+            return VerifierResult(result.status, result.detail, metrics)
+
+        verify.capability = capability  # type: ignore[attr-defined]
+        return verify
+
+    return wrap
