@@ -1,0 +1,230 @@
+"""Checkpoint loading and the base decoder vs transformers: rope scaling, tied embeddings,
+mistral, sharded checkpoints, dtypes, KV sizing, and the errors for what we cannot honour."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backends import get_backend
+from runtime.config import ConfigError, EngineConfig
+from runtime.lora.adapter import load_adapter
+from runtime.model_runner import ModelRunner, SeqStep
+from runtime.models.hf_config import ModelConfigError, load_model_config
+from runtime.models.loader import CheckpointError, load_weights
+from tests.fixtures.tiny_models import build_tiny_model
+
+LEN, CHUNK, BLOCK = 40, 8, 8
+
+
+def runner_for(model_dir: Path, **overrides) -> ModelRunner:
+    values = dict(model=str(model_dir), device="cpu", dtype="float32", max_loras=2, max_lora_rank=16, num_kv_blocks=8, block_size=BLOCK)
+    values.update(overrides)
+    return ModelRunner(EngineConfig(**values), get_backend("cpu"))
+
+
+def chunked_logits(runner: ModelRunner, ids: list[int], slot: int = -1) -> torch.Tensor:
+    """Prefill ``ids`` in chunks of CHUNK; logits at the end of every chunk, [LEN / CHUNK, vocab]."""
+    table = list(range(-(-len(ids) // BLOCK)))
+    out = [runner.execute([SeqStep(ids[s : s + CHUNK], s, table, slot)]) for s in range(0, len(ids), CHUNK)]
+    return torch.cat(out)
+
+
+def hf_logits(model_dir: Path, ids: list[int], dtype=torch.float32) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return logits[CHUNK - 1 :: CHUNK]
+
+
+def prompt(seed: int = 0) -> list[int]:
+    return torch.randint(0, 256, (LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_rel(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    err = ((ours - ref).abs().amax(-1) / ref.abs().amax(-1)).max()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+ROPE_CASES = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 10000.0},  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_CASES))
+def test_rope_scaling_matches_transformers(tmp_path, rope):
+    scaled = build_tiny_model(tmp_path / rope, "llama", seed=5, rope_parameters=dict(ROPE_CASES[rope]))
+    plain = build_tiny_model(tmp_path / "plain", "llama", seed=5)
+    assert load_model_config(scaled).rope_scaling.rope_type == rope
+    ids = prompt()
+    ours = chunked_logits(runner_for(scaled), ids)
+    assert_rel(ours, hf_logits(scaled, ids), 1e-4)
+    # the scaling must matter at these positions, or this test would prove nothing
+    unscaled = chunked_logits(runner_for(plain), ids)
+    assert ((ours - unscaled).abs().amax(-1) / unscaled.abs().amax(-1))[-1] > 1e-3
+
+
+def test_legacy_rope_scaling_layout(tmp_path):
+    """transformers 4.x layout: top-level rope_theta + rope_scaling {"type": ...}."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=2)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(rope_theta=5000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    parsed = load_model_config(path)
+    assert parsed.rope_theta == 5000.0 and parsed.rope_scaling.rope_type == "linear" and parsed.rope_scaling.factor == 2.0
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+def test_unknown_rope_type_is_a_clear_error(tmp_path, rope_type):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=2)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=rf"config\.json.*rope_type '{rope_type}' is not supported.*linear, llama3"):
+        runner_for(path)
+
+
+def test_tied_embeddings_and_mistral_match_transformers(tmp_path):
+    ids = prompt(1)
+    tied = build_tiny_model(tmp_path / "tied", "llama", seed=3, tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+    assert_rel(chunked_logits(runner_for(tied), ids), hf_logits(tied, ids), 1e-4)
+    mistral = build_tiny_model(tmp_path / "mistral", "mistral", seed=4)
+    assert_rel(chunked_logits(runner_for(mistral), ids), hf_logits(mistral, ids), 1e-4)
+
+
+def test_qwen2_biases_are_loaded(tiny_qwen2_dir):
+    ids = prompt(2)
+    tensors = load_file(str(tiny_qwen2_dir / "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0
+    assert_rel(chunked_logits(runner_for(tiny_qwen2_dir), ids), hf_logits(tiny_qwen2_dir, ids), 1e-4)
+
+
+def test_sliding_window_caps_max_model_len(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "mistral", seed=4, sliding_window=64)
+    runner = runner_for(path)
+    assert runner.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        runner.execute([SeqStep([1], 64, list(range(8)))])
+    with pytest.raises(ConfigError, match=r"max_model_len: 128 exceeds the model's limit 64 \(sliding_window"):
+        runner_for(path, max_model_len=128)
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_llama_dir):
+    sharded = build_tiny_model(tmp_path / "sharded", "llama", seed=0, max_shard_size="30KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert not (sharded / "model.safetensors").exists()
+    cfg = load_model_config(sharded)
+    from_shards = load_weights(cfg, sharded, torch.float32, torch.device("cpu"))
+    single = load_weights(cfg, tiny_llama_dir, torch.float32, torch.device("cpu"))
+    assert from_shards.keys() == single.keys()
+    assert all(torch.equal(from_shards[k], single[k]) for k in single)
+    ids = prompt(3)
+    assert_rel(chunked_logits(runner_for(sharded), ids), hf_logits(sharded, ids), 1e-4)
+
+
+@pytest.mark.parametrize("dtype, tol", [("bfloat16", 5e-2), ("float16", 1e-2)])
+def test_half_dtypes_agree_with_float32(tiny_llama_dir, dtype, tol):
+    ids = prompt(4)
+    runner = runner_for(tiny_llama_dir, dtype=dtype)
+    assert runner.kv_caches[0].dtype == getattr(torch, dtype)
+    assert_rel(chunked_logits(runner, ids), chunked_logits(runner_for(tiny_llama_dir), ids), tol)
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def rewrite(path: Path, fn) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    fn(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*missing tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"):
+        runner_for(path)
+
+
+def test_misshapen_tensor_is_named(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    rewrite(path, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.randn(16, 64)))
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight has shape \(16, 64\), config\.json implies \(32, 64\)"):
+        runner_for(path)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    rewrite(path, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", torch.randn(2, 2)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.mlp\.extra\.weight"):
+        runner_for(path)
+
+
+def test_pickled_checkpoint_is_refused(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*never unpickled"):
+        runner_for(path)
+
+
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        ({"model_type": "gpt2"}, r"model_type 'gpt2' is not supported"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        ({"num_key_value_heads": 3}, r"num_key_value_heads=3"),
+        ({"hidden_size": None}, r"field 'hidden_size'"),
+    ],
+)
+def test_config_the_model_cannot_honour(tmp_path, change, pattern):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=rf"config\.json: .*{pattern}"):
+        load_model_config(path)
+
+
+# ---- KV sizing, LoRA slots, memory ---------------------------------------------------------
+
+
+def test_kv_blocks_default_and_cap(tiny_llama_dir):
+    runner = runner_for(tiny_llama_dir, num_kv_blocks=None, max_num_seqs=3, max_model_len=100)
+    assert runner.num_kv_blocks == 3 * 13  # ceil(100 / 8) blocks per sequence
+    per_block = runner.kv_bytes_per_block()
+    assert per_block == 2 * 2 * 16 * 4 * BLOCK * 2  # K+V x Hkv x D x fp32 x block x layers
+    assert runner.kv_caches[0].shape == (2, 3 * 13 * BLOCK, 2, 16)
+    capped = runner_for(tiny_llama_dir, num_kv_blocks=None, max_num_seqs=100000, kv_cache_mb=1)
+    assert capped.num_kv_blocks == (1 << 20) // per_block
+    report = capped.memory_report()
+    assert report["kv_cache_bytes"] == capped.num_kv_blocks * per_block
+    assert report["weights_bytes"] == sum(t.numel() * 4 for t in load_file(str(tiny_llama_dir / "model.safetensors")).values())
+    assert report["lora_pool_bytes"] > 0
+
+
+def test_write_adapter_sets_per_slice_ranks_and_clear(tiny_llama_dir, tiny_adapters):
+    runner = runner_for(tiny_llama_dir)
+    adapter = load_adapter(tiny_adapters["a"], "a", runner.lora_targets(), num_layers=2, max_lora_rank=16)  # q, v at rank 4
+    runner.write_adapter(1, adapter, row_start=16)
+    ranks = {(layer, name): w.host_rank[1] for layer, name, w in runner.model.all_slices()}
+    assert ranks[(0, "q_proj")] == 4 and ranks[(1, "v_proj")] == 4
+    assert ranks[(0, "k_proj")] == 0 and ranks[(1, "down_proj")] == 0
+    ids = prompt(5)
+    with_lora = chunked_logits(runner, ids, slot=1)
+    runner.clear_slot(1)
+    assert all(w.host_rank[1] == 0 for _, _, w in runner.model.all_slices())
+    torch.testing.assert_close(chunked_logits(runner, ids, slot=1), chunked_logits(runner, ids, slot=-1), rtol=0, atol=0)
+    assert not torch.allclose(with_lora, chunked_logits(runner, ids, slot=-1))
+    with pytest.raises(ValueError, match=r"slot 2 is out of range 0\.\.1"):
+        runner.write_adapter(2, adapter, 0)
