@@ -45,8 +45,8 @@ VERIFIERS: MappingProxyType[str, Verifier] = MappingProxyType(
 )
 
 
-def run_all(backend_name: str, matrix: CapabilityMatrix | None = None) -> dict[str, VerifierResult]:
-    """Every capability of ``backend_name``'s section, in matrix order."""
+def run_all(backend_name: str, matrix: CapabilityMatrix | None = None, backend: object = None) -> dict[str, VerifierResult]:
+    """Every capability of ``backend_name``'s section, in matrix order (``backend``: see ``verifier``)."""
     m = matrix or load_matrix()
     results = {}
     for capability in m.capabilities(backend_name):
@@ -54,7 +54,7 @@ def run_all(backend_name: str, matrix: CapabilityMatrix | None = None) -> dict[s
         if verify is None:
             results[capability] = VerifierResult("fail", f"no verifier registered for {capability!r} (runtime/verifiers)")
         else:
-            results[capability] = verify(backend_name, m)
+            results[capability] = verify(backend_name, m, backend)
     return results
 
 

@@ -1,11 +1,10 @@
 """Verifiers for paged attention and prefix caching, through ``backend.attention``.
 
-prefix_caching, at the backend level, means: two sequences share physical KV blocks
-through their block tables, and a later prefill computes only the tokens after the
-cached prefix, reading the prefix's K/V written by an earlier step. The check: step 1
-prefills sequence A; step 2 prefills only B's suffix over A's shared prefix blocks;
-B's output must equal dense float64 attention over the whole of B, and A's blocks
-must be left as step 1 wrote them.
+prefix_caching: the engine's BlockManager + PrefixCache hand sequence B the blocks of
+A's cached prefix (same base, adapter name, version and tokens), and the backend's
+attention computes only B's suffix over them, reading K/V written by an earlier step.
+B's output must equal dense float64 attention over the whole of B, A's blocks must be
+left as A's step wrote them, and another adapter / version / no adapter reuses nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +13,9 @@ from typing import Any
 import torch
 
 from runtime.capabilities import Capability, CapabilityMatrix
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.prefix_cache import PrefixCache
+from runtime.request import AdapterRef
 from runtime.verifiers.attention_problem import BLOCK_SIZE, check_attention, random_cache, random_step
 from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
 from runtime.verifiers.sampling import declared_dtypes, fresh_seed, torch_dtype
@@ -46,7 +48,9 @@ def verify_paged_attention(backend: Any, entry: Capability, matrix: CapabilityMa
 
 @verifier("prefix_caching")
 def verify_prefix_caching(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
-    """A second sequence reuses the first one's prefix blocks and computes only its suffix."""
+    """Through the engine's BlockManager + PrefixCache: B reuses A's cached prefix blocks and
+    computes only its suffix (checked against dense float64 over all of B); a different
+    adapter, or a new version of the same adapter, reuses nothing."""
     if not matrix.entry(entry.backend, "paged_attention").supported:
         raise VerificationFailure("prefix caching needs paged_attention, which this backend declares unsupported")
     errs = {}
@@ -54,18 +58,37 @@ def verify_prefix_caching(backend: Any, entry: Capability, matrix: CapabilityMat
         seed = fresh_seed()
         g = torch.Generator().manual_seed(seed)
         dtype = torch_dtype(name)
-        blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-        prefix_blocks, a_tail, b_tail = blocks[:2], blocks[2:4], blocks[4:6]
-        prefix = 2 * BLOCK_SIZE  # cached prefix: two full blocks
+        tag = f"{name} seed {seed}"
+        cache_index = PrefixCache(base_id="probe-base")
+        manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE, cache_index)
+        adapter = AdapterRef("probe-adapter", "v1")
+        prefix = torch.randint(0, 1000, (2 * BLOCK_SIZE,), generator=g).tolist()  # two full blocks
+        tokens_a = prefix + torch.randint(0, 1000, (3,), generator=g).tolist()
+        tokens_b = prefix + torch.randint(1000, 2000, (5,), generator=g).tolist()
         cache = random_cache(NUM_BLOCKS, dtype, backend.device, g)
-        a_len, b_len = prefix + 3, prefix + 5
-        step_a = random_step([a_len], [a_len], [prefix_blocks + a_tail], dtype, backend.device, g)
-        check_attention(backend, step_a, cache, dtype, f"{name} seed {seed}: prefill A")
-        shared = cache[:, [b * BLOCK_SIZE + j for b in prefix_blocks for j in range(BLOCK_SIZE)]].detach().cpu().clone()
-        step_b = random_step([b_len - prefix], [b_len], [prefix_blocks + b_tail], dtype, backend.device, g)
-        errs[name] = check_attention(backend, step_b, cache, dtype, f"{name} seed {seed}: B after cached prefix")["max_abs_err"]
-        after = cache[:, [b * BLOCK_SIZE + j for b in prefix_blocks for j in range(BLOCK_SIZE)]].detach().cpu()
-        if not torch.equal(after, shared):
-            raise VerificationFailure("prefix_caching: the shared prefix blocks changed while serving the second sequence")
-    detail = f"B reuses A's {2} prefix blocks, computes {5} suffix tokens; max err " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items())
+
+        if manager.acquire_prefix("a", cache_index.seed(adapter), tokens_a) != 0:
+            raise VerificationFailure(f"prefix_caching ({tag}): an empty cache reported a hit")
+        manager.ensure("a", len(tokens_a))
+        step_a = random_step([len(tokens_a)], [len(tokens_a)], [manager.table("a")], dtype, backend.device, g)
+        check_attention(backend, step_a, cache, dtype, f"{tag}: prefill A")
+        manager.commit("a", tokens_a, len(tokens_a))
+
+        reused = manager.acquire_prefix("b", cache_index.seed(adapter), tokens_b)
+        if reused != len(prefix) or manager.table("b")[:2] != manager.table("a")[:2]:
+            raise VerificationFailure(f"prefix_caching ({tag}): B reused {reused} tokens, expected A's {len(prefix)}-token prefix blocks")
+        manager.ensure("b", len(tokens_b))
+        prefix_rows = [b * BLOCK_SIZE + j for b in manager.table("a")[:2] for j in range(BLOCK_SIZE)]
+        shared = cache[:, prefix_rows].detach().cpu().clone()
+        step_b = random_step([len(tokens_b) - reused], [len(tokens_b)], [manager.table("b")], dtype, backend.device, g)
+        errs[name] = check_attention(backend, step_b, cache, dtype, f"{tag}: B after cached prefix")["max_abs_err"]
+        if not torch.equal(cache[:, prefix_rows].detach().cpu(), shared):
+            raise VerificationFailure(f"prefix_caching ({tag}): the shared prefix blocks changed while serving B")
+
+        for other in (AdapterRef("probe-other-adapter", "v1"), AdapterRef("probe-adapter", "v2"), None):
+            seq = f"c-{other}"
+            if manager.acquire_prefix(seq, cache_index.seed(other), tokens_a) != 0:
+                raise VerificationFailure(f"prefix_caching ({tag}): adapter {other} reused KV computed under {adapter}")
+    detail = (f"BlockManager+PrefixCache: B reuses A's {2 * BLOCK_SIZE}-token prefix, computes 5 suffix tokens; "
+              "other adapter / new version / no adapter reuse nothing; max err " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items()))
     return VerifierResult("pass", detail, {"max_err": errs})

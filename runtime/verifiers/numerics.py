@@ -2,10 +2,12 @@
 
 An output ``o`` matches its float64 reference ``r`` in dtype ``d`` when, elementwise,
 
-    |o - r| <= tol_d * (1 + |r|),     tol_d = max(2 * eps(d), 1e-5)
+    |o - r| <= tol_d * (1 + m),     tol_d = max(2 * eps(d), 1e-5)
 
-i.e. two roundings in the output dtype, and float32-accumulation noise for float32.
-Inputs are drawn with O(1) magnitudes so this bound is meaningful.
+where ``m`` is the magnitude of the terms that were summed (e.g. ``|y0| + s|h| @ |B|^T``
+for expand; ``|r|`` when not given): rounding error scales with the terms, not with a
+result that may cancel to ~0. tol_d allows a few roundings in the output dtype, and
+float32-accumulation noise for float32. Inputs are O(1), so the bound is meaningful.
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ def tolerance(dtype: torch.dtype) -> float:
     return max(2.0 * torch.finfo(dtype).eps, 1e-5)
 
 
-def compare(what: str, out: Tensor, ref: Tensor, dtype: torch.dtype, scale: float = 1.0) -> dict[str, float]:
+def compare(what: str, out: Tensor, ref: Tensor, dtype: torch.dtype, scale: float = 1.0,
+            magnitude: Tensor | None = None) -> dict[str, float]:
     """Check ``out`` against the float64 ``ref``; returns error figures, raises on a mismatch.
 
-    ``scale`` widens the tolerance for ops with more rounding steps (softmax chains).
+    ``scale`` widens the tolerance for ops with more rounding steps (softmax chains);
+    ``magnitude`` is ``m`` of the module docstring (default ``|ref|``).
     """
     tol = tolerance(dtype) * scale
     o = out.detach().to("cpu", torch.float64)
@@ -33,10 +37,11 @@ def compare(what: str, out: Tensor, ref: Tensor, dtype: torch.dtype, scale: floa
     if not torch.isfinite(o).all():
         raise VerificationFailure(f"{what}: {int((~torch.isfinite(o)).sum())} non-finite values")
     err = (o - ref).abs()
-    ratio = float((err / (tol * (1 + ref.abs()))).max()) if err.numel() else 0.0
+    mag = ref.abs() if magnitude is None else magnitude
+    ratio = float((err / (tol * (1 + mag))).max()) if err.numel() else 0.0
     max_abs = float(err.max()) if err.numel() else 0.0
     if ratio > 1.0:
-        raise VerificationFailure(f"{what}: max abs error {max_abs:.3g} exceeds tolerance {tol:.3g}*(1+|ref|) ({ratio:.2f}x)")
+        raise VerificationFailure(f"{what}: max abs error {max_abs:.3g} exceeds tolerance {tol:.3g}*(1+|terms|) ({ratio:.2f}x)")
     return {"max_abs_err": max_abs, "tol_used": ratio}
 
 

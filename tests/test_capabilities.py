@@ -1,0 +1,232 @@
+"""The capability matrix, its gating, and every (backend, capability) verifier.
+
+The per-capability tests are parametrized straight from capability_matrix.yaml and call
+the same verifier functions as `lorafleet probe`. Hardware rows carry the `cuda` / `npu`
+markers (selected with `-m cuda` / `-m npu`); without the device they skip with the
+probe's one-line reason. The npu row also runs on CPU over the torch_npu op emulation
+(marker `emulated`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import backends
+from runtime.capabilities import (
+    CapabilityError,
+    CapabilityMatrixError,
+    DEFAULT_MATRIX_PATH,
+    Gate,
+    check_adapter,
+    check_engine_config,
+    load_matrix,
+)
+from runtime.config import EngineConfig
+from runtime.lora.adapter import LoRAAdapter, LoRAModule
+from runtime.verifiers import VERIFIERS, run_all
+
+ROOT = Path(__file__).resolve().parents[1]
+MATRIX = load_matrix()
+HARDWARE_MARK = {"cuda": pytest.mark.cuda, "npu": pytest.mark.npu}
+
+
+def _matrix_copy(tmp_path: Path, edit) -> Path:
+    """A copy of the real matrix with ``edit(data)`` applied, for false-declaration tests."""
+    data = yaml.safe_load(DEFAULT_MATRIX_PATH.read_text())
+    edit(data)
+    path = tmp_path / "capability_matrix.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _adapter(name: str, ranks: dict[tuple[int, str], int], in_f: int = 8, out_f: int = 8) -> LoRAAdapter:
+    modules = {k: LoRAModule(r, 2.0 / r, torch.randn(r, in_f), torch.randn(out_f, r)) for k, r in ranks.items()}
+    top = max(ranks.values())
+    return LoRAAdapter(name=name, version="v1", path="/adapters/" + name, modules=modules, max_rank=top, r=top,
+                       lora_alpha=2.0, use_rslora=False, target_modules=tuple(sorted({m for _, m in ranks})))
+
+
+# ---- every declared capability, through the probe's verifiers ------------------------------
+
+CASES = [
+    pytest.param(b, c, marks=[HARDWARE_MARK[b]] if b in HARDWARE_MARK else [], id=f"{b}-{c}")
+    for b in MATRIX.backends
+    for c in MATRIX.capabilities(b)
+]
+
+
+@pytest.mark.parametrize("backend_name, capability", CASES)
+def test_capability_verifies(backend_name: str, capability: str) -> None:
+    available, reason = backends.availability(backend_name)
+    if not available:
+        pytest.skip(reason)
+    result = VERIFIERS[capability](backend_name, MATRIX)
+    assert result.status == "pass", f"{backend_name}.{capability}: {result.detail}"
+
+
+@pytest.mark.parametrize("backend_name", [b for b in MATRIX.backends if b != "cpu"])
+def test_absent_backend_every_verifier_skips_with_the_probe_reason(backend_name: str) -> None:
+    available, reason = backends.availability(backend_name)
+    if available:
+        pytest.skip(f"{backend_name} is present here; test_capability_verifies covers it")
+    results = run_all(backend_name, MATRIX)
+    assert set(results) == set(MATRIX.capabilities(backend_name))
+    for capability, result in results.items():
+        assert (result.status, result.detail) == ("skipped", reason), capability
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("capability", MATRIX.capabilities("npu"))
+def test_npu_row_verifies_on_emulated_torch_npu_ops(capability: str) -> None:
+    """The npu row's verifiers against AscendBackend over the documented-op emulation (CPU tensors)."""
+    emulation = pytest.importorskip("tests.emulation.torch_npu_ops")
+    backend = backends.backend_class("npu")(device="cpu", npu_ops=emulation.EmulatedTorchNpuOps(), soc_name="Ascend910B2")
+    result = VERIFIERS[capability]("npu", MATRIX, backend)
+    assert result.status == "pass", result.detail
+
+
+# ---- the matrix, the registry and the README agree -----------------------------------------
+
+def test_every_capability_has_a_verifier_and_every_verifier_an_entry() -> None:
+    declared = set(MATRIX.all_capabilities())
+    assert declared - set(VERIFIERS) == set(), "capabilities without a verifier"
+    assert set(VERIFIERS) - declared == set(), "verifiers without a capability_matrix.yaml entry"
+    for backend_name in MATRIX.backends:
+        assert set(MATRIX.capabilities(backend_name)) == declared, backend_name
+
+
+def test_required_capabilities_are_declared() -> None:
+    required = {"lora_ops_segment", "lora_ops_per_token", "mixed_ranks", "multi_slice_expand", "dtypes", "max_rank",
+                "paged_attention", "prefix_caching", "cuda_graph_safety", "quantized_base_int8", "dora"}
+    assert required <= set(MATRIX.all_capabilities())
+    assert MATRIX.entry("npu", "lora_ops_per_token").fallback is not None
+    assert not MATRIX.entry("cpu", "dora").supported
+
+
+def test_readme_section_is_generated_from_the_matrix() -> None:
+    spec = importlib.util.spec_from_file_location("gen_capability_docs", ROOT / "scripts" / "gen_capability_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    readme = (ROOT / "README.md").read_text()
+    assert gen.splice(readme, gen.render(MATRIX)) == readme, "run: python scripts/gen_capability_docs.py"
+    assert "torch_npu.npu_batch_gather_matmul" in gen.render(MATRIX)
+
+
+# ---- a false declaration makes the verifiers fail -------------------------------------------
+
+def test_declared_float64_on_cpu_fails_the_dtypes_verifier(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["dtypes"]["limits"]["dtypes"].append("float64"))
+    result = VERIFIERS["dtypes"]("cpu", load_matrix(path))
+    assert result.status == "fail"
+    assert "float64" in result.detail
+
+
+def test_declared_int8_lora_ops_on_cpu_fails_the_op_verifier(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["lora_ops_segment"]["limits"]["dtypes"].append("int8"))
+    result = VERIFIERS["lora_ops_segment"]("cpu", load_matrix(path))
+    assert result.status == "fail"
+    assert "int8" in result.detail
+
+
+def test_declared_dora_support_fails(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["dora"].update(supported=True))
+    assert VERIFIERS["dora"]("cpu", load_matrix(path)).status == "fail"
+
+
+# ---- gating: start-up config and adapter load ----------------------------------------------
+
+def test_unsupported_dtype_at_startup_fails_with_the_matrix_words(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["dtypes"]["limits"].update(dtypes=["float32"]))
+    with pytest.raises(CapabilityError) as err:
+        check_engine_config(EngineConfig(model="m", dtype="bfloat16"), "cpu", load_matrix(path))
+    text = str(err.value)
+    assert "dtype 'bfloat16' is not one of float32" in text
+    assert "[cpu.dtypes]" in text and "dtypes: [float32]" in text
+
+
+def test_max_lora_rank_above_the_matrix_fails_at_startup() -> None:
+    with pytest.raises(CapabilityError) as err:
+        check_engine_config(EngineConfig(model="m", max_lora_rank=512), "cpu", MATRIX)
+    assert "max_lora_rank=512 exceeds max_rank 256" in str(err.value)
+    assert "[cpu.max_rank]" in str(err.value) and MATRIX.entry("cpu", "max_rank").note in str(err.value)
+
+
+def test_supported_config_passes_without_decisions() -> None:
+    assert check_engine_config(EngineConfig(model="m", dtype="bfloat16", enable_prefix_caching=True), "cpu", MATRIX) == []
+
+
+def test_adapter_above_max_rank_is_refused_at_load() -> None:
+    with pytest.raises(CapabilityError) as err:
+        check_adapter(_adapter("big", {(0, "q_proj"): 300}), "cpu", MATRIX)
+    text = str(err.value)
+    assert "adapter 'big': rank 300 is outside 1..256" in text and "[cpu.max_rank]" in text
+
+
+def test_adapter_with_an_undeclared_target_module_is_refused() -> None:
+    with pytest.raises(CapabilityError, match="target module 'lm_head' is not one of"):
+        check_adapter(_adapter("head", {(0, "q_proj"): 8, (0, "lm_head"): 8}), "cpu", MATRIX)
+
+
+def test_prefix_caching_declared_unsupported_refuses_the_config(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["prefix_caching"].update(supported=False))
+    with pytest.raises(CapabilityError, match=r"prefix_caching is not supported"):
+        check_engine_config(EngineConfig(model="m", enable_prefix_caching=True), "cpu", load_matrix(path))
+
+
+@pytest.mark.parametrize("rank, dtype, fallback", [(16, "float16", False), (128, "float16", False), (8, "float16", True),
+                                                   (24, "float16", True), (256, "float16", True), (16, "bfloat16", True)])
+def test_npu_per_token_fallback_triggers_exactly_where_declared(rank: int, dtype: str, fallback: bool) -> None:
+    decisions = check_engine_config(EngineConfig(model="m", dtype=dtype, max_lora_rank=256), "npu", MATRIX)
+    decisions += check_adapter(_adapter("a", {(0, "q_proj"): rank}), "npu", MATRIX)
+    assert [d.capability for d in decisions] == (["lora_ops_per_token"] if fallback else [])
+    if fallback:
+        assert "torch path" in decisions[0].fallback and "[npu.lora_ops_per_token]" in decisions[0].message
+
+
+def test_gate_logs_each_fallback_once(caplog: pytest.LogCaptureFixture) -> None:
+    gate = Gate("npu", MATRIX)
+    adapter = _adapter("r8", {(0, "q_proj"): 8, (1, "q_proj"): 8})
+    with caplog.at_level(logging.WARNING, logger="runtime.capabilities"):
+        first = gate.check_adapter(adapter)
+        second = gate.check_adapter(adapter)
+    assert len(first) == len(second) == 1
+    assert len([r for r in caplog.records if "rank 8" in r.getMessage()]) == 1
+    assert len(Gate("npu", MATRIX).check_adapter(adapter)) == 1  # a new gate has its own once-state
+
+
+def test_dora_adapter_is_refused_quoting_the_reason() -> None:
+    class DoraAdapter:
+        name, max_rank, use_dora = "d", 8, True
+        modules = {(0, "q_proj"): LoRAModule(8, 1.0, torch.randn(8, 4), torch.randn(4, 8))}
+
+    with pytest.raises(CapabilityError, match="per-row norm of W\\+BA"):
+        check_adapter(DoraAdapter(), "cuda", MATRIX)
+
+
+# ---- the matrix file is validated, errors name the file and key ----------------------------
+
+def test_missing_matrix_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(CapabilityMatrixError, match=str(tmp_path / "nope.yaml")):
+        load_matrix(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("edit, key", [
+    (lambda d: d["cpu"]["dtypes"]["limits"].update(dtypes=["floatx"]), "cpu.dtypes.limits.dtypes[0]"),
+    (lambda d: d["npu"]["max_rank"]["limits"].update(max_rank=0), "npu.max_rank.limits.max_rank"),
+    (lambda d: d["cuda"]["dora"].pop("note"), "cuda.dora.note"),
+    (lambda d: d["cpu"]["mixed_ranks"].update(colour="red"), "cpu.mixed_ranks.colour"),
+    (lambda d: d["cpu"]["dtypes"]["verified_on"].update(how="vibes"), "cpu.dtypes.verified_on.how"),
+    (lambda d: d.update(schema_version=2), "schema_version"),
+    (lambda d: d.pop("npu"), "npu"),
+    (lambda d: d["cuda"].pop("dora"), "cuda.dora"),
+])
+def test_malformed_matrix_is_refused_naming_the_key(tmp_path: Path, edit, key: str) -> None:
+    path = _matrix_copy(tmp_path, edit)
+    with pytest.raises(CapabilityMatrixError) as err:
+        load_matrix(path)
+    assert str(err.value).startswith(f"{path}: {key}:"), str(err.value)
