@@ -214,6 +214,14 @@ class LLMEngine:
         self._pending.append(self._output(live, [], finished=True))
         return True
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request in flight with finish_reason "error" (engine failure or shutdown)."""
+        outputs, self._pending = self._pending, []
+        for live in list(self._live.values()):
+            self._finish(live, "error", message)
+            outputs.append(self._output(live, [], finished=True))
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self._live) or bool(self._pending)
 

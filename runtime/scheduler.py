@@ -26,17 +26,19 @@ those adapters ("drain"); their running requests finish and free the slot, and X
 holding the minimum counter, takes it at the start of the next step.
 
 Bound (documented guarantee, tested in tests/test_scheduler.py and tests/test_engine.py).
-Let P be the longest prompt, M the largest max_tokens of the drained requests, C the
-token budget. Once X's oldest request is at the head of X's queue, X's adapter is on
-the host and X holds the minimum counter, the request is admitted within
+Let S = max_num_seqs, C = max_num_batched_tokens (assume C >= S, so every decode fits in
+a step), P the longest prompt and M the largest max_tokens in flight. While X waits for
+a slot, no new request of a drained adapter starts. Each step, decodes take at most
+S - 1 tokens, so prefills get at least C - S + 1 tokens, served oldest first; the drained
+requests are older than anything admitted after the drain began, so their prefills are
+done within ceil(S * P / (C - S + 1)) steps and their decodes within M more. Then the
+slot is free and X, still the minimum, takes it. A newly backlogged X holds the minimum
+after at most one more step (ties with older heads are served first). In total, X's
+head request starts within
 
-    ceil(P / C) + M + 1 steps
+    ceil(S * P / (C - S + 1)) + M + 2 steps          (``Scheduler.fairness_bound_steps``)
 
-(the drained requests' remaining prefill chunks and decodes, plus the step in which
-the slot is taken), not counting steps lost to KV-pressure preemption. A newly
-backlogged X holds the minimum as soon as keys with a smaller or equal counter and an
-older head have been served one more token, i.e. after at most one more admission per
-such key.
+of arriving, provided its adapter is on the host and no KV-pressure preemption happens.
 """
 from __future__ import annotations
 
@@ -145,6 +147,13 @@ class Scheduler:
         """Adapters of waiting requests in the order admission would consider them (for prefetch)."""
         keys = [k for k, q in self.waiting.items() if q and k is not None]
         return sorted(keys, key=lambda k: (self.counters.get(k, 0.0), self.waiting[k][0].arrival_index))
+
+    def fairness_bound_steps(self, longest_prompt: int, max_tokens: int) -> int:
+        """The documented admission bound (module docstring) for this scheduler's budgets."""
+        s, c = self.max_num_seqs, self.max_num_batched_tokens
+        if c < s:
+            raise ValueError(f"the bound assumes max_num_batched_tokens ({c}) >= max_num_seqs ({s})")
+        return -(-s * longest_prompt // (c - s + 1)) + max_tokens + 2
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -1,0 +1,183 @@
+"""AsyncLLMEngine: LLMEngine driven by one background thread, streamed to asyncio consumers.
+
+Steps are CPU-bound (on the CPU backend they *are* the model forward), so they run in a
+dedicated thread and the asyncio loop stays free to accept requests and stream tokens.
+Every call into the LLMEngine holds one lock; outputs are handed to each request's
+``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Cancelling a consumer of
+``generate`` aborts its request, which releases its KV blocks and adapter references.
+
+If a step raises, every request in flight is finished with finish_reason "error" and
+the message, and the engine refuses new requests (``dead_error`` says why) rather than
+hanging its consumers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator, Optional, Sequence
+
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.lora.registry import AdapterInfo
+from runtime.request import AdapterRef, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop failed or was shut down; no new requests are accepted."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, backend: Any = None, engine: Optional[LLMEngine] = None) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config, backend)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._accepting = True
+        self.dead_error: Optional[str] = None
+
+    # ---- passthroughs -----------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="lorafleet-engine-step", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to ``timeout`` s, fail the rest."""
+        with self._lock:
+            self._accepting = False
+            self._wake.notify_all()
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            with self._lock:
+                if not self.engine.has_unfinished():
+                    break
+            time.sleep(0.01)
+        with self._lock:
+            self._stopping = True
+            self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {timeout}s)"))
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, timeout))
+        self.engine.close()
+        if self.dead_error is None:
+            self.dead_error = "engine was shut down"
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: Optional[SamplingParams] = None,
+        adapter: Optional[str] = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Validation errors raise before the first output."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self.dead_error is not None or not self._accepting:
+                raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
+            if request_id in self._queues:
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            self.engine.add_request(request_id, prompt, params, adapter)
+            self._queues[request_id] = (loop, queue)
+            self._wake.notify_all()
+        if not self.running:
+            self.start()
+        finished = False
+        try:
+            while not finished:
+                out: RequestOutput = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            found = self.engine.abort(request_id)
+            self._wake.notify_all()
+            return found
+
+    def register_adapter(self, name: str, path: str) -> AdapterRef:
+        # Reading and validating the files happens outside the lock, so steps keep running.
+        adapter = self.engine.load_adapter_files(name, path)
+        with self._lock:
+            return self.engine.install_adapter(adapter, str(path))
+
+    async def register_adapter_async(self, name: str, path: str) -> AdapterRef:
+        return await asyncio.to_thread(self.register_adapter, name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        with self._lock:
+            self.engine.unregister_adapter(name)
+
+    def adapters(self) -> list[AdapterInfo]:
+        with self._lock:
+            return self.engine.adapters()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self.engine.snapshot()
+
+    def add_observer(self, callback: Any) -> None:
+        """``callback(RequestMetrics)`` runs on the step thread; keep it short and thread-safe."""
+        with self._lock:
+            self.engine.add_observer(callback)
+
+    # ---- the step thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                try:
+                    outputs = self.engine.step()
+                except Exception as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
+                    logger.exception("engine step failed")
+                    self.dead_error = f"engine step failed: {type(err).__name__}: {err}"
+                    self._dispatch(self.engine.fail_all(self.dead_error))
+                    self._accepting = False
+                    return
+                self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._queues.get(out.request_id)
+            if target is None:
+                continue
+            loop, queue = target
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, out)
