@@ -1,0 +1,103 @@
+"""Tokenizer vs transformers' AutoTokenizer on the same tokenizer.json, plus eos / template sources."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runtime.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerError
+
+TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n", "ünïcödé ✓ and emoji 🙂", "a</s>b<s>c", ""]
+
+
+@pytest.fixture
+def model_copy(tmp_path, tiny_llama_dir) -> Path:
+    dst = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, dst)
+    return dst
+
+
+def test_encode_decode_match_transformers(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    ours, ref = Tokenizer(tiny_llama_dir), AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref(text, add_special_tokens=special)["input_ids"], text
+        ids = ours.encode(text)
+        assert ids[0] == ours.bos_token_id
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+        # byte-level: exact round trip (special-token text comes back only when specials are kept)
+        assert ours.decode(ours.encode(text, add_special_tokens=False), skip_special_tokens=False) == text
+
+
+def test_special_tokens_and_eos(tiny_llama_dir):
+    tok = Tokenizer(tiny_llama_dir)
+    assert tok.bos_token == "<s>" and tok.eos_token == "</s>"
+    assert tok.eos_token_ids == (tok.token_to_id("</s>"),)
+    assert tok.is_special(tok.bos_token_id) and not tok.is_special(tok.encode("a", add_special_tokens=False)[0])
+
+
+def test_eos_ids_gathered_from_all_configs(model_copy):
+    gen = json.loads((model_copy / "generation_config.json").read_text())
+    gen["eos_token_id"] = [257, 12]
+    (model_copy / "generation_config.json").write_text(json.dumps(gen))
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["eos_token_id"] = 13
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    assert Tokenizer(model_copy).eos_token_ids == (257, 12, 13)
+
+
+def test_add_bos_token_without_post_processor(model_copy):
+    """Older Llama tokenizer.json files leave bos to tokenizer_config's add_bos_token."""
+    raw = json.loads((model_copy / "tokenizer.json").read_text())
+    raw["post_processor"] = None
+    (model_copy / "tokenizer.json").write_text(json.dumps(raw))
+    tok = Tokenizer(model_copy)
+    assert tok.encode("hi") == [tok.bos_token_id] + tok.encode("hi", add_special_tokens=False)
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    cfg["add_bos_token"] = False
+    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer(model_copy).encode("hi") == tok.encode("hi", add_special_tokens=False)
+
+
+def test_chat_template_matches_transformers(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    ref = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    for gen in (True, False):
+        assert Tokenizer(tiny_llama_dir).apply_chat_template(messages, add_generation_prompt=gen) == ref.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen
+        )
+
+
+def test_default_chat_template_when_checkpoint_has_none(model_copy):
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(model_copy)
+    assert tok.chat_template is None
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<s><|user|>\nhi</s>\n<|assistant|>\n"
+    assert "messages" in DEFAULT_CHAT_TEMPLATE
+
+
+def test_errors_name_file_and_key(model_copy):
+    with pytest.raises(TokenizerError, match=r"messages\[0\]: each message needs 'role' and 'content'"):
+        Tokenizer(model_copy).apply_chat_template([{"content": "x"}])
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "<|not-a-token|>"
+    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: eos_token '<\|not-a-token\|>' is not in"):
+        Tokenizer(model_copy)
+    (model_copy / "tokenizer_config.json").write_text("{bad")
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: invalid JSON"):
+        Tokenizer(model_copy)
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: missing"):
+        Tokenizer(model_copy)
