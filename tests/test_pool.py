@@ -1,0 +1,171 @@
+"""AdapterPool properties (hypothesis): capacity, referenced entries never evicted, LRU order,
+hot update never changes a running request's weights, abort brings refcounts to zero."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings, strategies as st
+
+from runtime.lora.pool import AdapterPool
+from runtime.request import AdapterRef
+
+
+@dataclass(frozen=True)
+class FakeAdapter:
+    name: str
+    version: str
+    max_rank: int
+
+
+class FakeWriter:
+    """Records what each slot holds and which rows each slot's weights occupy."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, tuple[AdapterRef, int, int]] = {}
+
+    def write_adapter(self, slot: int, adapter: FakeAdapter, row_start: int) -> None:
+        self.slots[slot] = (AdapterRef(adapter.name, adapter.version), row_start, adapter.max_rank)
+
+    def clear_slot(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+
+
+RANKS = (4, 8, 16, 32)
+
+
+def make_pool(max_loras=3, max_cpu_loras=4, pool_rows=48):
+    writer = FakeWriter()
+    adapters: dict[AdapterRef, FakeAdapter] = {}
+
+    def loader(ref: AdapterRef) -> FakeAdapter:
+        return adapters[ref]
+
+    pool = AdapterPool(writer, loader, max_loras, max_cpu_loras, pool_rows, max_lora_rank=32, row_bytes=10, async_loads=False)
+    return pool, writer, adapters
+
+
+def new_ref(adapters, name: str, version: int, rank: int) -> AdapterRef:
+    ref = AdapterRef(name, f"v{version}")
+    adapters[ref] = FakeAdapter(name, f"v{version}", rank)
+    return ref
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["demand", "acquire", "release", "finish", "update", "abort_all"]), st.integers(0, 5), st.integers(0, 3)),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_pool_invariants_under_random_operations(operations):
+    pool, writer, adapters = make_pool()
+    current = {f"n{i}": new_ref(adapters, f"n{i}", 0, RANKS[i % 4]) for i in range(6)}
+    versions = {name: 0 for name in current}
+    live: list[dict] = []  # each request: ref, running(bool)
+    for op, k, r in operations:
+        name = f"n{k}"
+        if op == "demand":
+            pool.demand(current[name])
+            live.append({"ref": current[name], "running": False})
+        elif op == "acquire":
+            waiting = [q for q in live if not q["running"] and pool.host_ready(q["ref"])]
+            if waiting:
+                q = waiting[r % len(waiting)]
+                slot = pool.acquire_device(q["ref"])
+                if slot is not None:
+                    q["running"], q["slot"] = True, slot
+                    q["weights"] = writer.slots[slot]
+        elif op == "release":
+            running = [q for q in live if q["running"]]
+            if running:
+                q = running[r % len(running)]
+                pool.release_device(q["ref"])
+                q["running"] = False
+        elif op == "finish" and live:
+            q = live.pop(r % len(live))
+            if q["running"]:
+                pool.release_device(q["ref"])
+            pool.undemand(q["ref"])
+        elif op == "update":  # hot update: a new version becomes current, the old one retires
+            versions[name] += 1
+            old = current[name]
+            current[name] = new_ref(adapters, name, versions[name], RANKS[(k + versions[name]) % 4])
+            pool.retire(old)
+        elif op == "abort_all":
+            for q in live:
+                if q["running"]:
+                    pool.release_device(q["ref"])
+                pool.undemand(q["ref"])
+            live.clear()
+        pool.poll()
+        snap = pool.snapshot()
+        # capacity
+        assert snap["host_entries"] + snap["loads_in_flight"] <= 4
+        assert snap["device_slots_used"] <= 3 and snap["device_rows_used"] <= 48
+        residents = pool.device_residents()
+        spans = sorted((start, start + rows) for _, start, rows in residents.values())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "row ranges overlap"
+        assert all(rows == adapters[ref].max_rank for ref, _, rows in residents.values()), "rows follow the actual rank"
+        # referenced entries stay; a running request's slot still holds exactly the weights it started with
+        for q in live:
+            if q["running"]:
+                assert writer.slots.get(q["slot"]) == q["weights"]
+                assert pool.slot_of(q["ref"]) == q["slot"]
+                assert q["ref"] in pool.host_refs() or q["ref"] in {e[0] for e in residents.values()}
+        for ref in {q["ref"] for q in live if pool.demand_of(q["ref"]) > 0}:
+            assert ref in pool.host_refs() or not pool.host_ready(ref)
+        assert writer.slots == residents
+    for q in live:  # abort everything: refcounts return to zero
+        if q["running"]:
+            pool.release_device(q["ref"])
+        pool.undemand(q["ref"])
+    snap = pool.snapshot()
+    assert snap["total_demand"] == 0 and snap["total_device_refs"] == 0
+    retired_left = [ref for ref in pool.host_refs() if ref != current[ref.name]]
+    assert retired_left == [], "retired versions are freed after their last reader"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=40))
+def test_host_lru_order(accesses):
+    """Unreferenced host entries are evicted least recently used first."""
+    pool, _, adapters = make_pool(max_loras=1, max_cpu_loras=3)
+    refs = [new_ref(adapters, f"n{i}", 0, 4) for i in range(8)]
+    model: list[AdapterRef] = []  # LRU order, oldest first
+    for i in accesses:
+        ref = refs[i]
+        pool.demand(ref)
+        pool.poll()
+        pool.undemand(ref)
+        if ref in model:
+            model.remove(ref)
+        model.append(ref)
+        model = model[-3:]
+        assert pool.host_refs() == model
+
+
+def test_mixed_ranks_cost_their_own_rows_not_padding():
+    pool, writer, adapters = make_pool(max_loras=4, max_cpu_loras=4, pool_rows=96)
+    refs = [new_ref(adapters, f"n{i}", 0, r) for i, r in enumerate((8, 32, 8, 16))]
+    for ref in refs:
+        pool.demand(ref)
+        assert pool.acquire_device(ref) is not None
+    snap = pool.snapshot()
+    assert snap["device_rows_used"] == 64
+    assert snap["device_bytes_in_use"] == 640 and snap["device_bytes_if_padded"] == 4 * 32 * 10
+    # Padded to max rank these four would need 128 rows and could not fit in 96.
+    assert snap["device_bytes_capacity"] == 960
+
+
+def test_referenced_slot_blocks_placement_and_reports_blockers():
+    pool, _, adapters = make_pool(max_loras=2, max_cpu_loras=4, pool_rows=32)
+    a, b, c = (new_ref(adapters, n, 0, 16) for n in "abc")
+    for ref in (a, b, c):
+        pool.demand(ref)
+    assert pool.acquire_device(a) is not None and pool.acquire_device(b) is not None
+    assert pool.acquire_device(c) is None  # both slots referenced: never evicted
+    assert pool.device_blockers(c, [b, a]) == [b]
+    pool.release_device(b)
+    assert pool.acquire_device(c) is not None and pool.slot_of(b) is None and pool.slot_of(a) is not None

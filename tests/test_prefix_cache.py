@@ -1,0 +1,88 @@
+"""Prefix cache: hits for the same (base, adapter, version), none across adapters or after a hot
+update, and outputs identical with and without it."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from runtime.kv.block_manager import BlockManager
+from runtime.kv.prefix_cache import PrefixCache
+from runtime.request import AdapterRef, SamplingParams
+from tests.engine_helpers import clone_adapter, copy_adapter, make_engine, random_prompt, run_alone, run_to_completion
+
+PARAMS = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+def test_hash_chain_depends_on_base_adapter_version_and_every_earlier_token():
+    cache = PrefixCache("base")
+    tokens = list(range(12))
+    chain = lambda seed, toks: PrefixCache.chain(seed, toks, 4, 3)  # noqa: E731
+    a1, a2, b1 = AdapterRef("a", "1"), AdapterRef("a", "2"), AdapterRef("b", "1")
+    same = chain(cache.seed(a1), tokens)
+    assert same == chain(cache.seed(a1), tokens)
+    for other in (cache.seed(a2), cache.seed(b1), cache.seed(None), PrefixCache("other").seed(a1)):
+        assert not set(chain(other, tokens)) & set(same)
+    changed = chain(cache.seed(a1), [99] + tokens[1:])
+    assert all(x != y for x, y in zip(changed, same)), "block i depends on tokens of blocks < i"
+
+
+def test_block_manager_reuses_cached_blocks_and_evicts_lru():
+    cache = PrefixCache("base")
+    bm = BlockManager(6, 4, cache)
+    seed = cache.seed(None)
+    prompt = list(range(10))
+    assert bm.acquire_prefix("s1", seed, prompt) == 0
+    assert bm.ensure("s1", 10)
+    bm.commit("s1", prompt, 10)
+    first = bm.table("s1")[:2]
+    bm.free("s1")
+    assert bm.num_free_blocks == 6
+    assert bm.acquire_prefix("s2", seed, prompt) == 8 and bm.table("s2") == first
+    assert bm.acquire_prefix("s3", seed, prompt) == 8 and bm.refcount(first[0]) == 2
+    bm.free("s2")
+    bm.free("s3")
+    assert bm.ensure("big", 24)  # needs all 6 blocks: cached ones get evicted
+    assert bm.acquire_prefix("s4", seed, prompt) == 0
+
+
+def _hits(engine):
+    return engine.snapshot()["prefix_cache_hit_blocks"]
+
+
+def test_engine_prefix_hits_only_for_same_adapter_and_version(tiny_llama_dir, tiny_adapters, tmp_path):
+    engine = make_engine(tiny_llama_dir, enable_prefix_caching=True)
+    live = copy_adapter(Path(tiny_adapters["b"]), tmp_path / "live")
+    engine.register_adapter("live", str(live))
+    engine.register_adapter("a", str(tiny_adapters["a"]))
+    prompt = random_prompt(random.Random(2), 14)
+    first = run_alone(engine, "p1", prompt, PARAMS, "live")
+    assert _hits(engine) == 0
+    second = run_alone(engine, "p2", prompt, PARAMS, "live")
+    assert _hits(engine) == 3 and second.token_ids == first.token_ids  # 3 full blocks of 4 below 14 tokens
+    run_alone(engine, "other-adapter", prompt, PARAMS, "a")
+    run_alone(engine, "base", prompt, PARAMS, None)
+    assert _hits(engine) == 3, "KV is never shared across adapters"
+    clone_adapter(Path(tiny_adapters["b"]), tmp_path / "live", seed=321)
+    engine.register_adapter("live", str(live))  # hot update: new version
+    run_alone(engine, "after-update", prompt, PARAMS, "live")
+    assert _hits(engine) == 3, "KV is never shared across versions"
+
+
+def test_outputs_identical_with_and_without_prefix_cache(tiny_llama_dir, tiny_adapters):
+    rng = random.Random(9)
+    shared = random_prompt(rng, 12)
+    workload = [(f"r{i}", shared + random_prompt(rng, rng.randint(1, 6)), rng.choice([None, "a", "c"])) for i in range(10)]
+    results = []
+    for enabled in (False, True):
+        engine = make_engine(tiny_llama_dir, enable_prefix_caching=enabled, max_num_batched_tokens=16)
+        for name in ("a", "c"):
+            engine.register_adapter(name, str(tiny_adapters[name]))
+        for rid, prompt, ad in workload[:3]:  # warm the cache, then send the rest together
+            run_alone(engine, "warm-" + rid, prompt, PARAMS, ad)
+        for rid, prompt, ad in workload:
+            engine.add_request(rid, prompt, PARAMS, ad)
+        finals = run_to_completion(engine)
+        results.append({rid: finals[rid].token_ids for rid, _, _ in workload})
+        if enabled:
+            assert _hits(engine) > 0
+    assert results[0] == results[1]
