@@ -1,0 +1,75 @@
+"""`lorafleet probe`: passes on cpu, one clear line for an absent device, fails on a false matrix."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import backends
+from runtime.capabilities import DEFAULT_MATRIX_PATH, load_matrix
+from runtime.cli import main
+
+MATRIX = load_matrix()
+
+
+def test_probe_cpu_passes_and_explains_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for capability in MATRIX.capabilities("cpu"):
+        entry = MATRIX.entry("cpu", capability)
+        line = next(l for l in out.splitlines() if l.startswith(capability + " "))
+        assert " pass " in line, line
+        if not entry.supported:
+            assert entry.note in line  # the reason it is declared unsupported, and that it was refused
+        else:
+            assert "max err" in line or "refused" in line, line  # error figures are shown
+    assert "cpu: all declared capabilities verified" in out
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_probe_absent_device_prints_one_line_and_fails(device: str, capsys: pytest.CaptureFixture[str]) -> None:
+    available, reason = backends.availability(device)
+    if available:
+        pytest.skip(f"{device} is present on this machine")
+    assert main(["probe", "--device", device]) != 0
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and out.startswith(f"{device}:"), out
+    assert " ".join(reason.split()) in out
+
+
+def test_probe_absent_device_via_the_console_script_has_no_traceback() -> None:
+    if backends.availability("npu")[0]:
+        pytest.skip("npu is present on this machine")
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "probe", "--device", "npu", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    report = json.loads(proc.stdout)
+    assert report["available"] is False and report["reason"].startswith("npu:") and "torch_npu" in report["reason"]
+
+
+def test_probe_fails_on_a_false_declaration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = yaml.safe_load(DEFAULT_MATRIX_PATH.read_text())
+    data["cpu"]["dtypes"]["limits"]["dtypes"].append("float64")  # the engine has no float64 mode
+    data["cpu"]["max_rank"]["limits"]["max_rank"] = 100000  # beyond what the op rows declare: inconsistent
+    data["cpu"]["lora_ops_segment"]["limits"]["dtypes"].append("int8")
+    path = tmp_path / "false_matrix.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["probe", "--device", "cpu", "--json", "--matrix", str(path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    status = {r["capability"]: r for r in report["results"]}
+    assert report["ok"] is False
+    assert status["dtypes"]["status"] == "fail" and "float64" in status["dtypes"]["detail"]
+    assert status["lora_ops_segment"]["status"] == "fail" and "int8" in status["lora_ops_segment"]["detail"]
+    assert status["max_rank"]["status"] == "fail" and "100000" in status["max_rank"]["detail"]
+    assert status["paged_attention"]["status"] == "pass"  # the rest still verifies
+
+
+def test_probe_unreadable_matrix_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["probe", "--device", "cpu", "--matrix", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "missing.yaml" in err
