@@ -358,7 +358,9 @@ def greedy_tokens(runner_mod, model_dir, adapters: dict, device: str, dtype: str
     row = 0
     names = sorted(adapters)
     for slot, name in enumerate(names):
-        adapter = load_adapter(adapters[name], name, runner.lora_targets(), config.max_lora_rank)
+        adapter = load_adapter(
+            adapters[name], name, runner.lora_targets(), num_layers=len(runner.model.layers), max_lora_rank=config.max_lora_rank
+        )
         runner.write_adapter(slot, adapter, row)
         row += adapter.max_rank
     seq_slots = [0, -1, *range(1, len(names)), 0, -1]
