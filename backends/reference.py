@@ -101,7 +101,10 @@ def expand_per_token(
             continue
         b_t = _gather_per_token(w, slots, pad, w.b_rows)  # [T, pad, out]
         scale = w.slot_scale[slots.clamp(min=0).long()] * has[:, 0]
-        hi = h[i, :, :pad].float()[:, None, :]  # [T, 1, pad]
+        rank = w.slot_rank.long()[slots.clamp(min=0).long()] * has[:, 0].long()
+        in_rank = torch.arange(pad, device=h.device)[None, :] < rank[:, None]
+        # Entries past a row's rank are never read (they may hold anything, even NaN).
+        hi = torch.where(in_rank, h[i, :, :pad].float(), 0.0)[:, None, :]  # [T, 1, pad]
         delta = torch.bmm(hi, b_t)[:, 0, :] * scale[:, None]
         cols = slice(slice_offsets[i], slice_offsets[i] + w.out_features)
         y[:, cols] = torch.where(has, (y[:, cols].float() + delta).to(y.dtype), y[:, cols])
