@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Ascend NPU verification run, the counterpart of the CUDA script: hardware tests, the
+# capability probe and the LoRA op benchmark, in one go, results as files in OUTDIR.
+#
+#   benchmarks/ascend/run_all.sh OUTDIR
+#
+# Needs torch_npu + the CANN toolkit + an Ascend device. If CANN's environment is not
+# loaded yet, the default toolkit set_env.sh is sourced. Writes:
+#   env.json                 torch / torch_npu versions, device name
+#   npu_tests.xml / .log     pytest -m "npu or emulated" on the Ascend test files
+#   probe.json               lorafleet probe --device npu --json
+#   lora_ops.json / .log     benchmarks/lora_ops.py --device npu
+#   summary.json             exit status of each part
+# Exits non-zero when any part failed; every part runs regardless.
+set -u -o pipefail
+
+OUT=${1:?usage: benchmarks/ascend/run_all.sh OUTDIR}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT"
+
+if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]; then
+  # shellcheck disable=SC1091
+  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+fi
+
+"$PY" - > "$OUT/env.json" <<'PYEOF'
+import json, platform
+info = {"python": platform.python_version()}
+try:
+    import torch, torch_npu
+    info.update(torch=torch.__version__, torch_npu=torch_npu.__version__,
+                npu_available=torch.npu.is_available(),
+                device=torch.npu.get_device_name() if torch.npu.is_available() else None)
+except (ImportError, OSError, RuntimeError) as err:  # recorded; the tests below report it again
+    info["import_error"] = f"{type(err).__name__}: {err}"
+print(json.dumps(info, indent=2))
+PYEOF
+
+"$PY" -m pytest -p no:cacheprovider -q -m "npu or emulated" \
+  tests/test_ascend_npu.py tests/test_ascend_emulated.py \
+  --junitxml="$OUT/npu_tests.xml" > "$OUT/npu_tests.log" 2>&1
+tests_rc=$?
+
+"$PY" -m runtime.cli probe --device npu --json > "$OUT/probe.json" 2> "$OUT/probe.err"
+probe_rc=$?
+
+"$PY" benchmarks/lora_ops.py --device npu --json "$OUT/lora_ops.json" > "$OUT/lora_ops.log" 2>&1
+bench_rc=$?
+
+cat > "$OUT/summary.json" <<JSON
+{"tests_rc": $tests_rc, "probe_rc": $probe_rc, "bench_rc": $bench_rc, "date": "$(date -u +%Y-%m-%dT%H:%M:%SZ)"}
+JSON
+cat "$OUT/summary.json"
+[ "$tests_rc" -eq 0 ] && [ "$probe_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
