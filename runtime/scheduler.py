@@ -22,7 +22,8 @@ request before) is lifted to ``c = max(c, min c over backlogged keys)``, so idle
 is never banked as credit. If the chosen key X cannot get a device slot (every slot, or
 the rows it needs, are held by running requests), the scheduler computes the resident
 adapters whose rows X needs (most-served first) and stops admitting *new* requests of
-those adapters ("drain"); their running requests finish and free the slot, and X, still
+those adapters ("drain", sticky until X is placed, so the victim cannot flip between
+adapters from step to step); their running requests finish and free the slot, and X, still
 holding the minimum counter, takes it at the start of the next step.
 
 Bound (documented guarantee, tested in tests/test_scheduler.py and tests/test_engine.py).
@@ -107,6 +108,9 @@ class Scheduler:
         self.waiting: dict[Optional[AdapterRef], deque[Sequence]] = {}
         self.running: list[Sequence] = []  # sorted by arrival_index (oldest first)
         self.counters: dict[Optional[AdapterRef], float] = {}
+        # Sticky drains: blocked adapter -> the residents it waits for. Kept across steps
+        # so the victim does not flip between adapters (which would never free a slot).
+        self._drains: dict[AdapterRef, list[AdapterRef]] = {}
 
     # ---- queue membership ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -130,6 +134,7 @@ class Scheduler:
                 queue.remove(seq)
                 if not queue:
                     del self.waiting[seq.adapter]
+                    self._drains.pop(seq.adapter, None)
         self.block_manager.free(seq.request_id)
 
     @property
@@ -206,12 +211,17 @@ class Scheduler:
             if key is not None and self.pool.acquire_device(key) is None:
                 blocked.add(key)
                 resident = {s.adapter for s in self.running if s.adapter is not None}
-                prefer = sorted(resident, key=lambda k: -self._charged(k, planned))
-                for victim in self.pool.device_blockers(key, prefer) or []:
+                victims = [v for v in self._drains.get(key, []) if v in resident]
+                if not victims:
+                    prefer = sorted(resident, key=lambda k: -self._charged(k, planned))
+                    victims = self.pool.device_blockers(key, prefer) or []
+                self._drains[key] = victims
+                for victim in victims:
                     drained.add(victim)
                     if victim not in out.drained:
                         out.drained.append(victim)
                 continue
+            self._drains.pop(key, None)
             seed = self._prefix_seed(key) if self._prefix_seed is not None else None
             seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids)
             n = min(seq.num_uncomputed, budget)

@@ -240,3 +240,37 @@ def test_observer_metrics_and_stop_strings(tiny_llama_dir):
     m = {x.request_id: x for x in seen}
     assert m["free"].output_tokens == 12 and m["free"].finish_reason == "length"
     assert m["free"].ttft is not None and m["free"].queue_time is not None and m["free"].adapter_location == "none"
+
+
+def test_async_engine_streams_matches_sync_and_cancel_aborts(tiny_llama_dir, tiny_adapters):
+    import asyncio
+
+    from runtime.async_engine import AsyncLLMEngine
+
+    sync = make_engine(tiny_llama_dir)
+    sync.register_adapter("a", str(tiny_adapters["a"]))
+    expected = run_alone(sync, "ref", [3, 1, 4, 1, 5], GREEDY, "a").token_ids
+    engine = AsyncLLMEngine(None, engine=make_engine(tiny_llama_dir))
+    engine.register_adapter("a", str(tiny_adapters["a"]))
+    engine.start()
+
+    async def main():
+        pieces = [o async for o in engine.generate("s", [3, 1, 4, 1, 5], GREEDY, "a")]
+        long = SamplingParams(max_tokens=40, ignore_eos=True)
+
+        async def consume():
+            async for _ in engine.generate("cancelled", [1, 2, 3], long, None):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return pieces
+
+    pieces = asyncio.run(main())
+    assert tuple(t for p in pieces for t in p.new_token_ids) == expected and pieces[-1].finished
+    snap = engine.snapshot()
+    assert snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
+    engine.shutdown(timeout=5)
