@@ -77,6 +77,11 @@ class Limits:
             return f"dtype {dtype!r} is not one of {', '.join(self.dtypes)}"
         return None
 
+    def module_violation(self, module_name: str) -> str | None:
+        if self.target_modules is not None and module_name not in self.target_modules:
+            return f"target module {module_name!r} is not one of {', '.join(self.target_modules)}"
+        return None
+
     def admissible_ranks(self) -> list[int]:
         """Every rank these limits admit (ascending)."""
         lo = self.min_rank if self.min_rank is not None else 1
@@ -392,10 +397,9 @@ def check_adapter(adapter: Any, backend_name: str, matrix: CapabilityMatrix | No
 
     for cap in LORA_OP_CAPABILITIES:
         entry = m.entry(backend_name, cap)
-        allowed = entry.limits.target_modules
         for module_name in module_names:
-            if allowed is not None and module_name not in allowed:
-                gate(entry, f"target module {module_name!r} is not one of {', '.join(allowed)}", "no fallback for modules")
+            fb = entry.fallback.limits.module_violation(module_name) if entry.fallback else None
+            gate(entry, entry.limits.module_violation(module_name), fb)
     max_rank = m.entry(backend_name, "max_rank")
     for rank in ranks:
         gate(max_rank, max_rank.limits.rank_violation(rank))

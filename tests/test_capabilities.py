@@ -84,8 +84,9 @@ def test_absent_backend_every_verifier_skips_with_the_probe_reason(backend_name:
 @pytest.mark.parametrize("capability", MATRIX.capabilities("npu"))
 def test_npu_row_verifies_on_emulated_torch_npu_ops(capability: str) -> None:
     """The npu row's verifiers against AscendBackend over the documented-op emulation (CPU tensors)."""
-    emulation = pytest.importorskip("tests.emulation.torch_npu_ops")
-    backend = backends.backend_class("npu")(device="cpu", npu_ops=emulation.EmulatedTorchNpuOps(), soc_name="Ascend910B2")
+    from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps
+
+    backend = backends.backend_class("npu")(device="cpu", npu_ops=EmulatedTorchNpuOps(), soc_name="Ascend910B2")
     result = VERIFIERS[capability]("npu", MATRIX, backend)
     assert result.status == "pass", result.detail
 
