@@ -83,8 +83,15 @@ def apply_lora(
     """``y += LoRA(x)`` for every slice: shrink into ``workspace`` then expand into ``y``.
 
     workspace: float32 [>= n_slices, >= T, >= max rank]; reused across layers.
+    A backend whose ops also offer a fused ``apply(x, y, weights, meta, slice_offsets,
+    workspace)`` (e.g. Ascend's npu_batch_gather_matmul, which needs x and y in one
+    call) gets the whole update in one call instead.
     """
     if not meta.has_lora:
+        return
+    fused = getattr(ops, "apply", None)
+    if fused is not None:
+        fused(x, y, weights, meta, slice_offsets, workspace)
         return
     t = x.shape[0]
     h = workspace[: len(weights), :t]

@@ -97,10 +97,11 @@ def build_engine(settings: Any) -> Any:
 
 
 def summary(settings: Any, engine: Any) -> str:
-    mem = engine.memory_report()
+    core = engine.engine
+    mem = core.runner.memory_report()
     lines = [
         f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}",
-        f"device     {engine.device} (backend {engine.backend_name}), dtype {settings.engine.dtype}",
+        f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}",
         f"adapters   {', '.join(f'{a.name}@{a.version} r={a.max_rank}' for a in engine.adapters()) or 'none'}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
         f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} max_model_len={engine.max_model_len}",

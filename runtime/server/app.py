@@ -27,7 +27,6 @@ class AppState:
     options: ServerOptions
     base_name: str
     tokenizer: Any
-    vocab_size: int
     max_model_len: int
     metrics: ServerMetrics
     started: int
@@ -43,7 +42,6 @@ def create_app(engine: Any, options: ServerOptions | None = None, replica: str |
         options=options,
         base_name=base_name,
         tokenizer=engine.tokenizer,
-        vocab_size=engine.vocab_size,
         max_model_len=engine.max_model_len,
         metrics=metrics,
         started=int(time.time()),

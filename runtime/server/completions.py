@@ -13,7 +13,8 @@ from runtime.server.protocol import CompletionRequest
 from runtime.server.sse import DONE, event
 
 
-def _prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """Normalise the four prompt forms to a list of prompts; the engine checks token ids."""
     p = req.prompt
     if isinstance(p, str):
         return [p]
@@ -22,12 +23,10 @@ def _prompts(req: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
     if all(isinstance(x, str) for x in p):
         return list(p)
     if all(isinstance(x, int) for x in p):
-        gen.check_token_ids(p, vocab_size)
         return [list(p)]
     for ids in p:
         if not ids:
             raise APIError(400, "token-id prompts must not be empty", param="prompt", code="invalid_parameter")
-        gen.check_token_ids(ids, vocab_size)
     return [list(ids) for ids in p]
 
 
@@ -53,7 +52,7 @@ def build_router(state: Any) -> APIRouter:
         engine = state.engine
         target = gen.resolve_model(engine, state.base_name, body.model)
         params = gen.sampling_params(body, body.max_tokens or gen.DEFAULT_COMPLETION_TOKENS)
-        prompts = _prompts(body, state.vocab_size)
+        prompts = _prompts(body)
         request_id = gen.new_id("cmpl")
         created = int(time.time())
         streams = []

@@ -56,12 +56,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt", code="invalid_parameter")
-
-
 async def open_stream(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None) -> tuple[Any, AsyncIterator[Any]]:
     """Start a request and wait for its first output, so admission errors become HTTP errors.
 

@@ -68,20 +68,20 @@ class _SnapshotCollector:
         yield gauge("lorafleet_requests_waiting", "Sequences waiting", snap.get("waiting", 0))
         yield gauge("lorafleet_kv_blocks_total", "KV blocks in the pool", snap.get("kv_blocks_total", 0))
         yield gauge("lorafleet_kv_blocks_free", "KV blocks free", snap.get("kv_blocks_free", 0))
-        yield gauge("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", snap.get("pool_bytes_in_use", 0))
-        yield gauge("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", snap.get("pool_bytes_capacity", 0))
+        yield gauge("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", snap.get("pool_device_bytes_in_use", 0))
+        yield gauge("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", snap.get("pool_device_bytes_capacity", 0))
         yield gauge("lorafleet_adapter_host_entries", "Adapters in the host tier", snap.get("host_entries", 0))
         per_adapter = snap.get("adapters", {})
         families = {
-            "loads": CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads from disk", labels=["adapter"] + extra),
-            "evictions": CounterMetricFamily("lorafleet_adapter_evictions", "Adapter evictions (host or device)", labels=["adapter"] + extra),
+            "loads": CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads from disk into the host tier", labels=["adapter"] + extra),
+            "device_loads": CounterMetricFamily("lorafleet_adapter_device_loads", "Adapter copies from host to device", labels=["adapter"] + extra),
+            "host_evictions": CounterMetricFamily("lorafleet_adapter_host_evictions", "Adapter evictions from the host tier", labels=["adapter"] + extra),
+            "device_evictions": CounterMetricFamily("lorafleet_adapter_device_evictions", "Adapter evictions from device slots", labels=["adapter"] + extra),
             "device_hits": CounterMetricFamily("lorafleet_adapter_device_hits", "Requests whose adapter was already on device", labels=["adapter"] + extra),
             "host_hits": CounterMetricFamily("lorafleet_adapter_host_hits", "Requests whose adapter was in the host tier", labels=["adapter"] + extra),
+            "disk_misses": CounterMetricFamily("lorafleet_adapter_disk_misses", "Requests whose adapter had to be read from disk", labels=["adapter"] + extra),
         }
-        resident = GaugeMetricFamily("lorafleet_adapter_resident", "1 when the adapter is on device", labels=["adapter"] + extra)
         for name, counters in sorted(per_adapter.items()):
             for key, family in families.items():
-                family.add_metric([name] + extra_values, float(counters.get(key, 0)))
-            resident.add_metric([name] + extra_values, 1.0 if counters.get("on_device") else 0.0)
+                family.add_metric([name or BASE_LABEL] + extra_values, float(counters.get(key, 0)))
         yield from families.values()
-        yield resident

@@ -30,7 +30,9 @@ def client(url: str) -> openai.OpenAI:
 
 def idle(engine) -> bool:
     snap = engine.snapshot()
-    return snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"] and snap["refcounts"] == 0
+    refs = snap["total_refcounts"]
+    return (snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
+            and refs["adapter_demand"] == 0 and refs["adapter_device_refs"] == 0)
 
 
 def offline(engine, prompt: str, adapter: str | None, max_tokens: int) -> str:

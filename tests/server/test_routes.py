@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -96,7 +97,7 @@ async def test_chat_whole_and_stream(app, engine) -> None:
         ({"surprise": True}, 400, "surprise"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x" * 400}, 400, ""),
-        ({"prompt": [999999]}, 400, "vocabulary"),
+        ({"prompt": [999999]}, 400, "token ids"),
         ({"prompt": []}, 400, "empty"),
     ],
 )
@@ -153,9 +154,10 @@ async def test_path_escapes_refused(app, adapter_root: Path, tiny_adapters, tmp_
     assert "evil" not in names
 
 
-async def test_bad_adapter_gets_validator_message(app, adapter_root: Path) -> None:
+async def test_bad_adapter_gets_validator_message(app, adapter_root: Path, tiny_adapters) -> None:
     bad = adapter_root / "broken"
-    bad.mkdir(exist_ok=True)
+    if not bad.exists():
+        shutil.copytree(next(iter(tiny_adapters.values())), bad)
     (bad / "adapter_config.json").write_text("{not json")
     async with client_for(app) as c:
         r = await c.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(bad)})
