@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,36 @@ def test_npu_row_verifies_on_emulated_torch_npu_ops(capability: str) -> None:
 
     backend = backends.backend_class("npu")(device="cpu", npu_ops=EmulatedTorchNpuOps(), soc_name="Ascend910B2")
     result = VERIFIERS[capability]("npu", MATRIX, backend)
+    assert result.status == "pass", result.detail
+
+
+@dataclass(frozen=True)
+class InterpretedCudaBackend:
+    """The cuda backend's Triton ops on CPU tensors (TRITON_INTERPRET=1); CudaBackend itself
+    insists on a cuda device, so the test assembles the same ops around the CPU device."""
+
+    lora: object
+    attention: object
+    name: str = "cuda"
+    device: torch.device = torch.device("cpu")
+
+    def synchronize(self) -> None:
+        return None
+
+
+INTERPRETED_CUDA_CAPABILITIES = ("lora_ops_segment", "lora_ops_per_token", "mixed_ranks", "multi_slice_expand", "dtypes", "max_rank")
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
+@pytest.mark.parametrize("capability", INTERPRETED_CUDA_CAPABILITIES)
+def test_cuda_row_lora_capabilities_verify_in_the_triton_interpreter(capability: str) -> None:
+    """The cuda row's op claims, checked by the same verifiers, on the real kernels in the interpreter."""
+    from backends.cuda.backend import CudaLoRAOps
+    from backends.reference import ReferenceAttention
+
+    backend = InterpretedCudaBackend(lora=CudaLoRAOps(), attention=ReferenceAttention())
+    result = VERIFIERS[capability]("cuda", MATRIX, backend)
     assert result.status == "pass", result.detail
 
 
