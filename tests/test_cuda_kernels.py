@@ -216,6 +216,19 @@ def test_no_adapter_batch_writes_nothing_interpreted() -> None:
         assert torch.equal(y, y0)
 
 
+@interpreter
+@pytest.mark.interpreter
+def test_whole_model_greedy_matches_cpu_backend_interpreted(tiny_llama_dir, tiny_adapters) -> None:
+    """The kernels inside the real model (slice groups, offsets, workspace from
+    ModelRunner): greedy tokens of a mixed batch equal the cpu backend's in fp32."""
+    runner_mod = pytest.importorskip("runtime.model_runner", reason="runtime/model_runner.py (ModelRunner) is not there yet")
+    from backends import get_backend
+
+    cpu = greedy_tokens(runner_mod, tiny_llama_dir, tiny_adapters, get_backend("cpu"), "float32", new_tokens=3)
+    kernels = greedy_tokens(runner_mod, tiny_llama_dir, tiny_adapters, InterpretedCudaBackend(), "float32", new_tokens=3)
+    assert kernels == cpu
+
+
 def test_bf16_dot_is_upcast_when_interpreting() -> None:
     from backends.cuda.kernel_config import dot_in_fp32
 
@@ -346,15 +359,33 @@ def test_per_token_kernels_replay_in_cuda_graph() -> None:
     torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def greedy_tokens(runner_mod, model_dir, adapters: dict, device: str, dtype: str, new_tokens: int = 8) -> list[list[int]]:
+class InterpretedCudaBackend:
+    """The cuda backend's ops on CPU tensors, for running the Triton kernels inside the
+    real model under the interpreter (CudaBackend itself insists on a GPU)."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        from backends.cuda.backend import CudaLoRAOps
+        from backends.reference import ReferenceAttention
+
+        self.device = torch.device("cpu")
+        self.lora = CudaLoRAOps()
+        self.attention = ReferenceAttention()
+
+    def synchronize(self) -> None:
+        return None
+
+
+def greedy_tokens(runner_mod, model_dir, adapters: dict, backend, dtype: str, new_tokens: int = 8) -> list[list[int]]:
     """Greedy continuations of a mixed batch (adapters and base rows) through ModelRunner:
-    one prefill step for all sequences, then batched decode steps."""
-    from backends import get_backend
+    one prefill step for all sequences (segment kernels), then batched decode steps
+    (per-token kernels)."""
     from runtime.config import EngineConfig
     from runtime.lora.adapter import load_adapter
 
-    config = EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_loras=8, max_lora_rank=64)
-    runner = runner_mod.ModelRunner(config, get_backend(device))
+    config = EngineConfig(model=str(model_dir), device=backend.device.type, dtype=dtype, max_loras=8, max_lora_rank=64)
+    runner = runner_mod.ModelRunner(config, backend)
     row = 0
     names = sorted(adapters)
     for slot, name in enumerate(names):
@@ -395,8 +426,10 @@ def test_whole_model_greedy_matches_cpu_backend(tmp_path, dtype: str) -> None:
 
     model_dir = build_tiny_model(tmp_path / "model", "llama", seed=0)
     adapters = build_standard_adapters(model_dir, tmp_path / "adapters")
-    cpu = greedy_tokens(runner_mod, model_dir, adapters, "cpu", dtype)
-    gpu = greedy_tokens(runner_mod, model_dir, adapters, "cuda", dtype)
+    from backends import get_backend
+
+    cpu = greedy_tokens(runner_mod, model_dir, adapters, get_backend("cpu"), dtype)
+    gpu = greedy_tokens(runner_mod, model_dir, adapters, get_backend("cuda"), dtype)
     if dtype == "float32":
         assert gpu == cpu
     else:
