@@ -27,6 +27,7 @@ def build_router(state: Any) -> APIRouter:
         max_tokens = body.max_tokens or max(1, state.max_model_len - prompt_len)
         params = gen.sampling_params(body, max_tokens)
         request_id = gen.new_id("chatcmpl")
+        gen.log_request(request_id, body, target)
         created = int(time.time())
         first, rest = await gen.open_stream(engine, request_id, prompt, params, target.adapter)
 

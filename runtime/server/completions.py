@@ -54,6 +54,7 @@ def build_router(state: Any) -> APIRouter:
         params = gen.sampling_params(body, body.max_tokens or gen.DEFAULT_COMPLETION_TOKENS)
         prompts = _prompts(body)
         request_id = gen.new_id("cmpl")
+        gen.log_request(request_id, body, target)
         created = int(time.time())
         streams = []
         try:

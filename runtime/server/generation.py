@@ -8,6 +8,7 @@ and one or more prompts to merged output streams. A consumer that goes away
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
@@ -17,6 +18,7 @@ from runtime.server.errors import APIError
 from runtime.server.protocol import _SamplingFields
 
 DEFAULT_COMPLETION_TOKENS = 16
+log = logging.getLogger("lorafleet.requests")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ def sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def log_request(request_id: str, body: _SamplingFields, target: Target) -> None:
+    """One access-log line per generation request (with the caller's ``user`` field, if given)."""
+    log.info("%s model=%s adapter=%s user=%s stream=%s", request_id, body.model, target.adapter or "-", body.user or "-", body.stream)
 
 
 async def open_stream(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None) -> tuple[Any, AsyncIterator[Any]]:

@@ -1,0 +1,80 @@
+"""`lorafleet serve` settings: flags, --config YAML, precedence, and errors that name the key."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from runtime.commands import serve
+from runtime.config import ConfigError
+from runtime.server.serve_config import build_settings, load_yaml, normalize_keys, parse_lora_module
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_flags_override_config_file(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\nmax-loras: 3\nport: 9001\ndtype: bfloat16\nenable_prefix_caching: true\n")
+    s = serve.load_settings(parse("--config", str(cfg), "--max-loras", "5"))
+    assert s.engine.max_loras == 5  # flag wins
+    assert s.server.port == 9001 and s.engine.dtype == "bfloat16" and s.engine.enable_prefix_caching is True  # file applies
+    assert s.server.host == "127.0.0.1"  # default: loopback only
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [("max_lorax: 3\n", "max_lorax"), ("max_loras: -1\n", "max_loras"), ("dtype: float64\n", "dtype"),
+     ("port: 70000\n", "port"), ("max_loras: many\n", "max_loras"), ("log_level: loud\n", "log_level")],
+)
+def test_bad_keys_and_values_name_the_key(tmp_path: Path, tiny_llama_dir: Path, text: str, key: str) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\n" + text)
+    with pytest.raises(ConfigError, match=key):
+        serve.load_settings(parse("--config", str(cfg)))
+
+
+def test_broken_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml(str(bad))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_yaml(str(tmp_path / "missing.yaml"))
+
+
+def test_lora_module_forms() -> None:
+    assert parse_lora_module("a=/x/y").path == "/x/y"
+    m = parse_lora_module('{"name": "b", "path": "/p", "base_model_name": "base"}')
+    assert (m.name, m.path, m.base_model_name) == ("b", "/p", "base")
+    for bad in ("novalue", '{"name": "x"}', '{"name": "x", "path": "/p", "extra": 1}', "{broken"):
+        with pytest.raises(ConfigError, match="lora_modules"):
+            parse_lora_module(bad)
+
+
+def test_duplicate_adapter_names_rejected(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="given twice"):
+        build_settings({}, normalize_keys({"model": str(tiny_llama_dir), "lora_modules": ["a=/1", "a=/2"]}, "flags"), None)
+
+
+def test_no_model_without_demo_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="bundled demo"):
+        build_settings({}, {}, demo_model=None)
+
+
+def test_cli_exit_code_and_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("unknown_thing: 1\n")
+    assert serve.run(parse("--config", str(cfg))) == 2
+    assert "unknown_thing" in capsys.readouterr().err
+
+
+def test_adapter_with_wrong_base_name_refused(tiny_llama_dir: Path, tiny_adapters) -> None:
+    spec = f'{{"name": "a", "path": "{tiny_adapters["a"]}", "base_model_name": "some-other-model"}}'
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", spec, "--device", "cpu"))
+    with pytest.raises(ConfigError, match="base_model_name"):
+        serve.build_engine(settings)
