@@ -333,18 +333,22 @@ def ceilings(device: torch.device, timer: Timer) -> dict:
     return {"copy_GBps": 2 * src.numel() / copy_s / 1e9, "bf16_matmul_TFLOPps": 2 * 8192**3 / mm_s / 1e12}
 
 
-def whole_model_tax(backend, timer: Timer, adapters: int = 32, rank: int = 16, rows: int = 64) -> dict:
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+
+
+def whole_model_tax(backend, timer: Timer, dims: dict = LLAMA_1B, dtype: str = "bfloat16",
+                    adapters: int = 32, rank: int = 16, rows: int = 64) -> dict:
     """Decode-step time of a 1B-class random Llama through ModelRunner, with 32 adapters
     (rank 16 on q/k/v/o/gate/up/down) vs the same rows with no adapter."""
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner, SeqStep
     from tests.fixtures.tiny_models import build_tiny_model
 
-    dims = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+    torch_dtype = getattr(torch, dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "llama1b", "llama", seed=0, dtype=torch.bfloat16, **dims)
-        config = EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", max_loras=adapters, max_lora_rank=rank,
+        model_dir = build_tiny_model(Path(tmp) / "llama", "llama", seed=0, dtype=torch_dtype, **dims)
+        config = EngineConfig(model=str(model_dir), device=backend.device.type, dtype=dtype, max_loras=adapters, max_lora_rank=rank,
                               max_num_seqs=rows, max_num_batched_tokens=max(rows, 256), max_model_len=512, num_kv_blocks=rows * 8)
         runner = ModelRunner(config, backend)
     gen = torch.Generator().manual_seed(4)
@@ -352,7 +356,7 @@ def whole_model_tax(backend, timer: Timer, adapters: int = 32, rank: int = 16, r
         for _, _, w in runner.model.all_slices():
             a = torch.randn(rank, w.in_features, generator=gen) / math.sqrt(w.in_features)
             b = torch.randn(w.out_features, rank, generator=gen) / math.sqrt(rank)
-            w.write_slot(slot, slot * rank, a.to(torch.bfloat16), b.to(torch.bfloat16), 2.0)
+            w.write_slot(slot, slot * rank, a.to(torch_dtype), b.to(torch_dtype), 2.0)
     slots = scattered(rows, adapters, 5)
     context = 128
 
