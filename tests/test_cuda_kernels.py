@@ -249,9 +249,9 @@ def test_launchers_reject_bad_arguments() -> None:
 
     weights, meta = _small()
     x = torch.randn(3, 32).half()
-    with pytest.raises(ValueError, match=r"sgmv_shrink: weights\[0\].a_rows is torch.float16, the activations are torch.float32"):
+    with pytest.raises(ValueError, match=r"sgmv_shrink: x is torch.float32 on cpu, the weights are torch.float16 on cpu"):
         sgmv_shrink(x.float(), weights, meta, torch.zeros(2, 3, 64))
-    with pytest.raises(ValueError, match=r"sgmv_shrink: x has 16 features, weights\[0\] expects 32"):
+    with pytest.raises(ValueError, match=r"sgmv_shrink: x has 16 features, the weights expect 32"):
         sgmv_shrink(x[:, :16], weights, meta, torch.zeros(2, 3, 64))
     with pytest.raises(ValueError, match=r"sgmv_shrink: out must be \[>= 2 slices, T=3, >= max rank 48\]"):
         sgmv_shrink(x, weights, meta, torch.zeros(2, 3, 40))
@@ -259,15 +259,23 @@ def test_launchers_reject_bad_arguments() -> None:
         sgmv_shrink(x, weights, meta, torch.zeros(2, 3, 64).half())
     with pytest.raises(ValueError, match=r"sgmv_shrink: meta has 4 token rows, the activations have 3"):
         sgmv_shrink(x, weights, LoRABatchMeta.build([0, 1, 2, 3], "cpu"), torch.zeros(2, 3, 64))
-    with pytest.raises(ValueError, match=r"sgmv_shrink: meta uses slot 9, weights\[0\] has only 6 slots"):
+    with pytest.raises(ValueError, match=r"sgmv_shrink: meta uses slot 9, the weights have only 6 slots"):
         sgmv_shrink(x, weights, LoRABatchMeta.build([9, 0, 0], "cpu"), torch.zeros(2, 3, 64))
     h = torch.zeros(2, 3, 64)
-    with pytest.raises(ValueError, match=r"bgmv_expand: slice 1 at column 20 with 24 columns exceeds y's 40 columns"):
+    with pytest.raises(ValueError, match=r"bgmv_expand: the slices at offsets \(0, 20\) need 44 columns, y has 40"):
         bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0, 20])
     with pytest.raises(ValueError, match=r"bgmv_expand: 2 slices but 1 slice_offsets"):
         bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0])
     with pytest.raises(ValueError, match=r"bgmv_expand: h must be a 3-D float32"):
         bgmv_expand(h.half(), weights, meta, torch.zeros(3, 40).half(), [0, 16])
+    with pytest.raises(ValueError, match=r"bgmv_expand: slice_offsets must be >= 0"):
+        bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0, -1])
+    mixed = [weights[0], dataclasses.replace(weights[1], a_rows=weights[1].a_rows.float())]
+    with pytest.raises(ValueError, match=r"sgmv_shrink: weights\[1\].a_rows is torch.float32, weights\[0\].a_rows is torch.float16"):
+        sgmv_shrink(x, mixed, meta, torch.zeros(2, 3, 64))
+    strided = [dataclasses.replace(weights[0], b_rows=weights[0].b_rows.t().contiguous().t())]
+    with pytest.raises(ValueError, match=r"bgmv_expand: weights\[0\].b_rows must be a contiguous 2-D tensor"):
+        bgmv_expand(h, strided, meta, torch.zeros(3, 40).half(), [0])
 
 
 def test_slice_table_is_reused_checked_and_rebuilt() -> None:

@@ -82,11 +82,11 @@ def bgmv_expand(
     h: [>= n_slices, T, >= max rank] float32; y: [T, total_out] in the weights' dtype;
     slice_offsets: first column of each slice in y; table: built with these offsets.
     """
-    check_expand(h, weights, meta, y, slice_offsets, op="bgmv_expand")
     if table is None:
-        table = SliceTable.build(weights, slice_offsets)
+        table = SliceTable.build(weights, slice_offsets, op="bgmv_expand")
     table.check("bgmv_expand", weights, slice_offsets)
     max_rank = max(w.max_rank for w in weights)
+    check_expand(h, table, meta, y, max_rank, op="bgmv_expand")
     if y.shape[0] == 0 or max_rank == 0:
         return
     tiles = token_tiles(max_rank, weights[0].in_features, table.max_out)

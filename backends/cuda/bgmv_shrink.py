@@ -73,12 +73,12 @@ def bgmv_shrink(
     x: [T, in] fp16/bf16/fp32; out: [>= n_slices, T, >= max rank] float32;
     table: the slices' pointer table (built with zero offsets; built here if None).
     """
-    check_shrink(x, weights, meta, out, op="bgmv_shrink")
     zeros = [0] * len(weights)
     if table is None:
-        table = SliceTable.build(weights, zeros)
+        table = SliceTable.build(weights, zeros, op="bgmv_shrink")
     table.check("bgmv_shrink", weights, zeros)
     max_rank = max(w.max_rank for w in weights)
+    check_shrink(x, table, meta, out, max_rank, op="bgmv_shrink")
     if x.shape[0] == 0 or max_rank == 0:
         return
     tiles = token_tiles(max_rank, x.shape[1], table.max_out)

@@ -82,12 +82,12 @@ def sgmv_shrink(
     x: [T, in] fp16/bf16/fp32; out: [>= n_slices, T, >= max rank] float32;
     table: the slices' pointer table (built with zero offsets; built here if None).
     """
-    check_shrink(x, weights, meta, out, op="sgmv_shrink")
     zeros = [0] * len(weights)
     if table is None:
-        table = SliceTable.build(weights, zeros)
+        table = SliceTable.build(weights, zeros, op="sgmv_shrink")
     table.check("sgmv_shrink", weights, zeros)
     max_rank = max(w.max_rank for w in weights)
+    check_shrink(x, table, meta, out, max_rank, op="sgmv_shrink")
     if meta.num_segments == 0 or max_rank == 0:
         return
     tiles = segment_tiles(meta.max_seg_len, max_rank, x.shape[1], table.max_out)

@@ -25,6 +25,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
+from backends.cuda.lora_checks import check_weights
 from runtime.lora.slice_weights import LoRASliceWeights
 
 # Layout of one table row; constexpr so the kernels can index with them.
@@ -47,11 +48,20 @@ class SliceTable:
     offsets: tuple[int, ...]  # column offset of each slice in y (host copy)
     n_slices: int
     max_out: int  # widest slice, sizes the expand kernels' column-block axis
+    y_width: int  # y needs at least this many columns (max of offset + out_features)
+    dtype: torch.dtype  # of every slice's a_rows / b_rows
+    device: torch.device
+    in_features: int
+    max_slots: int  # the fewest slots of any slice
 
     @classmethod
-    def build(cls, weights: Sequence[LoRASliceWeights], slice_offsets: Sequence[int]) -> "SliceTable":
+    def build(cls, weights: Sequence[LoRASliceWeights], slice_offsets: Sequence[int], op: str = "slice table") -> "SliceTable":
+        """Validate the slice group once (dtypes, layouts, devices) and pack its table."""
+        check_weights(op, weights)
         if len(weights) != len(slice_offsets):
-            raise ValueError(f"slice table: {len(weights)} slices but {len(slice_offsets)} offsets")
+            raise ValueError(f"{op}: {len(weights)} slices but {len(slice_offsets)} slice_offsets")
+        if any(int(o) < 0 for o in slice_offsets):
+            raise ValueError(f"{op}: slice_offsets must be >= 0, got {tuple(slice_offsets)}")
         rows = [
             [w.a_rows.data_ptr(), w.b_rows.data_ptr(), w.slot_start.data_ptr(), w.slot_rank.data_ptr(),
              w.slot_scale.data_ptr(), w.out_features, int(off), 0]
@@ -64,6 +74,11 @@ class SliceTable:
             offsets=tuple(int(o) for o in slice_offsets),
             n_slices=len(weights),
             max_out=max(w.out_features for w in weights),
+            y_width=max(int(o) + w.out_features for w, o in zip(weights, slice_offsets)),
+            dtype=weights[0].a_rows.dtype,
+            device=device,
+            in_features=weights[0].in_features,
+            max_slots=min(w.max_slots for w in weights),
         )
 
     def is_current(self, weights: Sequence[LoRASliceWeights]) -> bool:
