@@ -94,7 +94,12 @@ def oracle_delta(h_row: torch.Tensor, w: LoRASliceWeights, slot: int) -> torch.T
     return w.host_scale[slot] * (h_row[:r].double() @ w.b_rows[s : s + r].double())
 
 
-def tolerance(dtype: torch.dtype) -> dict[str, float]:
+def tolerance(dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, float]:
+    """Expand tolerances vs float64. y is rounded once to its dtype (half an ulp); on a GPU
+    the fp16/bf16 expand also rounds h to that dtype for the tensor-core dot, an extra
+    ~1 ulp-of-h error summed over up to 128 ranks (so the GPU bounds are wider)."""
+    if torch.device(device).type == "cuda":
+        return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=5e-3, atol=5e-3), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}[dtype]
     return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
 
 
@@ -120,7 +125,7 @@ def check_expand_result(h: torch.Tensor, weights: Sequence[LoRASliceWeights], sl
                 expect[t, cols] += oracle_delta(h[i, t], w, slot)
                 touched[t, cols] = True
     assert torch.equal(y[~touched], y0[~touched]), "expand wrote outside the adapter rows' slices"
-    torch.testing.assert_close(y.double()[touched], expect[touched], **tolerance(y.dtype))
+    torch.testing.assert_close(y.double()[touched], expect[touched], **tolerance(y.dtype, y.device))
 
 
 def poisoned_h(weights: Sequence[LoRASliceWeights], slots: Sequence[int], width: int, device: str, seed: int) -> torch.Tensor:
@@ -364,7 +369,7 @@ def test_per_token_kernels_replay_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     want = torch.zeros_like(y)
     apply_lora(ref, x, want, weights, LoRABatchMeta.build(new_slots, "cuda", decode_only=True), [0, 4096], torch.zeros_like(ws))
-    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y.float(), want.float(), **tolerance(torch.bfloat16, "cuda"))
 
 
 class InterpretedCudaBackend:
