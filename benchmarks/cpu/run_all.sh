@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# CPU benchmarks in one go (about 10 minutes on 2 cores): the LoRA op benchmark and the
+# serving benchmark with baselines, sweeps and plots. Usage: benchmarks/cpu/run_all.sh OUTDIR
+set -euo pipefail
+out=${1:?usage: benchmarks/cpu/run_all.sh OUTDIR}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+py=${PYTHON:-$root/.venv/bin/python}
+mkdir -p "$out"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "host: $(uname -m), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
+  "$py" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'threads', torch.get_num_threads())"
+} > "$out/env.txt"
+cat "$out/env.txt"
+echo "== LoRA ops (cpu)"
+"$py" "$root/benchmarks/lora_ops.py" --device cpu --json "$out/lora_ops.json" | tee "$out/lora_ops.txt"
+echo "== serving benchmark (cpu)"
+"$py" "$root/benchmarks/serve.py" --out "$out/serve" --num-requests 48 --adapters 16 --popularity zipf --alpha 1 \
+  --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 8 \
+  --loop-requests 12 --sweep-adapters 16,100,500 --sweep-rates 1,2,4 --ranks 8,16 | tee "$out/serve.txt"
+echo "results in $out"

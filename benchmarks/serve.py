@@ -1,0 +1,168 @@
+"""Serving benchmark: lorafleet vs its baselines on one S-LoRA-style workload, plus sweeps and plots.
+
+    python benchmarks/serve.py --out bench-out/cpu [--adapters 16] [--alpha 1] [--rate 4] ...
+
+Runs, in this order and in one process (so the ratios are side by side):
+  1. offline throughput (every request ready at t=0): lorafleet with the mixed adapters,
+     (a) the same engine with no adapters, (b) a per-request loop, (c) transformers+PEFT;
+  2. online replay at --rate (Poisson, or --cv for burstiness): TTFT/TPOT p50/p99,
+     SLO attainment, per-adapter latency, TTFT by where the adapter was on arrival,
+     adapter swaps and cache hit rates, memory split;
+  3. sweeps: offline throughput vs number of adapters (zipf) and p99 latency vs rate.
+Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables.
+With --url the online replay goes over HTTP to a running server instead (TTFT real).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.bench import plots  # noqa: E402
+from runtime.bench.peft_baseline import run_peft  # noqa: E402
+from runtime.bench.replay import replay_http  # noqa: E402
+from runtime.bench.suite import BenchSetup, prepare, run_lorafleet  # noqa: E402
+from runtime.bench.summary import BASE, percentile, summarize, table  # noqa: E402
+from runtime.bench.synthetic import LlamaShape  # noqa: E402
+from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
+
+
+def offline(workload: Workload) -> Workload:
+    """The same requests, all arriving at t=0."""
+    return dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_spec_arguments(p)
+    p.add_argument("--out", required=True, help="output folder for JSON and PNGs")
+    p.add_argument("--workdir", default=None, help="synthetic weights folder (default OUT/weights)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-cpu-loras", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none')")
+    p.add_argument("--loop-requests", type=int, default=16, help="requests for the per-request loop (it is slow)")
+    p.add_argument("--peft-batch", type=int, default=8)
+    p.add_argument("--sweep-adapters", default="16,100,500", help="adapter counts for the throughput sweep ('' to skip)")
+    p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates for the latency sweep ('' to skip)")
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.5)
+    p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
+    p.add_argument("--base-model", help="with --url: the served base model's name")
+    a = p.parse_args()
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    heads = max(1, a.hidden // 64)
+    shape = LlamaShape(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=heads)
+    spec = spec_from_args(a)
+    setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, max_loras=a.max_loras,
+                       max_cpu_loras=max(a.max_cpu_loras, a.max_loras), max_lora_rank=max(64, max(spec.ranks)),
+                       max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
+    workload = generate(spec)
+    workload.save(out / "workload.jsonl")
+    baselines = set() if a.baselines == "none" else set(a.baselines.split(","))
+    log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s")
+    model_dir, adapters = prepare(workload, setup)
+    results: dict[str, object] = {"spec": dataclasses.asdict(spec), "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()}}
+
+    # 1. Offline throughput, side by side.
+    off = offline(workload)
+    rows = []
+    log("offline: lorafleet (mixed adapters)")
+    rows.append(summarize(run_lorafleet(off, setup, model_dir, adapters, "lorafleet offline"), a.slo_ttft, a.slo_tpot))
+    if "no-adapter" in baselines:
+        log("offline: (a) same engine, no adapters")
+        rows.append(summarize(run_lorafleet(off, setup, model_dir, adapters, "(a) no adapters", without_adapters=True), a.slo_ttft, a.slo_tpot))
+    if "loop" in baselines:
+        sub = dataclasses.replace(off, requests=off.requests[: a.loop_requests])
+        log(f"offline: (b) per-request loop on the first {len(sub.requests)} requests (+ lorafleet on the same subset)")
+        rows.append(summarize(run_lorafleet(sub, setup, model_dir, adapters, "(b) per-request loop", one_at_a_time=True), a.slo_ttft, a.slo_tpot))
+        rows.append(summarize(run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset"), a.slo_ttft, a.slo_tpot))
+    if "peft" in baselines:
+        log("offline: (c) transformers + PEFT mixed-adapter generate")
+        rows.append(summarize(run_peft(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft"), a.slo_ttft, a.slo_tpot))
+    by_label = {r["label"]: r for r in rows}
+    lf = by_label["lorafleet offline"]["throughput_tokens_per_s"]
+    ratios = {}
+    if "(a) no adapters" in by_label:
+        ratios["lorafleet / no-adapter"] = lf / by_label["(a) no adapters"]["throughput_tokens_per_s"]
+    if "(b) per-request loop" in by_label:
+        ratios["lorafleet / per-request loop (same subset)"] = by_label["lorafleet on loop subset"]["throughput_tokens_per_s"] / by_label["(b) per-request loop"]["throughput_tokens_per_s"]
+    if "(c) transformers+peft" in by_label:
+        ratios["lorafleet / transformers+peft"] = lf / by_label["(c) transformers+peft"]["throughput_tokens_per_s"]
+    results["offline"] = rows
+    results["ratios"] = ratios
+    print(table(rows))
+    for k, v in ratios.items():
+        print(f"{k:<45} {v:6.2f}x")
+
+    # 2. Online replay at the workload's arrival rate.
+    log(f"online: replay at {spec.rate} req/s" + (f" over HTTP to {a.url}" if a.url else " in-process"))
+    if a.url:
+        online = asyncio.run(replay_http(a.url, a.base_model or "base", workload.requests, "lorafleet online (http)"))
+    else:
+        online = run_lorafleet(workload, setup, model_dir, adapters, "lorafleet online")
+    on = summarize(online, a.slo_ttft, a.slo_tpot)
+    ttfts: dict[str, list[float]] = {}
+    for rec in online.records:
+        if rec.ttft is not None:
+            ttfts.setdefault(rec.adapter or BASE, []).append(rec.ttft)
+    popular = sorted(ttfts, key=lambda n: -len(ttfts[n]))
+    fairness = None
+    if len(popular) >= 2:
+        most = percentile(ttfts[popular[0]], 99)
+        rare = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[-1]])]
+        least = max(percentile(ttfts[n], 99) for n in rare)
+        fairness = {"most_popular": popular[0], "most_popular_p99_ttft_s": most, "least_popular": rare, "least_popular_p99_ttft_s": least,
+                    "ratio": least / most if most else None}
+    on["fairness"] = fairness
+    results["online"] = on
+    print(table([on]))
+    if fairness:
+        print(f"fairness: p99 TTFT least popular / most popular = {fairness['ratio']:.2f}")
+    plots.per_adapter_ttft(ttfts, out / "per_adapter_ttft.png")
+
+    # 3. Sweeps.
+    if a.sweep_adapters:
+        points = []
+        for n in (int(x) for x in a.sweep_adapters.split(",")):
+            w = offline(generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf")))
+            log(f"sweep: {n} adapters (zipf alpha {spec.alpha}), offline")
+            m, ads = prepare(w, setup)
+            s = summarize(run_lorafleet(w, setup, m, ads, f"{n} adapters"), a.slo_ttft, a.slo_tpot)
+            points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"]))
+        base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
+        plots.throughput_vs_adapters([(n, t) for n, t, _ in points], base_tp, out / "throughput_vs_adapters.png")
+        results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s} for n, t, s in points]
+        for n, t, s in points:
+            print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")
+    if a.sweep_rates and not a.url:
+        rpoints = []
+        for rate in (float(x) for x in a.sweep_rates.split(",")):
+            w = generate(dataclasses.replace(spec, rate=rate))
+            log(f"sweep: rate {rate}/s, online")
+            s = summarize(run_lorafleet(w, setup, model_dir, adapters, f"rate {rate}"), a.slo_ttft, a.slo_tpot)
+            rpoints.append((rate, s["ttft_p99_s"] or 0.0, s["tpot_p99_s"] or 0.0))
+        plots.p99_vs_rate(rpoints, out / "p99_vs_rate.png")
+        results["sweep_rates"] = [{"rate": r, "ttft_p99_s": t, "tpot_p99_s": q} for r, t, q in rpoints]
+    (out / "summary.json").write_text(json.dumps(results, indent=2, default=str))
+    log(f"wrote {out / 'summary.json'} and plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

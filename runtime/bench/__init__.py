@@ -1,0 +1,1 @@
+"""Serving benchmark: synthetic models and adapters, workload replay, metrics and plots."""

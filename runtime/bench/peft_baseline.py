@@ -1,0 +1,54 @@
+"""Baseline (c): transformers + PEFT mixed-adapter ``generate(adapter_names=...)``.
+
+Requests are taken in arrival order in batches of ``batch_size`` (PEFT batches
+statically: a batch runs until its longest request is done). Each batch is
+left-padded, every row generates exactly its own ``output_tokens`` (``min_new_tokens``
+= ``max_new_tokens`` = the batch maximum; shorter rows' extra tokens are not counted).
+Throughput = useful output tokens / wall time. Arrival times are not replayed: this
+is the offline (all-requests-ready) throughput of the peer.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from runtime.bench.replay import ReplayResult, RequestRecord
+
+
+def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8, label: str = "transformers+peft") -> ReplayResult:
+    try:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as err:
+        raise RuntimeError(f"the PEFT baseline needs transformers and peft (pip install 'lorafleet[test]'): {err}") from err
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    used = sorted({r.adapter for r in requests if r.adapter is not None})
+    model: Any = base
+    if used:
+        model = PeftModel.from_pretrained(base, str(adapters[used[0]]), adapter_name=used[0])
+        for name in used[1:]:
+            model.load_adapter(str(adapters[name]), adapter_name=name)
+    model.eval()
+    records: list[RequestRecord] = []
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(ordered), batch_size):
+            batch = ordered[i : i + batch_size]
+            enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True)
+            n_new = max(r.output_tokens for r in batch)
+            kwargs = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=tok.pad_token_id)
+            if used:
+                kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
+            model.generate(**enc, **kwargs)
+            t1 = time.perf_counter()
+            for r in batch:
+                rec = RequestRecord(r.index, r.adapter, r.arrival_s, prompt_tokens=int(len(tok(r.prompt)["input_ids"])), output_tokens=r.output_tokens)
+                rec.latency = t1 - start
+                records.append(rec)
+    return ReplayResult(label, records, time.perf_counter() - start)

@@ -1,0 +1,148 @@
+"""Replay a workload against lorafleet: in-process (AsyncLLMEngine) or over HTTP (streaming).
+
+Each request is sent at its arrival time (``arrival_s`` after the start) with
+``ignore_eos`` and ``max_tokens = output_tokens``, greedy. Client-side timings:
+
+    ttft    = first streamed token - arrival
+    tpot    = (last token - first token) / (output tokens - 1)
+    latency = last token - arrival
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from runtime.request import SamplingParams
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    adapter: Optional[str]
+    arrival_s: float
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: Optional[float] = None
+    tpot: Optional[float] = None
+    latency: Optional[float] = None
+    adapter_location: Optional[str] = None  # where the adapter was on arrival (in-process only)
+    error: Optional[str] = None
+
+
+@dataclass
+class ReplayResult:
+    label: str
+    records: list[RequestRecord]
+    wall_s: float
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+
+
+def _params(output_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def _paced(requests: Sequence[Any], start: float, run_one: Callable[[Any, float], Any], progress: Optional[Callable[[], None]]) -> list[RequestRecord]:
+    async def one(req: Any) -> RequestRecord:
+        delay = start + req.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = await run_one(req, start + req.arrival_s)
+        if progress is not None:
+            progress()
+        return record
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+def _finish(record: RequestRecord, arrival: float, first: Optional[float], last: float, n_out: int) -> RequestRecord:
+    record.output_tokens = n_out
+    if first is not None:
+        record.ttft = first - arrival
+        record.tpot = (last - first) / (n_out - 1) if n_out > 1 else 0.0
+        record.latency = last - arrival
+    return record
+
+
+async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapter_of: Callable[[Any], Optional[str]] = lambda r: r.adapter,
+                        progress: Optional[Callable[[], None]] = None, locations: Optional[dict[str, str]] = None) -> ReplayResult:
+    """Drive an AsyncLLMEngine in this process; adapter locations come from its observer.
+
+    Pass a shared ``locations`` dict (already fed by an observer) when replaying many
+    times on one engine, so observers do not pile up.
+    """
+    if locations is None:
+        locations = {}
+        engine.add_observer(lambda m: locations.__setitem__(m.request_id, m.adapter_location))
+
+    async def run_one(req: Any, arrival: float) -> RequestRecord:
+        rec = RequestRecord(req.index, adapter_of(req), req.arrival_s)
+        first, last, final = None, arrival, None
+        try:
+            async for out in engine.generate(f"{label}-{req.index}", req.prompt, _params(req.output_tokens), rec.adapter):
+                now = time.perf_counter()
+                if out.new_token_ids and first is None:
+                    first = now
+                last, final = now, out
+        except Exception as err:  # noqa: BLE001 - recorded per request, the run goes on
+            rec.error = f"{type(err).__name__}: {err}"
+            return rec
+        if final is not None and final.finish_reason == "error":
+            rec.error = final.error
+        rec.prompt_tokens = len(final.prompt_token_ids) if final is not None else 0
+        return _finish(rec, arrival, first, last, len(final.token_ids) if final is not None else 0)
+
+    start = time.perf_counter()
+    records = await _paced(requests, start, run_one, progress)
+    wall = time.perf_counter() - start
+    for rec in records:
+        rec.adapter_location = locations.get(f"{label}-{rec.index}")
+    return ReplayResult(label, records, wall, snapshot=engine.snapshot())
+
+
+async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], label: str, api_key: Optional[str] = None,
+                      progress: Optional[Callable[[], None]] = None, timeout_s: float = 600.0) -> ReplayResult:
+    """Stream every request from a running ``lorafleet serve`` (/v1/completions, SSE)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(1, len(requests)))
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits) as client:
+
+        async def run_one(req: Any, arrival: float) -> RequestRecord:
+            rec = RequestRecord(req.index, req.adapter, req.arrival_s)
+            body = {"model": req.adapter or base_model, "prompt": req.prompt, "max_tokens": req.output_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            first, last, n_out = None, arrival, 0
+            try:
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                        return rec
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            rec.error = chunk["error"]["message"]
+                            return rec
+                        now = time.perf_counter()
+                        if chunk.get("usage"):
+                            n_out = chunk["usage"]["completion_tokens"]
+                            rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        elif chunk["choices"] and chunk["choices"][0]["text"]:
+                            first = now if first is None else first
+                            last = now
+            except httpx.HTTPError as err:
+                rec.error = f"{type(err).__name__}: {err}"
+                return rec
+            return _finish(rec, arrival, first, last, n_out)
+
+        start = time.perf_counter()
+        records = await _paced(requests, start, run_one, progress)
+        wall = time.perf_counter() - start
+    return ReplayResult(label, records, wall)

@@ -1,0 +1,106 @@
+"""One benchmark run: synthetic model + adapters for a workload, lorafleet and its baselines.
+
+Baselines, measured in the same process right after lorafleet:
+  (a) ``no-adapter``: the same engine and requests with every adapter removed (the
+      upper bound; the ratio to it is the multi-LoRA tax);
+  (b) ``per-request-loop``: the same engine, one request at a time in arrival order
+      (no batching, so no grouping across adapters);
+  (c) ``transformers+peft``: PEFT's mixed-adapter ``generate`` (see peft_baseline.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from runtime.bench.replay import ReplayResult, replay_engine
+from runtime.bench.synthetic import ATTENTION, LlamaShape, build_random_adapter, build_random_llama
+from runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class BenchSetup:
+    workdir: Path
+    shape: LlamaShape = LlamaShape()
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8
+    max_cpu_loras: int = 32
+    max_lora_rank: int = 64
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.5
+    targets: tuple[str, ...] = ATTENTION
+
+
+def prepare(workload: Any, setup: BenchSetup) -> tuple[Path, dict[str, Path]]:
+    """Write (or reuse) the synthetic base and one adapter folder per workload adapter."""
+    model_dir = setup.workdir / f"llama-h{setup.shape.hidden_size}-l{setup.shape.num_hidden_layers}"
+    if not (model_dir / "config.json").is_file():
+        build_random_llama(model_dir, setup.shape)
+    adapters = {}
+    for i, (name, rank) in enumerate(sorted(workload.adapter_ranks.items())):
+        path = setup.workdir / "adapters" / f"{name}-r{rank}-{'-'.join(setup.targets)}"
+        if not (path / "adapter_config.json").is_file():
+            build_random_adapter(path, setup.shape, rank, seed=1000 + i, targets=setup.targets)
+        adapters[name] = path
+    return model_dir, adapters
+
+
+def engine_config(setup: BenchSetup, model_dir: Path, **overrides: Any) -> EngineConfig:
+    values = dict(model=str(model_dir), device=setup.device, dtype=setup.dtype, max_loras=setup.max_loras,
+                  max_cpu_loras=setup.max_cpu_loras, max_lora_rank=setup.max_lora_rank, max_num_seqs=setup.max_num_seqs,
+                  max_num_batched_tokens=setup.max_num_batched_tokens)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def _peak_rss() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run_lorafleet(workload: Any, setup: BenchSetup, model_dir: Path, adapters: dict[str, Path], label: str = "lorafleet",
+                  without_adapters: bool = False, one_at_a_time: bool = False, progress: Optional[Callable[[], None]] = None,
+                  **config_overrides: Any) -> ReplayResult:
+    from runtime.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(engine_config(setup, model_dir, **config_overrides))
+    try:
+        if not without_adapters:
+            for name in sorted({r.adapter for r in workload.requests if r.adapter is not None}):
+                engine.register_adapter(name, str(adapters[name]))
+        requests = workload.requests
+        if without_adapters:
+            requests = tuple(dataclasses.replace(r, adapter=None, rank=None) for r in requests)
+        if one_at_a_time:
+            result = asyncio.run(_one_at_a_time(engine, requests, label, progress))
+        else:
+            result = asyncio.run(replay_engine(engine, requests, label, progress=progress))
+        result.memory = dict(engine.engine.runner.memory_report())
+        result.memory["pool_device_bytes_in_use_end"] = result.snapshot.get("pool_device_bytes_in_use", 0)
+        result.memory["pool_device_bytes_if_padded_end"] = result.snapshot.get("pool_device_bytes_if_padded", 0)
+        result.peak_rss_bytes = _peak_rss()
+        return result
+    finally:
+        engine.shutdown()
+
+
+async def _one_at_a_time(engine: Any, requests: Any, label: str, progress: Optional[Callable[[], None]]) -> ReplayResult:
+    """Baseline (b): each request runs alone, in arrival order, arrival times ignored."""
+    import time
+
+    records = []
+    locations: dict[str, str] = {}
+    engine.add_observer(lambda m: locations.__setitem__(m.request_id, m.adapter_location))
+    start = time.perf_counter()
+    for req in sorted(requests, key=lambda r: r.arrival_s):
+        shifted = dataclasses.replace(req, arrival_s=0.0)
+        sub = await replay_engine(engine, [shifted], f"{label}-{req.index}", locations=locations)
+        records.extend(sub.records)
+        if progress is not None:
+            progress()
+    return ReplayResult(label, records, time.perf_counter() - start, snapshot=engine.snapshot())

@@ -1,0 +1,93 @@
+"""Figures from replay records: throughput, TTFT/TPOT percentiles, SLO attainment, per adapter.
+
+Percentiles use linear interpolation between closest ranks (numpy's default).
+SLO attainment = share of requests that finished without error with
+``ttft <= slo_ttft_s`` and ``tpot <= slo_tpot_s``.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+
+from runtime.bench.replay import ReplayResult, RequestRecord
+
+BASE = "__base__"
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    pos = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def _latency_block(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    ttft = [r.ttft for r in records if r.ttft is not None]
+    tpot = [r.tpot for r in records if r.tpot is not None]
+    return {
+        "requests": len(records),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+    }
+
+
+def summarize(result: ReplayResult, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
+    ok = [r for r in result.records if r.error is None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    met = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft_s and (r.tpot or 0.0) <= slo_tpot_s]
+    per_adapter: dict[str, list[RequestRecord]] = defaultdict(list)
+    by_location: dict[str, list[RequestRecord]] = defaultdict(list)
+    for r in ok:
+        per_adapter[r.adapter or BASE].append(r)
+        if r.adapter_location is not None:
+            by_location[r.adapter_location].append(r)
+    pool_counters = result.snapshot.get("adapters", {}) if result.snapshot else {}
+    swaps = sum(c.get("device_loads", 0) for c in pool_counters.values())
+    hits = {k: sum(c.get(k, 0) for c in pool_counters.values()) for k in ("device_hits", "host_hits", "disk_misses")}
+    arrivals = sum(hits.values())
+    return {
+        "label": result.label,
+        "wall_s": result.wall_s,
+        "requests_ok": len(ok),
+        "requests_failed": len(result.records) - len(ok),
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "throughput_tokens_per_s": out_tokens / result.wall_s if result.wall_s > 0 else 0.0,
+        "throughput_requests_per_s": len(ok) / result.wall_s if result.wall_s > 0 else 0.0,
+        **_latency_block(ok),
+        # No streamed timings (e.g. the PEFT baseline): attainment is unknown, not zero.
+        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s,
+                "attainment": len(met) / len(result.records) if result.records and any(r.ttft is not None for r in ok) else None},
+        "adapter_swaps": swaps,
+        "cache": {**hits, "device_hit_rate": hits["device_hits"] / arrivals if arrivals else None,
+                  "host_or_device_hit_rate": (hits["device_hits"] + hits["host_hits"]) / arrivals if arrivals else None},
+        "ttft_by_adapter_location": {loc: _latency_block(rs) for loc, rs in sorted(by_location.items())},
+        "per_adapter": {name: _latency_block(rs) for name, rs in sorted(per_adapter.items())},
+        "memory": result.memory,
+        "peak_rss_bytes": result.peak_rss_bytes,
+        "errors": sorted({r.error for r in result.records if r.error})[:5],
+    }
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """A plain-text table of the headline figures of several summaries."""
+    head = f"{'run':<28} {'ok':>4} {'fail':>4} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'SLO':>5} {'swaps':>5}"
+    lines = [head, "-" * len(head)]
+
+    def ms(v: Optional[float]) -> str:
+        return f"{1000 * v:8.1f}ms" if v is not None else f"{'-':>10}"
+
+    def slo(v: Optional[float]) -> str:
+        return f"{v:>5.2f}" if v is not None else f"{'-':>5}"
+
+    for s in rows:
+        lines.append(
+            f"{s['label']:<28} {s['requests_ok']:>4} {s['requests_failed']:>4} {s['throughput_tokens_per_s']:>9.1f} "
+            f"{s['throughput_requests_per_s']:>7.2f} {ms(s['ttft_p50_s'])} {ms(s['ttft_p99_s'])} {ms(s['tpot_p50_s'])} "
+            f"{ms(s['tpot_p99_s'])} {slo(s['slo']['attainment'])} {s['adapter_swaps']:>5}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""CI smoke test of the serving benchmark: schema and internal consistency, never timings."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from runtime.bench.summary import percentile
+from runtime.bench.workload import Workload, WorkloadSpec, generate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_workload_roundtrip_and_popularity(tmp_path: Path) -> None:
+    spec = WorkloadSpec(num_requests=200, num_adapters=10, popularity="zipf", alpha=1.0, rate=5.0, cv=2.0, seed=3)
+    w = generate(spec)
+    w.save(tmp_path / "w.jsonl")
+    back = Workload.load(tmp_path / "w.jsonl")
+    assert back == w  # every system sees exactly the same requests
+    counts = {}
+    for r in w.requests:
+        counts[r.adapter] = counts.get(r.adapter, 0) + 1
+    assert counts["lora-0000"] > counts.get("lora-0009", 0)  # zipf: adapter 0 is the most popular
+    arrivals = [r.arrival_s for r in w.requests]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert generate(spec) == w  # seeded
+    distinct = generate(WorkloadSpec(num_requests=20, num_adapters=20, popularity="distinct"))
+    assert len({r.adapter for r in distinct.requests}) == 20
+    assert {r.adapter for r in generate(WorkloadSpec(num_requests=20, popularity="identical")).requests} == {"lora-0000"}
+
+
+def test_percentile_is_ordered_and_interpolates() -> None:
+    vals = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(vals, 0) == 1.0 and percentile(vals, 100) == 5.0 and percentile(vals, 50) == 3.0
+    assert percentile(vals, 25) == 2.0 and percentile([], 50) is None
+
+
+def test_serve_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--num-requests", "8", "--adapters", "3",
+           "--hidden", "64", "--layers", "1", "--input-len", "2,4", "--output-len", "2,5", "--rate", "20", "--loop-requests", "3",
+           "--baselines", "no-adapter,loop,peft", "--sweep-adapters", "2,3", "--sweep-rates", "20"]
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
+    res = json.loads((out / "summary.json").read_text())
+    workload = Workload.load(out / "workload.jsonl")
+    want_tokens = sum(r.output_tokens for r in workload.requests)
+    offline = {r["label"]: r for r in res["offline"]}
+    for label in ("lorafleet offline", "(a) no adapters", "(c) transformers+peft"):
+        row = offline[label]
+        assert row["requests_failed"] == 0 and row["requests_ok"] == 8
+        assert row["output_tokens"] == want_tokens  # every request produced exactly its output length
+    online = res["online"]
+    assert online["output_tokens"] == want_tokens
+    assert sum(v["requests"] for v in online["per_adapter"].values()) == 8
+    for block in [online, *online["per_adapter"].values()]:
+        assert block["ttft_p50_s"] <= block["ttft_p99_s"] and block["tpot_p50_s"] <= block["tpot_p99_s"]
+    cache = online["cache"]
+    assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == sum(1 for r in workload.requests if r.adapter)
+    assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft"}
+    assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
+    for png in ("per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):
+        assert (out / png).stat().st_size > 1000
