@@ -25,7 +25,9 @@ from runtime.config import EngineConfig
 
 SCHEMA_VERSION = 1
 BACKEND_SECTIONS = ("cpu", "cuda", "npu")
-DEFAULT_MATRIX_PATH = Path(__file__).resolve().parents[1] / "capability_matrix.yaml"
+# runtime/capability_matrix.yaml is a symlink to the repo-root file, so a checkout reads the
+# one source of truth and a wheel (which copies the link's content) still ships the matrix.
+DEFAULT_MATRIX_PATH = Path(__file__).with_name("capability_matrix.yaml")
 VERIFIED_HOW = ("hardware", "triton-interpreter", "emulated op semantics", "cpu", "unverified")
 ENTRY_KEYS = ("supported", "limits", "implementation", "fallback", "note", "verified_on")
 FALLBACK_KEYS = ("when", "implementation", "limits")
