@@ -8,6 +8,10 @@ gate/up, or a single one). Each stacked part is a *slice* with its own LoRA weig
 
 The second line is ``runtime.backend_api.apply_lora`` (grouped shrink, then expand,
 through the backend's ops), driven by the step's ``LoRABatchMeta``.
+
+The base weight is either a float tensor or an ``Int8Weight`` (int8 weight-only base,
+``runtime/quant/int8.py``): then the base GEMM is ``(x @ q^T) * s`` and the LoRA delta
+stays float on top; the integer codes are never modified.
 """
 from __future__ import annotations
 
@@ -20,14 +24,15 @@ from torch import Tensor
 from runtime.backend_api import LoRAOps, apply_lora
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
+from runtime.quant.int8 import Int8Weight, fuse_int8, int8_linear
 
 
 class LoRALinear:
-    """A fused base linear (weight [sum n_i, in], optional bias) plus one LoRA slice per part."""
+    """A fused base linear (weight [sum n_i, in], float or int8, optional bias) plus one LoRA slice per part."""
 
     def __init__(
         self,
-        weight: Tensor,
+        weight: Tensor | Int8Weight,
         bias: Tensor | None,
         slice_names: Sequence[str],
         slice_sizes: Sequence[int],
@@ -55,7 +60,10 @@ class LoRALinear:
 
     def forward(self, x: Tensor, ops: LoRAOps, meta: LoRABatchMeta, workspace: Tensor) -> Tensor:
         """``x`` [T, in] -> [T, out]: base GEMM, then every slice's LoRA delta in place."""
-        y = F.linear(x, self.weight, self.bias)
+        if isinstance(self.weight, Int8Weight):
+            y = int8_linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         apply_lora(ops, x, y, self.slices, meta, self.slice_offsets, workspace)
         return y
 
@@ -63,9 +71,14 @@ class LoRALinear:
         return self.slice_names.index(name)
 
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size() + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        weight = self.weight.nbytes() if isinstance(self.weight, Int8Weight) else self.weight.numel() * self.weight.element_size()
+        return weight + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
-def fuse(parts: Sequence[Tensor]) -> Tensor:
+def fuse(parts: Sequence[Tensor] | Sequence[Int8Weight]) -> Tensor | Int8Weight:
     """Stack HF linears along the output dim, so one GEMM serves them all."""
+    if isinstance(parts[0], Int8Weight):
+        if not all(isinstance(p, Int8Weight) for p in parts):
+            raise ValueError("fuse: cannot stack int8 and float weights into one projection")
+        return fuse_int8(parts)  # type: ignore[arg-type]
     return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=0).contiguous()

@@ -12,6 +12,9 @@ For every layer, with RMSNorm(x) = w * x / sqrt(mean(x^2) + eps) computed in flo
     h         = h + (silu(g) * u) @ Wdown^T + LoRA_down
 logits = RMSNorm_final(h) @ Wlm^T     (Wlm = embedding matrix when tie_word_embeddings)
 
+A projection weight W may be an ``Int8Weight`` (int8 weight-only base): then
+``x @ W^T`` is computed as ``(x @ q^T) * s`` by ``LoRALinear``; LoRA stays float.
+
 Rows of a step are the concatenated new tokens of several sequences; the per-step
 ``AttentionMeta`` and ``LoRABatchMeta`` are built once and shared by every layer.
 """
@@ -30,6 +33,7 @@ from runtime.lora.layers import LoRALinear, fuse
 from runtime.lora.slice_weights import LoRASliceWeights
 from runtime.models.hf_config import ModelConfig
 from runtime.models.rope import RotaryEmbedding
+from runtime.quant.int8 import Int8Weight
 
 # Fused projection -> its HF module names, in stacking order.
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -72,7 +76,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, Tensor], pool: LoRAPoolShape) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape) -> None:
         p = f"model.layers.{idx}."
         targets = lora_targets(cfg)
         dtype, device = w[p + "input_layernorm.weight"].dtype, w[p + "input_layernorm.weight"].device
@@ -127,7 +131,7 @@ class StepContext:
 class LlamaModel:
     """The decoder: embeddings, layers, final norm, LM head (see module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], pool: LoRAPoolShape, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape, max_positions: int) -> None:
         self.config = cfg
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]

@@ -7,6 +7,12 @@ the shape ``ModelConfig`` implies; a missing, misshapen or unexpected tensor is 
 ``CheckpointError`` naming the tensor and the file. Weights are cast to the compute
 dtype on the way in.
 
+int8 weight-only checkpoints (``quantization_config.quant_method`` =
+``lorafleet-int8-wo`` in config.json, format in ``runtime/quant/int8.py``): each of the
+seven projections is read as an ``Int8Weight`` (int8 codes ``<name>`` [out, in] +
+float32 ``<name>_scale`` [out]) and stays int8 in memory; every other tensor is float
+and cast to the compute dtype as usual. Any other ``quantization_config`` is refused.
+
 Tolerated extras: ``*.rotary_emb.inv_freq`` (a buffer older checkpoints saved; we
 recompute it from the config) and ``lm_head.weight`` when embeddings are tied (HF
 uses the embedding matrix then, and so do we).
@@ -22,6 +28,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from runtime.models.hf_config import ModelConfig
+from runtime.quant.int8 import Int8Weight, QuantizationConfigError, is_quantized_projection, quantization_scheme, scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -65,6 +72,31 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def checkpoint_quantization(model_dir: str | Path) -> dict | None:
+    """The checkpoint's quantization scheme from config.json (None = float weights); CheckpointError if unsupported."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot read: {err}") from err
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    try:
+        scheme = quantization_scheme(raw, path)
+    except QuantizationConfigError as err:
+        raise CheckpointError(str(err)) from err
+    return None if scheme is None else dict(scheme)
+
+
+def quantized_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``expected_shapes`` plus a ``<projection>.weight_scale`` [out] for every quantized projection."""
+    shapes = expected_shapes(cfg)
+    for name, shape in list(shapes.items()):
+        if is_quantized_projection(name):
+            shapes[scale_name(name)] = (shape[0],)
+    return shapes
+
+
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> safetensors file that holds it (from the index, or the single file)."""
     root = Path(model_dir)
@@ -101,10 +133,17 @@ def _keys(path: Path) -> list[str]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
 
 
-def load_weights(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
-    """Check names and shapes first (from headers), then read every tensor cast to ``dtype``."""
+def load_weights(
+    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor | Int8Weight]:
+    """Check names and shapes first (from headers), then read every tensor cast to ``dtype``.
+
+    For an int8 checkpoint the projections come back as ``Int8Weight`` (codes stay int8,
+    scales float32), keyed by their ``.weight`` name; their ``_scale`` tensors are folded in.
+    """
     files = weight_files(model_dir)
-    shapes = expected_shapes(cfg)
+    quantized = checkpoint_quantization(model_dir) is not None
+    shapes = quantized_shapes(cfg) if quantized else expected_shapes(cfg)
     missing = [n for n in shapes if n not in files]
     if missing:
         where = sorted({str(p) for p in files.values()}) or [str(model_dir)]
@@ -112,7 +151,7 @@ def load_weights(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, de
     unexpected = [n for n in files if n not in shapes and not _tolerated(n, cfg)]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor(s) {', '.join(sorted(unexpected)[:8])} for a {cfg.model_type} of this config")
-    out: dict[str, Tensor] = {}
+    raw: dict[str, Tensor] = {}
     for path, names in _by_file(files, shapes).items():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
@@ -120,8 +159,30 @@ def load_weights(cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, de
                 if got != shapes[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json implies {shapes[name]}")
             for name in names:
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                raw[name] = f.get_tensor(name)
+                if quantized:
+                    _check_quantized_dtype(name, raw[name], path)
+    out: dict[str, Tensor | Int8Weight] = {}
+    for name, tensor in raw.items():
+        if quantized and is_quantized_projection(name):
+            out[name] = Int8Weight(tensor.contiguous(), raw[scale_name(name)].contiguous()).to(device)
+        elif not (quantized and name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")])):
+            out[name] = tensor.to(device=device, dtype=dtype)
     return out
+
+
+def _check_quantized_dtype(name: str, tensor: Tensor, path: Path) -> None:
+    """An int8 checkpoint: projection codes int8, their scales float32, everything else float."""
+    if is_quantized_projection(name):
+        want = torch.int8
+    elif name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")]):
+        want = torch.float32
+    else:
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {name} is {tensor.dtype}; only the projections of an int8 checkpoint are integer")
+        return
+    if tensor.dtype != want:
+        raise CheckpointError(f"{path}: tensor {name} is {tensor.dtype}; the int8 weight-only format stores it as {want}")
 
 
 def _tolerated(name: str, cfg: ModelConfig) -> bool:

@@ -1,0 +1,74 @@
+"""`lorafleet merge`: bake one LoRA adapter into the base weights, verify against the dynamic path.
+
+    lorafleet merge --model BASE --adapter ADAPTER --out MERGED [--dtype D] [--force]
+                    [--no-verify] [--verify-threshold X] [--adapter-name NAME]
+                    [--requantize | --no-requantize]
+
+The merged folder is a plain HF checkpoint (loads with transformers and with
+`lorafleet serve --model MERGED`), plus ``lorafleet_merge.json`` (sources, hashes,
+scales, dtype, time, verification figures). A merged model serves ONE adapter: every
+request gets that adapter's behaviour, so other adapters' requests must not be sent to it.
+
+Exit status: 0 merged (and verified); 1 verification below the threshold (nothing
+written); 2 bad input (missing/mismatched adapter, DoRA, existing or unwritable output).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.lora.adapter import AdapterError
+from runtime.merge.merge_job import DEFAULT_THRESHOLD, MergeOptions, VerificationFailed, run_merge
+from runtime.merge.merger import MergeError
+from runtime.merge.staging import OutputPathError
+from runtime.merge.verify import DEFAULT_NEW_TOKENS
+from runtime.models.hf_config import ModelConfigError
+from runtime.models.loader import DTYPES, CheckpointError
+
+INPUT_ERRORS = (AdapterError, MergeError, OutputPathError, ModelConfigError, CheckpointError)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="base HF checkpoint folder (float, or int8 from `lorafleet quantize`)")
+    parser.add_argument("--adapter", required=True, metavar="DIR", help="PEFT LoRA adapter folder (validated exactly as serving does)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged checkpoint; must not exist (see --force)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="dtype of the written float tensors (default: the base's dtype; float32 for an int8 base). The merge itself is float32")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out folder (never an input folder, nor one inside/around an input)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the comparison with the dynamic path (base + adapter)")
+    parser.add_argument("--verify-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="X",
+                        help=f"fail (and write nothing) when greedy-token agreement is below X (default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--verify-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
+                        help=f"tokens decoded per verification prompt (default {DEFAULT_NEW_TOKENS})")
+    parser.add_argument("--adapter-name", default=None, metavar="NAME", help="name recorded in the manifest (default: the adapter folder's name)")
+    parser.add_argument("--requantize", dest="requantize", action=argparse.BooleanOptionalAction, default=None,
+                        help="int8 base only: requantize the merged weights to int8 (default) or, with --no-requantize, write float")
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = MergeOptions(
+        model=args.model, adapter=args.adapter, out=args.out, dtype=args.dtype, force=args.force, verify=args.verify,
+        threshold=args.verify_threshold, adapter_name=args.adapter_name, requantize=args.requantize, new_tokens=args.verify_tokens,
+    )  # fmt: skip
+    if opts.new_tokens < 1:
+        print("lorafleet merge: error: --verify-tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        result = run_merge(opts)
+    except INPUT_ERRORS as err:
+        print(f"lorafleet merge: error: {err}", file=sys.stderr)
+        return 2
+    except VerificationFailed as err:
+        print(err.result.report)
+        print(f"lorafleet merge: error: verification failed; nothing was written to {args.out}. "
+              "Lower --verify-threshold or pass --no-verify to keep such a merge.", file=sys.stderr)  # fmt: skip
+        return 1
+    if result.report:
+        print(result.report)
+    else:
+        print("verification skipped (--no-verify)")
+    s = result.summary
+    print(f"merged {s.modules_merged} modules of adapter {result.manifest['adapter']['name']} "
+          f"(version {result.manifest['adapter']['version']}) into {result.out} ({s.total_bytes / 2**20:.1f} MiB, {', '.join(s.files)})")  # fmt: skip
+    return 0

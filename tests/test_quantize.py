@@ -1,0 +1,196 @@
+"""int8 weight-only base: the math vs float64, the checkpoint format, loading, LoRA on top, errors.
+
+References: float64 torch for the quantizer and the int8 GEMM; transformers (on the
+dequantized weights) for whole-model greedy output; PEFT for LoRA over the int8 base.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from backends import get_backend
+from runtime.cli import main as cli_main
+from runtime.config import EngineConfig
+from runtime.merge.merger import MergeSpec, write_checkpoint
+from runtime.model_runner import ModelRunner, SeqStep
+from runtime.models.loader import CheckpointError
+from runtime.quant.int8 import QUANT_METHOD, Int8Weight, dequantize_int8, int8_linear, is_quantized_projection, quantize_int8
+from tests.test_peft_match import make_runner, peft_model, rel_err
+
+PROJECTIONS = 7
+
+
+def _weight(seed: int, rows: int = 48, cols: int = 40) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of very different magnitude: a per-tensor scale would fail the per-row bound below.
+    return torch.randn(rows, cols, generator=g) * torch.logspace(-3, 1, rows)[:, None]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quantize_int8_matches_the_float64_definition(seed: int) -> None:
+    w = _weight(seed)
+    w[5] = 0.0  # an all-zero row: codes 0, no division by zero
+    qw = quantize_int8(w)
+    w64 = w.double()
+    s64 = w64.abs().amax(1) / 127
+    s64[5] = 1.0
+    assert qw.q.dtype == torch.int8 and qw.scale.dtype == torch.float32
+    torch.testing.assert_close(qw.scale.double(), s64, rtol=1e-6, atol=0)
+    expected_q = torch.round(w64 / qw.scale.double()[:, None])
+    assert torch.equal(qw.q.double(), expected_q)
+    assert int(qw.q.abs().max()) == 127 and int(qw.q[5].abs().max()) == 0
+    err = (dequantize_int8(qw.q, qw.scale).double() - w64).abs()
+    assert (err <= qw.scale.double()[:, None] / 2 * (1 + 1e-6)).all()  # round-to-nearest bound, per row
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_int8_linear_equals_x_times_dequantized_weight(dtype: torch.dtype, tol: float) -> None:
+    g = torch.Generator().manual_seed(7)
+    w, x, b = _weight(3), torch.randn(9, 40, generator=g), torch.randn(48, generator=g)
+    qw = quantize_int8(w)
+    ref = x.double() @ dequantize_int8(qw.q, qw.scale).double().T + b.double()
+    y = int8_linear(x.to(dtype), qw, b.to(dtype))
+    assert y.dtype == dtype
+    assert float(((y.double() - ref).abs().max()) / ref.abs().max()) < tol
+    assert qw.q.dtype == torch.int8  # the codes were cast for the matmul only
+
+
+def _quantize(base: Path, out: Path, *extra: str) -> int:
+    return cli_main(["quantize", "--model", str(base), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def int8_dirs(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(int8 checkpoint from the CLI, float32 dequantized copy of it)."""
+    root = tmp_path_factory.mktemp("int8")
+    assert _quantize(tiny_llama_dir, root / "q8") == 0
+    deq = root / "deq"
+    deq.mkdir()
+    write_checkpoint(MergeSpec(root / "q8", None, torch.float32, quantize_output=False), deq, progress=False)
+    return root / "q8", deq
+
+
+def test_quantize_cli_writes_the_documented_format(tiny_llama_dir: Path, int8_dirs: tuple[Path, Path]) -> None:
+    q8, _ = int8_dirs
+    cfg = json.loads((q8 / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": QUANT_METHOD, "bits": 8, "group": "per-output-channel"}
+    tensors = load_file(str(q8 / "model.safetensors"))
+    base = load_file(str(tiny_llama_dir / "model.safetensors"))
+    projections = [n for n in base if is_quantized_projection(n)]
+    assert len(projections) == PROJECTIONS * 2
+    for name in base:
+        if is_quantized_projection(name):
+            assert tensors[name].dtype == torch.int8 and tensors[name + "_scale"].dtype == torch.float32
+            expected = quantize_int8(base[name])
+            assert torch.equal(tensors[name], expected.q) and torch.equal(tensors[name + "_scale"], expected.scale)
+        else:
+            assert torch.equal(tensors[name], base[name])  # embeddings, norms, lm_head stay float
+    manifest = json.loads((q8 / "lorafleet_quantize.json").read_text())
+    assert manifest["output"]["quantization"]["quant_method"] == QUANT_METHOD
+    assert len(manifest["base"]["weights_sha256"]) == 64
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (q8 / name).read_bytes() == (tiny_llama_dir / name).read_bytes()
+
+
+def _runner(model: Path) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=str(model), device="cpu", max_loras=1, max_lora_rank=8, num_kv_blocks=16,
+                                    block_size=8, max_num_batched_tokens=64), get_backend("cpu"))  # fmt: skip
+
+
+def test_int8_checkpoint_stays_int8_in_memory_and_matches_transformers(int8_dirs: tuple[Path, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    q8, deq = int8_dirs
+    runner = _runner(q8)
+    proj = runner.model.layers[0].projections["qkv_proj"]
+    assert isinstance(proj.weight, Int8Weight) and proj.weight.q.dtype == torch.int8
+    assert runner.memory_report()["weights_bytes"] < _runner(deq).memory_report()["weights_bytes"]
+    hf = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 9:].tolist()
+    ours, toks = [], prompt[0].tolist()
+    step = SeqStep(toks, 0, [0, 1, 2])
+    for i in range(12):
+        nxt = int(runner.execute([step]).argmax(-1))
+        ours.append(nxt)
+        step = SeqStep([nxt], 9 + i, [0, 1, 2])
+    assert ours == ref
+
+
+def test_float_lora_over_int8_base_matches_peft_on_the_dequantized_base(int8_dirs: tuple[Path, Path], tiny_adapters: dict[str, Path]) -> None:
+    q8, deq = int8_dirs
+    adapters = {k: tiny_adapters[k] for k in ("a", "e")}
+    order = ["a", None, "e"]
+    runner, slots = make_runner(q8, adapters)
+    model = peft_model(deq, adapters)
+    prompts = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(9))
+    steps = [SeqStep(prompts[b].tolist(), 0, list(range(b * 6, b * 6 + 6)), slots[n] if n else -1) for b, n in enumerate(order)]
+    ours = runner.execute(steps)
+    with torch.no_grad():
+        ref = model(prompts, adapter_names=[n or "__base__" for n in order]).logits[:, -1]
+    assert float(rel_err(ours, ref).max()) < 1e-4
+    assert float((ours[0] - ours[1]).abs().max()) > 1e-2  # the adapter row really differs from the base row
+
+
+def test_unknown_quantization_method_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "gptq"
+    bad.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config\.quant_method 'gptq' is not supported"):
+        _runner(bad)
+
+
+def test_int8_checkpoint_missing_a_scale_names_the_tensor(int8_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    q8, _ = int8_dirs
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in q8.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(q8 / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.down_proj\.weight_scale"):
+        _runner(broken)
+
+
+def test_quantize_cli_errors(int8_dirs: tuple[Path, Path], tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q8, _ = int8_dirs
+    assert _quantize(q8, tmp_path / "again") == 2
+    assert "already int8" in capsys.readouterr().err
+    (tmp_path / "exists").mkdir()
+    assert _quantize(tiny_llama_dir, tmp_path / "exists") == 2
+    assert "already exists" in capsys.readouterr().err
+    assert _quantize(tiny_llama_dir, tiny_llama_dir / "sub", "--force") == 2
+    assert "inside the input" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]  # nothing half-written
+
+
+def test_sharded_int8_checkpoint_keeps_the_index_format(int8_dirs: tuple[Path, Path], tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from runtime.commands.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(str(tiny_llama_dir), str(tmp_path / "sharded"), progress=False, max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for s in shards for t in load_file(str(out / s)).values()
+    )
+    with safe_open(str(out / index["weight_map"]["model.layers.0.self_attn.q_proj.weight"]), "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
+    single, sharded = _runner(int8_dirs[0]), _runner(out)
+    for a, b in zip(single.model.layers, sharded.model.layers):
+        for name in a.projections:
+            assert torch.equal(a.projections[name].weight.q, b.projections[name].weight.q)
+            assert torch.equal(a.projections[name].weight.scale, b.projections[name].weight.scale)
+    step = [SeqStep([1, 2, 3, 4], 0, [0])]
+    torch.testing.assert_close(single.execute(step), sharded.execute(step), rtol=1e-6, atol=1e-6)
