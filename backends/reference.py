@@ -111,17 +111,23 @@ def expand_per_token(
 
 
 class ReferenceLoRAOps:
-    """Segment schedule for prefill steps, per-token schedule for decode-only steps."""
+    """The CPU backend's ops: the segment schedule for every step, decode included.
+
+    Measured on CPU (docs/benchmarks.md, "LoRA ops (CPU)"), the per-token schedule
+    copies a rank-padded weight set per row and runs about 10x slower than one matmul
+    per segment, so the CPU backend never uses it. The per-token functions above stay
+    as the definition the BGMV kernels (cuda, npu) are tested against.
+    """
 
     def shrink(self, x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
         _check_shapes(x, weights, out)
-        (shrink_per_token if meta.decode_only else shrink_segment)(x, weights, meta, out)
+        shrink_segment(x, weights, meta, out)
 
     def expand(
         self, h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
     ) -> None:
         _check_expand(h, weights, y, slice_offsets)
-        (expand_per_token if meta.decode_only else expand_segment)(h, weights, meta, y, slice_offsets)
+        expand_segment(h, weights, meta, y, slice_offsets)
 
 
 def _check_shapes(x: Tensor, weights: Sequence[LoRASliceWeights], out: Tensor) -> None:
