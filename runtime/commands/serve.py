@@ -4,12 +4,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 from typing import Any
 
 from runtime.config import ConfigError
 
 log = logging.getLogger("lorafleet.serve")
+GRACEFUL_SHUTDOWN_S = 30  # uvicorn: how long in-flight requests may run on after SIGTERM
+ENGINE_SHUTDOWN_S = 5.0  # then the engine fails whatever is still in flight
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,10 +133,29 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, RuntimeError) as err:
         print(f"lorafleet serve: {err}", file=sys.stderr)
         return 2
+    previous = {sig: signal.signal(sig, _exit_after_drain) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         app = create_app(engine, settings.server)
         log.info("lorafleet serving on http://%s:%d\n%s", settings.server.host, settings.server.port, summary(settings, engine))
-        uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=settings.log_level, timeout_graceful_shutdown=30)
+        uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=settings.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    except SystemExit as stop:
+        if stop.code != 0:
+            raise
     finally:
-        engine.shutdown()
+        log.info("lorafleet serve: HTTP server stopped; shutting down the engine")
+        engine.shutdown(timeout=ENGINE_SHUTDOWN_S)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _exit_after_drain(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGINT handler in force outside uvicorn's own (start-up, and after it returns).
+
+    uvicorn drains in-flight requests on SIGTERM, then re-raises the signal with the
+    handler that was installed before it started. With Python's default handler that
+    kills the process before ``engine.shutdown()`` runs; this one ends the process
+    through ``SystemExit(0)`` instead, so the ``finally`` shuts the engine down.
+    """
+    raise SystemExit(0)

@@ -71,6 +71,11 @@ class _SnapshotCollector:
         yield gauge("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", snap.get("pool_device_bytes_in_use", 0))
         yield gauge("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", snap.get("pool_device_bytes_capacity", 0))
         yield gauge("lorafleet_adapter_host_entries", "Adapters in the host tier", snap.get("host_entries", 0))
+        # Leak checks read these: like running and waiting, 0 on an idle server.
+        refs = snap.get("total_refcounts", {})
+        yield gauge("lorafleet_kv_block_refcount", "References held on KV blocks (summed)", snap.get("kv_block_refcount_total", 0))
+        yield gauge("lorafleet_adapter_demand", "Live requests bound to an adapter version (summed)", refs.get("adapter_demand", 0))
+        yield gauge("lorafleet_adapter_device_refs", "Running sequences pinning an adapter device slot (summed)", refs.get("adapter_device_refs", 0))
         per_adapter = snap.get("adapters", {})
         families = {
             "loads": CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads from disk into the host tier", labels=["adapter"] + extra),
