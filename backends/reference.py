@@ -44,7 +44,7 @@ def shrink_segment(x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABat
             if r == 0:
                 continue
             a = w.a_rows[start : start + r].float()
-            out[i, rows, :r] = (xs @ a.t()).to(out.dtype)
+            out[i, :, :r].index_copy_(0, rows, (xs @ a.t()).to(out.dtype))
 
 
 def expand_segment(
@@ -57,9 +57,12 @@ def expand_segment(
             if r == 0:
                 continue
             b_t = w.b_rows[start : start + r].float()
-            delta = w.host_scale[slot] * (h[i, rows, :r].float() @ b_t)
+            delta = h[i, rows, :r].float() @ b_t
             cols = slice(slice_offsets[i], slice_offsets[i] + w.out_features)
-            y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+            if y.dtype == torch.float32:  # add in place: one kernel instead of gather + add + scatter
+                y[:, cols].index_add_(0, rows, delta, alpha=w.host_scale[slot])
+            else:  # accumulate in fp32, round to y's dtype once
+                y[rows, cols] = (y[rows, cols].float() + w.host_scale[slot] * delta).to(y.dtype)
 
 
 def _gather_per_token(w: LoRASliceWeights, slots: Tensor, rank_pad: int, buffer: Tensor) -> Tensor:

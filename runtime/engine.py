@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence as Seq
 
 import torch
 
-from runtime.capabilities import check_adapter, check_engine_config
+from runtime.capabilities import Gate
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv.block_manager import BlockManager
@@ -62,8 +62,9 @@ class LLMEngine:
         self.config = config
         self.backend = backend
         self.backend_name = backend.name
-        for decision in check_engine_config(config, self.backend_name):
-            logger.warning("%s", decision.message)
+        # The gate refuses what the matrix does not support and logs each declared fallback once.
+        self.gate = Gate(self.backend_name)
+        self.gate.check_engine_config(config)
         self.runner = ModelRunner(config, backend)
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.runner.model_config.name
@@ -111,8 +112,7 @@ class LLMEngine:
         adapter = load_adapter(
             str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
         )
-        for decision in check_adapter(adapter, self.backend_name):
-            logger.warning("%s", decision.message)
+        self.gate.check_adapter(adapter)
         return adapter
 
     def install_adapter(self, adapter: LoRAAdapter, path: str) -> AdapterRef:
