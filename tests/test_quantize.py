@@ -194,3 +194,35 @@ def test_sharded_int8_checkpoint_keeps_the_index_format(int8_dirs: tuple[Path, P
             assert torch.equal(a.projections[name].weight.scale, b.projections[name].weight.scale)
     step = [SeqStep([1, 2, 3, 4], 0, [0])]
     torch.testing.assert_close(single.execute(step), sharded.execute(step), rtol=1e-6, atol=1e-6)
+
+
+def test_capability_check_passes_on_cpu_and_catches_a_backend_that_drops_lora() -> None:
+    from dataclasses import dataclass
+    from typing import Any
+
+    from runtime.quant.capability import check_int8_base
+
+    cpu = get_backend("cpu")
+    figures = check_int8_base(cpu)
+    assert set(figures) == {"rel_err_float32", "rel_err_bfloat16", "rel_err_float16"} and figures["rel_err_float32"] < 1e-5
+
+    @dataclass
+    class NoExpand:
+        inner: Any
+
+        def shrink(self, *args: Any) -> None:
+            self.inner.shrink(*args)
+
+        def expand(self, *args: Any) -> None:  # forgets the delta
+            return None
+
+    @dataclass
+    class Broken:
+        lora: Any
+        device: str = "cpu"
+
+        def synchronize(self) -> None:
+            return None
+
+    with pytest.raises(AssertionError, match="quantized_base_int8 float32: relative error"):
+        check_int8_base(Broken(NoExpand(cpu.lora)))
