@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -32,10 +32,17 @@ class AppState:
     started: int
 
 
-def create_app(engine: Any, options: ServerOptions | None = None, replica: str | None = None) -> FastAPI:
+def create_app(
+    engine: Any,
+    options: ServerOptions | None = None,
+    replica: str | None = None,
+    replica_snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None,
+) -> FastAPI:
+    """``replica_snapshots``: for an engine spread over replicas (Ray Serve), replica id ->
+    engine snapshot; /metrics then reports pool/KV/adapter series per replica."""
     options = options or ServerOptions()
     base_name = options.served_model_name or engine.model_name
-    metrics = ServerMetrics(engine.snapshot, replica=replica)
+    metrics = ServerMetrics(engine.snapshot, replica=replica, replica_snapshots=replica_snapshots)
     engine.add_observer(metrics.observe)
     state = AppState(
         engine=engine,

@@ -16,7 +16,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], replica: str | None = None) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        replica: str | None = None,
+        replica_snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["adapter"]
         self.requests = Counter("lorafleet_requests", "Finished requests", labels + ["finish_reason"], registry=self.registry)
@@ -25,7 +30,12 @@ class ServerMetrics:
         self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue = Histogram("lorafleet_queue_time_seconds", "Time from arrival to first scheduling", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_SnapshotCollector(snapshot, replica))
+        def rows() -> list[tuple[str | None, dict[str, Any]]]:
+            if replica_snapshots is not None:
+                return sorted(replica_snapshots().items())  # one series per replica
+            return [(replica, snapshot())]
+
+        self.registry.register(_SnapshotCollector(rows, labelled=replica is not None or replica_snapshots is not None))
 
     def observe(self, m: Any) -> None:
         """Engine observer: called once per finished request with its RequestMetrics."""
@@ -45,38 +55,37 @@ class ServerMetrics:
 
 
 class _SnapshotCollector:
-    """Gauges and counters read from ``engine.snapshot()`` at scrape time."""
+    """Gauges and counters read from engine snapshots at scrape time.
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], replica: str | None) -> None:
-        self.snapshot = snapshot
-        self.replica = replica
+    ``rows()`` gives (replica label, snapshot) pairs: one pair for a single engine, one per
+    replica for an application spread over replicas (then every series has ``replica``).
+    """
+
+    def __init__(self, rows: Callable[[], list[tuple[str | None, dict[str, Any]]]], labelled: bool) -> None:
+        self.rows = rows
+        self.labelled = labelled
 
     def describe(self) -> Iterable[Metric]:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        snap = self.snapshot()
-        extra = ["replica"] if self.replica else []
-        extra_values = [self.replica] if self.replica else []
-
-        def gauge(name: str, doc: str, value: float) -> Metric:
-            g = GaugeMetricFamily(name, doc, labels=extra)
-            g.add_metric(extra_values, float(value))
-            return g
-
-        yield gauge("lorafleet_requests_running", "Sequences running", snap.get("running", 0))
-        yield gauge("lorafleet_requests_waiting", "Sequences waiting", snap.get("waiting", 0))
-        yield gauge("lorafleet_kv_blocks_total", "KV blocks in the pool", snap.get("kv_blocks_total", 0))
-        yield gauge("lorafleet_kv_blocks_free", "KV blocks free", snap.get("kv_blocks_free", 0))
-        yield gauge("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", snap.get("pool_device_bytes_in_use", 0))
-        yield gauge("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", snap.get("pool_device_bytes_capacity", 0))
-        yield gauge("lorafleet_adapter_host_entries", "Adapters in the host tier", snap.get("host_entries", 0))
-        # Leak checks read these: like running and waiting, 0 on an idle server.
-        refs = snap.get("total_refcounts", {})
-        yield gauge("lorafleet_kv_block_refcount", "References held on KV blocks (summed)", snap.get("kv_block_refcount_total", 0))
-        yield gauge("lorafleet_adapter_demand", "Live requests bound to an adapter version (summed)", refs.get("adapter_demand", 0))
-        yield gauge("lorafleet_adapter_device_refs", "Running sequences pinning an adapter device slot (summed)", refs.get("adapter_device_refs", 0))
-        per_adapter = snap.get("adapters", {})
+        rows = self.rows()
+        extra = ["replica"] if self.labelled else []
+        gauges = {
+            "running": GaugeMetricFamily("lorafleet_requests_running", "Sequences running", labels=extra),
+            "waiting": GaugeMetricFamily("lorafleet_requests_waiting", "Sequences waiting", labels=extra),
+            "kv_blocks_total": GaugeMetricFamily("lorafleet_kv_blocks_total", "KV blocks in the pool", labels=extra),
+            "kv_blocks_free": GaugeMetricFamily("lorafleet_kv_blocks_free", "KV blocks free", labels=extra),
+            "pool_device_bytes_in_use": GaugeMetricFamily("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", labels=extra),
+            "pool_device_bytes_capacity": GaugeMetricFamily("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", labels=extra),
+            "host_entries": GaugeMetricFamily("lorafleet_adapter_host_entries", "Adapters in the host tier", labels=extra),
+            "kv_block_refcount_total": GaugeMetricFamily("lorafleet_kv_block_refcount", "References held on KV blocks (summed)", labels=extra),
+        }
+        # Leak checks read these: like running, waiting and kv_block_refcount, 0 on an idle server.
+        refcounts = {
+            "adapter_demand": GaugeMetricFamily("lorafleet_adapter_demand", "Live requests bound to an adapter version (summed)", labels=extra),
+            "adapter_device_refs": GaugeMetricFamily("lorafleet_adapter_device_refs", "Running sequences pinning an adapter device slot (summed)", labels=extra),
+        }
         families = {
             "loads": CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads from disk into the host tier", labels=["adapter"] + extra),
             "device_loads": CounterMetricFamily("lorafleet_adapter_device_loads", "Adapter copies from host to device", labels=["adapter"] + extra),
@@ -86,7 +95,15 @@ class _SnapshotCollector:
             "host_hits": CounterMetricFamily("lorafleet_adapter_host_hits", "Requests whose adapter was in the host tier", labels=["adapter"] + extra),
             "disk_misses": CounterMetricFamily("lorafleet_adapter_disk_misses", "Requests whose adapter had to be read from disk", labels=["adapter"] + extra),
         }
-        for name, counters in sorted(per_adapter.items()):
-            for key, family in families.items():
-                family.add_metric([name or BASE_LABEL] + extra_values, float(counters.get(key, 0)))
+        for replica, snap in rows:
+            extra_values = [replica or ""] if self.labelled else []
+            for key, gauge in gauges.items():
+                gauge.add_metric(extra_values, float(snap.get(key, 0)))
+            for key, gauge in refcounts.items():
+                gauge.add_metric(extra_values, float(snap.get("total_refcounts", {}).get(key, 0)))
+            for name, counters in sorted(snap.get("adapters", {}).items()):
+                for key, family in families.items():
+                    family.add_metric([name or BASE_LABEL] + extra_values, float(counters.get(key, 0)))
+        yield from gauges.values()
+        yield from refcounts.values()
         yield from families.values()

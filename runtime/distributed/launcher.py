@@ -1,0 +1,57 @@
+"""``lorafleet serve --ray``: start a local Ray (or join ``--ray-address``), deploy, block.
+
+Ctrl-C or SIGTERM deletes the application and its registry actor (the manifest in
+``--registry-dir`` stays) and, for a Ray started here, stops Ray.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+RAY_MISSING = "--ray needs the 'ray' extra: pip install 'lorafleet[ray]'"
+DEFAULT_REGISTRY_DIR = "lorafleet-registry"
+
+
+def run_ray(settings: Any) -> int:
+    try:
+        import ray
+        from ray import serve  # noqa: F401 - serve is part of the extra, check it too
+    except ImportError:
+        print(f"lorafleet serve: {RAY_MISSING}", file=sys.stderr)
+        return 2
+    from runtime.distributed.application import ScaleOutConfig, deploy, stop
+    from runtime.distributed.manifest import ManifestError
+
+    registry_dir = str(Path(settings.registry_dir or DEFAULT_REGISTRY_DIR).expanduser().resolve())
+    cfg = ScaleOutConfig(
+        engine=settings.engine,
+        server=settings.server,
+        num_replicas=settings.num_replicas,
+        registry_dir=registry_dir,
+        initial_adapters=tuple((m.name, m.path) for m in settings.lora_modules),
+    )
+    started_here = settings.ray_address is None
+    ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
+    stopped = threading.Event()
+    try:
+        try:
+            deploy(cfg)
+        except (ManifestError, ValueError) as err:
+            print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
+        print(
+            f"lorafleet serving on http://{settings.server.host}:{settings.server.port} "
+            f"(Ray Serve app {cfg.app_name!r}, {cfg.num_replicas} replica(s), adapter registry {registry_dir}); Ctrl-C stops it",
+            flush=True,
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stopped.set())
+        stopped.wait()
+        return 0
+    finally:
+        stop(cfg)
+        if started_here:
+            ray.shutdown()

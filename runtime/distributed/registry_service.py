@@ -1,0 +1,112 @@
+"""The application's one adapter registry: name -> (path, version), with a revision number.
+
+Runs as one named Ray actor per application (see ``application.py``); replicas sync
+from it and the ingress writes to it. Every change bumps ``revision`` and is written to
+the manifest *before* it becomes visible, so what replicas apply is always durable.
+
+Replicas call ``heartbeat(replica_id, applied_revision, snapshot)`` every
+``sync_interval`` seconds: it records that they are alive, which revision they have
+applied and their engine snapshot (for /metrics), and returns the registered set when
+they are behind. A replica is *live* while its last heartbeat is younger than
+``live_after_s``. ``wait_applied(R)`` returns once every live replica has applied a
+revision >= R, or at the timeout with the lagging replicas named.
+
+Version rules are the single server's: re-registering a name with other content is a
+hot update (a new version; requests in flight finish on the old one, each replica's
+engine keeps it until its last reader is done); registering identical content is a
+no-op; unregistering removes the name for new requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from runtime.distributed.manifest import Manifest, ManifestEntry, ManifestStore
+
+
+@dataclass
+class ReplicaStatus:
+    applied_revision: int
+    last_seen: float
+    snapshot: dict[str, Any]
+    errors: tuple[str, ...] = ()
+    first_seen: float = field(default_factory=time.monotonic)
+
+
+class AdapterRegistryService:
+    def __init__(self, registry_dir: str, live_after_s: float = 2.0) -> None:
+        self.store = ManifestStore(registry_dir)
+        self.manifest: Manifest = self.store.load()
+        self.live_after_s = live_after_s
+        self.replicas: dict[str, ReplicaStatus] = {}
+
+    # ---- the registered set --------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"revision": self.manifest.revision, "entries": [vars_of(e) for e in self.manifest.entries]}
+
+    def register(self, name: str, path: str, version: str, max_rank: int) -> dict[str, Any]:
+        """Record ``name`` at ``version``; returns {revision, previous_version, changed}."""
+        current = self.manifest.by_name()
+        previous = current.get(name)
+        if previous is not None and previous.version == version and previous.path == path:
+            return {"revision": self.manifest.revision, "previous_version": version, "changed": False}
+        current[name] = ManifestEntry(name, path, version, max_rank, time.time())
+        self._commit(current)
+        return {"revision": self.manifest.revision, "previous_version": previous.version if previous else None, "changed": True}
+
+    def unregister(self, name: str) -> Optional[int]:
+        """Remove ``name``; returns the new revision, or None when the name is not registered."""
+        current = self.manifest.by_name()
+        if current.pop(name, None) is None:
+            return None
+        self._commit(current)
+        return self.manifest.revision
+
+    def _commit(self, entries: dict[str, ManifestEntry]) -> None:
+        manifest = Manifest(self.manifest.revision + 1, tuple(sorted(entries.values(), key=lambda e: e.name)))
+        self.store.save(manifest)  # durable first: a crash after this line loses nothing
+        self.manifest = manifest
+
+    # ---- replicas --------------------------------------------------------------------------------
+    def heartbeat(self, replica_id: str, applied_revision: int, snapshot: dict[str, Any], errors: tuple[str, ...] = ()) -> Optional[dict[str, Any]]:
+        """Record a replica's progress; returns ``state()`` when it is behind, else None."""
+        now = time.monotonic()
+        status = self.replicas.get(replica_id)
+        if status is None:
+            self.replicas[replica_id] = ReplicaStatus(applied_revision, now, snapshot, tuple(errors))
+        else:
+            status.applied_revision, status.last_seen, status.snapshot, status.errors = applied_revision, now, snapshot, tuple(errors)
+        return self.state() if applied_revision < self.manifest.revision else None
+
+    def forget(self, replica_id: str) -> None:
+        """A replica shutting down says goodbye, so waits need not time it out."""
+        self.replicas.pop(replica_id, None)
+
+    def live_replicas(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {
+            rid: {"applied_revision": s.applied_revision, "age_s": now - s.last_seen, "snapshot": s.snapshot, "errors": list(s.errors)}
+            for rid, s in sorted(self.replicas.items())
+            if now - s.last_seen <= self.live_after_s
+        }
+
+    def view(self) -> dict[str, Any]:
+        """What the ingress caches: the registered set and the live replicas (with snapshots)."""
+        return {**self.state(), "replicas": self.live_replicas()}
+
+    async def wait_applied(self, revision: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
+        """Wait until every live replica applied ``revision``; {applied, lagging, errors}."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = self.live_replicas()
+            lagging = sorted(rid for rid, s in live.items() if s["applied_revision"] < revision)
+            if not lagging or time.monotonic() >= deadline:
+                errors = {rid: s["errors"] for rid, s in live.items() if s["errors"]}
+                return {"applied": sorted(set(live) - set(lagging)), "lagging": lagging, "errors": errors}
+            await asyncio.sleep(poll_s)
+
+
+def vars_of(entry: ManifestEntry) -> dict[str, Any]:
+    return {"name": entry.name, "path": entry.path, "version": entry.version, "max_rank": entry.max_rank, "registered_at": entry.registered_at}

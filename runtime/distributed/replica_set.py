@@ -1,0 +1,171 @@
+"""ReplicaSetEngine: the engine interface ``create_app`` needs, served by a set of replicas.
+
+The ingress builds the unchanged FastAPI app around this object:
+  generate            -> the replica deployment, ``multiplexed_model_id=<adapter>`` (affinity)
+                         or without it (``routing="adapter_blind"``: the baseline to compare)
+  register/unregister -> ``RegistryClient`` (validate on a replica, record, wait for replicas)
+  adapters()          -> the registered set, cached from the registry actor (refreshed every
+                         ``refresh_s``, and at once after a change made through this ingress)
+  snapshot()          -> the sum of the replicas' engine snapshots; ``replica_snapshots()``
+                         gives them one by one for /metrics' ``replica`` label
+
+Replica failure: if the replica dies before the request produced output, the request is
+sent once more (Serve routes it to a live replica). If it dies after output was already
+passed on, a greedy request is replayed on another replica and only the tokens not yet
+passed on are emitted (greedy decoding is deterministic, and the replay is checked to
+reproduce the emitted prefix); any other request fails with HTTP 503 and a message to
+retry. Nothing waits forever on a dead replica: Ray fails the stream when its actor dies.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+import ray
+
+from runtime.distributed.registry_client import RegistryClient
+from runtime.distributed.replica import ERROR_KINDS
+from runtime.lora.registry import AdapterInfo
+from runtime.request import AdapterRef, RequestOutput, SamplingParams
+from runtime.server.errors import APIError
+from runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger("lorafleet.replica_set")
+ROUTINGS = ("affinity", "adapter_blind")
+
+
+class ReplicaUnavailable(APIError):
+    """HTTP 503: the replica serving the request died; the client should retry."""
+
+    def __init__(self, request_id: str, detail: str) -> None:
+        super().__init__(503, f"request {request_id}: the replica serving it died ({detail}); retry the request", code="replica_unavailable")
+
+
+class ReplicaSetEngine:
+    def __init__(
+        self,
+        replicas: Any,
+        registry: Any,
+        model_dir: str,
+        model_name: str,
+        max_model_len: int,
+        routing: str = "affinity",
+        apply_timeout_s: float = 30.0,
+        refresh_s: float = 0.5,
+    ) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing: {routing!r} is not one of {', '.join(ROUTINGS)}")
+        self.replicas = replicas
+        self.registry = registry
+        self.client = RegistryClient(registry, replicas, apply_timeout_s)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = Tokenizer(model_dir)
+        self.routing = routing
+        self.refresh_s = refresh_s
+        self._observers: list[Callable[[Any], None]] = []
+        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}}
+        self._refresh_task: Optional[asyncio.Task] = None
+
+    # ---- registry view ---------------------------------------------------------------------------
+    def _take(self, view: dict[str, Any]) -> None:
+        if view["revision"] >= self._view["revision"]:
+            self._view = view  # one reference swap: readers see the old or the new view
+
+    async def refresh(self) -> None:
+        self._take(await self.registry.view.remote())
+
+    def start_refresh(self) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.refresh_s)
+                try:
+                    await self.refresh()
+                except ray.exceptions.RayActorError as err:
+                    logger.warning("registry unavailable (%s); serving the last known adapter set", err)
+
+        self._refresh_task = asyncio.create_task(loop())
+
+    def adapters(self) -> list[AdapterInfo]:
+        return [AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"]) for e in self._view["entries"]]
+
+    def replica_snapshots(self) -> dict[str, dict[str, Any]]:
+        return {rid: r["snapshot"] for rid, r in self._view["replicas"].items()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Sum of the live replicas' snapshots (numbers add; per-adapter counters add by name)."""
+        total: dict[str, Any] = {}
+        for snap in self.replica_snapshots().values():
+            _add_into(total, snap)
+        return total
+
+    # ---- admin -----------------------------------------------------------------------------------
+    def register_adapter(self, name: str, path: str) -> AdapterRef:
+        ref = self.client.register(name, path)
+        self._take(ray.get(self.registry.view.remote()))
+        return ref
+
+    def unregister_adapter(self, name: str) -> None:
+        self.client.unregister(name)
+        self._take(ray.get(self.registry.view.remote()))
+
+    def add_observer(self, callback: Callable[[Any], None]) -> None:
+        self._observers.append(callback)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def _stream(self, request_id: str, prompt: Any, params: SamplingParams, adapter: Optional[str]) -> Any:
+        options: dict[str, Any] = {"stream": True}
+        if self.routing == "affinity" and adapter is not None:
+            options["multiplexed_model_id"] = adapter
+        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter)
+
+    async def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None
+    ) -> AsyncIterator[RequestOutput]:
+        params = params or SamplingParams()
+        emitted_ids: tuple[int, ...] = ()
+        emitted_text = ""
+        attempt = 0
+        while True:
+            stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter)
+            finished = False
+            try:
+                async for item in stream:
+                    if item[0] == "error":
+                        raise ERROR_KINDS[item[1]](item[2])
+                    out, metrics = item[1], item[2]
+                    if metrics is not None:
+                        for observer in self._observers:
+                            observer(metrics)
+                    if len(out.token_ids) < len(emitted_ids) or (len(out.token_ids) == len(emitted_ids) and not out.finished):
+                        continue  # replaying what was already passed on
+                    if out.token_ids[: len(emitted_ids)] != emitted_ids or not out.text.startswith(emitted_text):
+                        raise ReplicaUnavailable(request_id, "the replay on another replica diverged from the tokens already sent")
+                    delta = dataclasses.replace(
+                        out, request_id=request_id, new_token_ids=out.token_ids[len(emitted_ids):], new_text=out.text[len(emitted_text):]
+                    )
+                    emitted_ids, emitted_text = out.token_ids, out.text
+                    finished = out.finished
+                    yield delta
+                return
+            except ray.exceptions.RayActorError as err:
+                replayable = not emitted_ids or params.greedy
+                if attempt >= 1 or not replayable:
+                    raise ReplicaUnavailable(request_id, type(err).__name__) from err
+                logger.warning("request %s: replica died (%s); retrying once on another replica", request_id, type(err).__name__)
+                attempt += 1
+            finally:
+                if not finished:
+                    stream.cancel()  # propagates to the replica, whose engine aborts the request
+
+
+def _add_into(total: dict[str, Any], snap: dict[str, Any]) -> None:
+    for key, value in snap.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            total[key] = total.get(key, 0) + value
+        elif isinstance(value, dict):
+            _add_into(total.setdefault(key, {}), value)

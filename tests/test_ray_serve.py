@@ -1,0 +1,286 @@
+"""Scale-out on a real local Ray Serve: two replicas of the tiny llama, adapter-affinity routing.
+
+Ray is started once for the module (2 CPUs, no dashboard). The CI-size tests share one
+application; the 20-adapter test (marked slow) deploys its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from runtime.async_engine import AsyncLLMEngine  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.distributed.application import NAMESPACE, REPLICA_DEPLOYMENT, ScaleOutConfig, deploy, stop  # noqa: E402
+from runtime.distributed.replica_set import ReplicaSetEngine  # noqa: E402
+from runtime.request import SamplingParams  # noqa: E402
+from runtime.server.options import ServerOptions  # noqa: E402
+from tests.fixtures.tiny_models import build_adapter  # noqa: E402
+from tests.server_harness import free_port, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = ["the quick brown fox", "hello there", "one two three four five", "a b c"]
+HIT_LOCATIONS = ("device", "host")
+
+
+def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    values = dict(model=str(model_dir), device="cpu", dtype="float32", max_loras=2, max_lora_rank=16,
+                  max_cpu_loras=2, max_num_seqs=8, max_model_len=96, block_size=8, num_kv_blocks=96)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def reference_outputs(config: EngineConfig, adapters: dict[str, Path], cases: list[tuple[str | None, str]], max_tokens: int) -> dict:
+    """Greedy token ids from one AsyncLLMEngine run directly (the single-server reference)."""
+    engine = AsyncLLMEngine(config.replace(max_cpu_loras=max(len(adapters), config.max_loras)))
+    for name, path in adapters.items():
+        engine.register_adapter(name, str(path))
+
+    async def one(adapter: str | None, prompt: str) -> tuple[int, ...]:
+        last = None
+        async for out in engine.generate(f"ref-{adapter}-{prompt}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), adapter):
+            last = out
+        return last.token_ids
+
+    async def run_all() -> dict:
+        return {case: await one(*case) for case in cases}
+
+    try:
+        return asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+
+
+def complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float = 60.0) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
+def token_ids(response: httpx.Response) -> tuple[int, ...]:
+    assert response.status_code == 200, response.text
+    return tuple(response.json()["choices"][0]["token_ids"])
+
+
+def replica_actor_names(app_name: str) -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if app_name in a["name"] and REPLICA_DEPLOYMENT in a["name"])
+
+
+def running_replicas(app_name: str) -> int:
+    app = serve.status().applications.get(app_name)
+    if app is None or REPLICA_DEPLOYMENT not in app.deployments:
+        return 0
+    return app.deployments[REPLICA_DEPLOYMENT].replica_states.get("RUNNING", 0)
+
+
+def registry(cfg: ScaleOutConfig) -> Any:
+    return ray.get_actor(cfg.registry_name, namespace=NAMESPACE)
+
+
+def driver_engine(cfg: ScaleOutConfig, routing: str) -> ReplicaSetEngine:
+    """A ReplicaSetEngine in the test process over the app's replicas (same replicas, chosen routing)."""
+    engine = ReplicaSetEngine(serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), registry(cfg), cfg.engine.model, "tiny", 96, routing=routing)
+    return engine
+
+
+def routed_hit_rate(cfg: ScaleOutConfig, routing: str, names: list[str], n: int, seed: int, gap_s: float = 0.15) -> float:
+    """Send n sequential greedy requests over ``names``; share served by a replica already holding the adapter.
+
+    ``gap_s`` between requests: Serve's routers learn which replica holds which adapter
+    from replica reports (every 0.1 s); tiny-model requests take ~10 ms, far shorter
+    than any real request, so without a gap the router would route on stale holdings.
+    """
+    engine = driver_engine(cfg, routing)
+    locations: list[str] = []
+    engine.add_observer(lambda m: locations.append(m.adapter_location))
+    rng = random.Random(seed)
+
+    async def run() -> None:
+        for i in range(n):
+            async for _ in engine.generate(f"{routing}-{seed}-{i}", PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=2), rng.choice(names)):
+                pass
+            await asyncio.sleep(gap_s)
+
+    asyncio.run(run())
+    assert len(locations) == n
+    return sum(loc in HIT_LOCATIONS for loc in locations) / n
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tiny_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ray_adapter_root")
+    for name, path in tiny_adapters.items():
+        shutil.copytree(path, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, tiny_llama_dir: Path, tiny_adapters: dict[str, Path], adapter_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    initial = {n: tiny_adapters[n] for n in ("a", "b", "c", "d")}
+    cfg = ScaleOutConfig(
+        engine=engine_config(tiny_llama_dir),
+        server=ServerOptions(port=free_port(), enable_adapter_admin=True, adapter_roots=(adapter_root.resolve(),)),
+        num_replicas=2,
+        registry_dir=str(tmp_path_factory.mktemp("registry")),
+        app_name="lorafleet-ci",
+        replica_resources={"num_cpus": 0},
+        initial_adapters=tuple((n, str(p)) for n, p in initial.items()),
+    )
+    deploy(cfg)
+    yield cfg, f"http://127.0.0.1:{cfg.server.port}", initial
+    stop(cfg)
+
+
+def test_greedy_outputs_equal_single_server(app, tiny_llama_dir: Path) -> None:
+    cfg, url, adapters = app
+    adapter_cases = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate(adapters)]
+    cases = [(None, prompt) for _, prompt in adapter_cases] + adapter_cases
+    expected = reference_outputs(cfg.engine, adapters, cases, max_tokens=6)
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    base = models[0]["id"]
+    assert sorted(m["id"] for m in models[1:]) == sorted(adapters)
+    for adapter, prompt in cases:
+        assert token_ids(complete(url, adapter or base, prompt, 6)) == expected[(adapter, prompt)], (adapter, prompt)
+    # Adapters change the greedy output (a weak one may not within 6 tokens), so the equality is not vacuous.
+    assert sum(expected[(name, prompt)] != expected[(None, prompt)] for name, prompt in adapter_cases) >= 2
+
+
+def test_affinity_hit_rate_well_above_adapter_blind(app) -> None:
+    cfg, _, adapters = app
+    names = sorted(adapters)  # 4 adapters, 2 replicas with room for 2 each
+    blind = routed_hit_rate(cfg, "adapter_blind", names, n=32, seed=1)
+    affinity = routed_hit_rate(cfg, "affinity", names, n=32, seed=2)
+    print(f"adapter hit rate: affinity {affinity:.2f}, adapter-blind {blind:.2f}")
+    assert affinity >= 0.75, (affinity, blind)
+    assert affinity >= blind + 0.2, (affinity, blind)
+
+
+def test_metrics_carry_replica_and_adapter_labels(app) -> None:
+    cfg, url, _ = app
+    token_ids(complete(url, "a", PROMPTS[1], 2))
+    ok = wait_until(lambda: httpx.get(f"{url}/metrics", timeout=10).text.count('lorafleet_adapter_host_entries{replica="') == 2, timeout_s=10)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    assert ok, text
+    assert 'lorafleet_adapter_loads_total{adapter="a",replica="' in text or 'lorafleet_adapter_loads{adapter="a",replica="' in text
+    assert 'lorafleet_requests_total{adapter="a",finish_reason="length"}' in text
+
+
+def test_admin_load_reaches_both_replicas(app, adapter_root: Path, tiny_adapters: dict[str, Path]) -> None:
+    cfg, url, _ = app
+    resp = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": str(adapter_root / "e")}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    version = resp.json()["version"]
+    live = ray.get(registry(cfg).live_replicas.remote())
+    assert len(live) == 2
+    for rid, status in live.items():  # the admin call returned only after every live replica applied it
+        assert status["snapshot"]["registered"].get("e") == version, rid
+    expected = reference_outputs(cfg.engine, {"e": tiny_adapters["e"]}, [("e", PROMPTS[2])], max_tokens=6)[("e", PROMPTS[2])]
+    # Adapter-blind routing from the driver spreads requests; keep going until both replicas served "e".
+    engine = driver_engine(cfg, "adapter_blind")
+    outputs: list[tuple[int, ...]] = []
+
+    async def once(i: int) -> None:
+        async for out in engine.generate(f"e-{i}", PROMPTS[2], SamplingParams(max_tokens=6, ignore_eos=True), "e"):
+            last = out
+        outputs.append(last.token_ids)
+
+    def served_by_both() -> bool:
+        live = ray.get(registry(cfg).live_replicas.remote())
+        return all(s["snapshot"]["adapters"].get("e", {}).get("requests", 0) > 0 for s in live.values())
+
+    for i in range(40):
+        asyncio.run(once(i))
+        if i % 4 == 3 and wait_until(served_by_both, timeout_s=1.0):
+            break
+    assert served_by_both()
+    assert set(outputs) == {expected}
+    # The same name with a bad path is refused with the single server's status.
+    bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"}, timeout=30)
+    assert bad.status_code == 403
+
+
+def test_killed_replica_requests_complete_or_fail_retryably(app) -> None:
+    cfg, url, _ = app
+    names = replica_actor_names(cfg.app_name)
+    assert len(names) == 2
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
+        body = {"model": "abcd"[i % 4], "prompt": PROMPTS[i % 4], "max_tokens": 40, "ignore_eos": True, "temperature": 0 if i % 2 else 0.8, "seed": i}
+        resp = await client.post(f"{url}/v1/completions", json=body)
+        return resp.status_code, resp.text
+
+    async def scenario() -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
+            await asyncio.sleep(1.0)  # requests are in flight on both replicas
+            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)
+
+    results = asyncio.run(scenario())
+    print("after killing a replica, statuses:", sorted(status for status, _ in results))
+    for status, text in results:
+        assert status == 200 or (status == 503 and "retry" in text), (status, text)
+    assert any(status == 200 for status, _ in results)
+    assert wait_until(lambda: running_replicas(cfg.app_name) == 2 and len(replica_actor_names(cfg.app_name)) == 2, timeout_s=90, interval_s=1.0)
+    assert token_ids(complete(url, "b", PROMPTS[0], 3))
+
+
+def test_registered_set_survives_application_restart(app) -> None:
+    cfg, url, _ = app
+    before = {m["id"]: m.get("version") for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"][1:]}
+    assert "e" in before  # loaded through the admin API earlier in this module
+    stop(cfg)  # deletes the application and the registry actor; the manifest stays on disk
+    restarted = ScaleOutConfig(**{**cfg.__dict__, "initial_adapters": ()})
+    deploy(restarted)
+    after = {m["id"]: m.get("version") for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"][1:]}
+    assert after == before
+    assert token_ids(complete(url, "e", PROMPTS[1], 3))
+    unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "e"}, timeout=60)
+    assert unload.status_code == 200, unload.text
+    assert complete(url, "e", PROMPTS[1], 3).status_code == 404
+
+
+@pytest.mark.slow
+def test_twenty_adapters_small_pools(ray_session, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = tmp_path_factory.mktemp("twenty")
+    adapters = {f"z{i:02d}": build_adapter(tiny_llama_dir, root / f"z{i:02d}", r=4 + 4 * (i % 3), target_modules=["q_proj", "v_proj", "down_proj"], seed=100 + i) for i in range(20)}
+    cfg = ScaleOutConfig(
+        engine=engine_config(tiny_llama_dir, max_loras=4, max_cpu_loras=6),  # 2 x 6 < 20 adapters
+        server=ServerOptions(port=free_port()),
+        num_replicas=2,
+        registry_dir=str(tmp_path_factory.mktemp("registry20")),
+        app_name="lorafleet-twenty",
+        replica_resources={"num_cpus": 0},
+        initial_adapters=tuple((n, str(p)) for n, p in adapters.items()),
+    )
+    deploy(cfg)
+    try:
+        url = f"http://127.0.0.1:{cfg.server.port}"
+        cases = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate(adapters)]
+        expected = reference_outputs(cfg.engine, adapters, cases, max_tokens=5)
+        for name, prompt in cases:
+            assert token_ids(complete(url, name, prompt, 5)) == expected[(name, prompt)], name
+        hot = sorted(adapters)[:10]  # a working set that fits the two pools together, not one
+        blind = routed_hit_rate(cfg, "adapter_blind", hot, n=60, seed=3)
+        affinity = routed_hit_rate(cfg, "affinity", hot, n=60, seed=4)
+        print(f"20 adapters, hit rate: affinity {affinity:.2f}, adapter-blind {blind:.2f}")
+        assert affinity >= blind + 0.2, (affinity, blind)
+    finally:
+        stop(cfg)
