@@ -22,13 +22,14 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from runtime.capabilities import require
 from runtime.config import ConfigError, EngineConfig
 from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.adapter import LoRAAdapter
 from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta
 from runtime.models.hf_config import load_model_config
 from runtime.models.llama import LlamaModel, LoRAPoolShape, StepContext, lora_targets
-from runtime.models.loader import load_weights, torch_dtype
+from runtime.models.loader import checkpoint_quantization, load_weights, torch_dtype
 from runtime.tokenizer import Tokenizer
 
 MAX_SLICES_PER_PROJECTION = 3  # q/k/v
@@ -71,6 +72,8 @@ class ModelRunner:
         self.device = torch.device(backend.device)
         self.dtype = torch_dtype(config.dtype)
         self.model_config = load_model_config(config.model)
+        if checkpoint_quantization(config.model) is not None:
+            require("quantized_base_int8", backend.name)  # refuse, quoting the matrix, where it is undeclared
         mc = self.model_config
         self.max_model_len = self._max_model_len()
         self.tokenizer = Tokenizer(config.model)

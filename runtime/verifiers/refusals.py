@@ -1,8 +1,9 @@
-"""Verifiers for capabilities every backend declares unsupported today: int8 base, DoRA.
+"""Verifiers for the int8 weight-only base and DoRA.
 
-Declared unsupported (the normal case): the runtime must refuse them with an error that
-quotes the matrix (DoRA: ``check_adapter`` on an adapter with ``use_dora``). Declared
-supported: there is nothing in this runtime to run, so the verifier fails and says so.
+int8 base, declared supported: ``runtime.quant.capability.check_int8_base`` on the backend.
+Declared unsupported: the runtime must refuse it with an error that quotes the matrix
+(DoRA: ``check_adapter`` on an adapter with ``use_dora``; DoRA declared supported fails,
+since no backend implements its magnitude vector).
 """
 from __future__ import annotations
 
@@ -38,10 +39,18 @@ def dora_refused(entry: Capability, matrix: CapabilityMatrix) -> str:
 
 @verifier("quantized_base_int8")
 def verify_quantized_base_int8(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
-    raise VerificationFailure(
-        "declared supported, but this runtime has no int8 weight-only base to check; "
-        "declare it supported together with a verifier that runs it (issue 9)"
-    )
+    """int8 base linear + mixed-rank float LoRA + no-adapter rows vs float64, per declared dtype."""
+    import torch
+
+    from runtime.quant.capability import check_int8_base
+
+    names = entry.limits.dtypes or ("float32",)
+    try:
+        figures = check_int8_base(backend, dtypes=tuple(getattr(torch, n) for n in names))
+    except AssertionError as err:
+        raise VerificationFailure(str(err)) from err
+    detail = ", ".join(f"{k.removeprefix('rel_err_')}={v:.1e}" for k, v in figures.items())
+    return VerifierResult("pass", f"int8 base + mixed-rank float LoRA vs float64, relative max err: {detail}", figures)
 
 
 @verifier("dora", refusal=dora_refused)
