@@ -74,7 +74,7 @@ class ServeProcess:
         self.log_path = log_path
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.args = [*lorafleet_command(), "serve", "--model", str(model), "--device", "cpu", "--host", "127.0.0.1",
-                     "--port", str(self.port), "--log-level", "warning", *extra]
+                     "--port", str(self.port), "--log-level", os.environ.get("LORAFLEET_LOAD_LOG_LEVEL", "warning"), *extra]
         if adapters:
             self.args += ["--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
         self.proc: subprocess.Popen | None = None
@@ -185,6 +185,7 @@ class Job:
     max_tokens: int
     stream: bool
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def body(self, stream: bool | None = None) -> dict[str, Any]:
         stream = self.stream if stream is None else stream
@@ -196,6 +197,8 @@ class Job:
             b["prompt"] = self.prompt
         if self.stop:
             b["stop"] = list(self.stop)
+        if self.ignore_eos:
+            b["ignore_eos"] = True
         if stream:
             b["stream_options"] = {"include_usage": True}
         return b
