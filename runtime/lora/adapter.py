@@ -348,15 +348,26 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], int, bytes]:
     for name, entry in header.items():
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise AdapterError(f"{path}: tensor {name}: corrupt header entry {entry!r}")
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise AdapterError(f"{path}: tensor {name}: dtype {entry['dtype']} is not supported ({', '.join(SAFETENSORS_DTYPES)})")
-        start, end = entry["data_offsets"]
+        # Type-check the entry before using it, so a hostile header is an AdapterError, never a
+        # TypeError/ValueError/RuntimeError from the arithmetic below (found by the adapter fuzz).
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise AdapterError(f"{path}: tensor {name}: dtype {entry['dtype']!r} is not supported ({', '.join(SAFETENSORS_DTYPES)})")
+        if not isinstance(entry["shape"], list) or not all(_is_count(d) for d in entry["shape"]):
+            raise AdapterError(f"{path}: tensor {name}: shape {entry['shape']!r} is not a list of non-negative integers")
+        offsets = entry["data_offsets"]
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) or offsets[0] > offsets[1]:
+            raise AdapterError(f"{path}: tensor {name}: data_offsets {offsets!r} is not a [start, end] pair with 0 <= start <= end")
+        start, end = offsets
         itemsize = torch.tensor([], dtype=SAFETENSORS_DTYPES[entry["dtype"]]).element_size()
         if end > data_len:
             raise AdapterError(f"{path}: truncated safetensors file: tensor {name} needs bytes up to {end}, the file has {data_len}")
         if end - start != math.prod(entry["shape"]) * itemsize:
             raise AdapterError(f"{path}: tensor {name}: {end - start} bytes do not fit shape {entry['shape']} of {entry['dtype']}")
     return header, data_start, blob
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _check_tensors(
