@@ -14,37 +14,24 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.bench.suite import offline_throughput  # noqa: E402
+from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine import LLMEngine  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
-from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
-DIMS = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=300, max_position_embeddings=512)
-TARGETS = {"q_proj": ("self_attn", 512, 512), "k_proj": ("self_attn", 512, 512), "v_proj": ("self_attn", 512, 512), "o_proj": ("self_attn", 512, 512)}
+SHAPE = LlamaShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8)
+DIMS = SHAPE.__dict__
 
 
 def write_adapter(out: Path, rank: int, seed: int) -> Path:
     """A PEFT LoRA folder on q/k/v/o with random A and B (B non-zero)."""
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(DIMS["num_hidden_layers"]):
-        for name, (block, n_in, n_out) in TARGETS.items():
-            key = f"base_model.model.model.layers.{layer}.{block}.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.02
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), bias="none", use_dora=False, use_rslora=False, modules_to_save=None, task_type="CAUSAL_LM")
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return out
+    return build_random_adapter(out, SHAPE, rank, seed)
 
 
 def zipf_choice(rng: random.Random, n: int, alpha: float = 1.0) -> int:
@@ -54,20 +41,9 @@ def zipf_choice(rng: random.Random, n: int, alpha: float = 1.0) -> int:
 
 def run(model: Path, adapters: dict[str, Path], picks: list, prompts: list, params: SamplingParams, **cfg) -> dict:
     config = EngineConfig(model=str(model), device="cpu", max_num_seqs=32, max_num_batched_tokens=512, block_size=16, num_kv_blocks=256, **cfg)
-    engine = LLMEngine(config)
-    for name, path in adapters.items():
-        engine.register_adapter(name, str(path))
-    for i, (prompt, adapter) in enumerate(zip(prompts, picks)):
-        engine.add_request(f"r{i}", prompt, params, adapter)
-    start = time.perf_counter()
-    tokens = 0
-    while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    wall = time.perf_counter() - start
-    snap = engine.snapshot()
-    engine.close()
-    print(f"  {len(adapters)} adapters: {tokens} tokens in {wall:.2f}s", file=sys.stderr, flush=True)
-    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "steps": snap["steps"], "pool": snap["pool"]}
+    result = offline_throughput(config, adapters, list(zip(prompts, picks)), params)
+    print(f"  {len(adapters)} adapters: {result['tokens']} tokens in {result['wall_s']:.2f}s", file=sys.stderr, flush=True)
+    return result
 
 
 def main() -> None:
@@ -82,7 +58,7 @@ def main() -> None:
     results: dict = {"config": vars(args), "model": DIMS}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_tiny_model(root / "model", "llama", seed=0, **DIMS)
+        model = build_random_llama(root / "model", SHAPE)
         prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         lora_cfg = dict(max_loras=8, max_lora_rank=16, max_cpu_loras=32)

@@ -23,19 +23,18 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_throughput import DIMS, write_adapter  # noqa: E402
+from benchmarks.engine_throughput import DIMS, SHAPE, write_adapter  # noqa: E402
+from runtime.bench.suite import offline_throughput  # noqa: E402
+from runtime.bench.synthetic import build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine import LLMEngine  # noqa: E402
 from runtime.merge.merge_job import MergeOptions, run_merge  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
-from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 RANK = 16
 
@@ -43,19 +42,9 @@ RANK = 16
 def timed_run(model: Path, adapters: dict[str, Path], picks: list, prompts: list, params: SamplingParams) -> dict:
     config = EngineConfig(model=str(model), device="cpu", max_num_seqs=32, max_num_batched_tokens=512, block_size=16,
                           num_kv_blocks=256, max_loras=8, max_lora_rank=RANK, max_cpu_loras=8)  # fmt: skip
-    engine = LLMEngine(config)
-    for name, path in adapters.items():
-        engine.register_adapter(name, str(path))
-    for i, (prompt, adapter) in enumerate(zip(prompts, picks)):
-        engine.add_request(f"r{i}", prompt, params, adapter)
-    start = time.perf_counter()
-    tokens = 0
-    while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    wall = time.perf_counter() - start
-    engine.close()
-    print(f"  {model.name} adapters={len(adapters)} requests={len(prompts)}: {tokens} tokens in {wall:.2f}s", file=sys.stderr, flush=True)
-    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1)}
+    result = offline_throughput(config, adapters, list(zip(prompts, picks)), params)
+    print(f"  {model.name} adapters={len(adapters)} requests={len(prompts)}: {result['tokens']} tokens in {result['wall_s']:.2f}s", file=sys.stderr, flush=True)
+    return {k: result[k] for k in ("tokens", "wall_s", "tokens_per_s")}
 
 
 def main() -> None:
@@ -69,7 +58,7 @@ def main() -> None:
     results: dict = {"config": vars(args), "model": DIMS, "rank": RANK, "torch_threads": torch.get_num_threads(), "runner": "LLMEngine (cpu backend)"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base = build_tiny_model(root / "base", "llama", seed=0, **DIMS)
+        base = build_random_llama(root / "base", SHAPE)
         adapters = {f"a{i}": write_adapter(root / f"a{i}", RANK, i) for i in range(8)}
         merged = {}
         for n in ("a0",):

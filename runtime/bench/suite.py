@@ -104,3 +104,30 @@ async def _one_at_a_time(engine: Any, requests: Any, label: str, progress: Optio
         if progress is not None:
             progress()
     return ReplayResult(label, records, time.perf_counter() - start, snapshot=engine.snapshot())
+
+
+def offline_throughput(config: EngineConfig, adapters: dict[str, Path], jobs: list[tuple[Any, Optional[str]]], params: Any) -> dict[str, Any]:
+    """One LLMEngine run to completion with every (prompt, adapter) job submitted up front.
+
+    throughput = generated tokens / wall time of the step loop (adapter registration and
+    model load excluded).
+    """
+    import time
+
+    from runtime.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    try:
+        for name, path in adapters.items():
+            engine.register_adapter(name, str(path))
+        for i, (prompt, adapter) in enumerate(jobs):
+            engine.add_request(f"r{i}", prompt, params, adapter)
+        start = time.perf_counter()
+        tokens = 0
+        while engine.has_unfinished():
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        wall = time.perf_counter() - start
+        snap = engine.snapshot()
+    finally:
+        engine.close()
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "steps": snap["steps"], "pool": snap["pool"]}

@@ -45,7 +45,7 @@ class LlamaShape:
         }
 
 
-def write_byte_tokenizer(out_dir: Path, vocab_size: int, chat_template: str | None = None) -> dict[str, int]:
+def write_byte_tokenizer(out_dir: Path, vocab_size: int, chat_template: str | None = None, model_max_length: int | None = None) -> dict[str, int]:
     """Byte-level BPE tokenizer (no merges) + tokenizer_config.json; returns the special token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -63,6 +63,8 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int, chat_template: str | No
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True, "add_eos_token": False}
     if chat_template is not None:
         cfg["chat_template"] = chat_template
+    if model_max_length is not None:
+        cfg["model_max_length"] = model_max_length
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     return {"bos": vocab[BOS], "eos": vocab[EOS], "pad": vocab[PAD]}
 

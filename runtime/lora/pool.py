@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
