@@ -1,7 +1,8 @@
 """Adapter admin: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Only mounted with ``--enable-adapter-admin``. A path must resolve, symlinks
-included, inside one of the ``--adapter-root`` folders before anything is read.
+included, inside one of the ``--adapter-root`` folders before anything is read, and so
+must the files the loader opens in it.
 Loading an existing name is a hot update: a new immutable version; requests in
 flight finish on the version they started with.
 """
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse
 from runtime.request import UnknownAdapterError
 from runtime.server.errors import APIError
 from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
-from runtime.server.security import confine_path
+from runtime.lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
+from runtime.server.security import confine_adapter_folder
 
 
 def build_router(state: Any) -> APIRouter:
@@ -27,7 +29,7 @@ def build_router(state: Any) -> APIRouter:
         if body.lora_name == state.base_name:
             raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
         try:
-            path = confine_path(body.lora_path, state.options.adapter_roots)
+            path = confine_adapter_folder(body.lora_path, state.options.adapter_roots, (CONFIG_FILE, WEIGHTS_FILE, *PICKLE_FILES))
         except PermissionError as err:
             raise APIError(403, str(err), param="lora_path", code="path_not_allowed") from err
         try:

@@ -11,6 +11,8 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
+MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +32,7 @@ class _SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
     seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match.")
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -47,6 +49,8 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         return value
 
 

@@ -41,31 +41,34 @@ class GuardMiddleware:
             return
         received = 0
         responded = False
+        rejected = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            # Over the limit: answer 413 here and tell the app the client is gone. Raising
+            # instead would not work: FastAPI turns any error while reading the body into a 400.
+            nonlocal received, responded, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge()
+                    rejected = True
+                    if not responded:
+                        responded = True
+                        await _reply(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal responded
+            if rejected:
+                return  # the 413 already answered; whatever the app says after it is dropped
             if message["type"] == "http.response.start":
                 responded = True
             await send(message)
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not responded:
-                await _reply(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
-
-
-class _BodyTooLarge(Exception):
-    pass
+        await self.app(scope, limited_receive, tracking_send)
 
 
 async def _reply(send: Send, status: int, message: str) -> None:
@@ -91,3 +94,20 @@ def confine_path(raw: str, roots: Iterable[Path]) -> Path:
         if resolved == root or root in resolved.parents:
             return resolved
     raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")
+
+
+def confine_adapter_folder(raw: str, roots: Iterable[Path], file_names: Iterable[str]) -> Path:
+    """``confine_path`` for an adapter folder, and for the files the loader will open in it.
+
+    A folder inside the root can hold a symlink such as ``adapter_model.safetensors ->
+    /etc/secret``: confining the folder alone would let the loader read (and its error
+    messages quote parts of) a file outside the root. Files that do not exist yet pass
+    here; the loader reports them missing.
+    """
+    folder = confine_path(raw, roots)
+    for name in file_names:
+        try:
+            confine_path(str(folder / name), roots)
+        except PermissionError as err:
+            raise PermissionError(f"lora_path {raw!r}: {name} resolves outside every --adapter-root") from err
+    return folder
