@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
-from runtime.server.errors import error_body
+from runtime.server.errors import APIError, error_body
 from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -21,7 +21,10 @@ def build_router(state: Any) -> APIRouter:
         engine = state.engine
         target = gen.resolve_model(engine, state.base_name, body.model)
         messages = [m.model_dump() for m in body.messages]
-        prompt = state.tokenizer.apply_chat_template(messages)
+        try:
+            prompt = state.tokenizer.apply_chat_template(messages)
+        except ValueError as err:  # the template refused these messages (raise_exception), or a sandbox violation
+            raise APIError(400, str(err), param="messages", code="invalid_parameter") from err
         prompt_len = len(state.tokenizer.encode(prompt))
         # Default: whatever room the context has left (as vLLM does for chat).
         max_tokens = body.max_tokens or max(1, state.max_model_len - prompt_len)

@@ -132,3 +132,34 @@ def test_bounded_prompts_and_stop_lists(engine, extra: dict, param: str | None) 
     assert r.status_code == 400, r.text
     if param is not None:
         assert r.json()["error"]["param"] == param
+
+
+def test_loading_by_path_needs_an_adapter_root(engine, tiny_adapters: dict[str, Path]) -> None:
+    with TestClient(create_app(engine, ServerOptions(enable_adapter_admin=True))) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tiny_adapters["a"])})
+    assert r.status_code == 403 and "--adapter-root" in r.json()["error"]["message"]
+
+
+HOSTILE_TEMPLATE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+STRICT_TEMPLATE = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, text", [(HOSTILE_TEMPLATE, "cannot render"), (STRICT_TEMPLATE, "no system messages")])
+def test_chat_template_runs_sandboxed_and_its_refusals_are_400(template: str, text: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint's template cannot reach Python internals, and a template that refuses
+    the caller's messages (``raise_exception``) is the caller's 400, not a server error."""
+    import json
+
+    model = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    eng = AsyncLLMEngine(engine_config(model, max_model_len=64))
+    try:
+        with TestClient(create_app(eng)) as client:
+            r = client.post("/v1/chat/completions", json={"model": eng.model_name, "max_tokens": 2,
+                                                          "messages": [{"role": "system", "content": "hi"}]})
+        assert r.status_code == 400, r.text
+        assert text in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
+    finally:
+        eng.shutdown()
