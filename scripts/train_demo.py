@@ -65,13 +65,16 @@ class Phase:
     warmup: int
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+# Different ranks and target sets on purpose: the demo itself exercises mixed-rank batches.
+# upper/rot13 are per-character maps on top of echo's copy pattern, so values + MLP suffice
+# (upper at rank 4 on q/v alone plateaued at loss ~0.28 in 400 steps);
+# reverse must move attention (read input position n-1-j at output step j), so it gets q/k too.
 ADAPTERS = (
-    AdapterSpec("upper", rank=4, alpha=8, targets=("q_proj", "v_proj"), steps=500, lr=4e-3),
-    AdapterSpec("reverse", rank=16, alpha=32, targets=("q_proj", "k_proj", "v_proj", "o_proj"), steps=900, lr=3e-3),
-    AdapterSpec(
-        "rot13", rank=8, alpha=16,
-        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), steps=600, lr=4e-3,
-    ),
+    AdapterSpec("upper", rank=4, alpha=8, targets=("v_proj", "o_proj", "up_proj", "down_proj"), steps=600, lr=5e-3),
+    AdapterSpec("reverse", rank=16, alpha=32, targets=ATTENTION + MLP, steps=900, lr=3e-3),
+    AdapterSpec("rot13", rank=8, alpha=16, targets=("v_proj", "o_proj") + MLP, steps=500, lr=4e-3),
 )
 
 
@@ -97,6 +100,13 @@ def save_tokenizer(tok, out: Path) -> None:
         model_max_length=128, clean_up_tokenization_spaces=False,
     )
     fast.save_pretrained(out)
+    # transformers 5 writes its own class name; the portable name loads in 4.x and 5.x alike.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("backend", None)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["add_bos_token"] = False  # tokenizer.json's post-processor already prepends <bos>
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def build_base(shape: BaseShape, vocab_size: int, tok):
@@ -174,7 +184,11 @@ def accuracy(model, tok, task: str, texts: list[str]) -> float:
 
 
 def fix_adapter_config(folder: Path) -> None:
-    """Replace the base model path PEFT recorded (a local object/path) with a descriptive name."""
+    """Replace the base model path PEFT recorded (a local path) with a descriptive name.
+
+    PEFT's auto-generated model card (README.md) repeats that path and says nothing else, so it goes.
+    """
+    (folder / "README.md").unlink(missing_ok=True)
     path = folder / "adapter_config.json"
     cfg = json.loads(path.read_text())
     cfg["base_model_name_or_path"] = BASE_NAME
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = build_tokenizer()
     shape = BaseShape()
-    base_phase = Phase(steps=args.base_steps or (60 if args.quick else 1500), lr=3e-3, batch=48, warmup=60)
+    base_phase = Phase(steps=args.base_steps or (60 if args.quick else 800), lr=3e-3, batch=48, warmup=60)
     scale = args.adapter_steps_scale * (0.08 if args.quick else 1.0)
     specs = [s for s in ADAPTERS if args.only is None or s.task in args.only]
     log_every = 10 if args.quick else 50
@@ -229,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for p in model.parameters():
         p.requires_grad_(False)
-    for n, spec in enumerate(specs):
+    for spec in specs:
+        n = ADAPTERS.index(spec)  # seeds depend on the adapter, not on which subset --only picked
         start = time.time()
         torch.manual_seed(args.seed + 100 + n)
         config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
