@@ -4,6 +4,7 @@
 Every held-out string (5-20 characters, drawn with a seed training never uses) is sent
 once per task, all tasks mixed in the same batches, with greedy decoding. A row is correct
 when its continuation, whitespace-trimmed, equals the task's transformation of the input.
+Exit status 1 when any task is below the 90% target.
 
     python scripts/eval_demo.py                      # transformers + PEFT (independent reference)
     python scripts/eval_demo.py --engine lorafleet   # runtime.llm.LLM, one mixed batch
