@@ -11,6 +11,7 @@ from typing import Any
 from runtime.config import ConfigError
 
 log = logging.getLogger("lorafleet.serve")
+DEMO_MODEL_NAME = "lorafleet-demo"
 GRACEFUL_SHUTDOWN_S = 30  # uvicorn: how long in-flight requests may run on after SIGTERM
 ENGINE_SHUTDOWN_S = 5.0  # then the engine fails whatever is still in flight
 
@@ -75,6 +76,8 @@ def load_settings(args: argparse.Namespace) -> Any:
         given = {m.name for m in settings.lora_modules}
         extra = tuple(LoRAModule(n, p) for n, p in demo_adapters.items() if n not in given)
         settings = dataclasses.replace(settings, lora_modules=extra + settings.lora_modules)
+        if settings.server.served_model_name is None:  # the demo checkpoint's folder is just "base"
+            settings = dataclasses.replace(settings, server=dataclasses.replace(settings.server, served_model_name=DEMO_MODEL_NAME))
     return settings
 
 
