@@ -29,6 +29,7 @@ def test_load_32_clients_nothing_lost(tiny_llama_dir: Path, tiny_adapters: dict[
     assert report.count("ok") >= CLIENTS  # every client finished at least one request
     assert report.failures == []
     assert report.mismatched == [], report.mismatched[:5]
+    assert report.server_finished == len(report.outcomes)  # the server's books agree: nothing lost or doubled
     assert 0 < report.streamed < len(report.outcomes)
     assert report.stop_fired > 0  # stop strings really ended some outputs
     assert is_idle(report.idle_after), report.idle_after
