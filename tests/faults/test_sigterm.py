@@ -31,19 +31,22 @@ def refused(url: str) -> bool:
 @pytest.mark.parametrize("forced", [False, True], ids=["drain", "drain-cut-short"])
 def test_sigterm_during_load(forced: bool, tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
     adapters = {n: tiny_adapters[n] for n in ("a", "b")}
-    flags = ["--max-num-seqs", "32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "192"]
+    # 4 running at a time and 200 tokens each: the 12 requests take several seconds even
+    # on an idle machine, so the signal always finds some running and some waiting.
+    flags = ["--max-num-seqs", "4", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "256"]
     with ServeProcess(tiny_llama_dir, adapters, tmp_path / "serve.log", flags) as server:
         base = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         models = [base, "a", "b"]
-        jobs = [Job("chat" if i % 4 == 3 else "completion", models[i % 3], f"request {i} before shutdown", 100, i % 2 == 0, ignore_eos=True)
+        jobs = [Job("chat" if i % 4 == 3 else "completion", models[i % 3], f"request {i} before shutdown", 200, i % 2 == 0, ignore_eos=True)
                 for i in range(IN_FLIGHT)]
 
         async def scenario() -> list:
             async with make_client(server.url, IN_FLIGHT + 2) as client:
                 tasks = [asyncio.create_task(send(client, job, i, REQUEST_TIMEOUT_S)) for i, job in enumerate(jobs)]
                 deadline = time.monotonic() + 30
-                while (await asyncio.to_thread(metrics_gauges, server.url))["lorafleet_requests_running"] < 1:
-                    assert time.monotonic() < deadline, "no request started running"
+                while (await asyncio.to_thread(metrics_gauges, server.url))["lorafleet_requests_waiting"] < 1:
+                    done = [t.result() for t in tasks if t.done()]
+                    assert time.monotonic() < deadline and not done, f"no request waiting; finished: {done[:3]}"
                     await asyncio.sleep(0.05)
                 server.terminate()
                 if forced:
