@@ -204,17 +204,30 @@ def test_emulated_310p_prefill_falls_back_where_n_is_not_a_multiple_of_16():
     assert backend.fallbacks.counts == {"prefill:n-multiple-16": 1}
 
 
-def test_emulated_split_decode_calls_take_the_torch_path():
+def test_emulated_apply_lora_reaches_the_fused_op_and_split_calls_take_the_torch_path():
+    """runtime apply_lora hands x and y to the backend's fused apply (npu_batch_gather_matmul);
+    separate shrink/expand calls cannot use the fused op and take the declared torch path."""
     gen = torch.Generator().manual_seed(6)
-    backend, ops = emulated_backend()
     weights = make_weights(DIMS, RANKS, torch.float16, "cpu", gen)
     slots = [0, 2, -1, 5, 3]
     x = torch.randn(5, 32, generator=gen).half()
     y0 = torch.randn(5, 96, generator=gen).half()
     meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    want = expected_float64(x, y0, weights, slots, [0, 32, 48])
+
+    backend, ops = emulated_backend()
     y = y0.clone()
     apply_lora(backend.lora, x, y, weights, meta, [0, 32, 48], torch.randn(3, 5, 32, generator=gen))
-    assert_close(y, y, expected_float64(x, y0, weights, slots, [0, 32, 48]), torch.float16)
+    assert_close(y, y, want, torch.float16)
+    assert ops.calls["npu_batch_gather_matmul"] > 0
+    assert "decode:split-call" not in backend.fallbacks.counts
+
+    backend, ops = emulated_backend()
+    y = y0.clone()
+    h = torch.randn(3, 5, 32, generator=gen)
+    backend.lora.shrink(x, weights, meta, h)
+    backend.lora.expand(h, weights, meta, y, [0, 32, 48])
+    assert_close(y, y, want, torch.float16)
     assert sum(ops.calls.values()) == 0
     assert backend.fallbacks.counts == {"decode:split-call": 2}
 

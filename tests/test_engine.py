@@ -258,12 +258,19 @@ def test_async_engine_streams_matches_sync_and_cancel_aborts(tiny_llama_dir, tin
         pieces = [o async for o in engine.generate("s", [3, 1, 4, 1, 5], GREEDY, "a")]
         long = SamplingParams(max_tokens=40, ignore_eos=True)
 
+        started = asyncio.Event()
+
         async def consume():
-            async for _ in engine.generate("cancelled", [1, 2, 3], long, None):
-                pass
+            stream = engine.generate("cancelled", [1, 2, 3], long, None)
+            try:
+                async for _ in stream:
+                    started.set()
+                    await asyncio.sleep(3600)  # a slow consumer: cancelled while the request is live
+            finally:
+                await stream.aclose()  # what a cancelled HTTP handler does; it must abort the request
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
