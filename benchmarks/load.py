@@ -28,14 +28,13 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import httpx
 
