@@ -116,7 +116,6 @@ def test_stream_disconnect_frees_everything(live, engine) -> None:
         with h.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert next(l for l in lines if l).startswith("data: ")
-            assert engine.snapshot()["running"] >= 1
         # leaving the block closes the connection mid-stream
     assert wait_until(lambda: idle(engine), timeout_s=15), engine.snapshot()
 
