@@ -13,8 +13,8 @@ of slice i's flat buffers. Two equivalent schedules are provided:
 
 Both accumulate in float32 and cast the result to ``y``'s dtype once.
 
-Attention: write the new K/V into the paged cache, gather each sequence's blocks,
-and run causal ``scaled_dot_product_attention`` (GQA by repeating kv heads).
+Attention: write the new K/V into the paged cache, gather the blocks, and run causal
+``scaled_dot_product_attention`` (GQA by repeating kv heads); decode rows in one batch.
 """
 from __future__ import annotations
 
@@ -204,31 +204,64 @@ def _check_expand(h: Tensor, weights: Sequence[LoRASliceWeights], y: Tensor, sli
 
 
 class ReferenceAttention:
-    """Paged attention by gathering each sequence's blocks and calling SDPA."""
+    """Paged attention: gather each sequence's KV blocks, then causal SDPA.
+
+    Decode rows (one new token per sequence) are batched: their blocks are gathered
+    into one padded ``[B, Hkv, L, D]`` tensor and a single SDPA call masks every row to
+    its own context length. Sequences with several new tokens (prefill chunks) run one
+    SDPA each, with the causal mask offset by the tokens already cached:
+    row i of a q_len-token chunk sees keys ``0 .. ctx - q_len + i``.
+    """
 
     def paged_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMeta, scale: float) -> Tensor:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         out = torch.empty_like(q)
-        hq, hkv = q.shape[1], k.shape[1]
-        bs = meta.block_size
         qs = meta.host_query_starts
-        for b, ctx in enumerate(meta.host_context_lens):
-            table = meta.host_block_tables[b]
-            n_blocks = (ctx + bs - 1) // bs
-            idx = (torch.tensor(table[:n_blocks], device=q.device)[:, None] * bs + torch.arange(bs, device=q.device)).flatten()[:ctx]
-            keys = kv_cache[0].index_select(0, idx).transpose(0, 1)  # [Hkv, ctx, D]
-            vals = kv_cache[1].index_select(0, idx).transpose(0, 1)
-            if hq != hkv:
-                keys = keys.repeat_interleave(hq // hkv, dim=0)
-                vals = vals.repeat_interleave(hq // hkv, dim=0)
-            qb = q[qs[b] : qs[b + 1]].transpose(0, 1)  # [Hq, q_len, D]
-            q_len = qb.shape[1]
-            pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q  # [q_len, ctx]
-            ob = F.scaled_dot_product_attention(qb, keys.to(qb.dtype), vals.to(qb.dtype), attn_mask=mask, scale=scale)
-            out[qs[b] : qs[b + 1]] = ob.transpose(0, 1)
+        decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
+        if decodes:
+            self._decode_batch(q, kv_cache, meta, decodes, scale, out)
+        for b in range(meta.num_seqs):
+            if qs[b + 1] - qs[b] > 1:
+                self._one_sequence(q, kv_cache, meta, b, scale, out)
         return out
+
+    @staticmethod
+    def _gqa(x: Tensor, groups: int, dim: int) -> Tensor:
+        return x.repeat_interleave(groups, dim=dim) if groups > 1 else x
+
+    def _decode_batch(self, q: Tensor, kv_cache: Tensor, meta: AttentionMeta, seqs: list[int], scale: float, out: Tensor) -> None:
+        device, bs = q.device, meta.block_size
+        ctx = [meta.host_context_lens[b] for b in seqs]
+        width = max(ctx)
+        n_blocks = (width + bs - 1) // bs
+        sel = torch.tensor(seqs, device=device)
+        tables = meta.block_tables.index_select(0, sel)[:, :n_blocks].long()
+        idx = (tables[:, :, None] * bs + torch.arange(bs, device=device)).reshape(len(seqs), -1)[:, :width]  # [B, L]
+        groups = q.shape[1] // kv_cache.shape[2]
+        keys = self._gqa(kv_cache[0][idx].transpose(1, 2), groups, 1).to(q.dtype)  # [B, Hq, L, D]
+        vals = self._gqa(kv_cache[1][idx].transpose(1, 2), groups, 1).to(q.dtype)
+        lens = torch.tensor(ctx, device=device)
+        mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        rows = torch.tensor([meta.host_query_starts[b] for b in seqs], device=device)
+        qb = q.index_select(0, rows)[:, :, None, :]  # [B, Hq, 1, D]
+        ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
+        out.index_copy_(0, rows, ob[:, :, 0, :])
+
+    def _one_sequence(self, q: Tensor, kv_cache: Tensor, meta: AttentionMeta, b: int, scale: float, out: Tensor) -> None:
+        device, bs = q.device, meta.block_size
+        ctx = meta.host_context_lens[b]
+        lo, hi = meta.host_query_starts[b], meta.host_query_starts[b + 1]
+        n_blocks = (ctx + bs - 1) // bs
+        table = torch.tensor(meta.host_block_tables[b][:n_blocks], device=device)
+        idx = (table[:, None] * bs + torch.arange(bs, device=device)).flatten()[:ctx]
+        groups = q.shape[1] // kv_cache.shape[2]
+        keys = self._gqa(kv_cache[0].index_select(0, idx).transpose(0, 1), groups, 0).to(q.dtype)  # [Hq, ctx, D]
+        vals = self._gqa(kv_cache[1].index_select(0, idx).transpose(0, 1), groups, 0).to(q.dtype)
+        qb = q[lo:hi].transpose(0, 1)  # [Hq, q_len, D]
+        pos_q = torch.arange(ctx - (hi - lo), ctx, device=device)[:, None]
+        mask = torch.arange(ctx, device=device)[None, :] <= pos_q  # [q_len, ctx]
+        out[lo:hi] = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale).transpose(0, 1)
 
 
 class ReferenceBackend:
