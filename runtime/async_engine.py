@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Optional, Sequence
 
 from runtime.config import EngineConfig
@@ -79,16 +80,44 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop failed or was shut down; no new requests are accepted."""
 
 
+def _single_threaded_torch() -> None:
+    """Thread initializer: torch ops in this helper thread run on one core.
+
+    With OpenMP, every thread that runs a parallel torch op gets its own team of
+    worker threads. A second team (from a helper thread reading adapter files) makes
+    OpenMP throttle its spin-waits, and the step thread's many small ops then pay a
+    futex wake-up each: measured ~2x slower multi-LoRA steps on 2 cores. Helpers stay
+    single-threaded so the step thread owns the only team.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+
+
 class AsyncLLMEngine:
+    """See the module docstring. The LLMEngine is built *in* the step thread, so the
+    model's torch work (load and steps) runs on one OpenMP thread team."""
+
     def __init__(self, config: EngineConfig, backend: Any = None, engine: Optional[LLMEngine] = None) -> None:
-        self.engine = engine if engine is not None else LLMEngine(config, backend)
+        import torch
+
+        self._torch_threads = torch.get_num_threads()
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-files", initializer=_single_threaded_torch)
+        self._built: "Future[LLMEngine]" = Future()
         self._lock = _FairLock()
         self._wake = threading.Condition(self._lock)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
+        self.engine: LLMEngine  # assigned by the step thread once built
+        self._thread = threading.Thread(target=self._run, args=(config, backend, engine), name="lorafleet-engine-step", daemon=True)
+        self._thread.start()
+        try:
+            self._built.result()  # waits for the step thread to build the engine; re-raises its error
+        except BaseException:
+            self._files.shutdown(wait=False)
+            raise
 
     # ---- passthroughs -----------------------------------------------------------------------
     @property
@@ -109,10 +138,8 @@ class AsyncLLMEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="lorafleet-engine-step", daemon=True)
-        self._thread.start()
+        """The step thread starts with the engine; kept for callers that start explicitly."""
+        return None
 
     @property
     def running(self) -> bool:
@@ -135,6 +162,7 @@ class AsyncLLMEngine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, timeout))
+        self._files.shutdown(wait=True)
         self.engine.close()
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
@@ -158,8 +186,6 @@ class AsyncLLMEngine:
             self.engine.add_request(request_id, prompt, params, adapter)
             self._queues[request_id] = (loop, queue)
             self._wake.notify_all()
-        if not self.running:
-            self.start()
         finished = False
         try:
             while not finished:
@@ -179,8 +205,9 @@ class AsyncLLMEngine:
             return found
 
     def register_adapter(self, name: str, path: str) -> AdapterRef:
-        # Reading and validating the files happens outside the lock, so steps keep running.
-        adapter = self.engine.load_adapter_files(name, path)
+        # Reading and validating the files happens outside the lock (steps keep running), in a
+        # single-threaded helper (see _single_threaded_torch).
+        adapter = self._files.submit(self.engine.load_adapter_files, name, path).result()
         with self._lock:
             return self.engine.install_adapter(adapter, str(path))
 
@@ -205,7 +232,17 @@ class AsyncLLMEngine:
             self.engine.add_observer(callback)
 
     # ---- the step thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig, backend: Any, engine: Optional[LLMEngine]) -> None:
+        import torch
+
+        torch.set_num_threads(self._torch_threads)  # the creator's count, whatever helpers set
+        try:
+            built = engine if engine is not None else LLMEngine(config, backend)
+        except BaseException as err:  # handed to the constructor, which re-raises it
+            self._built.set_exception(err)
+            return
+        self.engine = built  # set before anyone waits on _built, so the loop below can use it
+        self._built.set_result(built)
         while True:
             with self._lock:
                 while not self._stopping and not self.engine.has_unfinished():

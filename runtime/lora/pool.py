@@ -49,6 +49,12 @@ class DeviceWriter(Protocol):
 Loader = Callable[[AdapterRef], Any]  # returns a LoRAAdapter with .max_rank; raises ValueError on bad input
 
 
+def _single_threaded_torch() -> None:
+    """Load-thread initializer: keep the engine's step thread the only OpenMP team (see
+    runtime/async_engine.py: a second team makes every small op in the step slower)."""
+    torch.set_num_threads(1)
+
+
 @dataclass
 class AdapterCounters:
     """Per-adapter-name pool counters (summed over versions)."""
@@ -145,7 +151,9 @@ class AdapterPool:
         self.row_bytes = row_bytes
         self._fence = CopyFence(torch.device(device))
         self._executor: Optional[ThreadPoolExecutor] = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-load") if async_loads else None
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-load", initializer=_single_threaded_torch)
+            if async_loads
+            else None
         )
         self._host: "OrderedDict[AdapterRef, Any]" = OrderedDict()  # LRU: oldest first
         self._loading: dict[AdapterRef, _Load] = {}
