@@ -24,6 +24,8 @@ def throughput_vs_adapters(points: Sequence[tuple[int, float]], baseline: float 
     if baseline is not None:
         ax.axhline(baseline, ls="--", color="gray", label="no adapters")
     ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(list(xs), [str(x) for x in xs])
     ax.set_xlabel("adapters in the workload")
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput vs number of adapters")
