@@ -82,6 +82,18 @@ class Timer:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
+    def paired(self, fns: Sequence[Callable[[], object]], rounds: int = 5) -> list[float]:
+        """Median time of each fn, measured in alternating rounds (A B C, A B C, ...).
+
+        On a shared machine the load drifts; interleaving exposes every fn to the same
+        drift, so their ratio is meaningful even when absolute times are not.
+        """
+        per_fn: list[list[float]] = [[] for _ in fns]
+        for _ in range(rounds):
+            for i, fn in enumerate(fns):
+                per_fn[i].append(self(fn))
+        return [statistics.median(v) for v in per_fn]
+
     def _cuda(self, fn: Callable[[], object]) -> float:
         inner = 10  # launches per event pair, so event resolution does not dominate
         samples = []
@@ -310,11 +322,10 @@ def bench_tax(backend, dtype: torch.dtype, timer: Timer, shape: StackShape, rank
     stack = LayerStack(shape, [rank] * adapters, dtype, device)
     slots = list(scattered(rows, adapters, 3))
     x = torch.randn(rows, shape.hidden, device=device).to(dtype)
-    base = timer(lambda: stack.step(x, backend.lora, None))
     result = []
     for decode_only in (True, False):
         meta = LoRABatchMeta.build(slots, device, decode_only=decode_only)
-        lora = timer(lambda: stack.step(x, backend.lora, meta))
+        base, lora = timer.paired([lambda: stack.step(x, backend.lora, None), lambda: stack.step(x, backend.lora, meta)])
         result.append({"shape": asdict(shape), "rank": rank, "rows": rows, "adapters": adapters,
                        "path": "per_token" if decode_only else "segment", "base_s": base, "lora_s": lora, "tax": lora / base - 1.0})
     return result
@@ -364,8 +375,7 @@ def whole_model_tax(backend, timer: Timer, dims: dict = LLAMA_1B, dtype: str = "
         return [SeqStep([7], context - 1, list(range(i * 8, i * 8 + 8)), slots[i] if with_lora else -1, True) for i in range(rows)]
 
     lora_steps, base_steps = steps(True), steps(False)
-    base = timer(lambda: runner.execute(base_steps))
-    lora = timer(lambda: runner.execute(lora_steps))
+    base, lora = timer.paired([lambda: runner.execute(base_steps), lambda: runner.execute(lora_steps)], rounds=3)
     return {"model": dims, "adapters": adapters, "rank": rank, "rows": rows, "context": context,
             "base_s": base, "lora_s": lora, "tax": lora / base - 1.0}
 
