@@ -82,9 +82,7 @@ def bgmv_expand(
     h: [>= n_slices, T, >= max rank] float32; y: [T, total_out] in the weights' dtype;
     slice_offsets: first column of each slice in y; table: built with these offsets.
     """
-    if table is None:
-        table = SliceTable.build(weights, slice_offsets, op="bgmv_expand")
-    table.check("bgmv_expand", weights, slice_offsets)
+    table = SliceTable.for_call("bgmv_expand", weights, slice_offsets, table)
     max_rank = max(w.max_rank for w in weights)
     check_expand(h, table, meta, y, max_rank, op="bgmv_expand")
     if y.shape[0] == 0 or max_rank == 0:

@@ -74,9 +74,7 @@ def bgmv_shrink(
     table: the slices' pointer table (built with zero offsets; built here if None).
     """
     zeros = [0] * len(weights)
-    if table is None:
-        table = SliceTable.build(weights, zeros, op="bgmv_shrink")
-    table.check("bgmv_shrink", weights, zeros)
+    table = SliceTable.for_call("bgmv_shrink", weights, zeros, table)
     max_rank = max(w.max_rank for w in weights)
     check_shrink(x, table, meta, out, max_rank, op="bgmv_shrink")
     if x.shape[0] == 0 or max_rank == 0:

@@ -83,9 +83,7 @@ def sgmv_shrink(
     table: the slices' pointer table (built with zero offsets; built here if None).
     """
     zeros = [0] * len(weights)
-    if table is None:
-        table = SliceTable.build(weights, zeros, op="sgmv_shrink")
-    table.check("sgmv_shrink", weights, zeros)
+    table = SliceTable.for_call("sgmv_shrink", weights, zeros, table)
     max_rank = max(w.max_rank for w in weights)
     check_shrink(x, table, meta, out, max_rank, op="sgmv_shrink")
     if meta.num_segments == 0 or max_rank == 0:

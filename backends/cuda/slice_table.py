@@ -81,6 +81,14 @@ class SliceTable:
             max_slots=min(w.max_slots for w in weights),
         )
 
+    @classmethod
+    def for_call(cls, op: str, weights: Sequence[LoRASliceWeights], slice_offsets: Sequence[int], table: "SliceTable | None") -> "SliceTable":
+        """The table a launcher uses: the caller's (checked against these weights), or a new one."""
+        if table is None:
+            table = cls.build(weights, slice_offsets, op=op)
+        table.check(op, weights, slice_offsets)
+        return table
+
     def is_current(self, weights: Sequence[LoRASliceWeights]) -> bool:
         return self.addresses == _addresses(weights)
 
