@@ -24,6 +24,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.lora.registry import AdapterInfo
 from runtime.request import AdapterRef, RequestOutput, SamplingParams
+from runtime.torch_threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +81,6 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop failed or was shut down; no new requests are accepted."""
 
 
-def _single_threaded_torch() -> None:
-    """Thread initializer: torch ops in this helper thread run on one core.
-
-    With OpenMP, every thread that runs a parallel torch op gets its own team of
-    worker threads. A second team (from a helper thread reading adapter files) makes
-    OpenMP throttle its spin-waits, and the step thread's many small ops then pay a
-    futex wake-up each: measured ~2x slower multi-LoRA steps on 2 cores. Helpers stay
-    single-threaded so the step thread owns the only team.
-    """
-    import torch
-
-    torch.set_num_threads(1)
-
-
 class AsyncLLMEngine:
     """See the module docstring. The LLMEngine is built *in* the step thread, so the
     model's torch work (load and steps) runs on one OpenMP thread team."""
@@ -102,7 +89,7 @@ class AsyncLLMEngine:
         import torch
 
         self._torch_threads = torch.get_num_threads()
-        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-files", initializer=_single_threaded_torch)
+        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-files", initializer=single_threaded_torch)
         self._built: "Future[LLMEngine]" = Future()
         self._lock = _FairLock()
         self._wake = threading.Condition(self._lock)
@@ -206,7 +193,7 @@ class AsyncLLMEngine:
 
     def register_adapter(self, name: str, path: str) -> AdapterRef:
         # Reading and validating the files happens outside the lock (steps keep running), in a
-        # single-threaded helper (see _single_threaded_torch).
+        # single-threaded helper (see runtime/torch_threads.py).
         adapter = self._files.submit(self.engine.load_adapter_files, name, path).result()
         with self._lock:
             return self.engine.install_adapter(adapter, str(path))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from runtime.request import AdapterRef
+from runtime.torch_threads import single_threaded_torch
 
 
 class DeviceWriter(Protocol):
@@ -47,12 +48,6 @@ class DeviceWriter(Protocol):
 
 
 Loader = Callable[[AdapterRef], Any]  # returns a LoRAAdapter with .max_rank; raises ValueError on bad input
-
-
-def _single_threaded_torch() -> None:
-    """Load-thread initializer: keep the engine's step thread the only OpenMP team (see
-    runtime/async_engine.py: a second team makes every small op in the step slower)."""
-    torch.set_num_threads(1)
 
 
 @dataclass
@@ -151,7 +146,7 @@ class AdapterPool:
         self.row_bytes = row_bytes
         self._fence = CopyFence(torch.device(device))
         self._executor: Optional[ThreadPoolExecutor] = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-load", initializer=_single_threaded_torch)
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-load", initializer=single_threaded_torch)
             if async_loads
             else None
         )
