@@ -9,12 +9,15 @@ where ``A_{i,s} = a_rows[start : start + r]`` and ``B_{i,s}^T = b_rows[start : s
 of slice i's flat buffers. Two equivalent schedules are provided:
 
 - segment (SGMV, prefill): one matmul per (slice, segment of rows sharing a slot);
+  when the segments are row ranges (``meta.first_row``), in place on them;
 - per-token (BGMV, decode): gather each row's rank-padded weights and ``bmm``.
 
 Both accumulate in float32 and cast the result to ``y``'s dtype once.
 
 Attention: write the new K/V into the paged cache, gather the blocks, and run causal
-``scaled_dot_product_attention`` (GQA by repeating kv heads); decode rows in one batch.
+``scaled_dot_product_attention``; decode rows in one batch, with each kv head's query
+heads as query rows (no K/V repeat), prefill chunks one sequence at a time (GQA by
+repeating kv heads).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
-from runtime.lora.slice_weights import LoRASliceWeights
+from runtime.lora.slice_weights import LoRASliceWeights, interleaved_a, shared_block
 
 
 def _segment_rows(meta: LoRABatchMeta) -> list[tuple[int, Tensor]]:
@@ -144,6 +147,53 @@ def apply_segment_sorted(
             cols.index_copy_(0, order, (cols.index_select(0, order).float() + delta).to(y.dtype))
 
 
+def apply_row_ranges(
+    x: Tensor, y: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, slice_offsets: Sequence[int]
+) -> None:
+    """Shrink + expand in place when every segment is a row range (``meta.first_row`` set).
+
+    For segment k with slot s, rows ``lo .. hi`` of the step, and every slice i:
+
+        y[lo:hi, o_i : o_i + n_i] += scale_{i,s} * (x[lo:hi] @ A_{i,s}^T) @ B_{i,s}^T
+
+    No row gather, no delta buffer, no scatter: per segment one shrink matmul per slice,
+    or one for all slices when their A rows are interleaved (``interleaved_a``), then
+    one expand per slice. float32 expands with an in-place ``addmm_``; other dtypes
+    compute in float32 and round into ``y`` once, like the other schedules.
+    """
+    first = meta.first_row
+    if first is None:
+        raise ValueError("apply_row_ranges: the rows with an adapter are not one run in slot order (meta.first_row is None)")
+    starts = meta.host_seg_starts
+    in_fp32 = x.dtype == y.dtype == torch.float32
+    group = interleaved_a(weights)
+    for k, slot in enumerate(meta.host_seg_slots):
+        lo, hi = first + starts[k], first + starts[k + 1]
+        xs = x[lo:hi] if in_fp32 else x[lo:hi].float()
+        block = shared_block(weights, slot) if group is not None else None
+        if block is not None:  # one shrink for every slice: h_t[j, i, t] = A_i[j] @ x[t]
+            start, rank = block
+            a = group[start : start + rank].reshape(rank * len(weights), -1)
+            # A @ x^T rather than x @ A^T: slice i's h is then h_t[:r, i, :].t(), a view that
+            # matmul takes as a transposed operand; the other way round it is a strided copy.
+            h_t = ((a if in_fp32 else a.float()) @ xs.t()).view(rank, len(weights), hi - lo)
+        for i, w in enumerate(weights):
+            r, start = w.host_rank[slot], w.host_start[slot]
+            if r == 0:
+                continue
+            if block is not None:
+                h = h_t[:r, i, :].t()
+            else:
+                a = w.a_rows[start : start + r]
+                h = xs @ (a if in_fp32 else a.float()).t()
+            b = w.b_rows[start : start + r]
+            cols = y[lo:hi, slice_offsets[i] : slice_offsets[i] + w.out_features]
+            if in_fp32:
+                cols.addmm_(h, b, alpha=w.host_scale[slot])
+            else:
+                cols.copy_(torch.addmm(cols.float(), h, b.float(), alpha=w.host_scale[slot]))
+
+
 class ReferenceLoRAOps:
     """The CPU backend's ops: the segment schedule for every step, decode included.
 
@@ -151,22 +201,32 @@ class ReferenceLoRAOps:
     copies a rank-padded weight set per row and runs about 10x slower than one matmul
     per segment, so the CPU backend never uses it. The per-token functions above stay
     as the definition the BGMV kernels (cuda, npu) are tested against. The model path
-    goes through ``apply`` (``apply_segment_sorted``), which fuses shrink and expand.
+    goes through ``apply``, which fuses shrink and expand (``apply_row_ranges`` for the
+    engine's adapter-ordered steps).
     """
+
+    # Fused projections get their A rows interleaved (``LoRASliceWeights.allocate_interleaved``):
+    # one shrink matmul per segment then serves q/k/v (or gate/up) together.
+    interleaved_a = True
 
     def apply(
         self, x: Tensor, y: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, slice_offsets: Sequence[int], workspace: Tensor
     ) -> None:
         """``y += LoRA(x)`` in one call (``apply_lora`` prefers this).
 
-        Decode steps (few rows, many segments) use the fused sorted-row path, measured
-        ~15% faster on CPU; prefill steps (long segments) keep shrink + expand through
-        ``workspace``, since gathering and scattering whole prefill chunks measured ~2x slower.
+        When the rows come grouped by adapter (``meta.first_row`` set: every engine step,
+        since the model runner orders sequences by slot), segments are row ranges and
+        ``apply_row_ranges`` works on them in place. Otherwise decode steps (few rows,
+        many segments) use the fused sorted-row path, measured ~15% faster on CPU than
+        shrink + expand through ``workspace``, which prefill steps keep, since gathering
+        and scattering whole prefill chunks measured ~2x slower.
         """
         h = workspace[: len(weights), : x.shape[0]]
         _check_shapes(x, weights, h)
         _check_expand(h, weights, y, slice_offsets)
-        if meta.decode_only:
+        if meta.first_row is not None:
+            apply_row_ranges(x, y, weights, meta, slice_offsets)
+        elif meta.decode_only:
             apply_segment_sorted(x, y, weights, meta, slice_offsets)
         else:
             shrink_segment(x, weights, meta, h)
@@ -238,15 +298,18 @@ class ReferenceAttention:
         sel = torch.tensor(seqs, device=device)
         tables = meta.block_tables.index_select(0, sel)[:, :n_blocks].long()
         idx = (tables[:, :, None] * bs + torch.arange(bs, device=device)).reshape(len(seqs), -1)[:, :width]  # [B, L]
-        groups = q.shape[1] // kv_cache.shape[2]
-        keys = self._gqa(kv_cache[0][idx].transpose(1, 2), groups, 1).to(q.dtype)  # [B, Hq, L, D]
-        vals = self._gqa(kv_cache[1][idx].transpose(1, 2), groups, 1).to(q.dtype)
+        hkv, d = kv_cache.shape[2], q.shape[2]
+        groups = q.shape[1] // hkv
+        keys = kv_cache[0][idx].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        vals = kv_cache[1][idx].transpose(1, 2).to(q.dtype)
         lens = torch.tensor(ctx, device=device)
         mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         rows = torch.tensor([meta.host_query_starts[b] for b in seqs], device=device)
-        qb = q.index_select(0, rows)[:, :, None, :]  # [B, Hq, 1, D]
-        ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
-        out.index_copy_(0, rows, ob[:, :, 0, :])
+        # GQA without repeating K/V: one query token per sequence, so the `groups` query
+        # heads that share kv head h are `groups` query rows against that head's keys.
+        qb = q.index_select(0, rows).view(len(seqs), hkv, groups, d)  # [B, Hkv, G, D]
+        ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
+        out.index_copy_(0, rows, ob.reshape(len(seqs), hkv * groups, d))
 
     def _one_sequence(self, q: Tensor, kv_cache: Tensor, meta: AttentionMeta, b: int, scale: float, out: Tensor) -> None:
         device, bs = q.device, meta.block_size

@@ -9,7 +9,8 @@ Cases (side by side, one run):
   rows of each adapter scattered through the batch, q/k/v-like slices (hidden -> hidden,
   hidden/4, hidden/4) in one op; hidden 1024 on cpu, 4096 on cuda/npu.
 - ``decode32`` (cuda/npu): the same with 32 distinct adapters.
-- ``prefill``: 4 sequences of 128 tokens (cpu) / 8 of 256 (gpu), 4 adapters, segment path.
+- ``prefill``: 4 sequences of 128 tokens (cpu) / 8 of 256 (gpu), 4 adapters, passed in an
+  order that is not the slot order, so ``segment`` (as passed) and ``engine order`` differ.
 
 Each case times three implementations of ``y += LoRA(x)`` (shrink then expand, all slices):
 
@@ -94,6 +95,30 @@ class Timer:
                 per_fn[i].append(self(fn))
         return [statistics.median(v) for v in per_fn]
 
+    def tax(self, base_fn: Callable[[], object], lora_fn: Callable[[], object], pairs: int = 41) -> tuple[float, float, float]:
+        """(base seconds, LoRA seconds, LoRA time / base time - 1).
+
+        On host-timed devices the two run back to back, ``pairs`` times, alternating
+        which goes first, and the tax is the median of the per-pair ratios: on a noisy
+        shared machine, neighbouring calls see the same load, whole rounds do not. CUDA
+        times each with events in alternating rounds (``paired``)."""
+        if self.device.type == "cuda":
+            base, lora = self.paired([base_fn, lora_fn], rounds=3)
+            return base, lora, lora / base - 1.0
+        for _ in range(self.warmup):
+            base_fn()
+            lora_fn()
+        base_t, lora_t = [], []
+        for i in range(pairs):
+            for fn, samples in ((base_fn, base_t), (lora_fn, lora_t))[:: 1 if i % 2 == 0 else -1]:
+                self._sync()
+                start = time.perf_counter()
+                fn()
+                self._sync()
+                samples.append(time.perf_counter() - start)
+        ratio = statistics.median(lo / ba for ba, lo in zip(base_t, lora_t))
+        return statistics.median(base_t), statistics.median(lora_t), ratio - 1.0
+
     def _cuda(self, fn: Callable[[], object]) -> float:
         inner = 10  # launches per event pair, so event resolution does not dominate
         samples = []
@@ -148,16 +173,22 @@ def cases(device: str) -> list[Case]:
         result.append(Case("decode32", hidden, outs, 1, scattered(64, 32, 1), tuple(ranks8[i % 8] for i in range(32))))
         result.append(Case("prefill", hidden, outs, 256, (0, 1, 2, 3, 0, 1, 2, 3), (8, 16, 32, 64)))
     else:
-        result.append(Case("prefill", hidden, outs, 128, (0, 1, 2, 3), (8, 16, 32, 64)))
+        result.append(Case("prefill", hidden, outs, 128, (2, 0, 3, 1), (8, 16, 32, 64)))  # not in slot order
     return result
 
 
-def make_weights(in_features: int, outs: Sequence[int], ranks: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int) -> list[LoRASliceWeights]:
-    """One slice per out width; slot s has rank ranks[s] at its own row range (unpadded)."""
+def make_weights(in_features: int, outs: Sequence[int], ranks: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int,
+                 interleaved: bool = False) -> list[LoRASliceWeights]:  # fmt: skip
+    """One slice per out width; slot s has rank ranks[s] at its own row range (unpadded).
+    ``interleaved``: the slices' A rows share one buffer, as the model allocates them for
+    ops that ask for it (``interleaved_a``)."""
     gen = torch.Generator().manual_seed(seed)
+    if interleaved and len(outs) > 1:
+        allocated = LoRASliceWeights.allocate_interleaved(in_features, list(outs), len(ranks), sum(ranks), dtype, device)
+    else:
+        allocated = [LoRASliceWeights.allocate(in_features, o, len(ranks), sum(ranks), dtype, device) for o in outs]
     slices = []
-    for out_features in outs:
-        w = LoRASliceWeights.allocate(in_features, out_features, len(ranks), sum(ranks), dtype, device)
+    for out_features, w in zip(outs, allocated):
         row = 0
         for slot, r in enumerate(ranks):
             a = torch.randn(r, in_features, generator=gen) / math.sqrt(in_features)
@@ -222,11 +253,30 @@ def op_bytes_flops(case: Case, weights: Sequence[LoRASliceWeights], dtype: torch
     return {"shrink_bytes": shrink_b, "expand_bytes": expand_b, "shrink_flops": flops_s, "expand_flops": flops_e}
 
 
+def engine_order(slots: Sequence[int]) -> list[int]:
+    """The rows as the model runner orders a step: grouped by adapter slot, base rows last."""
+    return sorted(slots, key=lambda s: (s < 0, s))
+
+
+def schedules(slots: Sequence[int], decode: bool) -> list[tuple[str, list[int], bool]]:
+    """(path name, row slots, decode_only) per timed schedule, all on the same adapters.
+
+    ``engine order``: rows grouped by adapter as every engine step arrives (on cpu the
+    in-place row-range path). ``per_token`` / ``segment``: the same rows scattered, as a
+    caller that does not group them would pass them (decode-only and general steps)."""
+    result = [("engine order", engine_order(slots), decode)]
+    if decode:
+        result.append(("per_token", list(slots), True))
+    result.append(("segment", list(slots), False))
+    return result
+
+
 def bench_case(case: Case, backend, dtype: torch.dtype, timer: Timer) -> list[dict]:
-    """One row per schedule: decode cases run the per-token schedule (what the backend
-    picks for a decode-only step) and the segment schedule on the same rows."""
+    """One row per schedule (``schedules``); the loop and padded baselines do not depend
+    on row order and are timed once."""
     device = backend.device
-    weights = make_weights(case.hidden, case.slice_outs, case.adapter_ranks, dtype, device, seed=1)
+    weights = make_weights(case.hidden, case.slice_outs, case.adapter_ranks, dtype, device, seed=1,
+                           interleaved=getattr(backend.lora, "interleaved_a", False))  # fmt: skip
     slots = case.token_slots()
     t = len(slots)
     x = torch.randn(t, case.hidden, device=device).to(dtype)
@@ -239,10 +289,10 @@ def bench_case(case: Case, backend, dtype: torch.dtype, timer: Timer) -> list[di
     loop_timer = Timer(device, warmup=1, repeats=5 if case.decode else 3)
     loop_s = loop_timer(lambda: per_request_loop(x, y, weights, slots, offsets))
     rows = []
-    for decode_only in ((True, False) if case.decode else (False,)):
-        meta = LoRABatchMeta.build(slots, device, decode_only=decode_only)
+    for path, path_slots, decode_only in schedules(slots, case.decode):
+        meta = LoRABatchMeta.build(path_slots, device, decode_only=decode_only)
         row = {"case": case.name, "rows": t, "adapters": len({s for s in slots if s >= 0}), "hidden": case.hidden,
-               "ranks": sorted(set(case.adapter_ranks)), "path": "per_token" if decode_only else "segment"}
+               "ranks": sorted(set(case.adapter_ranks)), "path": path}
         row["grouped_s"] = timer(lambda: apply_lora(backend.lora, x, y, weights, meta, offsets, workspace))
         row["padded_s"], row["loop_s"] = padded_s, loop_s
         row["speedup_vs_loop"] = loop_s / row["grouped_s"]
@@ -274,7 +324,7 @@ class LayerStack:
     on all seven slices. Attention itself is left out: it costs the same with or without
     LoRA, so leaving it out makes the reported tax an upper bound."""
 
-    def __init__(self, shape: StackShape, ranks: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: StackShape, ranks: Sequence[int], dtype: torch.dtype, device: torch.device, interleaved: bool = False) -> None:
         h, i, kv = shape.hidden, shape.intermediate, shape.kv
         gen = torch.Generator().manual_seed(2)
 
@@ -286,9 +336,9 @@ class LayerStack:
             seed = 10 * layer
             self.layers.append({
                 "qkv": lin(h + 2 * kv, h), "o": lin(h, h), "gate_up": lin(2 * i, h), "down": lin(h, i),
-                "lora_qkv": make_weights(h, (h, kv, kv), ranks, dtype, device, seed),
+                "lora_qkv": make_weights(h, (h, kv, kv), ranks, dtype, device, seed, interleaved),
                 "lora_o": make_weights(h, (h,), ranks, dtype, device, seed + 1),
-                "lora_gate_up": make_weights(h, (i, i), ranks, dtype, device, seed + 2),
+                "lora_gate_up": make_weights(h, (i, i), ranks, dtype, device, seed + 2, interleaved),
                 "lora_down": make_weights(i, (h,), ranks, dtype, device, seed + 3),
             })
         self.shape = shape
@@ -317,17 +367,17 @@ class LayerStack:
 
 
 def bench_tax(backend, dtype: torch.dtype, timer: Timer, shape: StackShape, rank: int = 16, rows: int = 64, adapters: int = 8) -> list[dict]:
-    """Tax per schedule (per-token = the backend's decode choice, and segment)."""
+    """Tax per schedule (``schedules``: engine order, then the same rows scattered)."""
     device = backend.device
-    stack = LayerStack(shape, [rank] * adapters, dtype, device)
+    stack = LayerStack(shape, [rank] * adapters, dtype, device, interleaved=getattr(backend.lora, "interleaved_a", False))
     slots = list(scattered(rows, adapters, 3))
     x = torch.randn(rows, shape.hidden, device=device).to(dtype)
     result = []
-    for decode_only in (True, False):
-        meta = LoRABatchMeta.build(slots, device, decode_only=decode_only)
-        base, lora = timer.paired([lambda: stack.step(x, backend.lora, None), lambda: stack.step(x, backend.lora, meta)])
+    for path, path_slots, decode_only in schedules(slots, decode=True):
+        meta = LoRABatchMeta.build(path_slots, device, decode_only=decode_only)
+        base, lora, tax = timer.tax(lambda: stack.step(x, backend.lora, None), lambda: stack.step(x, backend.lora, meta))
         result.append({"shape": asdict(shape), "rank": rank, "rows": rows, "adapters": adapters,
-                       "path": "per_token" if decode_only else "segment", "base_s": base, "lora_s": lora, "tax": lora / base - 1.0})
+                       "path": path, "base_s": base, "lora_s": lora, "tax": tax})
     return result
 
 
@@ -346,12 +396,18 @@ def ceilings(device: torch.device, timer: Timer) -> dict:
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+# cpu: the op cases' hidden size 1024 in a small whole model (8 layers, Llama-2 vocabulary)
+LLAMA_SMALL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+MODEL_TAX = {"cuda": dict(dims=LLAMA_1B, dtype="bfloat16", adapters=32), "cpu": dict(dims=LLAMA_SMALL, dtype="float32", adapters=8)}
 
 
 def whole_model_tax(backend, timer: Timer, dims: dict = LLAMA_1B, dtype: str = "bfloat16",
                     adapters: int = 32, rank: int = 16, rows: int = 64) -> dict:
-    """Decode-step time of a 1B-class random Llama through ModelRunner, with 32 adapters
-    (rank 16 on q/k/v/o/gate/up/down) vs the same rows with no adapter."""
+    """Decode-step time of a random Llama (1B-class on cuda, hidden 1024 x 8 layers on cpu)
+    through ModelRunner, every row with one of ``adapters`` adapters (rank 16 on
+    q/k/v/o/gate/up/down), vs the same rows with no adapter: attention over 128 tokens of
+    context, norms and the LM head included, as in a real step."""
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner, SeqStep
     from tests.fixtures.tiny_models import build_tiny_model
@@ -375,9 +431,9 @@ def whole_model_tax(backend, timer: Timer, dims: dict = LLAMA_1B, dtype: str = "
         return [SeqStep([7], context - 1, list(range(i * 8, i * 8 + 8)), slots[i] if with_lora else -1, True) for i in range(rows)]
 
     lora_steps, base_steps = steps(True), steps(False)
-    base, lora = timer.paired([lambda: runner.execute(base_steps), lambda: runner.execute(lora_steps)], rounds=3)
-    return {"model": dims, "adapters": adapters, "rank": rank, "rows": rows, "context": context,
-            "base_s": base, "lora_s": lora, "tax": lora / base - 1.0}
+    base, lora, tax = timer.tax(lambda: runner.execute(base_steps), lambda: runner.execute(lora_steps), pairs=15)
+    return {"model": dims, "dtype": dtype, "adapters": adapters, "rank": rank, "rows": rows, "context": context,
+            "base_s": base, "lora_s": lora, "tax": tax}
 
 
 # ---------------------------------------------------------------------------- report
@@ -403,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu", help="backend to benchmark (default cpu)")
     parser.add_argument("--json", type=Path, default=None, help="also write all results to this JSON file")
     parser.add_argument("--threads", type=int, default=None, help="cpu: torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--skip-model", action="store_true", help="cuda: skip the whole-model (1B Llama) decode-step tax")
+    parser.add_argument("--skip-model", action="store_true",
+                        help="skip the whole-model decode-step tax (cuda: 1B-class Llama; cpu: hidden 1024, 8 layers)")  # fmt: skip
     args = parser.parse_args(argv)
 
     if args.threads is not None:
@@ -423,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     small = args.device == "cpu"
     shape = StackShape(1024, 2816, 256, 2) if small else StackShape(4096, 11008, 1024, 4)
     result["tax_stack"] = bench_tax(backend, dtype, timer, shape)
-    if args.device == "cuda" and not args.skip_model:
+    if args.device in MODEL_TAX and not args.skip_model:
         try:
-            result["tax_model"] = whole_model_tax(backend, timer)
+            result["tax_model"] = whole_model_tax(backend, timer, **MODEL_TAX[args.device])
         except Exception as err:  # reported in the JSON and on stdout, never swallowed
             result["tax_model"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
 
@@ -443,7 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in m:
             print(f"whole-model tax: FAILED: {m['error']}")
         else:
-            print(f"whole-model tax (1B Llama, {m['adapters']} adapters, rank {m['rank']}, {m['rows']} decode rows): "
+            d = m["model"]
+            print(f"whole-model tax (Llama hidden {d['hidden_size']} x {d['num_hidden_layers']} layers, vocab {d['vocab_size']}, {m['dtype']}, "
+                  f"{m['adapters']} adapters, rank {m['rank']}, {m['rows']} decode rows, context {m['context']}): "
                   f"base {m['base_s'] * 1e3:.2f} ms, with LoRA {m['lora_s'] * 1e3:.2f} ms, tax {m['tax'] * 100:.1f}%")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,9 @@ def apply_lora(
     workspace: float32 [>= n_slices, >= T, >= max rank]; reused across layers.
     A backend whose ops also offer a fused ``apply(x, y, weights, meta, slice_offsets,
     workspace)`` (e.g. Ascend's npu_batch_gather_matmul, which needs x and y in one
-    call) gets the whole update in one call instead.
+    call) gets the whole update in one call instead. Ops that set ``interleaved_a = True``
+    get each fused projection's A rows interleaved in one buffer
+    (``LoRASliceWeights.allocate_interleaved``), so one shrink can serve all its slices.
     """
     if not meta.has_lora:
         return

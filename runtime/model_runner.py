@@ -79,7 +79,9 @@ class ModelRunner:
         self.tokenizer = Tokenizer(config.model)
         self.block_size = config.block_size
         weights = load_weights(mc, config.model, self.dtype, self.device)
-        pool = LoRAPoolShape(max_slots=config.max_loras, row_capacity=config.pool_rows)
+        pool = LoRAPoolShape(
+            max_slots=config.max_loras, row_capacity=config.pool_rows, interleaved_a=bool(getattr(backend.lora, "interleaved_a", False))
+        )
         self.model = LlamaModel(mc, weights, pool, self.max_model_len)
         del weights
         self.num_kv_blocks = self._num_kv_blocks()
@@ -162,9 +164,14 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
-        sample_rows: list[int] = []
         vocab = self.model_config.vocab_size
-        for i, step in enumerate(steps):
+        # Sequences run grouped by adapter slot (base-model rows last), so every LoRA
+        # segment is a contiguous row range (``LoRABatchMeta.first_row``); logits still
+        # come back in the callers' order.
+        caller_index = sorted(range(len(steps)), key=lambda i: (steps[i].lora_slot == NO_ADAPTER, steps[i].lora_slot))
+        sample_row_of: dict[int, int] = {}
+        for i in caller_index:  # ``i`` stays the caller's index, for error messages
+            step = steps[i]
             if step.end_pos > self.max_model_len:
                 raise ValueError(f"steps[{i}]: positions up to {step.end_pos - 1} exceed max_model_len={self.max_model_len}")
             if step.lora_slot >= self.config.max_loras:
@@ -176,14 +183,15 @@ class ModelRunner:
             positions.extend(range(step.start_pos, step.end_pos))
             token_slots.extend([step.lora_slot] * len(step.token_ids))
             if step.sample:
-                sample_rows.append(len(tokens) - 1)
+                sample_row_of[i] = len(tokens) - 1
         if len(tokens) > self.workspace.shape[1]:
             raise ValueError(f"execute: {len(tokens)} tokens exceed max_num_batched_tokens={self.config.max_num_batched_tokens}")
         decode_only = all(len(s.token_ids) == 1 for s in steps)
+        ordered = [steps[i] for i in caller_index]
         attn_meta = AttentionMeta.build(
-            [len(s.token_ids) for s in steps],
-            [s.end_pos for s in steps],
-            [list(s.block_table) for s in steps],
+            [len(s.token_ids) for s in ordered],
+            [s.end_pos for s in ordered],
+            [list(s.block_table) for s in ordered],
             self.block_size,
             self.device,
         )
@@ -196,6 +204,7 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model.forward(ids, pos, self.kv_caches, ctx)
+        sample_rows = [sample_row_of[i] for i in sorted(sample_row_of)]
         rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.logits(hidden.index_select(0, rows))
 

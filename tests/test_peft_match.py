@@ -98,7 +98,7 @@ def setup(request, tiny_llama_dir, tiny_adapters, tiny_qwen2_dir, tiny_qwen2_ada
 def test_mixed_batch_logits_match_peft(setup):
     _, _, runner, slots, ref_model = setup
     prompts = random_prompts(len(ORDER), PROMPT_LEN, seed=1)
-    # chunked prefill: 4 + 5 + 1 + 1 tokens; the last two chunks are decode-only steps (per-token ops)
+    # chunked prefill: 4 + 5 + 1 + 1 tokens; the last two chunks are decode-only steps
     chunks = [4, 5, 1, 1]
     ours = prefill_chunked(runner, slots, ORDER, prompts, chunks)
     with torch.no_grad():
@@ -122,6 +122,22 @@ def test_greedy_generation_matches_peft(setup):
     # Base rows with the same prompt as an adapter row would not test much: prompts differ per row,
     # and the generations must not collapse to one sequence either.
     assert len({tuple(r) for r in ours.tolist()}) > len(ORDER) // 2
+
+
+def test_steps_reach_the_ops_grouped_by_adapter(setup, monkeypatch):
+    """The runner orders sequences by slot, so the ops see one run of adapter rows (base rows last)."""
+    _, _, runner, slots, _ = setup
+    seen = []
+    real_apply = runner.backend.lora.apply
+
+    def spy(x, y, weights, meta, offsets, workspace):
+        seen.append(meta)
+        return real_apply(x, y, weights, meta, offsets, workspace)
+
+    monkeypatch.setattr(runner.backend.lora, "apply", spy)
+    prefill_chunked(runner, slots, ORDER, random_prompts(len(ORDER), PROMPT_LEN, seed=8), [5, 1])
+    assert seen and all(m.first_row == 0 for m in seen), [m.first_row for m in seen]
+    assert {m.num_tokens for m in seen} == {5 * len(ORDER), len(ORDER)}
 
 
 def test_every_adapter_row_differs_from_base(setup):

@@ -1,8 +1,9 @@
 """The reference (cpu) LoRA ops and paged attention against float64 loops on fresh random inputs.
 
 Grid for LoRA: schedule (segment / per-token, called directly and through
-ReferenceLoRAOps) x adapter popularity (identical, distinct, uniform, zipf, skewed) x
-dtype, every batch mixing ranks {4, 8, 16}, rank-0 slices (adapter not targeting a
+ReferenceLoRAOps, and the in-place row-range path for adapter-ordered steps) x adapter
+popularity (identical, distinct, uniform, zipf, skewed) x dtype x A layout (one buffer
+per slice, or interleaved across a fused projection's slices), every batch mixing ranks {4, 8, 16}, rank-0 slices (adapter not targeting a
 slice), and rows with no adapter, over a 3-slice fused projection.
 """
 from __future__ import annotations
@@ -50,14 +51,30 @@ def popularity_slots(kind: str, gen: torch.Generator) -> list[int]:
     return [-1 if b else s for s, b in zip(slots, base.tolist())]
 
 
-def make_weights(dtype: torch.dtype, gen: torch.Generator):
-    """3 slices; each slot has its own rank per slice (0 = slice untouched). Returns (weights, host copy)."""
+LAYOUTS = ("separate", "interleaved", "interleaved_uneven")
+
+
+def make_weights(dtype: torch.dtype, gen: torch.Generator, layout: str = "separate"):
+    """3 slices; each slot has its own rank per slice (0 = slice untouched). Returns (weights, host copy).
+
+    layout: one A buffer per slice; A rows interleaved across the slices
+    (``allocate_interleaved``), each slot's slices starting at one row as the pool
+    writes them; or interleaved with every slice of a slot at its own start row (the
+    one-matmul shrink does not apply and the ops must notice). Unused rows hold finite
+    garbage, which no schedule may read."""
     rank_choices = [4, 8, 16]
     ranks = [[rank_choices[(s + i) % 3] for i in range(len(OUTS))] for s in range(SLOTS)]
     ranks[1][2] = 0  # slot 1 does not target slice 2
     ranks[4] = [0, 8, 0]  # slot 4 targets only slice 1
-    capacity = sum(max(r) for r in ranks)
-    weights = [LoRASliceWeights.allocate(IN, out, SLOTS, capacity, dtype, "cpu") for out in OUTS]
+    per_slot = [max(r) + (len(OUTS) if layout == "interleaved_uneven" else 0) for r in ranks]
+    capacity = sum(per_slot)
+    if layout == "separate":
+        weights = [LoRASliceWeights.allocate(IN, out, SLOTS, capacity, dtype, "cpu") for out in OUTS]
+    else:
+        weights = LoRASliceWeights.allocate_interleaved(IN, OUTS, SLOTS, capacity, dtype, "cpu")
+    for w in weights:
+        w.a_rows.copy_(torch.randn(w.a_rows.shape, generator=gen) * 100)
+        w.b_rows.copy_(torch.randn(w.b_rows.shape, generator=gen) * 100)
     host = {}
     start = 0
     for s in range(SLOTS):
@@ -69,9 +86,9 @@ def make_weights(dtype: torch.dtype, gen: torch.Generator):
             a = torch.randn(r, IN, generator=gen).to(dtype)
             b = torch.randn(out, r, generator=gen).to(dtype)
             scale = float(torch.rand(1, generator=gen)) * 2 + 0.25
-            weights[i].write_slot(s, start, a, b, scale)
+            weights[i].write_slot(s, start + (i if layout == "interleaved_uneven" else 0), a, b, scale)
             host[(s, i)] = (a.double(), b.double(), scale)
-        start += max(ranks[s])
+        start += per_slot[s]
     return weights, host
 
 
@@ -94,13 +111,17 @@ SCHEDULES = {
 }
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("popularity", ["identical", "distinct", "uniform", "zipf", "skewed"])
-@pytest.mark.parametrize("schedule", ["segment", "per_token", "dispatch_prefill", "dispatch_decode"])
-def test_lora_ops_match_float64_loop(schedule, popularity, dtype):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{schedule}/{popularity}/{dtype}".encode()))
-    weights, host = make_weights(dtype, gen)
+@pytest.mark.parametrize("schedule", ["segment", "per_token", "dispatch_prefill", "dispatch_decode", "row_ranges"])
+def test_lora_ops_match_float64_loop(schedule, popularity, dtype, layout):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{schedule}/{popularity}/{dtype}/{layout}".encode()))
+    weights, host = make_weights(dtype, gen, layout)
     slots = popularity_slots(popularity, gen)
+    if schedule == "row_ranges":  # rows grouped by slot, as the model runner orders them; base rows on both sides
+        base = [s for s in slots if s < 0]
+        slots = base[: len(base) // 2] + sorted(s for s in slots if s >= 0) + base[len(base) // 2 :]
     t = len(slots)
     x = torch.randn(t, IN, generator=gen).to(dtype)
     y = torch.randn(t, sum(OUTS), generator=gen).to(dtype)
@@ -116,6 +137,8 @@ def test_lora_ops_match_float64_loop(schedule, popularity, dtype):
         expand(work, weights, meta, y, offsets)
     else:
         meta = LoRABatchMeta.build(slots, "cpu", decode_only=schedule == "dispatch_decode")
+        if schedule == "row_ranges":
+            assert meta.first_row == next(i for i, s in enumerate(slots) if s >= 0), "the grouped rows are one run"
         apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
     scale = expected.abs().max()
     err = (y.double() - expected).abs().max() / scale
@@ -124,6 +147,20 @@ def test_lora_ops_match_float64_loop(schedule, popularity, dtype):
     assert torch.equal(y[base_rows], y_before[base_rows]), "rows without an adapter must be left bit-exact"
     if popularity != "identical":
         assert base_rows, "the grid must include rows without an adapter"
+
+
+@pytest.mark.parametrize(
+    "slots, first_row",
+    [
+        ([2, 2, 0, -1], None),  # slot 0's row comes after slot 2's: not in slot order
+        ([0, -1, 0, 1], None),  # a base row splits the run
+        ([-1, 0, 0, 3, -1], 1),
+        ([1, 1, 1], 0),
+        ([-1, -1], None),  # no adapter rows at all
+    ],
+)
+def test_batch_meta_first_row_marks_one_run_in_slot_order(slots, first_row):
+    assert LoRABatchMeta.build(slots, "cpu").first_row == first_row
 
 
 def test_shrink_writes_only_rows_with_an_adapter():

@@ -9,6 +9,12 @@ A step holds ``T`` token rows. Row ``t`` belongs to adapter slot ``token_slots[t
     seg_starts[i] .. seg_starts[i+1]  = positions in sorted_tokens of segment i
     seg_slots[i]                      = the slot of segment i
 
+When the rows with an adapter already sit in slot order, one contiguous run of
+rows (the model runner orders every step's sequences by adapter, so the engine's
+steps always do), ``first_row`` is where that run starts and segment i is simply
+rows ``first_row + seg_starts[i] .. first_row + seg_starts[i+1]`` of the step:
+backends may then work on row ranges in place, with no gather or scatter.
+
 Everything is built on the host from Python lists and copied to the device in
 one go, so no layer ever needs a host<->device sync to find its segments.
 """
@@ -37,6 +43,7 @@ class LoRABatchMeta:
     host_seg_slots: tuple[int, ...]
     host_seg_starts: tuple[int, ...]
     max_seg_len: int  # longest segment, sizes the segment kernels' grid
+    first_row: int | None = None  # rows with an adapter are first_row .. first_row+N-1, in slot order; else None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +80,8 @@ class LoRABatchMeta:
         if seg_slots:
             seg_starts.append(len(order))
         lengths = [b - a for a, b in zip(seg_starts[:-1], seg_starts[1:])]
+        one_run = bool(order) and all(b == a + 1 for a, b in zip(order, order[1:]))
+        first_row = order[0] if one_run else None
         device = torch.device(device)
         # One packed host tensor, one copy to the device.
         packed = torch.tensor(slots + order + seg_slots + seg_starts, dtype=torch.int32)
@@ -87,4 +96,5 @@ class LoRABatchMeta:
             host_seg_slots=tuple(seg_slots),
             host_seg_starts=tuple(seg_starts),
             max_seg_len=max(lengths, default=0),
+            first_row=first_row,
         )

@@ -16,6 +16,17 @@ target this module): shrink and expand then leave the row untouched. The row
 layout is decided by the adapter pool; this object only holds the tensors and the
 write/clear primitives. ``host_rank`` mirrors ``slot_rank`` on the host, so planners
 (rank buckets, workspace sizes) never read device memory.
+
+Interleaved A (``allocate_interleaved``, for backends whose ops ask for it): the K
+slices of one fused projection (q/k/v, gate/up) read the same ``x``, so their A rows
+can live in one buffer ``a_group[row, i, :] = A row of slice i``. Slice i's ``a_rows``
+is then the strided view ``a_group[:, i, :]``, and an adapter whose slices all start at
+row ``start`` has every slice's A in one contiguous block,
+
+    a_group[start : start + R].reshape(R * K, in)      (R = max over slices of r_i)
+
+so one matmul does the shrink for all K slices: ``h[t, j, i] = x[t] @ A_i[j]``, of which
+columns ``j < r_i`` are used (rows ``r_i .. R`` of slice i are never read as A_i).
 """
 from __future__ import annotations
 
@@ -37,6 +48,8 @@ class LoRASliceWeights:
     host_start: list[int] = field(default_factory=list)
     host_rank: list[int] = field(default_factory=list)
     host_scale: list[float] = field(default_factory=list)
+    a_group: Tensor | None = None  # [row_capacity, K, in] shared by the K slices of a projection, or None
+    group_index: int = 0  # this slice's i in a_group[:, i, :]
 
     @classmethod
     def allocate(
@@ -59,6 +72,28 @@ class LoRASliceWeights:
             host_rank=[0] * max_slots,
             host_scale=[0.0] * max_slots,
         )
+
+    @classmethod
+    def allocate_interleaved(
+        cls,
+        in_features: int,
+        outs: "list[int] | tuple[int, ...]",
+        max_slots: int,
+        row_capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "list[LoRASliceWeights]":
+        """One slice per entry of ``outs``, all reading the same ``x``, with A rows interleaved
+        in one shared buffer (see module docstring). B buffers stay one per slice."""
+        device = torch.device(device)
+        group = torch.zeros(row_capacity, len(outs), in_features, dtype=dtype, device=device)
+        slices = []
+        for i, out_features in enumerate(outs):
+            w = cls.allocate(in_features, out_features, max_slots, 0, dtype, device)
+            w.a_rows, w.b_rows = group[:, i, :], torch.zeros(row_capacity, out_features, dtype=dtype, device=device)
+            w.a_group, w.group_index = group, i
+            slices.append(w)
+        return slices
 
     @property
     def in_features(self) -> int:
@@ -104,3 +139,22 @@ class LoRASliceWeights:
         self.slot_start[slot] = start
         self.slot_rank[slot] = rank
         self.slot_scale[slot] = float(scale)
+
+
+def interleaved_a(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...]") -> Tensor | None:
+    """The shared ``a_group`` when ``weights`` are exactly its K >= 2 slices in order, else None."""
+    group = weights[0].a_group if weights else None
+    if group is None or len(weights) < 2 or len(weights) != group.shape[1]:
+        return None
+    if any(w.a_group is not group or w.group_index != i for i, w in enumerate(weights)):
+        return None
+    return group
+
+
+def shared_block(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...]", slot: int) -> tuple[int, int] | None:
+    """(start, R) when every slice that slot ``slot`` targets starts at the same row (as the
+    adapter pool writes them), R being the largest of their ranks; None otherwise."""
+    targeted = [(w.host_start[slot], w.host_rank[slot]) for w in weights if w.host_rank[slot] > 0]
+    if not targeted or any(start != targeted[0][0] for start, _ in targeted):
+        return None
+    return targeted[0][0], max(r for _, r in targeted)

@@ -66,6 +66,7 @@ class LoRAPoolShape:
 
     max_slots: int
     row_capacity: int
+    interleaved_a: bool = False  # the backend's ops want fused projections' A rows interleaved
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -88,10 +89,11 @@ class DecoderLayer:
             if any(b is not None for b in biases) and any(b is None for b in biases):
                 raise ValueError(f"layer {idx}: {fused} has a bias on some slices only")
             bias = fuse([b for b in biases if b is not None]) if biases[0] is not None else None
-            slices = [
-                LoRASliceWeights.allocate(*targets[n], max_slots=pool.max_slots, row_capacity=pool.row_capacity, dtype=dtype, device=device)
-                for n in names
-            ]
+            shape = dict(max_slots=pool.max_slots, row_capacity=pool.row_capacity, dtype=dtype, device=device)
+            if pool.interleaved_a and len(names) > 1:
+                slices = LoRASliceWeights.allocate_interleaved(targets[names[0]][0], [targets[n][1] for n in names], **shape)
+            else:
+                slices = [LoRASliceWeights.allocate(*targets[n], **shape) for n in names]
             return LoRALinear(fuse(weights), bias, names, [targets[n][1] for n in names], slices)
 
         self.input_norm = w[p + "input_layernorm.weight"]
