@@ -21,6 +21,7 @@ repeating kv heads).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -147,6 +148,48 @@ def apply_segment_sorted(
             cols.index_copy_(0, order, (cols.index_select(0, order).float() + delta).to(y.dtype))
 
 
+@dataclass(frozen=True)
+class SlotViews:
+    """One slot's operands for a segment, as views into the slice buffers.
+
+    ``a_block`` is the interleaved ``[R * K, in]`` A block when one shrink serves every
+    slice (``interleaved_a`` and ``shared_block``), else None and each slice has its own
+    ``a``. ``slices`` holds ``(i, r, a_i or None, B_i^T [r, n_i], scale)`` per targeted slice.
+    """
+
+    a_block: Tensor | None
+    rank: int
+    slices: tuple[tuple[int, int, Tensor | None, Tensor, float], ...]
+
+    @classmethod
+    def build(cls, weights: Sequence[LoRASliceWeights], slot: int) -> "SlotViews":
+        group = interleaved_a(weights)
+        block = shared_block(weights, slot) if group is not None else None
+        a_block = None
+        if block is not None:
+            start, rank = block
+            a_block = group[start : start + rank].reshape(rank * len(weights), -1)
+        slices = []
+        for i, w in enumerate(weights):
+            r, start = w.host_rank[slot], w.host_start[slot]
+            if r:
+                a = None if a_block is not None else w.a_rows[start : start + r]
+                slices.append((i, r, a, w.b_rows[start : start + r], w.host_scale[slot]))
+        return cls(a_block, block[1] if block is not None else 0, tuple(slices))
+
+    @classmethod
+    def cached(cls, weights: Sequence[LoRASliceWeights], slot: int) -> "SlotViews":
+        """``build``, memoised in ``weights[0].view_cache`` until a slot write or a buffer swap."""
+        stamp = tuple((id(w), w.version, id(w.a_rows), id(w.b_rows)) for w in weights)
+        hit = weights[0].view_cache.get(("row_ranges", slot))
+        if hit is not None and hit[0] == stamp:
+            return hit[2]
+        views = cls.build(weights, slot)
+        # keep the stamped objects alive with the entry, so their ids cannot be reused
+        weights[0].view_cache[("row_ranges", slot)] = (stamp, [(w, w.a_rows, w.b_rows) for w in weights], views)
+        return views
+
+
 def apply_row_ranges(
     x: Tensor, y: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, slice_offsets: Sequence[int]
 ) -> None:
@@ -159,39 +202,32 @@ def apply_row_ranges(
     No row gather, no delta buffer, no scatter: per segment one shrink matmul per slice,
     or one for all slices when their A rows are interleaved (``interleaved_a``), then
     one expand per slice. float32 expands with an in-place ``addmm_``; other dtypes
-    compute in float32 and round into ``y`` once, like the other schedules.
+    compute in float32 and round into ``y`` once, like the other schedules. Decode steps
+    have many one-row segments, where the cost is per op, not math: the operand views
+    are cached per slot (``SlotViews``) rather than sliced again for every segment.
     """
     first = meta.first_row
     if first is None:
         raise ValueError("apply_row_ranges: the rows with an adapter are not one run in slot order (meta.first_row is None)")
     starts = meta.host_seg_starts
     in_fp32 = x.dtype == y.dtype == torch.float32
-    group = interleaved_a(weights)
+    columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
     for k, slot in enumerate(meta.host_seg_slots):
         lo, hi = first + starts[k], first + starts[k + 1]
+        views = SlotViews.cached(weights, slot)
         xs = x[lo:hi] if in_fp32 else x[lo:hi].float()
-        block = shared_block(weights, slot) if group is not None else None
-        if block is not None:  # one shrink for every slice: h_t[j, i, t] = A_i[j] @ x[t]
-            start, rank = block
-            a = group[start : start + rank].reshape(rank * len(weights), -1)
-            # A @ x^T rather than x @ A^T: slice i's h is then h_t[:r, i, :].t(), a view that
-            # matmul takes as a transposed operand; the other way round it is a strided copy.
-            h_t = ((a if in_fp32 else a.float()) @ xs.t()).view(rank, len(weights), hi - lo)
-        for i, w in enumerate(weights):
-            r, start = w.host_rank[slot], w.host_start[slot]
-            if r == 0:
-                continue
-            if block is not None:
-                h = h_t[:r, i, :].t()
-            else:
-                a = w.a_rows[start : start + r]
-                h = xs @ (a if in_fp32 else a.float()).t()
-            b = w.b_rows[start : start + r]
-            cols = y[lo:hi, slice_offsets[i] : slice_offsets[i] + w.out_features]
+        if views.a_block is not None:
+            # A @ x^T rather than x @ A^T: slice i's h is then h[:r, i].t(), a view that matmul
+            # takes as a transposed operand; the other way round it is a strided copy.
+            a = views.a_block if in_fp32 else views.a_block.float()
+            h_all = torch.mm(a, xs.t()).view(views.rank, len(weights), hi - lo)
+        for i, r, a_i, b, scale in views.slices:
+            h = h_all[:r, i].t() if a_i is None else torch.mm(xs, (a_i if in_fp32 else a_i.float()).t())
+            cols = columns[i][lo:hi]
             if in_fp32:
-                cols.addmm_(h, b, alpha=w.host_scale[slot])
+                cols.addmm_(h, b, alpha=scale)
             else:
-                cols.copy_(torch.addmm(cols.float(), h, b.float(), alpha=w.host_scale[slot]))
+                cols.copy_(torch.addmm(cols.float(), h, b.float(), alpha=scale))
 
 
 class ReferenceLoRAOps:

@@ -5,7 +5,10 @@
 
 Builds a random llama (hidden 512, 4 layers) with transformers and random PEFT adapter
 folders in a temp dir; nothing is downloaded. Throughput = generated tokens / wall time
-of one LLMEngine run to completion (all requests submitted up front).
+of one LLMEngine run to completion (all requests submitted up front); every config runs
+``--rounds`` times, interleaved, and ratios are the median of within-round ratios. Every LoRA run
+uses the same engine config (``--max-loras`` slots); the 200-adapter run is repeated
+with 8 slots, where a step can hold at most 8 of the ~21 adapters in play.
 """
 from __future__ import annotations
 
@@ -51,6 +54,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-loras", type=int, default=32,
+                        help="device adapter slots for every LoRA run (default 32 = max_num_seqs, so slots never cap a step); "
+                             "the 200-adapter run is also repeated at max_loras=8")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="run every config this many times, interleaved; report medians")
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -61,24 +68,44 @@ def main() -> None:
         model = build_random_llama(root / "model", SHAPE)
         prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        lora_cfg = dict(max_loras=8, max_lora_rank=16, max_cpu_loras=32)
+        if args.rounds < 1:
+            parser.error(f"--rounds must be >= 1, got {args.rounds}")
+        lora_cfg = dict(max_loras=args.max_loras, max_lora_rank=16, max_cpu_loras=max(32, args.max_loras))
         eight = {f"a{i}": write_adapter(root / f"a{i}", 16, i) for i in range(8)}
         many = {f"z{i}": write_adapter(root / f"z{i}", 16, 1000 + i) for i in range(200)}
-        results["base_only"] = run(model, {}, [None] * args.requests, prompts, params, **lora_cfg)
         picks8 = [f"a{i % 8}" for i in range(args.requests)]
-        results["mixed_8_rank16_uniform"] = run(model, eight, picks8, prompts, params, **lora_cfg)
         zipf8 = [f"a{zipf_choice(rng, 8)}" for _ in range(args.requests)]
         zipf200 = [f"z{zipf_choice(rng, 200)}" for _ in range(args.requests)]
-        results["zipf_8_adapters"] = run(model, eight, zipf8, prompts, params, **lora_cfg)
-        results["zipf_200_adapters"] = run(model, many, zipf200, prompts, params, **lora_cfg)
+        runs = {
+            "base_only": ({}, [None] * args.requests, lora_cfg),
+            "mixed_8_rank16_uniform": (eight, picks8, lora_cfg),
+            "zipf_8_adapters": (eight, zipf8, lora_cfg),
+            "zipf_200_adapters": (many, zipf200, lora_cfg),
+        }
+        if args.max_loras != 8:  # the slot-capped case: at most 8 distinct adapters per step
+            runs["zipf_200_adapters_max_loras_8"] = (many, zipf200, {**lora_cfg, "max_loras": 8})
+        rounds: list[dict] = []
+        for r in range(args.rounds):  # every config once per round, so drift hits all of them alike
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            rounds.append({name: run(model, ads, picks, prompts, params, **cfg) for name, (ads, picks, cfg) in runs.items()})
+        for name in runs:
+            per_round = [rd[name] for rd in rounds]
+            results[name] = {**sorted(per_round, key=lambda x: x["tokens_per_s"])[len(per_round) // 2],
+                             "tokens_per_s_rounds": [x["tokens_per_s"] for x in per_round]}  # fmt: skip
         results["zipf_200_distinct_adapters_used"] = len(set(zipf200))
         mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
         picks = list(mixed) * (16 // len(mixed))
         mixed_run = run(model, mixed, picks, prompts[:16], SamplingParams(max_tokens=2, ignore_eos=True), max_loras=8, max_lora_rank=64, max_cpu_loras=8)
         results["mixed_rank_pool"] = {k: mixed_run["pool"][k] for k in ("device_slots_used", "device_rows_used", "device_bytes_in_use", "device_bytes_if_padded", "device_bytes_capacity")}
-    base = results["base_only"]["tokens_per_s"]
-    results["ratio_multi_lora_vs_base"] = round(results["mixed_8_rank16_uniform"]["tokens_per_s"] / base, 3)
-    results["ratio_200_vs_8_zipf"] = round(results["zipf_200_adapters"]["tokens_per_s"] / results["zipf_8_adapters"]["tokens_per_s"], 3)
+    def ratio(num: str, den: str) -> float:
+        """Median over rounds of the within-round ratio."""
+        per_round = sorted(rd[num]["tokens_per_s"] / rd[den]["tokens_per_s"] for rd in rounds)
+        return round(per_round[len(per_round) // 2], 3)
+
+    results["ratio_multi_lora_vs_base"] = ratio("mixed_8_rank16_uniform", "base_only")
+    results["ratio_200_vs_8_zipf"] = ratio("zipf_200_adapters", "zipf_8_adapters")
+    if "zipf_200_adapters_max_loras_8" in results:
+        results["ratio_200_max_loras_8_vs_8_zipf"] = ratio("zipf_200_adapters_max_loras_8", "zipf_8_adapters")
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

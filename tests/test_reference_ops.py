@@ -230,3 +230,39 @@ def test_paged_attention_matches_dense_float64(dtype):
     # the new K/V landed in the cache at slot_mapping
     assert torch.equal(cache[0].index_select(0, meta.slot_mapping), new_k)
     assert torch.equal(cache[1].index_select(0, meta.slot_mapping), new_v)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_row_ranges_see_slot_rewrites(layout):
+    """The row-range path caches per-slot views; rewriting a slot (new rank, weights,
+    scale), clearing one, or swapping a buffer must show in the very next call."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"rewrite/{layout}".encode()))
+    weights, host = make_weights(torch.float32, gen, layout)
+    slots = [-1, 0, 0, 2, 2, 2, 3, 5, -1]
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    assert meta.first_row == 1
+    offsets = [0, OUTS[0], OUTS[0] + OUTS[1]]
+    x = torch.randn(len(slots), IN, generator=gen)
+    work = torch.zeros(len(OUTS), len(slots), MAX_RANK)
+
+    def check() -> None:
+        y = torch.randn(len(slots), sum(OUTS), generator=gen)
+        expected = loop_reference(x, y, slots, host)
+        apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
+        assert ((y.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+
+    check()
+    starts = [w.host_start[2] for w in weights]  # slot 2 gets new weights, rank 4 on every slice (was 4/8/16)
+    for i, out in enumerate(OUTS):
+        a, b = torch.randn(4, IN, generator=gen), torch.randn(out, 4, generator=gen)
+        weights[i].write_slot(2, starts[i], a, b, 0.5)
+        host[(2, i)] = (a.double(), b.double(), 0.5)
+    for i in range(len(OUTS)):
+        weights[i].clear_slot(3)
+        host.pop((3, i), None)
+    check()
+    if layout == "separate":  # a reallocated buffer (same contents) must not leave stale views behind
+        weights[1].b_rows = weights[1].b_rows.clone()
+        weights[1].b_rows[starts[1] : starts[1] + 4].zero_()
+        host[(2, 1)] = (host[(2, 1)][0], torch.zeros_like(host[(2, 1)][1]), 0.5)
+        check()

@@ -50,6 +50,10 @@ class LoRASliceWeights:
     host_scale: list[float] = field(default_factory=list)
     a_group: Tensor | None = None  # [row_capacity, K, in] shared by the K slices of a projection, or None
     group_index: int = 0  # this slice's i in a_group[:, i, :]
+    version: int = 0  # bumped whenever a slot's start, rank or scale changes
+    # Host-side views that ops derive from the slot table (reference backend), keyed by
+    # the ops; an entry records the versions it was built from and is rebuilt when stale.
+    view_cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(
@@ -139,6 +143,7 @@ class LoRASliceWeights:
         self.slot_start[slot] = start
         self.slot_rank[slot] = rank
         self.slot_scale[slot] = float(scale)
+        self.version += 1
 
 
 def interleaved_a(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...]") -> Tensor | None:
