@@ -47,7 +47,7 @@ def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix
             if limits.max_rows_per_launch is not None:  # verify exactly at the declared row limit
                 extra = max(0, limits.max_rows_per_launch - n_slots - 3)
             p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
-                              extra_rows=extra, untargeted=frozenset({(1, 0)}))
+                              extra_rows=extra, untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(backend))
             runs.append((f"{label}{name}", check_lora_ops(backend, p, decode_only)))
     groups = entry.limits.max_groups_per_call
     if groups is not None:  # one rank bucket with more groups than one call takes: the split must be right
@@ -58,6 +58,11 @@ def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix
         runs.append((f"{groups + 2} groups {name}", check_lora_ops(backend, p, decode_only)))
     detail, metrics = _summarise(runs)
     return VerifierResult("pass", detail, metrics)
+
+
+def interleaved_a(backend: Any) -> bool:
+    """Whether the model would allocate fused projections' A rows interleaved for this backend."""
+    return bool(getattr(backend.lora, "interleaved_a", False))
 
 
 @verifier("lora_ops_segment")
@@ -101,7 +106,7 @@ def verify_multi_slice_expand(backend: Any, entry: Capability, matrix: Capabilit
         ranks = pick_ranks(ops, 3, seed)
         for decode_only in (False, True):
             p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
-                              untargeted=frozenset({(1, 0), (2, 2)}))
+                              untargeted=frozenset({(1, 0), (2, 2)}), interleaved=interleaved_a(backend))
             runs.append((f"{'per-token' if decode_only else 'segment'} {name}", check_lora_ops(backend, p, decode_only)))
     detail, metrics = _summarise(runs)
     return VerifierResult("pass", f"{len(QKV_OUTS)} slices; " + detail, metrics)
