@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench import plots  # noqa: E402
-from runtime.bench.peft_baseline import run_peft  # noqa: E402
+from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import replay_http  # noqa: E402
 from runtime.bench.suite import BenchSetup, prepare, run_lorafleet  # noqa: E402
 from runtime.bench.summary import BASE, percentile, summarize, table  # noqa: E402
@@ -36,6 +37,11 @@ from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_
 def offline(workload: Workload) -> Workload:
     """The same requests, all arriving at t=0."""
     return dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
+
+
+def median_round(summaries: list[dict]) -> dict:
+    """The summary of the round with the median throughput (the upper median for even counts)."""
+    return sorted(summaries, key=lambda r: r["throughput_tokens_per_s"])[len(summaries) // 2]
 
 
 def log(msg: str) -> None:
@@ -58,11 +64,16 @@ def main() -> int:
     p.add_argument("--peft-batch", type=int, default=8)
     p.add_argument("--sweep-adapters", default="16,100,500", help="adapter counts for the throughput sweep ('' to skip)")
     p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates for the latency sweep ('' to skip)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the offline comparisons and the adapter sweep this many times in interleaved rounds; "
+                        "tables show each run's median round, ratios are medians of within-round ratios")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.5)
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
     p.add_argument("--base-model", help="with --url: the served base model's name")
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,34 +90,47 @@ def main() -> int:
     model_dir, adapters = prepare(workload, setup)
     results: dict[str, object] = {"spec": dataclasses.asdict(spec), "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()}}
 
-    # 1. Offline throughput, side by side.
+    # 1. Offline throughput, side by side, in --repeats interleaved rounds.
     off = offline(workload)
-    rows = []
-    log("offline: lorafleet (mixed adapters)")
-    rows.append(summarize(run_lorafleet(off, setup, model_dir, adapters, "lorafleet offline"), a.slo_ttft, a.slo_tpot))
+    sub = dataclasses.replace(off, requests=off.requests[: a.loop_requests])
+    runs = [("lorafleet offline", "lorafleet (mixed adapters)", lambda: run_lorafleet(off, setup, model_dir, adapters, "lorafleet offline"))]
     if "no-adapter" in baselines:
-        log("offline: (a) same engine, no adapters")
-        rows.append(summarize(run_lorafleet(off, setup, model_dir, adapters, "(a) no adapters", without_adapters=True), a.slo_ttft, a.slo_tpot))
+        runs.append(("(a) no adapters", "(a) same engine, no adapters",
+                     lambda: run_lorafleet(off, setup, model_dir, adapters, "(a) no adapters", without_adapters=True)))  # fmt: skip
     if "loop" in baselines:
-        sub = dataclasses.replace(off, requests=off.requests[: a.loop_requests])
-        log(f"offline: (b) per-request loop on the first {len(sub.requests)} requests (+ lorafleet on the same subset)")
-        rows.append(summarize(run_lorafleet(sub, setup, model_dir, adapters, "(b) per-request loop", one_at_a_time=True), a.slo_ttft, a.slo_tpot))
-        rows.append(summarize(run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset"), a.slo_ttft, a.slo_tpot))
+        runs.append(("(b) per-request loop", f"(b) per-request loop on the first {len(sub.requests)} requests",
+                     lambda: run_lorafleet(sub, setup, model_dir, adapters, "(b) per-request loop", one_at_a_time=True)))  # fmt: skip
+        runs.append(("lorafleet on loop subset", "lorafleet on the loop's subset",
+                     lambda: run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset")))  # fmt: skip
     if "peft" in baselines:
-        log("offline: (c) transformers + PEFT mixed-adapter generate")
-        rows.append(summarize(run_peft(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft"), a.slo_ttft, a.slo_tpot))
+        runs.append(("(c) transformers+peft", "(c) transformers + PEFT mixed-adapter generate",
+                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft")))  # fmt: skip
+    rounds: list[dict[str, dict]] = []
+    for r in range(a.repeats):
+        rounds.append({})
+        for label, what, fn in runs:
+            log(f"offline: {what}" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
+            rounds[-1][label] = summarize(fn(), a.slo_ttft, a.slo_tpot)
+    rows = [median_round([rd[label] for rd in rounds]) for label, _, _ in runs]
     by_label = {r["label"]: r for r in rows}
-    lf = by_label["lorafleet offline"]["throughput_tokens_per_s"]
+
+    def ratio(num: str, den: str) -> float:
+        return statistics.median(rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in rounds)
+
     ratios = {}
     if "(a) no adapters" in by_label:
-        ratios["lorafleet / no-adapter"] = lf / by_label["(a) no adapters"]["throughput_tokens_per_s"]
+        ratios["lorafleet / no-adapter"] = ratio("lorafleet offline", "(a) no adapters")
     if "(b) per-request loop" in by_label:
-        ratios["lorafleet / per-request loop (same subset)"] = by_label["lorafleet on loop subset"]["throughput_tokens_per_s"] / by_label["(b) per-request loop"]["throughput_tokens_per_s"]
+        ratios["lorafleet / per-request loop (same subset)"] = ratio("lorafleet on loop subset", "(b) per-request loop")
     if "(c) transformers+peft" in by_label:
-        ratios["lorafleet / transformers+peft"] = lf / by_label["(c) transformers+peft"]["throughput_tokens_per_s"]
+        ratios["lorafleet / transformers+peft"] = ratio("lorafleet offline", "(c) transformers+peft")
     results["offline"] = rows
+    results["offline_rounds_tokens_per_s"] = {label: [rd[label]["throughput_tokens_per_s"] for rd in rounds] for label, _, _ in runs}
     results["ratios"] = ratios
     print(table(rows))
+    if a.repeats > 1:
+        for label, per_round in results["offline_rounds_tokens_per_s"].items():
+            print(f"  {label:<30} tok/s by round: " + ", ".join(f"{v:.1f}" for v in per_round))
     for k, v in ratios.items():
         print(f"{k:<45} {v:6.2f}x")
 
@@ -138,18 +162,36 @@ def main() -> int:
 
     # 3. Sweeps.
     if a.sweep_adapters:
-        points = []
-        for n in (int(x) for x in a.sweep_adapters.split(",")):
+        counts = [int(x) for x in a.sweep_adapters.split(",")]
+        prepared = {}
+        for n in counts:
             w = offline(generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf")))
-            log(f"sweep: {n} adapters (zipf alpha {spec.alpha}), offline")
-            m, ads = prepare(w, setup)
-            s = summarize(run_lorafleet(w, setup, m, ads, f"{n} adapters"), a.slo_ttft, a.slo_tpot)
+            prepared[n] = (w, *prepare(w, setup))
+        sweep_rounds: list[dict[int, dict]] = []
+        for r in range(a.repeats):
+            sweep_rounds.append({})
+            for n in counts:
+                log(f"sweep: {n} adapters (zipf alpha {spec.alpha}), offline" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
+                w, m, ads = prepared[n]
+                sweep_rounds[-1][n] = summarize(run_lorafleet(w, setup, m, ads, f"{n} adapters"), a.slo_ttft, a.slo_tpot)
+        points = []
+        for n in counts:
+            s = median_round([rd[n] for rd in sweep_rounds])
             points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"]))
         base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
         plots.throughput_vs_adapters([(n, t) for n, t, _ in points], base_tp, out / "throughput_vs_adapters.png")
         results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s} for n, t, s in points]
+        if len(counts) > 1:  # the largest count against the smallest, per round
+            lo, hi = min(counts), max(counts)
+            results["sweep_ratio_most_vs_fewest_adapters"] = {
+                "adapters": [lo, hi],
+                "ratio": statistics.median(rd[hi]["throughput_tokens_per_s"] / rd[lo]["throughput_tokens_per_s"] for rd in sweep_rounds),
+            }
         for n, t, s in points:
             print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")
+        if "sweep_ratio_most_vs_fewest_adapters" in results:
+            sr = results["sweep_ratio_most_vs_fewest_adapters"]
+            print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
     if a.sweep_rates and not a.url:
         rpoints = []
         for rate in (float(x) for x in a.sweep_rates.split(",")):

@@ -40,7 +40,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--num-requests", "8", "--adapters", "3",
            "--hidden", "64", "--layers", "1", "--input-len", "2,4", "--output-len", "2,5", "--rate", "20", "--loop-requests", "3",
-           "--baselines", "no-adapter,loop,peft", "--sweep-adapters", "2,3", "--sweep-rates", "20"]
+           "--baselines", "no-adapter,loop,peft", "--sweep-adapters", "2,3", "--sweep-rates", "20", "--repeats", "2"]
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
     res = json.loads((out / "summary.json").read_text())
     workload = Workload.load(out / "workload.jsonl")
@@ -58,6 +58,8 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     cache = online["cache"]
     assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == sum(1 for r in workload.requests if r.adapter)
     assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft"}
+    assert all(v > 0 for v in res["ratios"].values())
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
+    assert res["sweep_ratio_most_vs_fewest_adapters"]["adapters"] == [2, 3] and res["sweep_ratio_most_vs_fewest_adapters"]["ratio"] > 0
     for png in ("per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):
         assert (out / png).stat().st_size > 1000

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CPU benchmarks in one go (about 10 minutes on 2 cores): the LoRA op benchmark and the
-# serving benchmark with baselines, sweeps and plots. Usage: benchmarks/cpu/run_all.sh OUTDIR
+# CPU benchmarks in one go (about 8 minutes on 2 cores): the LoRA op benchmark, the serving
+# benchmark with baselines, sweeps and plots (twice: max_loras 8 and 16), and engine throughput. Usage: benchmarks/cpu/run_all.sh OUTDIR
 set -euo pipefail
 out=${1:?usage: benchmarks/cpu/run_all.sh OUTDIR}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -16,6 +16,12 @@ echo "== LoRA ops (cpu)"
 "$py" "$root/benchmarks/lora_ops.py" --device cpu --json "$out/lora_ops.json" | tee "$out/lora_ops.txt"
 echo "== serving benchmark (cpu)"
 "$py" "$root/benchmarks/serve.py" --out "$out/serve" --num-requests 48 --adapters 16 --popularity zipf --alpha 1 \
-  --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 8 \
+  --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 8 --repeats 3 \
   --loop-requests 12 --sweep-adapters 16,100,500 --sweep-rates 1,2,4 --ranks 8,16 | tee "$out/serve.txt"
+echo "== serving benchmark (cpu), every adapter of the workload fitting one step (max_loras 16)"
+"$py" "$root/benchmarks/serve.py" --out "$out/serve-ml16" --workdir "$out/serve/weights" --num-requests 48 --adapters 16 \
+  --popularity zipf --alpha 1 --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 16 \
+  --repeats 3 --baselines no-adapter,peft --sweep-adapters '' --sweep-rates '' --ranks 8,16 | tee "$out/serve-ml16.txt"
+echo "== engine throughput (cpu)"
+"$py" "$root/benchmarks/engine_throughput.py" --out "$out/engine_throughput.json" | tail -4 | tee "$out/engine_throughput.txt"
 echo "results in $out"

@@ -4,11 +4,13 @@ Requests are taken in arrival order in batches of ``batch_size`` (PEFT batches
 statically: a batch runs until its longest request is done). Each batch is
 left-padded, every row generates exactly its own ``output_tokens`` (``min_new_tokens``
 = ``max_new_tokens`` = the batch maximum; shorter rows' extra tokens are not counted).
-Throughput = useful output tokens / wall time. Arrival times are not replayed: this
-is the offline (all-requests-ready) throughput of the peer.
+Throughput = useful output tokens / wall time, after one untimed 2-token warm-up batch.
+Arrival times are not replayed: this is the offline (all-requests-ready) throughput of
+the peer.
 """
 from __future__ import annotations
 
+import multiprocessing
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,6 +38,11 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
     model.eval()
     records: list[RequestRecord] = []
     ordered = sorted(requests, key=lambda r: r.arrival_s)
+    with torch.inference_mode():  # untimed warm-up (first-call initialisation), as the engine's process is warm too
+        warm = ordered[:batch_size]
+        enc = tok([r.prompt for r in warm], return_tensors="pt", padding=True)
+        extra = {"adapter_names": [r.adapter or "__base__" for r in warm]} if used else {}
+        model.generate(**enc, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id, **extra)
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(ordered), batch_size):
@@ -52,3 +59,12 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
                 rec.latency = t1 - start
                 records.append(rec)
     return ReplayResult(label, records, time.perf_counter() - start)
+
+
+def run_peft_in_subprocess(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8,
+                           label: str = "transformers+peft") -> ReplayResult:  # fmt: skip
+    """``run_peft`` in a freshly spawned process, so transformers' allocations and threads
+    do not stay in the benchmark's process: engine runs after an in-process PEFT run were
+    measured up to ~25% slower than before it (docs/benchmarks.md, "Serving benchmark")."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(run_peft, (str(model_dir), dict(adapters), list(requests), batch_size, label))
