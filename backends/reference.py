@@ -21,6 +21,7 @@ repeating kv heads).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -180,13 +181,15 @@ class SlotViews:
     @classmethod
     def cached(cls, weights: Sequence[LoRASliceWeights], slot: int) -> "SlotViews":
         """``build``, memoised in ``weights[0].view_cache`` until a slot write or a buffer swap."""
-        stamp = tuple((id(w), w.version, id(w.a_rows), id(w.b_rows)) for w in weights)
+        stamp = tuple((w.version, id(w.a_rows), id(w.b_rows), w.host_start[slot], w.host_rank[slot], w.host_scale[slot]) for w in weights)
         hit = weights[0].view_cache.get(("row_ranges", slot))
-        if hit is not None and hit[0] == stamp:
-            return hit[2]
+        if hit is not None and hit[0] == stamp and len(hit[1]) == len(weights) and all(r() is w for r, w in zip(hit[1], weights)):
+            return hit[3]
         views = cls.build(weights, slot)
-        # keep the stamped objects alive with the entry, so their ids cannot be reused
-        weights[0].view_cache[("row_ranges", slot)] = (stamp, [(w, w.a_rows, w.b_rows) for w in weights], views)
+        # Weak references to the slices (a strong one to weights[0] would be a cycle); the
+        # stamped buffers are kept alive with the entry, so their ids cannot be reused.
+        members = [weakref.ref(w) for w in weights]
+        weights[0].view_cache[("row_ranges", slot)] = (stamp, members, [(w.a_rows, w.b_rows) for w in weights], views)
         return views
 
 
@@ -210,7 +213,7 @@ def apply_row_ranges(
     if first is None:
         raise ValueError("apply_row_ranges: the rows with an adapter are not one run in slot order (meta.first_row is None)")
     starts = meta.host_seg_starts
-    in_fp32 = x.dtype == y.dtype == torch.float32
+    in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
     for k, slot in enumerate(meta.host_seg_slots):
         lo, hi = first + starts[k], first + starts[k + 1]

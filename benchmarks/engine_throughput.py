@@ -7,8 +7,9 @@ Builds a random llama (hidden 512, 4 layers) with transformers and random PEFT a
 folders in a temp dir; nothing is downloaded. Throughput = generated tokens / wall time
 of one LLMEngine run to completion (all requests submitted up front); every config runs
 ``--rounds`` times, interleaved, and ratios are the median of within-round ratios. Every LoRA run
-uses the same engine config (``--max-loras`` slots); the 200-adapter run is repeated
-with 8 slots, where a step can hold at most 8 of the ~21 adapters in play.
+uses the same engine config (``--max-loras`` slots); unless that is 8 already, the
+200-adapter run is repeated with 8 slots, where a step can hold at most 8 of the ~21
+adapters in play.
 """
 from __future__ import annotations
 

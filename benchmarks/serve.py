@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,11 @@ from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_
 def offline(workload: Workload) -> Workload:
     """The same requests, all arriving at t=0."""
     return dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
+
+
+def upper_median(values: list[float]) -> float:
+    """The median; for an even count the upper of the two middle values (as ``median_round``)."""
+    return sorted(values)[len(values) // 2]
 
 
 def median_round(summaries: list[dict]) -> dict:
@@ -115,7 +119,7 @@ def main() -> int:
     by_label = {r["label"]: r for r in rows}
 
     def ratio(num: str, den: str) -> float:
-        return statistics.median(rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in rounds)
+        return upper_median([rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in rounds])
 
     ratios = {}
     if "(a) no adapters" in by_label:
@@ -185,7 +189,7 @@ def main() -> int:
             lo, hi = min(counts), max(counts)
             results["sweep_ratio_most_vs_fewest_adapters"] = {
                 "adapters": [lo, hi],
-                "ratio": statistics.median(rd[hi]["throughput_tokens_per_s"] / rd[lo]["throughput_tokens_per_s"] for rd in sweep_rounds),
+                "ratio": upper_median([rd[hi]["throughput_tokens_per_s"] / rd[lo]["throughput_tokens_per_s"] for rd in sweep_rounds]),
             }
         for n, t, s in points:
             print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")

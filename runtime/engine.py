@@ -346,4 +346,10 @@ class LLMEngine:
         }
 
     def close(self) -> None:
+        """Stop the pool's loader and free the model, KV cache and LoRA buffers now.
+
+        The engine, its pool and their callbacks form reference cycles, so without the
+        explicit release their memory (~0.8 GB for the serving benchmark's small model)
+        would stay until Python's cycle collector happened to run."""
         self.pool.close()
+        self.runner.release()

@@ -151,27 +151,34 @@ class ModelRunner:
             weights.clear_slot(slot)
 
     def _check_slot(self, slot: int) -> None:
+        self._require_model()
         if not 0 <= slot < self.config.max_loras:
             raise ValueError(f"slot {slot} is out of range 0..{self.config.max_loras - 1} (max_loras)")
 
     # ---- forward ------------------------------------------------------------------------
 
+    def release(self) -> None:
+        """Drop the model weights, KV cache, LoRA buffers and workspace (idempotent). The
+        runner is unusable afterwards: ``execute`` and ``memory_report`` raise."""
+        self.model = None
+        self.kv_caches = []
+        self.workspace = None
+
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise RuntimeError("ModelRunner: released (its engine was closed); create a new engine")
+
     @torch.inference_mode()
     def execute(self, steps: Sequence[SeqStep]) -> Tensor:
         """Run one step; float32 logits [n_sampled, vocab] for the last token of each sampled step."""
+        self._require_model()
         if not steps:
             raise ValueError("execute: no steps")
         tokens: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
         vocab = self.model_config.vocab_size
-        # Sequences run grouped by adapter slot (base-model rows last), so every LoRA
-        # segment is a contiguous row range (``LoRABatchMeta.first_row``); logits still
-        # come back in the callers' order.
-        caller_index = sorted(range(len(steps)), key=lambda i: (steps[i].lora_slot == NO_ADAPTER, steps[i].lora_slot))
-        sample_row_of: dict[int, int] = {}
-        for i in caller_index:  # ``i`` stays the caller's index, for error messages
-            step = steps[i]
+        for i, step in enumerate(steps):
             if step.end_pos > self.max_model_len:
                 raise ValueError(f"steps[{i}]: positions up to {step.end_pos - 1} exceed max_model_len={self.max_model_len}")
             if step.lora_slot >= self.config.max_loras:
@@ -179,6 +186,13 @@ class ModelRunner:
             bad = [t for t in step.token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"steps[{i}]: token ids {bad[:4]} are outside the vocabulary (size {vocab})")
+        # Sequences run grouped by adapter slot (base-model rows last), so every LoRA
+        # segment is a contiguous row range (``LoRABatchMeta.first_row``); logits still
+        # come back in the callers' order.
+        caller_index = sorted(range(len(steps)), key=lambda i: (steps[i].lora_slot == NO_ADAPTER, steps[i].lora_slot))
+        sample_row_of: dict[int, int] = {}
+        for i in caller_index:
+            step = steps[i]
             tokens.extend(step.token_ids)
             positions.extend(range(step.start_pos, step.end_pos))
             token_slots.extend([step.lora_slot] * len(step.token_ids))
@@ -210,6 +224,7 @@ class ModelRunner:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held on the device: base weights, KV cache, LoRA slice buffers, shrink workspace."""
+        self._require_model()
         lora = sum(
             t.numel() * t.element_size()
             for _, _, w in self.model.all_slices()

@@ -281,3 +281,19 @@ def test_async_engine_streams_matches_sync_and_cancel_aborts(tiny_llama_dir, tin
     snap = engine.snapshot()
     assert snap["running"] == 0 and snap["waiting"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
     engine.shutdown(timeout=5)
+
+
+def test_close_frees_the_model_and_kv_cache_at_once(tiny_llama_dir, tiny_adapters):
+    """The engine and its pool reference each other, so close() must release the big
+    buffers itself rather than leave them to the cycle collector."""
+    import weakref
+
+    engine = make_engine(tiny_llama_dir)
+    engine.register_adapter("a", str(tiny_adapters["a"]))
+    run_alone(engine, "r0", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "a")
+    kv = weakref.ref(engine.runner.kv_caches[0])
+    some_lora_buffer = weakref.ref(next(iter(engine.runner.model.all_slices()))[2].b_rows)
+    engine.close()
+    assert kv() is None and some_lora_buffer() is None
+    with pytest.raises(RuntimeError, match="released"):
+        engine.runner.memory_report()

@@ -261,8 +261,13 @@ def test_row_ranges_see_slot_rewrites(layout):
         weights[i].clear_slot(3)
         host.pop((3, i), None)
     check()
-    if layout == "separate":  # a reallocated buffer (same contents) must not leave stale views behind
-        weights[1].b_rows = weights[1].b_rows.clone()
-        weights[1].b_rows[starts[1] : starts[1] + 4].zero_()
-        host[(2, 1)] = (host[(2, 1)][0], torch.zeros_like(host[(2, 1)][1]), 0.5)
-        check()
+    # Reallocated buffers must not leave stale views behind, nor (interleaved layouts) a
+    # shrink that still reads the shared A buffer the slice no longer uses.
+    weights[1].b_rows = weights[1].b_rows.clone()
+    weights[1].b_rows[starts[1] : starts[1] + 4].zero_()
+    host[(2, 1)] = (host[(2, 1)][0], torch.zeros_like(host[(2, 1)][1]), 0.5)
+    check()
+    weights[0].a_rows = weights[0].a_rows.clone()
+    weights[0].a_rows[starts[0] : starts[0] + 4].zero_()
+    host[(2, 0)] = (torch.zeros_like(host[(2, 0)][0]), host[(2, 0)][1], 0.5)
+    check()

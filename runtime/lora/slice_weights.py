@@ -151,8 +151,12 @@ def interleaved_a(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...
     group = weights[0].a_group if weights else None
     if group is None or len(weights) < 2 or len(weights) != group.shape[1]:
         return None
-    if any(w.a_group is not group or w.group_index != i for i, w in enumerate(weights)):
-        return None
+    for i, w in enumerate(weights):
+        view = group[:, i, :]
+        if w.a_group is not group or w.group_index != i:
+            return None
+        if w.a_rows.data_ptr() != view.data_ptr() or w.a_rows.stride() != view.stride() or w.a_rows.shape != view.shape:
+            return None  # a_rows was replaced: it no longer reads from the group
     return group
 
 

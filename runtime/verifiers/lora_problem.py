@@ -212,7 +212,7 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool) -> dict[str,
         "shrink_err": err_shrink["max_abs_err"],
         "expand_err": err_expand["max_abs_err"],
         "apply_err": max(err_apply["max_abs_err"], err_grouped["max_abs_err"]),
-        "tol_used": max(err_shrink["tol_used"], err_expand["tol_used"], err_apply["tol_used"]),
+        "tol_used": max(err_shrink["tol_used"], err_expand["tol_used"], err_apply["tol_used"], err_grouped["tol_used"]),
         "shrink_ms": shrink_ms,
         "expand_ms": expand_ms,
     }
