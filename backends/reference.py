@@ -179,18 +179,20 @@ class SlotViews:
         return cls(a_block, block[1] if block is not None else 0, tuple(slices))
 
     @classmethod
-    def cached(cls, weights: Sequence[LoRASliceWeights], slot: int) -> "SlotViews":
-        """``build``, memoised in ``weights[0].view_cache`` until a slot write or a buffer swap."""
-        stamp = tuple((w.version, id(w.a_rows), id(w.b_rows), w.host_start[slot], w.host_rank[slot], w.host_scale[slot]) for w in weights)
-        hit = weights[0].view_cache.get(("row_ranges", slot))
-        if hit is not None and hit[0] == stamp and len(hit[1]) == len(weights) and all(r() is w for r, w in zip(hit[1], weights)):
-            return hit[3]
-        views = cls.build(weights, slot)
-        # Weak references to the slices (a strong one to weights[0] would be a cycle); the
-        # stamped buffers are kept alive with the entry, so their ids cannot be reused.
-        members = [weakref.ref(w) for w in weights]
-        weights[0].view_cache[("row_ranges", slot)] = (stamp, members, [(w.a_rows, w.b_rows) for w in weights], views)
-        return views
+    def cache_for(cls, weights: Sequence[LoRASliceWeights]) -> dict[int, "SlotViews"]:
+        """slot -> views for these slices, kept in ``weights[0].view_cache`` and emptied when a
+        slot write, a buffer swap or any change of the host slot tables made it stale.
+        Checked once per call, so the per-segment cost is one dict lookup."""
+        stamp = tuple(
+            (w.version, id(w.a_rows), id(w.b_rows), tuple(w.host_start), tuple(w.host_rank), tuple(w.host_scale)) for w in weights
+        )
+        entry = weights[0].view_cache.get("row_ranges")
+        if entry is None or entry[0] != stamp or len(entry[1]) != len(weights) or any(r() is not w for r, w in zip(entry[1], weights)):
+            # Weak references to the slices (a strong one to weights[0] would be a cycle); the
+            # stamped buffers are kept alive with the entry, so their ids cannot be reused.
+            entry = (stamp, [weakref.ref(w) for w in weights], [(w.a_rows, w.b_rows) for w in weights], {})
+            weights[0].view_cache["row_ranges"] = entry
+        return entry[3]
 
 
 def apply_row_ranges(
@@ -207,7 +209,7 @@ def apply_row_ranges(
     one expand per slice. float32 expands with an in-place ``addmm_``; other dtypes
     compute in float32 and round into ``y`` once, like the other schedules. Decode steps
     have many one-row segments, where the cost is per op, not math: the operand views
-    are cached per slot (``SlotViews``) rather than sliced again for every segment.
+    are cached per slot (``SlotViews.cache_for``) rather than sliced again for every segment.
     """
     first = meta.first_row
     if first is None:
@@ -215,9 +217,12 @@ def apply_row_ranges(
     starts = meta.host_seg_starts
     in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
+    cache = SlotViews.cache_for(weights)
     for k, slot in enumerate(meta.host_seg_slots):
         lo, hi = first + starts[k], first + starts[k + 1]
-        views = SlotViews.cached(weights, slot)
+        views = cache.get(slot)
+        if views is None:
+            views = cache[slot] = SlotViews.build(weights, slot)
         xs = x[lo:hi] if in_fp32 else x[lo:hi].float()
         if views.a_block is not None:
             # A @ x^T rather than x @ A^T: slice i's h is then h[:r, i].t(), a view that matmul

@@ -8,6 +8,7 @@ slice), and rows with no adapter, over a 3-slice fused projection.
 """
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 
@@ -270,4 +271,14 @@ def test_row_ranges_see_slot_rewrites(layout):
     weights[0].a_rows = weights[0].a_rows.clone()
     weights[0].a_rows[starts[0] : starts[0] + 4].zero_()
     host[(2, 0)] = (torch.zeros_like(host[(2, 0)][0]), host[(2, 0)][1], 0.5)
+    check()
+    # A shallow copy shares the buffers and host tables but not the version counter: a
+    # rescale written through it must still reach the original's next call.
+    for i, w in enumerate(weights):
+        twin = copy.copy(w)
+        if w.host_rank[5]:
+            a, b, _ = host[(5, i)]
+            twin.write_slot(5, w.host_start[5], w.a_rows[w.host_start[5] : w.host_start[5] + w.host_rank[5]].clone(),
+                            w.b_rows[w.host_start[5] : w.host_start[5] + w.host_rank[5]].t().clone(), 3.0)  # fmt: skip
+            host[(5, i)] = (a, b, 3.0)
     check()
