@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench.suite import offline_throughput  # noqa: E402
+from runtime.bench.summary import median_round, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
@@ -91,8 +92,7 @@ def main() -> None:
             rounds.append({name: run(model, ads, picks, prompts, params, **cfg) for name, (ads, picks, cfg) in runs.items()})
         for name in runs:
             per_round = [rd[name] for rd in rounds]
-            results[name] = {**sorted(per_round, key=lambda x: x["tokens_per_s"])[len(per_round) // 2],
-                             "tokens_per_s_rounds": [x["tokens_per_s"] for x in per_round]}  # fmt: skip
+            results[name] = {**median_round(per_round, "tokens_per_s"), "tokens_per_s_rounds": [x["tokens_per_s"] for x in per_round]}
         results["zipf_200_distinct_adapters_used"] = len(set(zipf200))
         mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
         picks = list(mixed) * (16 // len(mixed))
@@ -100,8 +100,7 @@ def main() -> None:
         results["mixed_rank_pool"] = {k: mixed_run["pool"][k] for k in ("device_slots_used", "device_rows_used", "device_bytes_in_use", "device_bytes_if_padded", "device_bytes_capacity")}
     def ratio(num: str, den: str) -> float:
         """Median over rounds of the within-round ratio."""
-        per_round = sorted(rd[num]["tokens_per_s"] / rd[den]["tokens_per_s"] for rd in rounds)
-        return round(per_round[len(per_round) // 2], 3)
+        return round(upper_median([rd[num]["tokens_per_s"] / rd[den]["tokens_per_s"] for rd in rounds]), 3)
 
     results["ratio_multi_lora_vs_base"] = ratio("mixed_8_rank16_uniform", "base_only")
     results["ratio_200_vs_8_zipf"] = ratio("zipf_200_adapters", "zipf_8_adapters")

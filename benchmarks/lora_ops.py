@@ -53,7 +53,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout without install
 
 from backends import get_backend  # noqa: E402
 from runtime.backend_api import apply_lora  # noqa: E402
-from runtime.lora.batch_meta import LoRABatchMeta  # noqa: E402
+from runtime.lora.batch_meta import LoRABatchMeta, adapter_order  # noqa: E402
 from runtime.lora.slice_weights import LoRASliceWeights  # noqa: E402
 
 DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16, "npu": torch.float16}
@@ -183,10 +183,7 @@ def make_weights(in_features: int, outs: Sequence[int], ranks: Sequence[int], dt
     ``interleaved``: the slices' A rows share one buffer, as the model allocates them for
     ops that ask for it (``interleaved_a``)."""
     gen = torch.Generator().manual_seed(seed)
-    if interleaved and len(outs) > 1:
-        allocated = LoRASliceWeights.allocate_interleaved(in_features, list(outs), len(ranks), sum(ranks), dtype, device)
-    else:
-        allocated = [LoRASliceWeights.allocate(in_features, o, len(ranks), sum(ranks), dtype, device) for o in outs]
+    allocated = LoRASliceWeights.allocate_projection(in_features, list(outs), len(ranks), sum(ranks), dtype, device, interleaved)
     slices = []
     for out_features, w in zip(outs, allocated):
         row = 0
@@ -255,7 +252,7 @@ def op_bytes_flops(case: Case, weights: Sequence[LoRASliceWeights], dtype: torch
 
 def engine_order(slots: Sequence[int]) -> list[int]:
     """The rows as the model runner orders a step: grouped by adapter slot, base rows last."""
-    return sorted(slots, key=lambda s: (s < 0, s))
+    return [slots[i] for i in adapter_order(slots)]
 
 
 def schedules(slots: Sequence[int], decode: bool) -> list[tuple[str, list[int], bool]]:

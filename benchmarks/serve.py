@@ -28,7 +28,7 @@ from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import replay_http  # noqa: E402
 from runtime.bench.suite import BenchSetup, prepare, run_lorafleet  # noqa: E402
-from runtime.bench.summary import BASE, percentile, summarize, table  # noqa: E402
+from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
 
@@ -36,16 +36,6 @@ from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_
 def offline(workload: Workload) -> Workload:
     """The same requests, all arriving at t=0."""
     return dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
-
-
-def upper_median(values: list[float]) -> float:
-    """The median; for an even count the upper of the two middle values (as ``median_round``)."""
-    return sorted(values)[len(values) // 2]
-
-
-def median_round(summaries: list[dict]) -> dict:
-    """The summary of the round with the median throughput (the upper median for even counts)."""
-    return sorted(summaries, key=lambda r: r["throughput_tokens_per_s"])[len(summaries) // 2]
 
 
 def log(msg: str) -> None:
@@ -115,7 +105,7 @@ def main() -> int:
         for label, what, fn in runs:
             log(f"offline: {what}" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
             rounds[-1][label] = summarize(fn(), a.slo_ttft, a.slo_tpot)
-    rows = [median_round([rd[label] for rd in rounds]) for label, _, _ in runs]
+    rows = [median_round([rd[label] for rd in rounds], "throughput_tokens_per_s") for label, _, _ in runs]
     by_label = {r["label"]: r for r in rows}
 
     def ratio(num: str, den: str) -> float:
@@ -180,7 +170,7 @@ def main() -> int:
                 sweep_rounds[-1][n] = summarize(run_lorafleet(w, setup, m, ads, f"{n} adapters"), a.slo_ttft, a.slo_tpot)
         points = []
         for n in counts:
-            s = median_round([rd[n] for rd in sweep_rounds])
+            s = median_round([rd[n] for rd in sweep_rounds], "throughput_tokens_per_s")
             points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"]))
         base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
         plots.throughput_vs_adapters([(n, t) for n, t, _ in points], base_tp, out / "throughput_vs_adapters.png")

@@ -26,7 +26,7 @@ from runtime.capabilities import require
 from runtime.config import ConfigError, EngineConfig
 from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.adapter import LoRAAdapter
-from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta
+from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta, adapter_order
 from runtime.models.hf_config import load_model_config
 from runtime.models.llama import LlamaModel, LoRAPoolShape, StepContext, lora_targets
 from runtime.models.loader import checkpoint_quantization, load_weights, torch_dtype
@@ -189,7 +189,7 @@ class ModelRunner:
         # Sequences run grouped by adapter slot (base-model rows last), so every LoRA
         # segment is a contiguous row range (``LoRABatchMeta.first_row``); logits still
         # come back in the callers' order.
-        caller_index = sorted(range(len(steps)), key=lambda i: (steps[i].lora_slot == NO_ADAPTER, steps[i].lora_slot))
+        caller_index = adapter_order([s.lora_slot for s in steps])
         sample_row_of: dict[int, int] = {}
         for i in caller_index:
             step = steps[i]

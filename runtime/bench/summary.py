@@ -24,6 +24,17 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
+def upper_median(values: Sequence[float]) -> float:
+    """The median; for an even count the upper of the two middle values, so that it is
+    always one of the measured values (as ``median_round``'s pick)."""
+    return sorted(values)[len(values) // 2]
+
+
+def median_round(runs: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Of one config's runs in several rounds, the one with the median ``key`` (upper median)."""
+    return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+
+
 def _latency_block(records: Sequence[RequestRecord]) -> dict[str, Any]:
     ttft = [r.ttft for r in records if r.ttft is not None]
     tpot = [r.tpot for r in records if r.tpot is not None]

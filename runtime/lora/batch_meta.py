@@ -29,6 +29,12 @@ from torch import Tensor
 NO_ADAPTER = -1
 
 
+def adapter_order(slots: Sequence[int]) -> list[int]:
+    """Indices of ``slots`` grouped by adapter slot, ascending, rows with no adapter (-1)
+    last; stable. Running a step's rows in this order makes ``first_row`` set."""
+    return sorted(range(len(slots)), key=lambda i: (slots[i] == NO_ADAPTER, slots[i]))
+
+
 @dataclass(frozen=True)
 class LoRABatchMeta:
     """Row -> adapter-slot mapping for one step (see module docstring for the math)."""

@@ -99,6 +99,23 @@ class LoRASliceWeights:
             slices.append(w)
         return slices
 
+    @classmethod
+    def allocate_projection(
+        cls,
+        in_features: int,
+        outs: "list[int] | tuple[int, ...]",
+        max_slots: int,
+        row_capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        interleaved: bool = False,
+    ) -> "list[LoRASliceWeights]":
+        """The slices of one fused projection: A rows interleaved when asked for and there
+        is more than one slice, else one plain buffer pair per slice."""
+        if interleaved and len(outs) > 1:
+            return cls.allocate_interleaved(in_features, outs, max_slots, row_capacity, dtype, device)
+        return [cls.allocate(in_features, out, max_slots, row_capacity, dtype, device) for out in outs]
+
     @property
     def in_features(self) -> int:
         return int(self.a_rows.shape[1])

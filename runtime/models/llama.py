@@ -89,11 +89,9 @@ class DecoderLayer:
             if any(b is not None for b in biases) and any(b is None for b in biases):
                 raise ValueError(f"layer {idx}: {fused} has a bias on some slices only")
             bias = fuse([b for b in biases if b is not None]) if biases[0] is not None else None
-            shape = dict(max_slots=pool.max_slots, row_capacity=pool.row_capacity, dtype=dtype, device=device)
-            if pool.interleaved_a and len(names) > 1:
-                slices = LoRASliceWeights.allocate_interleaved(targets[names[0]][0], [targets[n][1] for n in names], **shape)
-            else:
-                slices = [LoRASliceWeights.allocate(*targets[n], **shape) for n in names]
+            slices = LoRASliceWeights.allocate_projection(
+                targets[names[0]][0], [targets[n][1] for n in names], pool.max_slots, pool.row_capacity, dtype, device, pool.interleaved_a
+            )
             return LoRALinear(fuse(weights), bias, names, [targets[n][1] for n in names], slices)
 
         self.input_norm = w[p + "input_layernorm.weight"]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from runtime.backend_api import apply_lora
-from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta
+from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta, adapter_order
 from runtime.lora.slice_weights import LoRASliceWeights
 from runtime.verifiers.numerics import compare, unchanged
 from runtime.verifiers.result import VerificationFailure
@@ -86,10 +86,7 @@ def build_problem(
     for s in order:
         starts[s], cursor = cursor, cursor + slot_ranks[s]
     weights, a64, b64, scales, ranks = [], [], [], [], []
-    if interleaved and len(slice_outs) > 1:
-        allocated = LoRASliceWeights.allocate_interleaved(in_features, list(slice_outs), n_slots, cursor, dtype, device)
-    else:
-        allocated = [LoRASliceWeights.allocate(in_features, o, n_slots, cursor, dtype, device) for o in slice_outs]
+    allocated = LoRASliceWeights.allocate_projection(in_features, list(slice_outs), n_slots, cursor, dtype, device, interleaved)
     for i, (out_features, w) in enumerate(zip(slice_outs, allocated)):
         a_i, b_i, sc_i, r_i = {}, {}, {}, []
         for s, r in enumerate(slot_ranks):
@@ -198,7 +195,7 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool) -> dict[str,
     unchanged(f"apply_lora ({tag}): untouched entries", y2.cpu()[~y_mask], y0[~y_mask])
 
     # The same rows in engine order (grouped by slot, base rows last, as ModelRunner runs a step).
-    order = sorted(range(t), key=lambda row: (p.token_slots[row] == NO_ADAPTER, p.token_slots[row]))
+    order = adapter_order(p.token_slots)
     grouped = LoRABatchMeta.build([p.token_slots[row] for row in order], p.device, decode_only=decode_only)
     perm = torch.tensor(order)
     y3 = y0[perm].clone().to(p.device)
