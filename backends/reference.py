@@ -249,7 +249,7 @@ class ReferenceLoRAOps:
     engine's adapter-ordered steps).
     """
 
-    # Fused projections get their A rows interleaved (``LoRASliceWeights.allocate_interleaved``):
+    # Fused projections get their A rows interleaved (``LoRASliceWeights.allocate_projection``):
     # one shrink matmul per segment then serves q/k/v (or gate/up) together.
     interleaved_a = True
 

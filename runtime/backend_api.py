@@ -87,7 +87,7 @@ def apply_lora(
     workspace)`` (e.g. Ascend's npu_batch_gather_matmul, which needs x and y in one
     call) gets the whole update in one call instead. Ops that set ``interleaved_a = True``
     get each fused projection's A rows interleaved in one buffer
-    (``LoRASliceWeights.allocate_interleaved``), so one shrink can serve all its slices.
+    (``LoRASliceWeights.allocate_projection``), so one shrink can serve all its slices.
     """
     if not meta.has_lora:
         return

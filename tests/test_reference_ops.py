@@ -59,7 +59,7 @@ def make_weights(dtype: torch.dtype, gen: torch.Generator, layout: str = "separa
     """3 slices; each slot has its own rank per slice (0 = slice untouched). Returns (weights, host copy).
 
     layout: one A buffer per slice; A rows interleaved across the slices
-    (``allocate_interleaved``), each slot's slices starting at one row as the pool
+    (``allocate_projection(..., interleaved=True)``), each slot's slices starting at one row as the pool
     writes them; or interleaved with every slice of a slot at its own start row (the
     one-matmul shrink does not apply and the ops must notice). Unused rows hold finite
     garbage, which no schedule may read."""
@@ -72,7 +72,7 @@ def make_weights(dtype: torch.dtype, gen: torch.Generator, layout: str = "separa
     if layout == "separate":
         weights = [LoRASliceWeights.allocate(IN, out, SLOTS, capacity, dtype, "cpu") for out in OUTS]
     else:
-        weights = LoRASliceWeights.allocate_interleaved(IN, OUTS, SLOTS, capacity, dtype, "cpu")
+        weights = LoRASliceWeights.allocate_projection(IN, OUTS, SLOTS, capacity, dtype, "cpu", interleaved=True)
     for w in weights:
         w.a_rows.copy_(torch.randn(w.a_rows.shape, generator=gen) * 100)
         w.b_rows.copy_(torch.randn(w.b_rows.shape, generator=gen) * 100)

@@ -17,7 +17,7 @@ layout is decided by the adapter pool; this object only holds the tensors and th
 write/clear primitives. ``host_rank`` mirrors ``slot_rank`` on the host, so planners
 (rank buckets, workspace sizes) never read device memory.
 
-Interleaved A (``allocate_interleaved``, for backends whose ops ask for it): the K
+Interleaved A (``allocate_projection(..., interleaved=True)``, for backends whose ops ask for it): the K
 slices of one fused projection (q/k/v, gate/up) read the same ``x``, so their A rows
 can live in one buffer ``a_group[row, i, :] = A row of slice i``. Slice i's ``a_rows``
 is then the strided view ``a_group[:, i, :]``, and an adapter whose slices all start at
@@ -78,28 +78,6 @@ class LoRASliceWeights:
         )
 
     @classmethod
-    def allocate_interleaved(
-        cls,
-        in_features: int,
-        outs: "list[int] | tuple[int, ...]",
-        max_slots: int,
-        row_capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> "list[LoRASliceWeights]":
-        """One slice per entry of ``outs``, all reading the same ``x``, with A rows interleaved
-        in one shared buffer (see module docstring). B buffers stay one per slice."""
-        device = torch.device(device)
-        group = torch.zeros(row_capacity, len(outs), in_features, dtype=dtype, device=device)
-        slices = []
-        for i, out_features in enumerate(outs):
-            w = cls.allocate(in_features, out_features, max_slots, 0, dtype, device)
-            w.a_rows, w.b_rows = group[:, i, :], torch.zeros(row_capacity, out_features, dtype=dtype, device=device)
-            w.a_group, w.group_index = group, i
-            slices.append(w)
-        return slices
-
-    @classmethod
     def allocate_projection(
         cls,
         in_features: int,
@@ -110,11 +88,21 @@ class LoRASliceWeights:
         device: torch.device | str,
         interleaved: bool = False,
     ) -> "list[LoRASliceWeights]":
-        """The slices of one fused projection: A rows interleaved when asked for and there
-        is more than one slice, else one plain buffer pair per slice."""
-        if interleaved and len(outs) > 1:
-            return cls.allocate_interleaved(in_features, outs, max_slots, row_capacity, dtype, device)
-        return [cls.allocate(in_features, out, max_slots, row_capacity, dtype, device) for out in outs]
+        """One slice per entry of ``outs``, all reading the same ``x`` (a fused projection).
+
+        ``interleaved`` (and more than one slice): the A rows share one buffer (see module
+        docstring), B buffers stay one per slice; otherwise every slice gets its own pair."""
+        if not interleaved or len(outs) < 2:
+            return [cls.allocate(in_features, out, max_slots, row_capacity, dtype, device) for out in outs]
+        device = torch.device(device)
+        group = torch.zeros(row_capacity, len(outs), in_features, dtype=dtype, device=device)
+        slices = []
+        for i, out_features in enumerate(outs):
+            w = cls.allocate(in_features, out_features, max_slots, 0, dtype, device)
+            w.a_rows, w.b_rows = group[:, i, :], torch.zeros(row_capacity, out_features, dtype=dtype, device=device)
+            w.a_group, w.group_index = group, i
+            slices.append(w)
+        return slices
 
     @property
     def in_features(self) -> int:

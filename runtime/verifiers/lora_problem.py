@@ -73,7 +73,7 @@ def build_problem(
     interleaved: bool = False,
 ) -> LoRAProblem:
     """Slot s has rank ``slot_ranks[s]`` in every slice except (slice, slot) in ``untargeted``.
-    ``interleaved``: the slices' A rows share one buffer (``allocate_interleaved``), as the
+    ``interleaved``: the slices' A rows share one buffer (``allocate_projection(..., interleaved=True)``), as the
     model allocates them for ops that set ``interleaved_a``."""
     g = torch.Generator().manual_seed(seed)
     n_slots = len(slot_ranks)
