@@ -119,7 +119,8 @@ def build(cfg: ScaleOutConfig) -> Any:
 def deploy(cfg: ScaleOutConfig) -> Any:
     """Start Serve's HTTP proxy on cfg.server.host:port, deploy, register ``initial_adapters``.
 
-    Returns the ingress handle. Blocks until every replica is up.
+    Returns the ingress handle. Blocks until every replica is up and the ingress serves
+    the initial adapters.
     """
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
     registry = start_registry(cfg)
@@ -128,6 +129,7 @@ def deploy(cfg: ScaleOutConfig) -> Any:
         client = RegistryClient(registry, serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), cfg.apply_timeout_s)
         for name, path in cfg.initial_adapters:
             client.register(name, path)
+        handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not serve a stale set first
     return handle
 
 

@@ -42,5 +42,11 @@ class LoraIngress:
         await self.engine.refresh()
         self.engine.start_refresh()
 
+    async def sync_registry(self) -> None:
+        """Take the registry's current view now, instead of at the next periodic refresh
+        (``deploy`` calls this after registering the initial adapters, so that the first
+        request, e.g. ``/v1/models``, already sees all of them)."""
+        await self.engine.refresh()
+
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.engine, self.options, replica_snapshots=self.engine.replica_snapshots)
