@@ -214,15 +214,19 @@ def apply_row_ranges(
     first = meta.first_row
     if first is None:
         raise ValueError("apply_row_ranges: the rows with an adapter are not one run in slot order (meta.first_row is None)")
+    if not any(any(w.host_rank) for w in weights):  # no loaded adapter targets these modules
+        return
     starts = meta.host_seg_starts
     in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
     cache = SlotViews.cache_for(weights)
     for k, slot in enumerate(meta.host_seg_slots):
-        lo, hi = first + starts[k], first + starts[k + 1]
         views = cache.get(slot)
         if views is None:
             views = cache[slot] = SlotViews.build(weights, slot)
+        if not views.slices:  # this adapter does not target these modules
+            continue
+        lo, hi = first + starts[k], first + starts[k + 1]
         xs = x[lo:hi] if in_fp32 else x[lo:hi].float()
         if views.a_block is not None:
             # A @ x^T rather than x @ A^T: slice i's h is then h[:r, i].t(), a view that matmul

@@ -1,9 +1,9 @@
 """Engine throughput on CPU: multi-LoRA continuous batching vs base-only, 8 vs 200 adapters
 (zipf alpha=1), and the adapter pool's device bytes for a mixed-rank set vs padding.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--requests 48] [--out results.json]
+    .venv/bin/python benchmarks/engine_throughput.py [--hidden 512] [--layers 4] [--requests 48] [--out results.json]
 
-Builds a random llama (hidden 512, 4 layers) with transformers and random PEFT adapter
+Builds a random llama (hidden 512 and 4 layers unless ``--hidden``/``--layers`` say otherwise) with transformers and random PEFT adapter
 folders in a temp dir; nothing is downloaded. Throughput = generated tokens / wall time
 of one LLMEngine run to completion (all requests submitted up front); every config runs
 ``--rounds`` times, interleaved, and ratios are the median of within-round ratios. Every LoRA run
@@ -30,13 +30,19 @@ from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_rand
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
 
-SHAPE = LlamaShape(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8)
-DIMS = SHAPE.__dict__
 
 
-def write_adapter(out: Path, rank: int, seed: int) -> Path:
+def model_shape(hidden: int, layers: int) -> LlamaShape:
+    """The benchmark's llama: head dim 64, intermediate 2 x hidden, no GQA."""
+    if hidden % 64:
+        raise SystemExit(f"--hidden must be a multiple of 64 (head dim 64), got {hidden}")
+    return LlamaShape(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                      num_key_value_heads=hidden // 64)  # fmt: skip
+
+
+def write_adapter(out: Path, shape: LlamaShape, rank: int, seed: int) -> Path:
     """A PEFT LoRA folder on q/k/v/o with random A and B (B non-zero)."""
-    return build_random_adapter(out, SHAPE, rank, seed)
+    return build_random_adapter(out, shape, rank, seed)
 
 
 def zipf_choice(rng: random.Random, n: int, alpha: float = 1.0) -> int:
@@ -53,6 +59,8 @@ def run(model: Path, adapters: dict[str, Path], picks: list, prompts: list, para
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512, help="model hidden size (multiple of 64; the issue's range is 512-1024)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -64,17 +72,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rng = random.Random(0)
-    results: dict = {"config": vars(args), "model": DIMS}
+    shape = model_shape(args.hidden, args.layers)
+    results: dict = {"config": vars(args), "model": dict(shape.__dict__)}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_random_llama(root / "model", SHAPE)
+        model = build_random_llama(root / "model", shape)
         prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in range(args.requests)]
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         if args.rounds < 1:
             parser.error(f"--rounds must be >= 1, got {args.rounds}")
         lora_cfg = dict(max_loras=args.max_loras, max_lora_rank=16, max_cpu_loras=max(32, args.max_loras))
-        eight = {f"a{i}": write_adapter(root / f"a{i}", 16, i) for i in range(8)}
-        many = {f"z{i}": write_adapter(root / f"z{i}", 16, 1000 + i) for i in range(200)}
+        eight = {f"a{i}": write_adapter(root / f"a{i}", shape, 16, i) for i in range(8)}
+        many = {f"z{i}": write_adapter(root / f"z{i}", shape, 16, 1000 + i) for i in range(200)}
         picks8 = [f"a{i % 8}" for i in range(args.requests)]
         zipf8 = [f"a{zipf_choice(rng, 8)}" for _ in range(args.requests)]
         zipf200 = [f"z{zipf_choice(rng, 200)}" for _ in range(args.requests)]
@@ -94,7 +103,7 @@ def main() -> None:
             per_round = [rd[name] for rd in rounds]
             results[name] = {**median_round(per_round, "tokens_per_s"), "tokens_per_s_rounds": [x["tokens_per_s"] for x in per_round]}
         results["zipf_200_distinct_adapters_used"] = len(set(zipf200))
-        mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
+        mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", shape, r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
         picks = list(mixed) * (16 // len(mixed))
         mixed_run = run(model, mixed, picks, prompts[:16], SamplingParams(max_tokens=2, ignore_eos=True), max_loras=8, max_lora_rank=64, max_cpu_loras=8)
         results["mixed_rank_pool"] = {k: mixed_run["pool"][k] for k in ("device_slots_used", "device_rows_used", "device_bytes_in_use", "device_bytes_if_padded", "device_bytes_capacity")}
