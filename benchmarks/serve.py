@@ -55,7 +55,9 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none')")
     p.add_argument("--loop-requests", type=int, default=16, help="requests for the per-request loop (it is slow)")
-    p.add_argument("--peft-batch", type=int, default=8)
+    p.add_argument("--peft-batch", type=int, default=None,
+                   help="PEFT's static batch size (default: --max-num-seqs, the engine's batch cap, so both systems may batch "
+                        "as many requests)")  # fmt: skip
     p.add_argument("--sweep-adapters", default="16,100,500", help="adapter counts for the throughput sweep ('' to skip)")
     p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates for the latency sweep ('' to skip)")
     p.add_argument("--repeats", type=int, default=1,
@@ -68,6 +70,10 @@ def main() -> int:
     a = p.parse_args()
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.peft_batch is None:
+        a.peft_batch = a.max_num_seqs
+    if a.peft_batch < 1:
+        p.error(f"--peft-batch must be >= 1, got {a.peft_batch}")
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,6 +89,8 @@ def main() -> int:
     log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s")
     model_dir, adapters = prepare(workload, setup)
     results: dict[str, object] = {"spec": dataclasses.asdict(spec), "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()}}
+    if "peft" in baselines:
+        results["peft_batch"] = a.peft_batch
 
     # 1. Offline throughput, side by side, in --repeats interleaved rounds.
     off = offline(workload)
@@ -97,7 +105,7 @@ def main() -> int:
         runs.append(("lorafleet on loop subset", "lorafleet on the loop's subset",
                      lambda: run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset")))  # fmt: skip
     if "peft" in baselines:
-        runs.append(("(c) transformers+peft", "(c) transformers + PEFT mixed-adapter generate",
+        runs.append(("(c) transformers+peft", f"(c) transformers + PEFT mixed-adapter generate, static batches of {a.peft_batch}",
                      lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft")))  # fmt: skip
     rounds: list[dict[str, dict]] = []
     for r in range(a.repeats):

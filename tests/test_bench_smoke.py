@@ -57,6 +57,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
         assert block["ttft_p50_s"] <= block["ttft_p99_s"] and block["tpot_p50_s"] <= block["tpot_p99_s"]
     cache = online["cache"]
     assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == sum(1 for r in workload.requests if r.adapter)
+    assert res["peft_batch"] == 32  # defaults to the engine's batch cap (--max-num-seqs)
     assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft"}
     assert all(v > 0 for v in res["ratios"].values())
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]

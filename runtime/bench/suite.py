@@ -44,7 +44,8 @@ def prepare(workload: Any, setup: BenchSetup) -> tuple[Path, dict[str, Path]]:
         build_random_llama(model_dir, setup.shape)
     adapters = {}
     for i, (name, rank) in enumerate(sorted(workload.adapter_ranks.items())):
-        path = setup.workdir / "adapters" / f"{name}-r{rank}-{'-'.join(setup.targets)}"
+        # The model shape is in the folder name too, so runs of different shapes can share a workdir.
+        path = setup.workdir / "adapters" / f"{model_dir.name}-{name}-r{rank}-{'-'.join(setup.targets)}"
         if not (path / "adapter_config.json").is_file():
             build_random_adapter(path, setup.shape, rank, seed=1000 + i, targets=setup.targets)
         adapters[name] = path
