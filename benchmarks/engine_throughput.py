@@ -105,7 +105,8 @@ def main() -> None:
         results["zipf_200_distinct_adapters_used"] = len(set(zipf200))
         mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", shape, r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
         picks = list(mixed) * (16 // len(mixed))
-        mixed_run = run(model, mixed, picks, prompts[:16], SamplingParams(max_tokens=2, ignore_eos=True), max_loras=8, max_lora_rank=64, max_cpu_loras=8)
+        mixed_prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in picks]  # every adapter resident, whatever --requests
+        mixed_run = run(model, mixed, picks, mixed_prompts, SamplingParams(max_tokens=2, ignore_eos=True), max_loras=8, max_lora_rank=64, max_cpu_loras=8)
         results["mixed_rank_pool"] = {k: mixed_run["pool"][k] for k in ("device_slots_used", "device_rows_used", "device_bytes_in_use", "device_bytes_if_padded", "device_bytes_capacity")}
     def ratio(num: str, den: str) -> float:
         """Median over rounds of the within-round ratio."""

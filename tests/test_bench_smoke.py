@@ -64,3 +64,25 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     assert res["sweep_ratio_most_vs_fewest_adapters"]["adapters"] == [2, 3] and res["sweep_ratio_most_vs_fewest_adapters"]["ratio"] > 0
     for png in ("per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_engine_throughput_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/engine_throughput.py on a 1-layer hidden-64 model: every run generates every
+    token, the rounds and ratios are all there, and the mixed-rank pool costs less than padding."""
+    out = tmp_path / "engine.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_throughput.py"), "--hidden", "64", "--layers", "1", "--requests", "6",
+           "--max-tokens", "3", "--prompt-len", "4", "--rounds", "2", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["model"]["hidden_size"] == 64 and res["model"]["num_hidden_layers"] == 1  # --hidden/--layers are honoured
+    runs = ["base_only", "mixed_8_rank16_uniform", "zipf_8_adapters", "zipf_200_adapters", "zipf_200_adapters_max_loras_8"]
+    for name in runs:
+        assert res[name]["tokens"] == 6 * 3, name
+        assert len(res[name]["tokens_per_s_rounds"]) == 2 and res[name]["tokens_per_s"] in res[name]["tokens_per_s_rounds"]
+    assert res["zipf_200_adapters_max_loras_8"]["pool"]["device_slots_total"] == 8
+    assert res["mixed_8_rank16_uniform"]["pool"]["device_slots_used"] == 6  # 6 requests round-robin over a0..a7
+    assert 1 <= res["zipf_200_distinct_adapters_used"] <= 6
+    pool = res["mixed_rank_pool"]
+    assert pool["device_rows_used"] == 2 * (8 + 16 + 32 + 64)
+    assert pool["device_bytes_in_use"] < pool["device_bytes_if_padded"]
+    assert all(res[k] > 0 for k in ("ratio_multi_lora_vs_base", "ratio_200_vs_8_zipf", "ratio_200_max_loras_8_vs_8_zipf"))
