@@ -3,8 +3,9 @@
 
     .venv/bin/python benchmarks/engine_throughput.py [--hidden 512] [--layers 4] [--requests 48] [--out results.json]
 
-Builds a random llama (hidden 512 and 4 layers unless ``--hidden``/``--layers`` say otherwise) with transformers and random PEFT adapter
-folders in a temp dir; nothing is downloaded. Throughput = generated tokens / wall time
+Builds a random llama (hidden 512 and 4 layers unless ``--hidden``/``--layers`` say
+otherwise) with transformers and random PEFT adapter folders in a temp dir; nothing is
+downloaded. Throughput = generated tokens / wall time
 of one LLMEngine run to completion (all requests submitted up front); every config runs
 ``--rounds`` times, interleaved, and ratios are the median of within-round ratios. Every LoRA run
 uses the same engine config (``--max-loras`` slots); unless that is 8 already, the
@@ -29,7 +30,6 @@ from runtime.bench.summary import median_round, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
-
 
 
 def model_shape(hidden: int, layers: int) -> LlamaShape:
