@@ -221,16 +221,20 @@ class Padded:
             y[:, off : off + b.shape[2]] += delta * (scale[idx].to(y.dtype)[:, None] * keep)
 
 
-def per_request_loop(x: torch.Tensor, y: torch.Tensor, weights: Sequence[LoRASliceWeights], slots: Sequence[int], offsets: Sequence[int]) -> None:
-    """No grouping: every row applies its own adapter with its own small matmuls."""
-    for t, slot in enumerate(slots):
+def per_request_loop(
+    x: torch.Tensor, y: torch.Tensor, weights: Sequence[LoRASliceWeights], seq_slots: Sequence[int], rows_per_seq: int, offsets: Sequence[int]
+) -> None:
+    """No grouping across requests: each request applies its own adapter to its own rows
+    (one row in decode, its whole chunk in prefill) with its own small matmuls."""
+    for i, slot in enumerate(seq_slots):
         if slot < 0:
             continue
+        lo, hi = i * rows_per_seq, (i + 1) * rows_per_seq
         for w, off in zip(weights, offsets):
             r, start = w.host_rank[slot], w.host_start[slot]
             if r:
-                h = x[t : t + 1] @ w.a_rows[start : start + r].t()
-                y[t : t + 1, off : off + w.out_features] += w.host_scale[slot] * (h @ w.b_rows[start : start + r])
+                h = x[lo:hi] @ w.a_rows[start : start + r].t()
+                y[lo:hi, off : off + w.out_features] += w.host_scale[slot] * (h @ w.b_rows[start : start + r])
 
 
 def op_bytes_flops(case: Case, weights: Sequence[LoRASliceWeights], dtype: torch.dtype) -> dict[str, float]:
@@ -283,8 +287,14 @@ def bench_case(case: Case, backend, dtype: torch.dtype, timer: Timer) -> list[di
     padded = Padded(weights)
     token_slots = LoRABatchMeta.build(slots, device).token_slots
     padded_s = timer(lambda: padded(x, y, token_slots, offsets))
+    # The loop baseline must compute what the grouped ops compute (same rows, same order).
+    y_loop, y_grouped = y.clone(), y.clone()
+    per_request_loop(x, y_loop, weights, case.seq_slots, case.rows_per_seq, offsets)
+    apply_lora(backend.lora, x, y_grouped, weights, LoRABatchMeta.build(slots, device), offsets, workspace)
+    if not torch.allclose(y_loop.float(), y_grouped.float(), rtol=1e-2, atol=1e-2 * float(y_grouped.float().abs().max())):
+        raise AssertionError(f"{case.name}: the per-request loop and the grouped ops disagree")
     loop_timer = Timer(device, warmup=1, repeats=5 if case.decode else 3)
-    loop_s = loop_timer(lambda: per_request_loop(x, y, weights, slots, offsets))
+    loop_s = loop_timer(lambda: per_request_loop(x, y, weights, case.seq_slots, case.rows_per_seq, offsets))
     rows = []
     for path, path_slots, decode_only in schedules(slots, case.decode):
         meta = LoRABatchMeta.build(path_slots, device, decode_only=decode_only)

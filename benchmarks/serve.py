@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
-from runtime.bench.replay import replay_http  # noqa: E402
+from runtime.bench.replay import replay_http, served_base_model  # noqa: E402
 from runtime.bench.suite import BenchSetup, prepare, run_lorafleet  # noqa: E402
 from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.5)
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
-    p.add_argument("--base-model", help="with --url: the served base model's name")
+    p.add_argument("--base-model", help="with --url: the served base model's name (default: the first entry of /v1/models)")
     a = p.parse_args()
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
@@ -74,6 +74,10 @@ def main() -> int:
         a.peft_batch = a.max_num_seqs
     if a.peft_batch < 1:
         p.error(f"--peft-batch must be >= 1, got {a.peft_batch}")
+    if a.loop_requests < 1 and "loop" in a.baselines.split(","):
+        p.error(f"--loop-requests must be >= 1 with the loop baseline, got {a.loop_requests}")
+    if "peft" in a.baselines.split(",") and a.device not in ("cpu", "cuda"):
+        p.error(f"the PEFT baseline runs on cpu or cuda, not {a.device!r}: drop it with --baselines no-adapter,loop")
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +110,11 @@ def main() -> int:
                      lambda: run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset")))  # fmt: skip
     if "peft" in baselines:
         runs.append(("(c) transformers+peft", f"(c) transformers + PEFT mixed-adapter generate, static batches of {a.peft_batch}",
-                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft")))  # fmt: skip
+                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device)))  # fmt: skip
+    # PEFT gets an untimed warm-up in its process; so does lorafleet: the first engine run of a
+    # process pays one-off initialisation (allocator, thread pools) and would bias round 1.
+    log("warm-up: one untimed lorafleet run on the first 4 requests")
+    run_lorafleet(dataclasses.replace(off, requests=off.requests[:4]), setup, model_dir, adapters, "warm-up")
     rounds: list[dict[str, dict]] = []
     for r in range(a.repeats):
         rounds.append({})
@@ -116,7 +124,10 @@ def main() -> int:
     rows = [median_round([rd[label] for rd in rounds], "throughput_tokens_per_s") for label, _, _ in runs]
     by_label = {r["label"]: r for r in rows}
 
-    def ratio(num: str, den: str) -> float:
+    def ratio(num: str, den: str) -> float | None:
+        """Median of within-round ratios; None if a denominator run produced nothing (every request failed)."""
+        if any(rd[den]["throughput_tokens_per_s"] <= 0 for rd in rounds):
+            return None
         return upper_median([rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in rounds])
 
     ratios = {}
@@ -134,12 +145,12 @@ def main() -> int:
         for label, per_round in results["offline_rounds_tokens_per_s"].items():
             print(f"  {label:<30} tok/s by round: " + ", ".join(f"{v:.1f}" for v in per_round))
     for k, v in ratios.items():
-        print(f"{k:<45} {v:6.2f}x")
+        print(f"{k:<45} " + (f"{v:6.2f}x" if v is not None else "     - (the baseline produced no tokens)"))
 
     # 2. Online replay at the workload's arrival rate.
     log(f"online: replay at {spec.rate} req/s" + (f" over HTTP to {a.url}" if a.url else " in-process"))
     if a.url:
-        online = asyncio.run(replay_http(a.url, a.base_model or "base", workload.requests, "lorafleet online (http)"))
+        online = asyncio.run(replay_http(a.url, a.base_model or served_base_model(a.url), workload.requests, "lorafleet online (http)"))
     else:
         online = run_lorafleet(workload, setup, model_dir, adapters, "lorafleet online")
     on = summarize(online, a.slo_ttft, a.slo_tpot)
@@ -147,7 +158,7 @@ def main() -> int:
     for rec in online.records:
         if rec.ttft is not None:
             ttfts.setdefault(rec.adapter or BASE, []).append(rec.ttft)
-    popular = sorted(ttfts, key=lambda n: -len(ttfts[n]))
+    popular = sorted((n for n in ttfts if n != BASE), key=lambda n: -len(ttfts[n]))  # adapters only, not the base rows
     fairness = None
     if len(popular) >= 2:
         most = percentile(ttfts[popular[0]], 99)
@@ -187,13 +198,17 @@ def main() -> int:
             lo, hi = min(counts), max(counts)
             results["sweep_ratio_most_vs_fewest_adapters"] = {
                 "adapters": [lo, hi],
-                "ratio": upper_median([rd[hi]["throughput_tokens_per_s"] / rd[lo]["throughput_tokens_per_s"] for rd in sweep_rounds]),
+                "ratio": None if any(rd[lo]["throughput_tokens_per_s"] <= 0 for rd in sweep_rounds)
+                else upper_median([rd[hi]["throughput_tokens_per_s"] / rd[lo]["throughput_tokens_per_s"] for rd in sweep_rounds]),
             }
         for n, t, s in points:
             print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")
         if "sweep_ratio_most_vs_fewest_adapters" in results:
             sr = results["sweep_ratio_most_vs_fewest_adapters"]
-            print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
+            if sr["ratio"] is not None:
+                print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
+    if a.sweep_rates and a.url:
+        log("sweep: the arrival-rate sweep runs in-process only; skipped with --url")
     if a.sweep_rates and not a.url:
         rpoints = []
         for rate in (float(x) for x in a.sweep_rates.split(",")):

@@ -36,6 +36,16 @@ def test_percentile_is_ordered_and_interpolates() -> None:
     assert percentile(vals, 25) == 2.0 and percentile([], 50) is None
 
 
+def test_adapter_count_changes_only_the_adapters() -> None:
+    """The 16 -> 500 adapter sweep must compare the same requests: arrivals, base rows, prompts
+    and output lengths do not depend on the adapter set."""
+    spec = WorkloadSpec(num_requests=40, num_adapters=16, popularity="zipf", rate=3.0, base_fraction=0.2, seed=5)
+    few, many = generate(spec), generate(WorkloadSpec(**{**spec.__dict__, "num_adapters": 500, "ranks": (8, 16)}))
+    same = lambda w: [(r.arrival_s, r.adapter is None, r.prompt, r.output_tokens) for r in w.requests]  # noqa: E731
+    assert same(few) == same(many)
+    assert {r.adapter for r in few.requests} != {r.adapter for r in many.requests}  # the adapters do change
+
+
 def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--num-requests", "8", "--adapters", "3",
@@ -56,7 +66,12 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     for block in [online, *online["per_adapter"].values()]:
         assert block["ttft_p50_s"] <= block["ttft_p99_s"] and block["tpot_p50_s"] <= block["tpot_p99_s"]
     cache = online["cache"]
-    assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == sum(1 for r in workload.requests if r.adapter)
+    with_adapter = sum(1 for r in workload.requests if r.adapter)
+    assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == with_adapter
+    assert sum(b["requests"] for b in online["ttft_by_adapter_location"].values()) == with_adapter
+    assert all(online["memory"][k] > 0 for k in ("weights_bytes", "kv_cache_bytes", "lora_pool_bytes", "workspace_bytes"))
+    assert [p["rate"] for p in res["sweep_rates"]] == [20.0]
+    assert offline["(c) transformers+peft"]["adapter_swaps"] is None  # not measured there, so not reported as 0
     assert res["peft_batch"] == 32  # defaults to the engine's batch cap (--max-num-seqs)
     assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft"}
     assert all(v > 0 for v in res["ratios"].values())

@@ -20,7 +20,8 @@ import torch
 from runtime.bench.replay import ReplayResult, RequestRecord
 
 
-def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8, label: str = "transformers+peft") -> ReplayResult:
+def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8, label: str = "transformers+peft",
+             device: str = "cpu") -> ReplayResult:  # fmt: skip
     try:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,7 +29,7 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
         raise RuntimeError(f"the PEFT baseline needs transformers and peft (pip install 'lorafleet[test]'): {err}") from err
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     used = sorted({r.adapter for r in requests if r.adapter is not None})
     model: Any = base
     if used:
@@ -40,19 +41,21 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     with torch.inference_mode():  # untimed warm-up (first-call initialisation), as the engine's process is warm too
         warm = ordered[:batch_size]
-        enc = tok([r.prompt for r in warm], return_tensors="pt", padding=True)
+        enc = tok([r.prompt for r in warm], return_tensors="pt", padding=True).to(device)
         extra = {"adapter_names": [r.adapter or "__base__" for r in warm]} if used else {}
         model.generate(**enc, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id, **extra)
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(ordered), batch_size):
             batch = ordered[i : i + batch_size]
-            enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True)
+            enc = tok([r.prompt for r in batch], return_tensors="pt", padding=True).to(device)
             n_new = max(r.output_tokens for r in batch)
             kwargs = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=tok.pad_token_id)
             if used:
                 kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
             model.generate(**enc, **kwargs)
+            if device != "cpu":
+                torch.cuda.synchronize()
             t1 = time.perf_counter()
             for r in batch:
                 rec = RequestRecord(r.index, r.adapter, r.arrival_s, prompt_tokens=int(len(tok(r.prompt)["input_ids"])), output_tokens=r.output_tokens)
@@ -62,9 +65,9 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
 
 
 def run_peft_in_subprocess(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8,
-                           label: str = "transformers+peft") -> ReplayResult:  # fmt: skip
+                           label: str = "transformers+peft", device: str = "cpu") -> ReplayResult:  # fmt: skip
     """``run_peft`` in a freshly spawned process, so transformers' allocations and threads
     do not stay in the benchmark's process: engine runs after an in-process PEFT run were
     measured up to ~25% slower than before it (docs/benchmarks.md, "Serving benchmark")."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(run_peft, (str(model_dir), dict(adapters), list(requests), batch_size, label))
+        return pool.apply(run_peft, (str(model_dir), dict(adapters), list(requests), batch_size, label, device))

@@ -63,7 +63,7 @@ def _finish(record: RequestRecord, arrival: float, first: Optional[float], last:
     record.output_tokens = n_out
     if first is not None:
         record.ttft = first - arrival
-        record.tpot = (last - first) / (n_out - 1) if n_out > 1 else 0.0
+        record.tpot = (last - first) / (n_out - 1) if n_out > 1 else None  # one token: no inter-token time
         record.latency = last - arrival
     return record
 
@@ -104,19 +104,32 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
     return ReplayResult(label, records, wall, snapshot=engine.snapshot())
 
 
+def served_base_model(base_url: str, api_key: Optional[str] = None) -> str:
+    """The base model's name as a running server lists it (the first entry of /v1/models)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return str(httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"])
+
+
 async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], label: str, api_key: Optional[str] = None,
-                      progress: Optional[Callable[[], None]] = None, timeout_s: float = 600.0) -> ReplayResult:
-    """Stream every request from a running ``lorafleet serve`` (/v1/completions, SSE)."""
+                      progress: Optional[Callable[[], None]] = None, timeout_s: float = 600.0, transport: Any = None) -> ReplayResult:
+    """Stream every request from a running ``lorafleet serve`` (/v1/completions, SSE).
+
+    ``transport``: an httpx transport to use instead of the network (tests pass an ASGI one).
+    The result has no engine snapshot: pool counters are not measured over HTTP."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(1, len(requests)))
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits, transport=transport) as client:
 
         async def run_one(req: Any, arrival: float) -> RequestRecord:
             rec = RequestRecord(req.index, req.adapter, req.arrival_s)
+            # continuous_usage_stats: a chunk with the running token count for every step that made tokens,
+            # so TTFT and TPOT time tokens, not text (a token may decode to no text yet).
             body = {"model": req.adapter or base_model, "prompt": req.prompt, "max_tokens": req.output_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             first, last, n_out = None, arrival, 0
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -131,12 +144,12 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
                             rec.error = chunk["error"]["message"]
                             return rec
                         now = time.perf_counter()
-                        if chunk.get("usage"):
-                            n_out = chunk["usage"]["completion_tokens"]
-                            rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                        elif chunk["choices"] and chunk["choices"][0]["text"]:
-                            first = now if first is None else first
-                            last = now
+                        usage = chunk.get("usage")
+                        if usage:
+                            rec.prompt_tokens = usage["prompt_tokens"]
+                            if usage["completion_tokens"] > n_out:  # this chunk brought new tokens
+                                first = now if first is None else first
+                                last, n_out = now, usage["completion_tokens"]
             except httpx.HTTPError as err:
                 rec.error = f"{type(err).__name__}: {err}"
                 return rec

@@ -56,10 +56,13 @@ def summarize(result: ReplayResult, slo_ttft_s: float, slo_tpot_s: float) -> dic
         per_adapter[r.adapter or BASE].append(r)
         if r.adapter_location is not None:
             by_location[r.adapter_location].append(r)
-    pool_counters = result.snapshot.get("adapters", {}) if result.snapshot else {}
-    swaps = sum(c.get("device_loads", 0) for c in pool_counters.values())
-    hits = {k: sum(c.get(k, 0) for c in pool_counters.values()) for k in ("device_hits", "host_hits", "disk_misses")}
-    arrivals = sum(hits.values())
+    # Pool counters come from the engine's snapshot; a run without one (over HTTP, or the PEFT
+    # baseline) did not measure them: None, not zero.
+    measured = bool(result.snapshot)
+    pool_counters = result.snapshot.get("adapters", {}) if measured else {}
+    swaps = sum(c.get("device_loads", 0) for c in pool_counters.values()) if measured else None
+    hits = {k: sum(c.get(k, 0) for c in pool_counters.values()) if measured else None for k in ("device_hits", "host_hits", "disk_misses")}
+    arrivals = sum(hits.values()) if measured else 0
     return {
         "label": result.label,
         "wall_s": result.wall_s,
@@ -70,9 +73,10 @@ def summarize(result: ReplayResult, slo_ttft_s: float, slo_tpot_s: float) -> dic
         "throughput_tokens_per_s": out_tokens / result.wall_s if result.wall_s > 0 else 0.0,
         "throughput_requests_per_s": len(ok) / result.wall_s if result.wall_s > 0 else 0.0,
         **_latency_block(ok),
-        # No streamed timings (e.g. the PEFT baseline): attainment is unknown, not zero.
+        # No streamed timings (e.g. the PEFT baseline): attainment is unknown, not zero; every request failed: zero.
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s,
-                "attainment": len(met) / len(result.records) if result.records and any(r.ttft is not None for r in ok) else None},
+                "attainment": (len(met) / len(result.records) if any(r.ttft is not None for r in ok) else None) if ok
+                else (0.0 if result.records else None)},
         "adapter_swaps": swaps,
         "cache": {**hits, "device_hit_rate": hits["device_hits"] / arrivals if arrivals else None,
                   "host_or_device_hit_rate": (hits["device_hits"] + hits["host_hits"]) / arrivals if arrivals else None},
@@ -99,6 +103,6 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{s['label']:<28} {s['requests_ok']:>4} {s['requests_failed']:>4} {s['throughput_tokens_per_s']:>9.1f} "
             f"{s['throughput_requests_per_s']:>7.2f} {ms(s['ttft_p50_s'])} {ms(s['ttft_p99_s'])} {ms(s['tpot_p50_s'])} "
-            f"{ms(s['tpot_p99_s'])} {slo(s['slo']['attainment'])} {s['adapter_swaps']:>5}"
+            f"{ms(s['tpot_p99_s'])} {slo(s['slo']['attainment'])} {'-' if s['adapter_swaps'] is None else s['adapter_swaps']:>5}"
         )
     return "\n".join(lines)

@@ -112,21 +112,31 @@ def _choose_adapter(spec: WorkloadSpec, rng: random.Random, i: int, weights: Seq
 
 
 def generate(spec: WorkloadSpec) -> Workload:
-    rng = random.Random(spec.seed)
-    ranks = {adapter_name(k): rng.choice(spec.ranks) for k in range(spec.num_adapters)}
+    """Draw the workload. Each quantity has its own random stream seeded from ``seed``, so two
+    specs that differ only in the adapter set (``num_adapters``, ``popularity``, ``alpha``,
+    ``ranks``) get the same arrivals, base rows, prompts and output lengths: an adapter-count
+    sweep then compares the same requests."""
+
+    def stream(what: str) -> random.Random:
+        return random.Random(f"{spec.seed}:{what}")
+
+    rank_rng, arrival_rng, base_rng, adapter_rng, prompt_rng, output_rng = (
+        stream(w) for w in ("ranks", "arrivals", "base", "adapters", "prompts", "outputs")
+    )
+    ranks = {adapter_name(k): rank_rng.choice(spec.ranks) for k in range(spec.num_adapters)}
     weights = [1.0 / (k + 1) ** spec.alpha for k in range(spec.num_adapters)]
     shape = 1.0 / spec.cv**2  # Gamma inter-arrivals: mean 1/rate, CV = cv
     t = 0.0
     requests = []
     for i in range(spec.num_requests):
         if spec.rate > 0 and i > 0:
-            t += rng.gammavariate(shape, 1.0 / (shape * spec.rate))
-        use_base = rng.random() < spec.base_fraction
-        k = _choose_adapter(spec, rng, i, weights)
-        words = rng.randint(*spec.input_len)
-        prompt = " ".join("".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 6))) for _ in range(words))
+            t += arrival_rng.gammavariate(shape, 1.0 / (shape * spec.rate))
+        use_base = base_rng.random() < spec.base_fraction
+        k = _choose_adapter(spec, adapter_rng, i, weights)
+        words = prompt_rng.randint(*spec.input_len)
+        prompt = " ".join("".join(prompt_rng.choice(_LETTERS) for _ in range(prompt_rng.randint(2, 6))) for _ in range(words))
         name = None if use_base else adapter_name(k)
-        requests.append(WorkloadRequest(i, round(t, 6), name, None if name is None else ranks[name], prompt, words, rng.randint(*spec.output_len)))
+        requests.append(WorkloadRequest(i, round(t, 6), name, None if name is None else ranks[name], prompt, words, output_rng.randint(*spec.output_len)))
     return Workload(spec, ranks, tuple(requests))
 
 

@@ -3,7 +3,9 @@
 In-process by default: a random Llama and random PEFT adapters are written to
 --workdir (reused across runs). With --url it streams the workload from a running
 `lorafleet serve` instead; the server must have adapters named like the workload's
-(lora-0000, lora-0001, ...), or use --adapters 0 ... --base-fraction 1 for the base.
+(lora-0000, lora-0001, ...), or use --base-fraction 1 so every request names the base.
+Over HTTP the adapter pool counters (swaps, cache hits) are not measured: read them from
+the server's /metrics.
 benchmarks/serve.py runs the full suite with baselines and plots.
 """
 from __future__ import annotations
@@ -34,19 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full summary as JSON here")
 
 
-def _base_model(url: str, api_key: str | None) -> str:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-
-
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from tqdm import tqdm
 
-    from runtime.bench.replay import replay_http
+    from runtime.bench.replay import replay_http, served_base_model
     from runtime.bench.summary import summarize, table
     from runtime.bench.suite import BenchSetup, prepare, run_lorafleet
     from runtime.bench.synthetic import LlamaShape
@@ -60,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if args.url:
-            base = args.base_model or _base_model(args.url, args.api_key)
+            base = args.base_model or served_base_model(args.url, args.api_key)
             result = asyncio.run(replay_http(args.url, base, workload.requests, "lorafleet-http", args.api_key, progress=bar.update))
         else:
             heads = max(1, args.hidden // 64)
@@ -77,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     print(table([summary]))
     if summary["cache"]["device_hit_rate"] is not None:
         print(f"adapter device hit rate {summary['cache']['device_hit_rate']:.2f}, swaps {summary['adapter_swaps']}")
+    elif args.url:
+        print("adapter swaps and cache hits: not measured over HTTP (see the server's /metrics)")
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": {"spec": workload.spec.__dict__}, "summary": summary}, indent=2, default=str))
         print(f"wrote {args.json}")

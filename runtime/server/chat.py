@@ -46,6 +46,7 @@ def build_router(state: Any) -> APIRouter:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
             async def events() -> AsyncIterator[str]:
                 yield event(payload("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
@@ -54,12 +55,12 @@ def build_router(state: Any) -> APIRouter:
                     if out.finish_reason == "error":
                         yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                         break
-                    if out.new_text or out.finished:
+                    if out.new_text or out.finished or (continuous and out.new_token_ids):
                         delta = {"content": out.new_text} if out.new_text else {}
                         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(out)}
                         if out.finished and body.return_token_ids:
                             choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
-                        yield event(payload("chat.completion.chunk", choice))
+                        yield event(payload("chat.completion.chunk", choice, usage(out) if continuous else None))
                     last = out
                 else:
                     if include_usage and last is not None:

@@ -73,6 +73,7 @@ def build_router(state: Any) -> APIRouter:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
@@ -80,8 +81,9 @@ def build_router(state: Any) -> APIRouter:
                     if out.finish_reason == "error":
                         yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                         break
-                    if out.new_text or out.finished:
-                        yield event(chunk([_choice(index, out, body.return_token_ids and out.finished, out.new_text)]))
+                    if out.new_text or out.finished or (continuous and out.new_token_ids):
+                        choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text)
+                        yield event(chunk([choice], _usage([out]) if continuous else None))
                     if out.finished:
                         finals[index] = out
                 else:

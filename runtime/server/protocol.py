@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
@@ -18,6 +18,18 @@ MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
+    continuous_usage_stats: bool = Field(
+        False,
+        description="With include_usage: every chunk also carries its choice's usage so far, and a chunk is sent for every "
+        "step that generated tokens, even when they decode to no text yet (a partial UTF-8 character, a special token), "
+        "so a client can time every token.",
+    )
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> "StreamOptions":
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("stream_options.continuous_usage_stats needs stream_options.include_usage")
+        return self
 
 
 class _SamplingFields(BaseModel):

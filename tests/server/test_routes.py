@@ -73,6 +73,24 @@ async def test_stream_matches_whole(app, engine) -> None:
     assert any(ch["choices"] and ch["choices"][0]["finish_reason"] for ch in chunks)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_gives_a_chunk_per_token(app, engine, path) -> None:
+    """stream_options.continuous_usage_stats: every step's token gets a chunk with the running usage,
+    text or not (benchmarks time TTFT/TPOT on it); without include_usage it is a 400."""
+    name = engine.adapters()[0].name
+    body = {"model": name, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "stream": True}
+    body.update({"messages": [{"role": "user", "content": "count"}]} if "chat" in path else {"prompt": "count with me"})
+    async with client_for(app) as c:
+        async with c.stream("POST", path, json={**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+        bad = await c.post(path, json={**body, "stream_options": {"continuous_usage_stats": True}})
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    counts = [ch["usage"]["completion_tokens"] for ch in chunks if ch["choices"] and "usage" in ch]
+    assert counts == list(range(1, 8))  # one chunk per generated token, one token per decode step
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 7
+    assert bad.status_code == 400 and "include_usage" in bad.text
+
+
 async def test_chat_whole_and_stream(app, engine) -> None:
     body = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5, "temperature": 0}
     async with client_for(app) as c:
@@ -183,3 +201,22 @@ async def test_openapi_describes_request_bodies(app) -> None:
     assert {"prompt", "model", "max_tokens", "stream", "return_token_ids"} <= set(comps["CompletionRequest"]["properties"])
     assert "messages" in comps["ChatCompletionRequest"]["properties"]
     assert "/v1/load_lora_adapter" in schema["paths"]
+
+
+async def test_benchmark_http_replay_times_every_token(app, engine) -> None:
+    """runtime.bench.replay.replay_http against the real app: every request gets exactly its
+    output length, TTFT/TPOT come from token counts, and pool counters are not invented."""
+    from runtime.bench.replay import replay_http
+    from runtime.bench.summary import summarize
+    from runtime.bench.workload import WorkloadRequest
+
+    names = [a.name for a in engine.adapters()]
+    reqs = [WorkloadRequest(i, 0.0, names[i % len(names)] if i % 4 else None, 8, "tell me a story", 4, out)
+            for i, out in enumerate([1, 2, 5, 7, 3, 6])]  # fmt: skip
+    result = await replay_http("http://test", engine.model_name, reqs, "http", transport=httpx.ASGITransport(app=app))
+    assert [r.error for r in result.records] == [None] * 6
+    assert [r.output_tokens for r in result.records] == [1, 2, 5, 7, 3, 6]
+    assert all(r.prompt_tokens > 0 and r.ttft is not None and r.ttft >= 0 for r in result.records)
+    assert result.records[0].tpot is None and all(r.tpot is not None and r.tpot >= 0 for r in result.records[1:])
+    summary = summarize(result, 2.0, 0.5)
+    assert summary["output_tokens"] == 24 and summary["adapter_swaps"] is None and summary["cache"]["device_hits"] is None
