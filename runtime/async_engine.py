@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, AsyncIterator, Optional, Sequence
 
 from runtime.config import EngineConfig
@@ -236,8 +236,9 @@ class AsyncLLMEngine:
                     self._wake.wait()
                 if self._stopping:
                     return
+                ran_before = self.engine.steps
                 try:
-                    outputs = self.engine.step()
+                    outputs = self.engine.step(wait_for_loads=False)
                 except Exception as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
                     logger.exception("engine step failed")
                     self.dead_error = f"engine step failed: {type(err).__name__}: {err}"
@@ -245,6 +246,14 @@ class AsyncLLMEngine:
                     self._accepting = False
                     return
                 self._dispatch(outputs)
+                stalled = self.engine.stalled_load_futures()
+                idle = self.engine.steps == ran_before and self.engine.has_unfinished() and not stalled
+            # Nothing can run until an adapter load finishes: wait for it without the lock, so
+            # requests, aborts and snapshots go through meanwhile (briefly, so new runnable work is not held up).
+            if stalled:
+                wait(stalled, timeout=0.05, return_when=FIRST_COMPLETED)
+            elif idle:
+                time.sleep(0.005)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

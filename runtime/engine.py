@@ -103,6 +103,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._request_counters: dict[str, AdapterRequestCounters] = {}
         self.steps = 0
+        self._stalled = False  # the last step found nothing runnable while adapter loads were pending
 
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter_files(self, name: str, path: str) -> LoRAAdapter:
@@ -119,6 +120,7 @@ class LLMEngine:
         """Make a loaded adapter the current version of its name (hot update if the name exists)."""
         ref = AdapterRef(adapter.name, adapter.version)
         previous = self.registry.register(ref, str(path), adapter.max_rank)
+        self.pool.revive(ref)  # same content registered again after an unregister: current, not retired
         self.pool.insert_host(ref, adapter)
         if previous is not None:
             self.pool.retire(previous)
@@ -135,7 +137,10 @@ class LLMEngine:
 
     def _load_registered(self, ref: AdapterRef) -> LoRAAdapter:
         """Pool loader (runs in the pool's load thread): re-read a registered version from disk."""
-        path = self.registry.path_of(ref)
+        try:
+            path = self.registry.path_of(ref)
+        except KeyError:
+            raise AdapterError(f"adapter {ref.name!r} (version {ref.version[:12]}) is no longer registered") from None
         adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
         if adapter.version != ref.version:
             raise AdapterError(
@@ -168,7 +173,7 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
             )
-        need = self.block_manager.blocks_for(n + params.max_tokens)
+        need = self.block_manager.blocks_for(n + params.max_tokens - 1)  # the last sampled token never gets KV
         if need > self.block_manager.num_blocks:
             raise RequestRejected(
                 f"request {request_id!r} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens, "
@@ -222,6 +227,10 @@ class LLMEngine:
             outputs.append(self._output(live, [], finished=True))
         return outputs
 
+    def stalled_load_futures(self) -> list[Any]:
+        """The in-flight adapter loads the last step was stalled on ([] if it ran something)."""
+        return self.pool.load_futures() if self._stalled else []
+
     def has_unfinished(self) -> bool:
         return bool(self._live) or bool(self._pending)
 
@@ -229,15 +238,19 @@ class LLMEngine:
         self._observers.append(callback)
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
+        """One engine step. When nothing can run until an adapter load finishes, it waits for
+        one (up to 1 s) unless ``wait_for_loads`` is False: then ``stalled_load_futures`` tells
+        the caller what to wait on (AsyncLLMEngine waits without holding its lock)."""
         outputs, self._pending = self._pending, []
         for failure in self.pool.poll():
             for live in [l for l in self._live.values() if l.seq.adapter == failure.ref]:
                 self._finish(live, "error", failure.message)
                 outputs.append(self._output(live, [], finished=True))
         sched = self.scheduler.schedule()
+        self._stalled = not sched.chunks and self.scheduler.has_unfinished() and self.pool.loads_pending
         if not sched.chunks:
-            if self.scheduler.has_unfinished() and self.pool.loads_pending:
+            if self._stalled and wait_for_loads:
                 self.pool.wait_for_load(timeout=1.0)  # nothing runnable until an adapter arrives
             return outputs
         self.steps += 1

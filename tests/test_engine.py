@@ -98,12 +98,16 @@ def test_step_never_exceeds_max_loras(tiny_llama_dir, tiny_adapters):
     rng = random.Random(3)
     for rid, prompt, ad in _mixed_workload(rng, list(tiny_adapters), 12):
         engine.add_request(rid, prompt, GREEDY, ad)
-    seen = 0
-    while engine.has_unfinished():
-        sched = engine.scheduler.schedule.__self__  # the scheduler the engine uses
-        engine.step()
-        seen = max(seen, len({s.adapter for s in sched.running if s.adapter is not None}))
-    assert seen in (1, 2)
+    per_step: list[int] = []  # distinct adapter slots in each batch the model actually ran
+    execute = engine.runner.execute
+
+    def counting_execute(steps):
+        per_step.append(len({s.lora_slot for s in steps if s.lora_slot >= 0}))
+        return execute(steps)
+
+    engine.runner.execute = counting_execute
+    run_to_completion(engine)
+    assert per_step and max(per_step) == 2  # the cap is reached, never passed
 
 
 def test_starvation_bound_with_three_adapters(tiny_llama_dir, tiny_adapters):
@@ -225,6 +229,11 @@ def test_add_request_rejects_at_once(tiny_llama_dir, tiny_adapters):
     with pytest.raises(ValueError, match="prompt: token ids"):
         engine.add_request("vocab", [10**6], GREEDY)
     assert not engine.has_unfinished()
+    # The boundary: the last sampled token never gets KV, so 9 + 8 tokens need 16 slots = the whole pool.
+    with pytest.raises(RequestRejected, match="num_kv_blocks"):
+        engine.add_request("one-too-many", [1] * 10, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("fits", [1] * 9, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(run_to_completion(engine)["fits"].token_ids) == 8
 
 
 def test_observer_metrics_and_stop_strings(tiny_llama_dir):

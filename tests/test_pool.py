@@ -2,6 +2,7 @@
 hot update never changes a running request's weights, abort brings refcounts to zero."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from hypothesis import given, settings, strategies as st
@@ -64,6 +65,7 @@ def test_pool_invariants_under_random_operations(operations):
     current = {f"n{i}": new_ref(adapters, f"n{i}", 0, RANKS[i % 4]) for i in range(6)}
     versions = {name: 0 for name in current}
     live: list[dict] = []  # each request: ref, running(bool)
+    pinned: set[AdapterRef] = set()  # demanded versions seen on the host: they must stay there
     for op, k, r in operations:
         name = f"n{k}"
         if op == "demand":
@@ -114,8 +116,10 @@ def test_pool_invariants_under_random_operations(operations):
                 assert writer.slots.get(q["slot"]) == q["weights"]
                 assert pool.slot_of(q["ref"]) == q["slot"]
                 assert q["ref"] in pool.host_refs() or q["ref"] in {e[0] for e in residents.values()}
-        for ref in {q["ref"] for q in live if pool.demand_of(q["ref"]) > 0}:
-            assert ref in pool.host_refs() or not pool.host_ready(ref)
+        demanded = {q["ref"] for q in live if pool.demand_of(q["ref"]) > 0}
+        host_now = set(pool.host_refs())
+        assert pinned & demanded <= host_now, "a host entry was evicted while a request still wants it"
+        pinned = (pinned & demanded) | (demanded & host_now)
         assert writer.slots == residents
     for q in live:  # abort everything: refcounts return to zero
         if q["running"]:
@@ -169,3 +173,73 @@ def test_referenced_slot_blocks_placement_and_reports_blockers():
     assert pool.device_blockers(c, [b, a]) == [b]
     pool.release_device(b)
     assert pool.acquire_device(c) is not None and pool.slot_of(b) is None and pool.slot_of(a) is not None
+
+
+def test_device_resident_adapter_needs_no_disk_reload():
+    """An adapter dropped from the host tier but still resident on the device is ready to run
+    (a device hit, no reload); evicted from the device while still wanted, its reload is queued."""
+    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=1, pool_rows=32)
+    a, b = new_ref(adapters, "a", 0, 8), new_ref(adapters, "b", 0, 8)
+    pool.demand(a)
+    pool.acquire_device(a)
+    pool.release_device(a)
+    pool.undemand(a)  # a: resident on the device, unreferenced
+    assert pool.insert_host(b, adapters[b])  # the 1-entry host tier drops a; its device copy stays
+    assert a not in pool.host_refs() and pool.slot_of(a) == 0
+    assert pool.demand(a) == "device"
+    assert pool.host_ready(a) and pool.snapshot()["loads_queued"] == 0 and pool.counters["a"].loads == 1
+    pool.demand(b)
+    assert pool.acquire_device(b) == 0  # evicts the unreferenced a, which a request still wants
+    assert pool.slot_of(a) is None and not pool.host_ready(a)
+    pool.release_device(b)
+    pool.undemand(b)
+    pool.poll()  # host room again: a's queued reload runs
+    assert pool.host_ready(a) and pool.counters["a"].loads == 2
+
+
+def test_prefetch_replaces_unwanted_unreferenced_residents_only():
+    pool, writer, adapters = make_pool(max_loras=2, max_cpu_loras=4, pool_rows=32)
+    a, b, c = (new_ref(adapters, n, 0, 16) for n in "abc")
+    for ref in (a, b):
+        pool.demand(ref)
+        pool.acquire_device(ref)
+    pool.release_device(b)
+    pool.undemand(b)  # a running, b resident but idle
+    pool.demand(c)  # c waits on the host
+    pool.prefetch([c])
+    assert pool.slot_of(c) is not None and pool.slot_of(b) is None  # b made room; a (referenced) untouched
+    assert pool.slot_of(a) is not None and pool.device_refs_of(c) == 0
+    d = new_ref(adapters, "d", 0, 16)
+    pool.demand(d)
+    pool.prefetch([d, c])  # c is wanted too and a is referenced: no room for d
+    assert pool.slot_of(d) is None and pool.slot_of(c) is not None
+
+
+def test_reregistered_version_is_current_again_and_failed_retired_load_is_forgotten():
+    pool, writer, adapters = make_pool()
+    a = new_ref(adapters, "a", 0, 8)
+    pool.demand(a)
+    pool.retire(a)  # unregistered while a request reads it
+    pool.revive(a)  # the same content registered again
+    pool.undemand(a)  # last reader done: a is current, so it stays
+    assert a in pool.host_refs()
+    # A load in flight when its only request is aborted and its version retired, that then fails:
+    # nobody is told (nobody waits), and the retired mark goes too.
+    release = threading.Event()
+
+    def failing_loader(ref: AdapterRef) -> FakeAdapter:
+        release.wait(10)
+        raise ValueError("the folder is gone")
+
+    slow = AdapterPool(FakeWriter(), failing_loader, 1, 2, 32, max_lora_rank=32)
+    gone = AdapterRef("gone", "v0")
+    try:
+        slow.demand(gone)
+        slow.undemand(gone)
+        slow.retire(gone)
+        release.set()
+        slow.wait_for_load(timeout=10)
+        assert slow.poll() == [] and slow.snapshot()["loads_in_flight"] == 0
+        assert gone not in slow._retired  # noqa: SLF001 - the mark would otherwise purge a later re-registration
+    finally:
+        slow.close()

@@ -25,7 +25,13 @@ References. Two counts per ``AdapterRef``:
   and are evicted least recently used first when rows or slots run out.
 
 Host capacity counts resident entries plus loads in flight. When every host entry is
-demanded, further loads wait in FIFO order until a request finishes.
+demanded, further loads wait in FIFO order until a request finishes. An adapter still
+resident on the device needs no host copy to run; if it is evicted from the device while
+requests still want it and the host no longer holds it, its reload is queued.
+
+Prefetch: after each step the engine passes the waiting requests' adapters; those on the
+host are copied to the device ahead of the step that needs them, into free rows or in
+place of unreferenced residents no waiting request wants (LRU first).
 """
 from __future__ import annotations
 
@@ -73,8 +79,7 @@ class _DeviceEntry:
 
 @dataclass
 class _Load:
-    future: Future
-    started: float
+    future: Future  # of (adapter, seconds the loader took)
 
 
 class CopyFence:
@@ -188,8 +193,8 @@ class AdapterPool:
             location = "disk"
         if ref in self._host:
             self._host.move_to_end(ref)
-        elif ref not in self._loading and ref not in self._load_queue:
-            self._load_queue.append(ref)
+        elif ref not in self._slot_of:  # on the device it needs no host copy (until evicted there)
+            self._queue_load(ref)
         self._start_loads()
         return location
 
@@ -207,6 +212,10 @@ class AdapterPool:
         else:
             self._demand[ref] = left
 
+    def revive(self, ref: AdapterRef) -> None:
+        """``ref`` is the current version of its name again (re-registered after a retire)."""
+        self._retired.discard(ref)
+
     def retire(self, ref: AdapterRef) -> None:
         """``ref`` is no longer the current version of its name: free it after its last reader."""
         self._retired.add(ref)
@@ -214,7 +223,8 @@ class AdapterPool:
             self._free_version(ref)
 
     def host_ready(self, ref: AdapterRef) -> bool:
-        return ref in self._host
+        """The adapter's weights are in place to run: on the host, or still resident on the device."""
+        return ref in self._host or ref in self._slot_of
 
     def poll(self) -> list[PoolFailure]:
         """Collect finished loads, start queued ones; returns loads that failed since the last poll."""
@@ -227,9 +237,13 @@ class AdapterPool:
 
     def wait_for_load(self, timeout: Optional[float] = None) -> None:
         """Block until at least one in-flight load finishes (used when nothing else can run)."""
-        futures = [load.future for load in self._loading.values()]
+        futures = self.load_futures()
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def load_futures(self) -> list[Future]:
+        """The in-flight loads (to wait on outside the engine lock)."""
+        return [load.future for load in self._loading.values()]
 
     @property
     def loads_pending(self) -> bool:
@@ -271,6 +285,8 @@ class AdapterPool:
         Unreferenced residents are assumed evicted first. None: ``ref`` cannot fit even
         after every adapter in ``prefer`` drains (or it is not on the host yet).
         """
+        if ref in self._slot_of:
+            return []  # already resident
         if ref not in self._host:
             return None
         unreferenced = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
@@ -281,14 +297,20 @@ class AdapterPool:
         return [r for r in plan[0] if self._device_refs.get(r, 0) > 0]
 
     def prefetch(self, refs: Sequence[AdapterRef]) -> None:
-        """Copy host-ready adapters into free device space ahead of need (never evicts)."""
+        """Copy host-ready adapters that the next steps want (``refs``, most wanted first) to the
+        device ahead of need. Space comes from free rows first, then from evicting unreferenced
+        residents that are not wanted, least recently used first; referenced slots are never touched."""
+        wanted = set(refs)
         for ref in refs:
             if ref in self._slot_of or ref not in self._host:
                 continue
-            plan = self._plan(self._host[ref].max_rank, [])
+            removable = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0 and r not in wanted]
+            plan = self._plan(self._host[ref].max_rank, removable)
             if plan is None:
                 return
-            _, slot, row_start = plan
+            evict, slot, row_start = plan
+            for victim in evict:
+                self._evict_device(victim)
             self._write(ref, slot, row_start)
             self._device_refs.setdefault(ref, 0)
 
@@ -336,6 +358,10 @@ class AdapterPool:
     def _counters(self, ref: AdapterRef) -> AdapterCounters:
         return self.counters.setdefault(ref.name, AdapterCounters())
 
+    def _queue_load(self, ref: AdapterRef) -> None:
+        if ref not in self._loading and ref not in self._load_queue:
+            self._load_queue.append(ref)
+
     def _make_host_room(self) -> bool:
         """Evict unreferenced host entries (LRU) until one more entry fits."""
         while len(self._host) + len(self._loading) >= self.max_cpu_loras:
@@ -348,18 +374,23 @@ class AdapterPool:
     def _start_loads(self) -> None:
         while self._load_queue and self._make_host_room():
             ref = self._load_queue.popleft()
-            started = time.perf_counter()
             if self._executor is None:
                 future: Future = Future()
                 try:
-                    future.set_result(self.loader(ref))
+                    future.set_result(self._timed_load(ref))
                 except Exception as err:  # recorded and reported to the requests bound to ref
                     future.set_exception(err)
             else:
-                future = self._executor.submit(self.loader, ref)
-            self._loading[ref] = _Load(future, started)
+                future = self._executor.submit(self._timed_load, ref)
+            self._loading[ref] = _Load(future)
             if self._executor is None:
                 self._finish_load(ref, self._loading[ref])
+
+    def _timed_load(self, ref: AdapterRef) -> tuple[Any, float]:
+        """The loader and its own duration (read + validate), not the time queued before it ran."""
+        started = time.perf_counter()
+        adapter = self.loader(ref)
+        return adapter, time.perf_counter() - started
 
     def _finish_load(self, ref: AdapterRef, load: _Load) -> None:
         del self._loading[ref]
@@ -368,13 +399,16 @@ class AdapterPool:
         if err is not None:
             if self._demand.get(ref, 0) > 0:
                 self._failures.append(PoolFailure(ref, f"loading adapter {ref.name!r} (version {ref.version[:12]}) failed: {err}"))
+            elif ref in self._retired:
+                self._free_version(ref)  # nobody waits for it: drop the retired mark too
             return
+        adapter, seconds = load.future.result()
         counters.loads += 1
-        counters.load_time_s += time.perf_counter() - load.started
+        counters.load_time_s += seconds
         if self._demand.get(ref, 0) == 0 and ref in self._retired:
             self._retired.discard(ref)  # aborted while loading and retired: nobody will read it
             return
-        self._host[ref] = load.future.result()
+        self._host[ref] = adapter
 
     def _plan(self, rows: int, removable: Sequence[AdapterRef]) -> Optional[tuple[list[AdapterRef], int, int]]:
         """(adapters to evict, slot, row_start) to place ``rows`` rows, evicting a prefix of ``removable``."""
@@ -407,6 +441,8 @@ class AdapterPool:
         self._device_refs.pop(ref, None)
         self.writer.clear_slot(slot)
         self._counters(ref).device_evictions += 1
+        if self._demand.get(ref, 0) > 0 and ref not in self._host:
+            self._queue_load(ref)  # its waiting requests need it back
 
     def _evict_host(self, ref: AdapterRef) -> None:
         if self._demand.get(ref, 0) > 0:

@@ -40,3 +40,47 @@ def test_api_calls_get_the_lock_between_steps(tiny_llama_dir: Path) -> None:
         assert idle_problems(engine.snapshot()) == []
     finally:
         engine.shutdown()
+
+
+def test_api_calls_are_not_held_up_by_an_adapter_load(tiny_llama_dir: Path, tiny_adapters: dict[str, Path]) -> None:
+    """When nothing can run until an adapter is read from disk, the step thread waits for the
+    load without the engine lock: a snapshot and an abort answer while the load is in flight."""
+    import threading
+    import time
+
+    release = threading.Event()
+    engine = AsyncLLMEngine(engine_config(tiny_llama_dir, max_loras=1, max_cpu_loras=1))
+    try:
+        names = sorted(tiny_adapters)[:2]
+        for name in names:  # the second registration drops the first from the 1-entry host tier
+            engine.register_adapter(name, str(tiny_adapters[name]))
+        pool = engine.engine.pool
+        read = pool.loader
+        pool.loader = lambda ref: (release.wait(30), read(ref))[1]  # a disk that answers when told
+
+        async def scenario() -> None:
+            async def generate() -> None:
+                async for _ in engine.generate("slow", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), names[0]):
+                    pass
+
+            task = asyncio.create_task(generate())
+            await asyncio.sleep(0.2)  # the request now waits for its adapter's load
+            for call in (engine.snapshot, lambda: engine.abort("slow")):
+                t0 = time.monotonic()
+                result = await asyncio.to_thread(call)
+                # Not a performance figure: the old loop held the lock for up to 1 s per load wait.
+                assert time.monotonic() - t0 < 0.5, "an API call waited on the adapter load"
+                assert result is True or result["pool"]["loads_in_flight"] == 1
+            release.set()
+            await asyncio.wait_for(task, 10)
+            pool.wait_for_load(timeout=10)
+            async for _ in engine.generate("after", [1, 2], SamplingParams(max_tokens=1)):  # a step collects the load
+                pass
+
+        started = time.monotonic()
+        asyncio.run(scenario())
+        assert time.monotonic() - started < 25  # (a hang would wait for the 30 s release)
+        assert idle_problems(engine.snapshot()) == []
+    finally:
+        release.set()
+        engine.shutdown()
