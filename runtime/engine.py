@@ -104,6 +104,7 @@ class LLMEngine:
         self._request_counters: dict[str, AdapterRequestCounters] = {}
         self.steps = 0
         self._stalled = False  # the last step found nothing runnable while adapter loads were pending
+        self._awaiting_adapter: set[Sequence] = set()  # requests whose adapter is not on host/device yet
 
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter_files(self, name: str, path: str) -> LoRAAdapter:
@@ -191,6 +192,10 @@ class LLMEngine:
         if ref is not None:
             self.registry.acquire(ref)
             seq.adapter_location = self.pool.demand(ref)
+            if self.pool.host_ready(ref):
+                seq.adapter_ready_time = seq.arrival_time
+            else:
+                self._awaiting_adapter.add(seq)
         self.sampler.add(request_id, params)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop))
@@ -247,6 +252,11 @@ class LLMEngine:
             for live in [l for l in self._live.values() if l.seq.adapter == failure.ref]:
                 self._finish(live, "error", failure.message)
                 outputs.append(self._output(live, [], finished=True))
+        if self._awaiting_adapter:
+            now = time.monotonic()
+            for seq in [s for s in self._awaiting_adapter if self.pool.host_ready(s.adapter)]:
+                seq.adapter_ready_time = now
+                self._awaiting_adapter.discard(seq)
         sched = self.scheduler.schedule()
         self._stalled = not sched.chunks and self.scheduler.has_unfinished() and self.pool.loads_pending
         if not sched.chunks:
@@ -320,6 +330,7 @@ class LLMEngine:
         seq.error = error
         seq.finished_time = time.monotonic()
         self.scheduler.remove(seq)
+        self._awaiting_adapter.discard(seq)
         if seq.adapter is not None:
             self.pool.undemand(seq.adapter)
             self.registry.release(seq.adapter)

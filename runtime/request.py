@@ -146,6 +146,7 @@ class Sequence:
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None
     adapter_location: str = "none"  # "device" | "host" | "disk" at arrival, "none" without adapter
+    adapter_ready_time: Optional[float] = None  # when its adapter was first on the host or device
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -40,6 +40,9 @@ head request starts within
     ceil(S * P / (C - S + 1)) + M + 2 steps          (``Scheduler.fairness_bound_steps``)
 
 of arriving, provided its adapter is on the host and no KV-pressure preemption happens.
+With S = 1 a tied older head takes the only sequence slot for a whole request first, so
+the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
+up to that much with S = 1 and none over the plain bound with S >= 2).
 """
 from __future__ import annotations
 
@@ -158,7 +161,10 @@ class Scheduler:
         s, c = self.max_num_seqs, self.max_num_batched_tokens
         if c < s:
             raise ValueError(f"the bound assumes max_num_batched_tokens ({c}) >= max_num_seqs ({s})")
-        return -(-s * longest_prompt // (c - s + 1)) + max_tokens + 2
+        one_batch = -(-s * longest_prompt // (c - s + 1)) + max_tokens
+        if s == 1:  # the one sequence slot first serves a tied older head: one more whole request
+            one_batch += -(-longest_prompt // c) + max_tokens
+        return one_batch + 2
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -233,6 +239,7 @@ class Scheduler:
                 if key is not None:
                     self.pool.release_device(key)
                 break
+            self.block_manager.count_prefix_lookup(seq.request_id)
             self.waiting[key].popleft()
             if not self.waiting[key]:
                 del self.waiting[key]

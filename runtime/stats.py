@@ -25,6 +25,7 @@ class RequestMetrics:
     preemptions: int
     adapter_location: str  # where the adapter was at arrival: "device" | "host" | "disk" | "none"
     finish_reason: Optional[str]
+    adapter_wait: Optional[float] = None  # arrival -> adapter on host/device (0 if it was); None: no adapter, or never loaded
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
@@ -33,7 +34,7 @@ class RequestMetrics:
         n_out = len(seq.output_token_ids)
         tpot = None
         if seq.first_token_time is not None and seq.finished_time is not None:
-            tpot = (seq.finished_time - seq.first_token_time) / (n_out - 1) if n_out > 1 else 0.0
+            tpot = (seq.finished_time - seq.first_token_time) / (n_out - 1) if n_out > 1 else None  # one token: no gap
         return cls(
             request_id=seq.request_id,
             adapter=seq.adapter.name if seq.adapter is not None else None,
@@ -46,6 +47,7 @@ class RequestMetrics:
             preemptions=seq.preemptions,
             adapter_location=seq.adapter_location,
             finish_reason=seq.finish_reason,
+            adapter_wait=seq.adapter_ready_time - seq.arrival_time if seq.adapter_ready_time is not None else None,
         )
 
 

@@ -306,3 +306,24 @@ def test_close_frees_the_model_and_kv_cache_at_once(tiny_llama_dir, tiny_adapter
     assert kv() is None and some_lora_buffer() is None
     with pytest.raises(RuntimeError, match="released"):
         engine.runner.memory_report()
+
+
+def test_request_metrics_adapter_wait(tiny_llama_dir, tiny_adapters):
+    """Per-request adapter wait: 0 when the adapter was on the host, the disk load's duration
+    (> 0) when it was on disk only, None for the base model."""
+    engine = make_engine(tiny_llama_dir, max_loras=1, max_cpu_loras=1)
+    on_disk, on_host = sorted(tiny_adapters)[:2]
+    for name in (on_disk, on_host):  # the 1-entry host tier keeps only the second
+        engine.register_adapter(name, str(tiny_adapters[name]))
+    seen = {}
+    engine.add_observer(lambda m: seen.__setitem__(m.request_id, m))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for rid, adapter in (("host", on_host), ("base", None)):
+        engine.add_request(rid, [1, 2, 3], params, adapter)
+    run_to_completion(engine)
+    engine.add_request("disk", [1, 2, 3], params, on_disk)
+    run_to_completion(engine)
+    assert seen["host"].adapter_location == "host" and seen["host"].adapter_wait == 0.0
+    assert seen["disk"].adapter_location == "disk" and seen["disk"].adapter_wait > 0.0
+    assert seen["disk"].adapter_wait <= seen["disk"].queue_time  # it could not start before its adapter was there
+    assert seen["base"].adapter_wait is None

@@ -86,3 +86,24 @@ def test_outputs_identical_with_and_without_prefix_cache(tiny_llama_dir, tiny_ad
         if enabled:
             assert _hits(engine) > 0
     assert results[0] == results[1]
+
+
+def test_hit_statistics_count_admitted_lookups_only():
+    """A lookup whose admission fails (the scheduler frees the table and retries later) is not
+    counted; the one that is admitted is, once."""
+    cache = PrefixCache("base")
+    bm = BlockManager(num_blocks=8, block_size=4, prefix_cache=cache)
+    seed, prompt = cache.seed(None), list(range(12))
+    bm.acquire_prefix("s1", seed, prompt)
+    bm.ensure("s1", 12)
+    bm.count_prefix_lookup("s1")
+    bm.commit("s1", prompt, 12)
+    bm.free("s1")
+    assert (cache.queried_blocks, cache.hit_blocks) == (2, 0)
+    for _ in range(3):  # three failed admission attempts
+        assert bm.acquire_prefix("s2", seed, prompt) == 8
+        bm.free("s2")
+    assert (cache.queried_blocks, cache.hit_blocks) == (2, 0)
+    bm.acquire_prefix("s2", seed, prompt)
+    bm.count_prefix_lookup("s2")
+    assert (cache.queried_blocks, cache.hit_blocks) == (4, 2)

@@ -92,3 +92,43 @@ def test_rare_adapter_admitted_within_documented_bound():
             break
     assert rare is not None and rare.num_computed > 0, "starved"
     assert waited <= sched.fairness_bound_steps(6, 3)
+
+
+def _rare_adapter_wait(seed: int) -> tuple[int, int, tuple]:
+    """Random budgets, prompt and output lengths, steady traffic on adapters a and b with
+    max_loras=2, and one request of adapter c arriving at a random step: (waited, bound, config)."""
+    import random
+
+    rng = random.Random(seed)
+    s = rng.randint(1, 6)
+    c, p, m = rng.randint(s, 3 * s + 8), rng.randint(1, 12), rng.randint(1, 6)
+    adapters: dict = {}
+    pool = AdapterPool(FakeWriter(), lambda r: adapters[r], 2, 4, 64, 32, async_loads=False)
+    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=s, max_num_batched_tokens=c, max_loras=2)
+    refs = {n: AdapterRef(n, "v") for n in "abc"}
+    for n, ref in refs.items():
+        adapters[ref] = FakeAdapter(n, "v", rng.choice([8, 16, 32]))
+    add_at, queue, idx, rare = rng.randint(0, 30), rng.randint(1, 6), 0, None
+    for step in range(2000):
+        for n in "ab":
+            while len(sched.waiting.get(refs[n], ())) < queue:
+                pool.demand(refs[n])
+                sched.add(Sequence(f"s{idx}", idx, list(range(rng.randint(1, p))), SamplingParams(max_tokens=rng.randint(1, m)), refs[n], 0.0))
+                idx += 1
+        if step == add_at:
+            pool.demand(refs["c"])
+            rare = Sequence("rare", idx, list(range(rng.randint(1, p))), SamplingParams(max_tokens=m), refs["c"], 0.0)
+            idx += 1
+            sched.add(rare)
+        _run_step(sched, pool)
+        if rare is not None and rare.num_computed > 0:
+            return step - add_at, sched.fairness_bound_steps(p, m), (s, c, p, m)
+    return 10**9, sched.fairness_bound_steps(p, m), (s, c, p, m)
+
+
+def test_documented_bound_holds_on_random_budgets():
+    """The fairness bound, including max_num_seqs=1 (where a tied older head takes the only
+    sequence slot first), over random budgets, lengths and arrival times."""
+    over = [(seed, *_rare_adapter_wait(seed)) for seed in range(600)]
+    over = [o for o in over if o[1] > o[2]]
+    assert over == [], over[:5]

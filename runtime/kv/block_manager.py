@@ -35,6 +35,7 @@ class BlockManager:
         # Per sequence: the hash chain of its leading full blocks that are known (hit or committed).
         self._hashes: dict[str, list[bytes]] = {}
         self._seeds: dict[str, bytes] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # seq -> (queried, hit) blocks of a lookup not yet counted
 
     # ---- sizes -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -71,7 +72,6 @@ class BlockManager:
         self._seeds[seq_id] = seed
         cacheable = (len(token_ids) - 1) // self.block_size
         hashes = PrefixCache.chain(seed, token_ids, self.block_size, cacheable)
-        self.prefix_cache.queried_blocks += cacheable
         for block_hash in hashes:
             block = self.prefix_cache.lookup(block_hash)
             if block is None:
@@ -79,8 +79,16 @@ class BlockManager:
             self._take(block)
             self._tables[seq_id].append(block)
             self._hashes[seq_id].append(block_hash)
-        self.prefix_cache.hit_blocks += len(self._hashes[seq_id])
+        # Counted by ``count_prefix_lookup`` once the admission holds, so a retried admission counts once.
+        self._lookups[seq_id] = (cacheable, len(self._hashes[seq_id]))
         return len(self._hashes[seq_id]) * self.block_size
+
+    def count_prefix_lookup(self, seq_id: str) -> None:
+        """Add ``seq_id``'s prefix lookup to the cache's hit statistics (its admission went through)."""
+        queried, hit = self._lookups.pop(seq_id, (0, 0))
+        if self.prefix_cache is not None:
+            self.prefix_cache.queried_blocks += queried
+            self.prefix_cache.hit_blocks += hit
 
     def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish every newly full, computed block of ``seq_id`` in the prefix cache."""
@@ -116,6 +124,7 @@ class BlockManager:
         table = self._tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)
         self._seeds.pop(seq_id, None)
+        self._lookups.pop(seq_id, None)  # a lookup whose admission failed is not counted
         # Release tail first: the evictable LRU then evicts the sequence's last blocks
         # before its first ones, which are the ones other prompts are likeliest to share.
         for block in reversed(table):

@@ -29,6 +29,8 @@ class ServerMetrics:
         self.output_tokens = Counter("lorafleet_generation_tokens", "Tokens generated", labels, registry=self.registry)
         self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.adapter_wait = Histogram("lorafleet_adapter_wait_seconds", "From arrival until the request's adapter was on the host or device (0 when it already was)",
+                                      labels, buckets=LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
         self.queue = Histogram("lorafleet_queue_time_seconds", "Time from arrival to first scheduling", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         def rows() -> list[tuple[str | None, dict[str, Any]]]:
             if replica_snapshots is not None:
@@ -49,6 +51,8 @@ class ServerMetrics:
             self.tpot.labels(adapter).observe(m.tpot)
         if m.queue_time is not None:
             self.queue.labels(adapter).observe(m.queue_time)
+        if m.adapter_wait is not None:
+            self.adapter_wait.labels(adapter).observe(m.adapter_wait)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
