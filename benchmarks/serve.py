@@ -46,6 +46,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_arguments(p)
     p.add_argument("--out", required=True, help="output folder for JSON and PNGs")
+    p.add_argument("--workload", help="replay this saved JSONL workload (its spec replaces the workload options above)")
     p.add_argument("--workdir", default=None, help="synthetic weights folder (default OUT/weights)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -83,11 +84,18 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     heads = max(1, a.hidden // 64)
     shape = LlamaShape(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=heads)
-    spec = spec_from_args(a)
+    if a.workload:
+        try:
+            loaded: Workload | None = Workload.load(a.workload)
+        except (ValueError, OSError, KeyError, TypeError) as err:
+            p.error(f"--workload {a.workload}: {err}")
+        spec = loaded.spec  # the sweeps vary this spec
+    else:
+        loaded, spec = None, spec_from_args(a)
     setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, max_loras=a.max_loras,
                        max_cpu_loras=max(a.max_cpu_loras, a.max_loras), max_lora_rank=max(64, max(spec.ranks)),
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
-    workload = generate(spec)
+    workload = loaded if loaded is not None else generate(spec)
     workload.save(out / "workload.jsonl")
     baselines = set() if a.baselines == "none" else set(a.baselines.split(","))
     log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s")

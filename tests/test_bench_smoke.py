@@ -101,3 +101,14 @@ def test_engine_throughput_benchmark_smoke(tmp_path: Path) -> None:
     assert pool["device_rows_used"] == 2 * (8 + 16 + 32 + 64)
     assert pool["device_bytes_in_use"] < pool["device_bytes_if_padded"]
     assert all(res[k] > 0 for k in ("ratio_multi_lora_vs_base", "ratio_200_vs_8_zipf", "ratio_200_max_loras_8_vs_8_zipf"))
+
+
+def test_serve_benchmark_replays_a_saved_workload(tmp_path: Path) -> None:
+    saved = tmp_path / "w.jsonl"
+    generate(WorkloadSpec(num_requests=4, num_adapters=2, ranks=(8,), input_len=(2, 3), output_len=(2, 3), rate=0, seed=9)).save(saved)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
+           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", ""]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
+    assert Workload.load(out / "workload.jsonl") == Workload.load(saved)  # the very same requests, not a regenerated set
+    assert json.loads((out / "summary.json").read_text())["online"]["requests_ok"] == 4

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU benchmarks in one go (about 9 minutes on 2 cores): the LoRA op benchmark, the serving
 # benchmark with baselines, sweeps and plots (hidden 512: max_loras 8 and 16; hidden 1024: max_loras 16,
-# offline only), and engine throughput at hidden 512 and 1024. Usage: benchmarks/cpu/run_all.sh OUTDIR
+# offline comparisons and the online replay, no sweeps), and engine throughput at hidden 512 and 1024.
+# Usage: benchmarks/cpu/run_all.sh OUTDIR
 set -euo pipefail
 out=${1:?usage: benchmarks/cpu/run_all.sh OUTDIR}
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,7 +24,7 @@ echo "== serving benchmark (cpu), every adapter of the workload fitting one step
 "$py" "$root/benchmarks/serve.py" --out "$out/serve-ml16" --workdir "$out/serve/weights" --num-requests 48 --adapters 16 \
   --popularity zipf --alpha 1 --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 16 \
   --repeats 3 --baselines no-adapter,peft --sweep-adapters '' --sweep-rates '' --ranks 8,16 | tee "$out/serve-ml16.txt"
-echo "== serving benchmark (cpu), hidden 1024, max_loras 16, offline comparisons only"
+echo "== serving benchmark (cpu), hidden 1024, max_loras 16, no sweeps"
 "$py" "$root/benchmarks/serve.py" --out "$out/serve-h1024" --workdir "$out/serve/weights" --num-requests 48 --adapters 16 \
   --popularity zipf --alpha 1 --rate 4 --input-len 8,16 --output-len 16,32 --hidden 1024 --layers 4 --max-loras 16 \
   --repeats 3 --baselines no-adapter,peft --sweep-adapters '' --sweep-rates '' --ranks 8,16 | tee "$out/serve-h1024.txt"
