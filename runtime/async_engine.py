@@ -94,6 +94,10 @@ class AsyncLLMEngine:
         self._lock = _FairLock()
         self._wake = threading.Condition(self._lock)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues_lock = threading.Lock()  # guards _queues alone, for dict operations only
+        # The engine lock can be held for a whole step, so the event loop never takes it:
+        # admissions and aborts run in these helper threads (one OpenMP team: see torch_threads).
+        self._submit = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorafleet-submit", initializer=single_threaded_torch)
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
@@ -150,6 +154,7 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, timeout))
         self._files.shutdown(wait=True)
+        self._submit.shutdown(wait=True)
         self.engine.close()
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
@@ -165,14 +170,12 @@ class AsyncLLMEngine:
         """Stream a request's outputs. Validation errors raise before the first output."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if self.dead_error is not None or not self._accepting:
-                raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
-            if request_id in self._queues:
-                raise ValueError(f"request_id: {request_id!r} is already in flight")
-            self.engine.add_request(request_id, prompt, params, adapter)
-            self._queues[request_id] = (loop, queue)
-            self._wake.notify_all()
+        admission = self._off_loop(self._admit, request_id, prompt, params, adapter, loop, queue)
+        try:
+            await asyncio.wrap_future(admission)
+        except asyncio.CancelledError:  # the request may still be admitted: then take it back out
+            admission.add_done_callback(lambda f: f.exception() is None and self._off_loop(self._abort_and_forget, request_id))
+            raise
         finished = False
         try:
             while not finished:
@@ -180,10 +183,41 @@ class AsyncLLMEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                self._queues.pop(request_id, None)
+            if finished:
+                with self._queues_lock:
+                    self._queues.pop(request_id, None)
+            else:  # the consumer went away: abort, off the event loop
+                await asyncio.wrap_future(self._off_loop(self._abort_and_forget, request_id))
+
+    def _admit(self, request_id: str, prompt: Any, params: Optional[SamplingParams], adapter: Optional[str],
+               loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:  # fmt: skip
+        with self._lock:
+            if self.dead_error is not None or not self._accepting:
+                raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
+            with self._queues_lock:
+                if request_id in self._queues:
+                    raise ValueError(f"request_id: {request_id!r} is already in flight")
+            self.engine.add_request(request_id, prompt, params, adapter)
+            with self._queues_lock:
+                self._queues[request_id] = (loop, queue)
+            self._wake.notify_all()
+
+    def _off_loop(self, fn: Any, *args: Any) -> "Future[Any]":
+        """Run ``fn`` in a submit thread; inline once the engine is shut down (no step holds the lock then)."""
+        try:
+            return self._submit.submit(fn, *args)
+        except RuntimeError:  # the executor is shut down
+            done: "Future[Any]" = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting caller
+                done.set_exception(err)
+            return done
+
+    def _abort_and_forget(self, request_id: str) -> None:
+        self.abort(request_id)
+        with self._queues_lock:
+            self._queues.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -256,8 +290,9 @@ class AsyncLLMEngine:
                 time.sleep(0.005)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            target = self._queues.get(out.request_id)
+        with self._queues_lock:
+            targets = [self._queues.get(out.request_id) for out in outputs]
+        for out, target in zip(outputs, targets):
             if target is None:
                 continue
             loop, queue = target

@@ -84,3 +84,42 @@ def test_api_calls_are_not_held_up_by_an_adapter_load(tiny_llama_dir: Path, tiny
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_event_loop_never_waits_for_the_engine_lock(tiny_llama_dir: Path) -> None:
+    """A new request is admitted off the event loop: while a (simulated) long step holds the
+    engine lock, other coroutines (other clients' streams) keep running."""
+    import threading
+    import time
+
+    engine = AsyncLLMEngine(engine_config(tiny_llama_dir))
+    held, release = threading.Event(), threading.Event()
+
+    def long_step() -> None:
+        with engine._lock:  # noqa: SLF001 - stands in for a step that takes a while
+            held.set()
+            release.wait(10)
+
+    async def scenario() -> float:
+        async def consume() -> int:
+            return len([o async for o in engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))])
+
+        holder = threading.Thread(target=long_step)
+        holder.start()
+        held.wait(10)
+        task = asyncio.create_task(consume())
+        started = time.monotonic()
+        for _ in range(10):
+            await asyncio.sleep(0.01)  # runs only while the event loop is free
+        ticking = time.monotonic() - started
+        assert not task.done()
+        release.set()
+        assert await asyncio.wait_for(task, 30) >= 1
+        holder.join()
+        return ticking
+
+    try:
+        assert asyncio.run(scenario()) < 5.0  # the old admission blocked the loop until the 10 s release
+    finally:
+        release.set()
+        engine.shutdown()
