@@ -174,7 +174,7 @@ class AsyncLLMEngine:
         try:
             await asyncio.wrap_future(admission)
         except asyncio.CancelledError:  # the request may still be admitted: then take it back out
-            admission.add_done_callback(lambda f: f.exception() is None and self._off_loop(self._abort_and_forget, request_id))
+            admission.add_done_callback(lambda f: not f.cancelled() and f.exception() is None and self._off_loop(self._abort_and_forget, request_id))
             raise
         finished = False
         try:
@@ -186,8 +186,9 @@ class AsyncLLMEngine:
             if finished:
                 with self._queues_lock:
                     self._queues.pop(request_id, None)
-            else:  # the consumer went away: abort, off the event loop
-                await asyncio.wrap_future(self._off_loop(self._abort_and_forget, request_id))
+            else:  # the consumer went away: abort, off the event loop. Shielded: a second cancellation
+                # (anyio cancel scopes repeat theirs) must not cancel the queued abort and orphan the request.
+                await asyncio.shield(asyncio.wrap_future(self._off_loop(self._abort_and_forget, request_id)))
 
     def _admit(self, request_id: str, prompt: Any, params: Optional[SamplingParams], adapter: Optional[str],
                loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:  # fmt: skip
@@ -283,11 +284,12 @@ class AsyncLLMEngine:
                 stalled = self.engine.stalled_load_futures()
                 idle = self.engine.steps == ran_before and self.engine.has_unfinished() and not stalled
             # Nothing can run until an adapter load finishes: wait for it without the lock, so
-            # requests, aborts and snapshots go through meanwhile (briefly, so new runnable work is not held up).
+            # requests, aborts and snapshots go through meanwhile; in short slices, so runnable work
+            # admitted meanwhile (e.g. a base-model request) waits at most ~5 ms.
             if stalled:
-                wait(stalled, timeout=0.05, return_when=FIRST_COMPLETED)
+                wait(stalled, timeout=0.005, return_when=FIRST_COMPLETED)
             elif idle:
-                time.sleep(0.005)
+                time.sleep(0.002)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._queues_lock:

@@ -243,3 +243,25 @@ def test_reregistered_version_is_current_again_and_failed_retired_load_is_forgot
         assert gone not in slow._retired  # noqa: SLF001 - the mark would otherwise purge a later re-registration
     finally:
         slow.close()
+
+
+def test_the_only_copy_of_a_wanted_adapter_is_evicted_last():
+    """Z is wanted by a waiting request and lives only on the device; W is idle and also on the
+    host. Placing X evicts W, not Z (evicting Z would mean a disk read), and prefetch never evicts Z."""
+    pool, writer, adapters = make_pool(max_loras=2, max_cpu_loras=3, pool_rows=64)
+    z, w, x, y = (new_ref(adapters, n, 1, 8) for n in "ZWXY")
+    for ref in (z, w):
+        pool.demand(ref)
+        pool.acquire_device(ref)
+        pool.release_device(ref)
+        pool.undemand(ref)
+    pool.insert_host(x, adapters[x])
+    pool.insert_host(y, adapters[y])  # the 3-entry host tier now holds W, X, Y: Z is on the device only
+    assert z not in pool.host_refs() and w in pool.host_refs()
+    pool.demand(z)
+    pool.demand(x)
+    pool.acquire_device(x)
+    assert pool.slot_of(w) is None and pool.slot_of(z) is not None and pool.counters["Z"].loads == 1
+    pool.demand(y)
+    pool.prefetch([y])  # the only free-able resident is Z's only copy: prefetch leaves it
+    assert pool.slot_of(z) is not None and pool.slot_of(y) is None

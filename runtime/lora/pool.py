@@ -259,8 +259,7 @@ class AdapterPool:
         if slot is None:
             if ref not in self._host:
                 return None
-            removable = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
-            plan = self._plan(self._host[ref].max_rank, removable)
+            plan = self._plan(self._host[ref].max_rank, self._evictable())
             if plan is None:
                 return None
             evict, slot, row_start = plan
@@ -289,9 +288,8 @@ class AdapterPool:
             return []  # already resident
         if ref not in self._host:
             return None
-        unreferenced = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
         referenced = [r for r in prefer if r in self._slot_of and self._device_refs.get(r, 0) > 0]
-        plan = self._plan(self._host[ref].max_rank, unreferenced + referenced)
+        plan = self._plan(self._host[ref].max_rank, self._evictable() + referenced)
         if plan is None:
             return None
         return [r for r in plan[0] if self._device_refs.get(r, 0) > 0]
@@ -304,7 +302,8 @@ class AdapterPool:
         for ref in refs:
             if ref in self._slot_of or ref not in self._host:
                 continue
-            removable = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0 and r not in wanted]
+            # Optional work: never evict the only copy of an adapter that a request waits for.
+            removable = [r for r in self._evictable() if r not in wanted and not self._only_copy_wanted(r)]
             plan = self._plan(self._host[ref].max_rank, removable)
             if plan is None:
                 return
@@ -357,6 +356,16 @@ class AdapterPool:
     # ---- internals ----------------------------------------------------------------------
     def _counters(self, ref: AdapterRef) -> AdapterCounters:
         return self.counters.setdefault(ref.name, AdapterCounters())
+
+    def _only_copy_wanted(self, ref: AdapterRef) -> bool:
+        """Requests want ``ref`` and its device copy is the only one (not on the host)."""
+        return self._demand.get(ref, 0) > 0 and ref not in self._host
+
+    def _evictable(self) -> list[AdapterRef]:
+        """Unreferenced device residents in eviction order: least recently used first, except
+        that the only copy of an adapter waiting requests want goes last (evicting it means a disk read)."""
+        idle = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
+        return [r for r in idle if not self._only_copy_wanted(r)] + [r for r in idle if self._only_copy_wanted(r)]
 
     def _queue_load(self, ref: AdapterRef) -> None:
         if ref not in self._loading and ref not in self._load_queue:

@@ -123,3 +123,55 @@ def test_event_loop_never_waits_for_the_engine_lock(tiny_llama_dir: Path) -> Non
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_a_consumer_cancelled_twice_still_aborts_its_request(tiny_llama_dir: Path) -> None:
+    """A disconnecting stream may be cancelled again while its abort waits behind busy helper
+    threads (anyio cancel scopes repeat theirs): the abort must still run, so the request stops,
+    its KV and id are freed, and the id can be used again."""
+    import threading
+
+    engine = AsyncLLMEngine(engine_config(tiny_llama_dir))
+    held, release = threading.Event(), threading.Event()
+
+    def long_step() -> None:
+        with engine._lock:  # noqa: SLF001 - a step that takes a while
+            held.set()
+            release.wait(10)
+
+    async def scenario() -> None:
+        stream = engine.generate("victim", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True))
+        await stream.__anext__()
+
+        async def consume() -> None:
+            async for _ in stream:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)
+        threading.Thread(target=long_step).start()
+        held.wait(10)
+        others = [asyncio.create_task(engine.generate(f"o{i}", [4, 5], SamplingParams(max_tokens=2)).__anext__()) for i in range(4)]
+        await asyncio.sleep(0.05)  # the helper threads are all waiting for the lock
+        task.cancel()
+        await asyncio.sleep(0)  # its abort is queued behind them
+        task.cancel()  # and a second cancellation arrives
+        await asyncio.gather(task, return_exceptions=True)
+        release.set()
+        await asyncio.gather(*others, return_exceptions=True)
+        for _ in range(200):
+            if "victim" not in engine.engine._live:  # noqa: SLF001
+                break
+            await asyncio.sleep(0.05)
+        assert reasons == ["abort"]  # stopped by the abort, not run to its 60 tokens
+        async for out in engine.generate("victim", [1, 2], SamplingParams(max_tokens=1)):  # the id is free again
+            assert out.finish_reason in (None, "length")
+
+    reasons: list = []
+    engine.add_observer(lambda m: m.request_id == "victim" and reasons.append(m.finish_reason))
+    try:
+        asyncio.run(scenario())
+        assert idle_problems(engine.snapshot()) == []
+    finally:
+        release.set()
+        engine.shutdown()
