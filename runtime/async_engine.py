@@ -2,9 +2,13 @@
 
 Steps are CPU-bound (on the CPU backend they *are* the model forward), so they run in a
 dedicated thread and the asyncio loop stays free to accept requests and stream tokens.
-Every call into the LLMEngine holds one lock; outputs are handed to each request's
-``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Cancelling a consumer of
+Every call into the LLMEngine holds one lock, which a step holds for its whole length, so
+the event loop never takes it: ``generate`` admits its request (and a cancelled consumer
+aborts it) through small helper threads, and awaits them. Outputs are handed to each
+request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Cancelling a consumer of
 ``generate`` aborts its request, which releases its KV blocks and adapter references.
+When nothing can run until an adapter is read from disk, the step thread waits for the
+load without the lock.
 
 If a step raises, every request in flight is finished with finish_reason "error" and
 the message, and the engine refuses new requests (``dead_error`` says why) rather than
