@@ -8,7 +8,12 @@ One ``step()``:
   4. one token is sampled per sequence whose chunk reached its end; stop rules and the
      incremental detokenizer produce ``RequestOutput`` deltas;
   5. finished requests release KV blocks, device refs, host demand and registry readers;
-     the next step's adapters are prefetched into free device space.
+     the next step's adapters are prefetched to the device (into free rows, or in place of
+     idle residents nobody waits for).
+
+If nothing can run because adapter loads are pending, ``step()`` waits for one (up to 1 s),
+or with ``wait_for_loads=False`` returns at once and ``stalled_load_futures()`` says what to
+wait on (``AsyncLLMEngine`` waits outside its lock).
 
 Not thread-safe by itself: ``AsyncLLMEngine`` serialises calls with a lock.
 """
