@@ -90,6 +90,8 @@ def main() -> int:
         except (ValueError, OSError, KeyError, TypeError) as err:
             p.error(f"--workload {a.workload}: {err}")
         spec = loaded.spec  # the sweeps vary this spec
+        if generate(spec) != loaded and (a.sweep_adapters or a.sweep_rates):
+            log(f"note: {a.workload} holds other requests than its spec generates; the sweeps regenerate from the spec")
     else:
         loaded, spec = None, spec_from_args(a)
     setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, max_loras=a.max_loras,

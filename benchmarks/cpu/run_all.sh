@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmarks in one go (about 9 minutes on 2 cores): the LoRA op benchmark, the serving
+# CPU benchmarks in one go (about 8 minutes on 2 cores): the LoRA op benchmark, the serving
 # benchmark with baselines, sweeps and plots (hidden 512: max_loras 8 and 16; hidden 1024: max_loras 16,
 # offline comparisons and the online replay, no sweeps), and engine throughput at hidden 512 and 1024.
 # Usage: benchmarks/cpu/run_all.sh OUTDIR

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU verification in one go (< 8 minutes on an H200): the `cuda`-marked tests, the
-# capability probe, and the LoRA op benchmark. Every result lands in OUTDIR as JSON:
+# GPU verification in one go (< 10 minutes on an H200): the `cuda`-marked tests, the
+# capability probe, the LoRA op benchmark, and the serving benchmark (lorafleet vs the same
+# engine without adapters vs transformers+PEFT on the GPU). Every result lands in OUTDIR as JSON:
 #
 #   OUTDIR/pytest_cuda.xml   junit of `pytest -m cuda`      OUTDIR/pytest_cuda.json  its summary
 #   OUTDIR/probe.json        `lorafleet probe --device cuda --json`
 #   OUTDIR/lora_ops.json     `benchmarks/lora_ops.py --device cuda --json`
+#   OUTDIR/serve/            `benchmarks/serve.py --device cuda` (summary.json and plots)
 #   OUTDIR/status.json       exit code and seconds of each step (a failed step does not stop the rest)
 #   OUTDIR/*.log             their console output
 #
@@ -66,6 +68,11 @@ PYEOF
 step probe 90 bash -c "\"$PY\" -m runtime.cli probe --device cuda --json > \"$OUT/probe.json\""
 
 step lora_ops 300 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
+
+# Never run yet (no GPU was lent to the sessions that wrote it): sizes are a guess for one H200.
+step serve 300 "$PY" benchmarks/serve.py --out "$OUT/serve" --device cuda --num-requests 96 --adapters 16 --popularity zipf \
+  --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 --hidden 2048 --layers 8 --max-loras 16 --repeats 2 \
+  --baselines no-adapter,peft --sweep-adapters 16,500 --sweep-rates ''
 
 {
   echo "{"

@@ -64,7 +64,10 @@ def test_api_calls_are_not_held_up_by_an_adapter_load(tiny_llama_dir: Path, tiny
                     pass
 
             task = asyncio.create_task(generate())
-            await asyncio.sleep(0.2)  # the request now waits for its adapter's load
+            for _ in range(500):  # until the request is in and waits for its adapter's load
+                if (await asyncio.to_thread(engine.snapshot))["pool"]["loads_in_flight"] == 1:
+                    break
+                await asyncio.sleep(0.01)
             for call in (engine.snapshot, lambda: engine.abort("slow")):
                 t0 = time.monotonic()
                 result = await asyncio.to_thread(call)
