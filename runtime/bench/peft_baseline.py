@@ -53,12 +53,14 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
             kwargs = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=tok.pad_token_id)
             if used:
                 kwargs["adapter_names"] = [r.adapter or "__base__" for r in batch]
-            model.generate(**enc, **kwargs)
+            generated = model.generate(**enc, **kwargs).shape[1] - enc["input_ids"].shape[1]
             if device != "cpu":
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
             for r in batch:
-                rec = RequestRecord(r.index, r.adapter, r.arrival_s, prompt_tokens=int(len(tok(r.prompt)["input_ids"])), output_tokens=r.output_tokens)
+                # Counted as generated: a row gets its own output length only if generate really produced that many.
+                rec = RequestRecord(r.index, r.adapter, r.arrival_s, prompt_tokens=int(len(tok(r.prompt)["input_ids"])),
+                                    output_tokens=min(r.output_tokens, int(generated)))  # fmt: skip
                 rec.latency = t1 - start
                 records.append(rec)
     return ReplayResult(label, records, time.perf_counter() - start)
