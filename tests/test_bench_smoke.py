@@ -96,7 +96,8 @@ def test_engine_throughput_benchmark_smoke(tmp_path: Path) -> None:
         assert len(res[name]["tokens_per_s_rounds"]) == 2 and res[name]["tokens_per_s"] in res[name]["tokens_per_s_rounds"]
     assert res["zipf_200_adapters_max_loras_8"]["pool"]["device_slots_total"] == 8
     assert res["mixed_8_rank16_uniform"]["pool"]["device_slots_used"] == 6  # 6 requests round-robin over a0..a7
-    assert 1 <= res["zipf_200_distinct_adapters_used"] <= 6
+    # every adapter the zipf picks used was loaded once and, with 32 slots, is still resident at the end
+    assert res["zipf_200_adapters"]["pool"]["device_slots_used"] == res["zipf_200_distinct_adapters_used"]
     pool = res["mixed_rank_pool"]
     assert pool["device_rows_used"] == 2 * (8 + 16 + 32 + 64)
     assert pool["device_bytes_in_use"] < pool["device_bytes_if_padded"]
