@@ -197,7 +197,7 @@ class LLMEngine:
         if ref is not None:
             self.registry.acquire(ref)
             seq.adapter_location = self.pool.demand(ref)
-            if self.pool.host_ready(ref):
+            if self.pool.weights_ready(ref):
                 seq.adapter_ready_time = seq.arrival_time
             else:
                 self._awaiting_adapter.add(seq)
@@ -259,7 +259,7 @@ class LLMEngine:
                 outputs.append(self._output(live, [], finished=True))
         if self._awaiting_adapter:
             now = time.monotonic()
-            for seq in [s for s in self._awaiting_adapter if self.pool.host_ready(s.adapter)]:
+            for seq in [s for s in self._awaiting_adapter if self.pool.weights_ready(s.adapter)]:
                 seq.adapter_ready_time = now
                 self._awaiting_adapter.discard(seq)
         sched = self.scheduler.schedule()

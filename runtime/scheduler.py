@@ -58,7 +58,7 @@ from runtime.request import AdapterRef, Sequence
 class AdapterSlots(Protocol):
     """What the scheduler needs from the adapter pool (``runtime.lora.pool.AdapterPool``)."""
 
-    def host_ready(self, ref: AdapterRef) -> bool: ...
+    def weights_ready(self, ref: AdapterRef) -> bool: ...
 
     def acquire_device(self, ref: AdapterRef) -> Optional[int]: ...
 
@@ -206,7 +206,7 @@ class Scheduler:
             candidates = [
                 k
                 for k, q in self.waiting.items()
-                if q and k not in blocked and k not in drained and (k is None or self.pool.host_ready(k))
+                if q and k not in blocked and k not in drained and (k is None or self.pool.weights_ready(k))
             ]
             if not candidates:
                 break

@@ -72,7 +72,7 @@ def test_pool_invariants_under_random_operations(operations):
             pool.demand(current[name])
             live.append({"ref": current[name], "running": False})
         elif op == "acquire":
-            waiting = [q for q in live if not q["running"] and pool.host_ready(q["ref"])]
+            waiting = [q for q in live if not q["running"] and pool.weights_ready(q["ref"])]
             if waiting:
                 q = waiting[r % len(waiting)]
                 slot = pool.acquire_device(q["ref"])
@@ -187,14 +187,14 @@ def test_device_resident_adapter_needs_no_disk_reload():
     assert pool.insert_host(b, adapters[b])  # the 1-entry host tier drops a; its device copy stays
     assert a not in pool.host_refs() and pool.slot_of(a) == 0
     assert pool.demand(a) == "device"
-    assert pool.host_ready(a) and pool.snapshot()["loads_queued"] == 0 and pool.counters["a"].loads == 1
+    assert pool.weights_ready(a) and pool.snapshot()["loads_queued"] == 0 and pool.counters["a"].loads == 1
     pool.demand(b)
     assert pool.acquire_device(b) == 0  # evicts the unreferenced a, which a request still wants
-    assert pool.slot_of(a) is None and not pool.host_ready(a)
+    assert pool.slot_of(a) is None and not pool.weights_ready(a)
     pool.release_device(b)
     pool.undemand(b)
     pool.poll()  # host room again: a's queued reload runs
-    assert pool.host_ready(a) and pool.counters["a"].loads == 2
+    assert pool.weights_ready(a) and pool.counters["a"].loads == 2
 
 
 def test_prefetch_replaces_unwanted_unreferenced_residents_only():

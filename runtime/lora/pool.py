@@ -222,7 +222,7 @@ class AdapterPool:
         if self._demand.get(ref, 0) == 0:
             self._free_version(ref)
 
-    def host_ready(self, ref: AdapterRef) -> bool:
+    def weights_ready(self, ref: AdapterRef) -> bool:
         """The adapter's weights are in place to run: on the host, or still resident on the device."""
         return ref in self._host or ref in self._slot_of
 
