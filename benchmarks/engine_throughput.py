@@ -32,14 +32,6 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
 
 
-def model_shape(hidden: int, layers: int) -> LlamaShape:
-    """The benchmark's llama: head dim 64, intermediate 2 x hidden, no GQA."""
-    if hidden % 64:
-        raise SystemExit(f"--hidden must be a multiple of 64 (head dim 64), got {hidden}")
-    return LlamaShape(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                      num_key_value_heads=hidden // 64)  # fmt: skip
-
-
 def write_adapter(out: Path, shape: LlamaShape, rank: int, seed: int) -> Path:
     """A PEFT LoRA folder on q/k/v/o with random A and B (B non-zero)."""
     return build_random_adapter(out, shape, rank, seed)
@@ -72,7 +64,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rng = random.Random(0)
-    shape = model_shape(args.hidden, args.layers)
+    try:
+        shape = LlamaShape.sized(args.hidden, args.layers)
+    except ValueError as err:
+        parser.error(str(err))
     results: dict = {"config": vars(args), "model": dict(shape.__dict__)}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -82,8 +83,10 @@ def main() -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    heads = max(1, a.hidden // 64)
-    shape = LlamaShape(hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers, num_attention_heads=heads, num_key_value_heads=heads)
+    try:
+        shape = LlamaShape.sized(a.hidden, a.layers)
+    except ValueError as err:
+        p.error(str(err))
     if a.workload:
         try:
             loaded: Workload | None = Workload.load(a.workload)
@@ -134,11 +137,11 @@ def main() -> int:
     rows = [median_round([rd[label] for rd in rounds], "throughput_tokens_per_s") for label, _, _ in runs]
     by_label = {r["label"]: r for r in rows}
 
-    def ratio(num: str, den: str) -> float | None:
-        """Median of within-round ratios; None if a denominator run produced nothing (every request failed)."""
-        if any(rd[den]["throughput_tokens_per_s"] <= 0 for rd in rounds):
+    def ratio(num: Any, den: Any, of: list[dict] = rounds) -> float | None:
+        """Median of within-round throughput ratios; None if a denominator run produced nothing (every request failed)."""
+        if any(rd[den]["throughput_tokens_per_s"] <= 0 for rd in of):
             return None
-        return upper_median([rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in rounds])
+        return upper_median([rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in of])
 
     ratios = {}
     if "(a) no adapters" in by_label:
@@ -208,8 +211,7 @@ def main() -> int:
             lo, hi = min(counts), max(counts)
             results["sweep_ratio_most_vs_fewest_adapters"] = {
                 "adapters": [lo, hi],
-                "ratio": None if any(rd[lo]["throughput_tokens_per_s"] <= 0 for rd in sweep_rounds)
-                else upper_median([rd[hi]["throughput_tokens_per_s"] / rd[lo]["throughput_tokens_per_s"] for rd in sweep_rounds]),
+                "ratio": ratio(hi, lo, sweep_rounds),
             }
         for n, t, s in points:
             print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")

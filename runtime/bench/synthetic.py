@@ -31,6 +31,16 @@ class LlamaShape:
     vocab_size: int = 300
     max_position_embeddings: int = 1024
 
+    @classmethod
+    def sized(cls, hidden: int, layers: int) -> "LlamaShape":
+        """The benchmarks' llama for ``--hidden``/``--layers``: head dim 64 (one head below 64),
+        intermediate 2 x hidden, no GQA."""
+        heads = max(1, hidden // 64)
+        if hidden < 1 or layers < 1 or hidden % heads:
+            raise ValueError(f"hidden size {hidden} / layers {layers}: need positive sizes, and hidden divisible into max(1, hidden // 64) = {heads} heads")
+        return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                   num_key_value_heads=heads)  # fmt: skip
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         workload = Workload.load(args.workload) if args.workload else generate(spec_from_args(args))
+        shape = LlamaShape.sized(args.hidden, args.layers)
     except (ValueError, OSError) as err:
         print(f"lorafleet bench: {err}", file=sys.stderr)
         return 2
@@ -58,8 +59,6 @@ def run(args: argparse.Namespace) -> int:
             base = args.base_model or served_base_model(args.url, args.api_key)
             result = asyncio.run(replay_http(args.url, base, workload.requests, "lorafleet-http", args.api_key, progress=bar.update))
         else:
-            heads = max(1, args.hidden // 64)
-            shape = LlamaShape(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads)
             setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, max(args.max_cpu_loras, args.max_loras),
                                max_lora_rank=max(64, max(workload.spec.ranks)), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
             bar.set_description("preparing synthetic weights")
