@@ -19,7 +19,12 @@ model) has a counter ``c`` of tokens it was served (prefill and decode tokens, w
 1). Admission always picks the backlogged key with the smallest ``(c, arrival of its
 oldest waiting request)``. A key that becomes backlogged (no waiting or running
 request before) is lifted to ``c = max(c, min c over backlogged keys)``, so idle time
-is never banked as credit. If the chosen key X cannot get a device slot (every slot, or
+is never banked as credit. A key with no waiting or running request whose counter is at or
+below that minimum is forgotten (after every step), so the counter table does not grow with
+every adapter version ever served (each hot update is a new key). While anything is backlogged
+this changes no decision (a returning key is lifted to the minimum either way, and the minimum
+never falls while the backlog lasts); after the engine went fully idle, a forgotten key starts
+again from 0, like a new one. If the chosen key X cannot get a device slot (every slot, or
 the rows it needs, are held by running requests), the scheduler computes the resident
 adapters whose rows X needs (most-served first) and stops admitting *new* requests of
 those adapters ("drain", sticky until X is placed, so the victim cannot flip between
@@ -195,6 +200,7 @@ class Scheduler:
         for seq, n in planned.items():
             out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
             self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
+        self._forget_idle_counters()
         if len(out.adapters) > self.max_loras:
             raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
         return out
@@ -248,6 +254,15 @@ class Scheduler:
             planned[seq] = n
             budget -= n
         return budget
+
+    def _forget_idle_counters(self) -> None:
+        """Drop idle keys at or below the backlogged minimum: ``add`` would lift them to it anyway."""
+        backlogged = self._backlogged_keys()
+        if not backlogged or len(self.counters) == len(backlogged):
+            return
+        floor = min(self.counters.get(k, 0.0) for k in backlogged)
+        for key in [k for k, c in self.counters.items() if c <= floor and k not in backlogged]:
+            del self.counters[key]
 
     def _charged(self, key: Optional[AdapterRef], planned: dict[Sequence, int]) -> float:
         return self.counters.get(key, 0.0) + sum(n for s, n in planned.items() if s.adapter == key)

@@ -132,3 +132,45 @@ def test_documented_bound_holds_on_random_budgets():
     over = [(seed, *_rare_adapter_wait(seed)) for seed in range(600)]
     over = [o for o in over if o[1] > o[2]]
     assert over == [], over[:5]
+
+
+class _RememberingScheduler(Scheduler):
+    """The scheduler without forgetting idle counters: the reference for the test below."""
+
+    def _forget_idle_counters(self) -> None:
+        return None
+
+
+def _random_traffic(sched_cls, seed: int):
+    """A steady base-model backlog plus random adapter requests over many hot-update versions;
+    returns every step's (request id, tokens) plan and the scheduler."""
+    import random
+
+    rng = random.Random(seed)
+    adapters: dict = {}
+    pool = AdapterPool(FakeWriter(), lambda r: adapters[r], 3, 8, 64, 32, async_loads=False)
+    sched = sched_cls(BlockManager(4096, 4), pool, max_num_seqs=4, max_num_batched_tokens=12, max_loras=3)
+    plans, idx = [], 0
+    for step in range(400):
+        if len(sched.waiting.get(None, ())) < 2:  # the backlog never empties
+            sched.add(Sequence(f"b{idx}", idx, list(range(rng.randint(1, 9))), SamplingParams(max_tokens=rng.randint(1, 4)), None, 0.0))
+            idx += 1
+        if rng.random() < 0.4:
+            ref = AdapterRef(f"a{rng.randrange(3)}", f"v{step // 7}")  # a new version every 7 steps
+            adapters.setdefault(ref, FakeAdapter(ref.name, ref.version, rng.choice([8, 16])))
+            pool.demand(ref)
+            pool.poll()
+            sched.add(Sequence(f"r{idx}", idx, list(range(rng.randint(1, 9))), SamplingParams(max_tokens=rng.randint(1, 5)), ref, 0.0))
+            idx += 1
+        plans.append([(c.seq.request_id, c.num_tokens) for c in _run_step(sched, pool).chunks])
+    return plans, sched
+
+
+def test_forgetting_idle_counters_bounds_the_table_and_changes_no_decision():
+    for seed in range(5):
+        forgetful, sched = _random_traffic(Scheduler, seed)
+        remembering, ref_sched = _random_traffic(_RememberingScheduler, seed)
+        assert forgetful == remembering, f"seed {seed}: forgetting idle counters changed a schedule"
+        backlogged = len(sched._backlogged_keys())
+        assert len(sched.counters) <= backlogged + 3, (len(sched.counters), backlogged)
+        assert len(ref_sched.counters) > 60  # over a hundred keys were served: without forgetting, one counter each
