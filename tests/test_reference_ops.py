@@ -282,3 +282,30 @@ def test_row_ranges_see_slot_rewrites(layout):
                             w.b_rows[w.host_start[5] : w.host_start[5] + w.host_rank[5]].t().clone(), 3.0)  # fmt: skip
             host[(5, i)] = (a, b, 3.0)
     check()
+
+
+def test_apply_lora_skips_modules_no_resident_adapter_targets():
+    """Rows with adapters, but no slot holds weights for these slices (e.g. an MLP that no
+    adapter targets): ``apply_lora`` returns before calling the backend; once a slot is
+    written it calls it, and clearing the slot makes it skip again."""
+
+    class Spy:
+        calls = 0
+
+        def apply(self, x, y, weights, meta, offsets, workspace):
+            Spy.calls += 1
+
+    gen = torch.Generator().manual_seed(5)
+    weights = LoRASliceWeights.allocate_projection(IN, list(OUTS), 4, 64, torch.float32, "cpu", interleaved=True)
+    meta = LoRABatchMeta.build([0, 1, -1], "cpu")
+    x, y = torch.randn(3, IN, generator=gen), torch.randn(3, sum(OUTS), generator=gen)
+    before = y.clone()
+    args = (x, y, weights, meta, [0, OUTS[0], OUTS[0] + OUTS[1]], torch.zeros(len(OUTS), 3, MAX_RANK))
+    apply_lora(Spy(), *args)
+    assert Spy.calls == 0 and torch.equal(y, before)
+    weights[1].write_slot(1, 0, torch.randn(4, IN, generator=gen), torch.randn(OUTS[1], 4, generator=gen), 1.0)
+    apply_lora(Spy(), *args)
+    assert Spy.calls == 1
+    weights[1].clear_slot(1)
+    apply_lora(Spy(), *args)
+    assert Spy.calls == 1
