@@ -78,3 +78,22 @@ def test_adapter_with_wrong_base_name_refused(tiny_llama_dir: Path, tiny_adapter
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", spec, "--device", "cpu"))
     with pytest.raises(ConfigError, match="base_model_name"):
         serve.build_engine(settings)
+
+
+@pytest.mark.parametrize("flags", [("--num-replicas", "2"), ("--ray-address", "auto"), ("--registry-dir", "reg")])
+def test_ray_only_options_without_ray_are_refused(tiny_llama_dir: Path, flags) -> None:
+    key = flags[0][2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=f"{key}: only used by a Ray Serve deployment"):
+        serve.load_settings(parse("--model", str(tiny_llama_dir), *flags))
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", *flags))  # accepted with --ray
+    assert settings.ray
+
+
+def test_ray_deployment_checks_declared_base_names_before_starting(tiny_llama_dir: Path, tiny_adapters, capsys) -> None:
+    pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+
+    spec = f'{{"name": "a", "path": "{tiny_adapters["a"]}", "base_model_name": "some-other-model"}}'
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", spec, "--ray"))
+    assert run_ray(settings) == 2  # refused before Ray starts: nothing to shut down
+    assert "base_model_name 'some-other-model'" in capsys.readouterr().err

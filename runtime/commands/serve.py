@@ -90,11 +90,11 @@ def build_engine(settings: Any) -> Any:
     from runtime.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(settings.engine)
-    base_name = settings.server.served_model_name or engine.model_name
+    from runtime.server.serve_config import check_base_model_names
+
     try:
+        check_base_model_names(settings.lora_modules, (settings.server.served_model_name or engine.model_name, engine.model_name))
         for module in settings.lora_modules:
-            if module.base_model_name is not None and module.base_model_name not in (base_name, engine.model_name):
-                raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {base_name!r}")
             engine.register_adapter(module.name, module.path)
     except BaseException:
         engine.shutdown()

@@ -69,6 +69,13 @@ def load_yaml(path: str) -> dict[str, Any]:
     return normalize_keys(data, f"--config {path}")
 
 
+def check_base_model_names(modules: "tuple[LoRAModule, ...]", served_names: "tuple[str, ...]") -> None:
+    """Refuse an adapter whose declared ``base_model_name`` is none of the served base's names."""
+    for module in modules:
+        if module.base_model_name is not None and module.base_model_name not in served_names:
+            raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {served_names[0]!r}")
+
+
 def parse_lora_module(spec: Any) -> LoRAModule:
     """``name=path``, a JSON object string, or a mapping with name/path/base_model_name."""
     if isinstance(spec, str) and spec.lstrip().startswith("{"):
@@ -125,6 +132,9 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     num_replicas = merged.get("num_replicas", 1)
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ConfigError(f"num_replicas: expected an integer >= 1, got {num_replicas!r}")
+    ray_only = [k for k in ("num_replicas", "ray_address", "registry_dir") if merged.get(k) is not None]
+    if ray_only and not merged.get("ray"):
+        raise ConfigError(f"{ray_only[0]}: only used by a Ray Serve deployment; add --ray (or 'ray: true'), or drop it")
     return ServeSettings(
         engine=engine,
         server=server,
