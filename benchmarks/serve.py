@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import replay_http, served_base_model  # noqa: E402
-from runtime.bench.suite import BenchSetup, prepare, run_lorafleet  # noqa: E402
+from runtime.bench.suite import BenchSetup, host_tier_size, prepare, run_lorafleet  # noqa: E402
 from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--max-cpu-loras", type=int, default=32)
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none')")
     p.add_argument("--loop-requests", type=int, default=16, help="requests for the per-request loop (it is slow)")
@@ -70,6 +70,10 @@ def main() -> int:
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
     p.add_argument("--base-model", help="with --url: the served base model's name (default: the first entry of /v1/models)")
     a = p.parse_args()
+    try:
+        max_cpu_loras = host_tier_size(a.max_loras, a.max_cpu_loras)
+    except ValueError as err:
+        p.error(str(err))
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.peft_batch is None:
@@ -98,7 +102,7 @@ def main() -> int:
     else:
         loaded, spec = None, spec_from_args(a)
     setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, max_loras=a.max_loras,
-                       max_cpu_loras=max(a.max_cpu_loras, a.max_loras), max_lora_rank=max(64, max(spec.ranks)),
+                       max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, max(spec.ranks)),
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     workload = loaded if loaded is not None else generate(spec)
     workload.save(out / "workload.jsonl")

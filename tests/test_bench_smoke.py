@@ -113,3 +113,16 @@ def test_serve_benchmark_replays_a_saved_workload(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
     assert Workload.load(out / "workload.jsonl") == Workload.load(saved)  # the very same requests, not a regenerated set
     assert json.loads((out / "summary.json").read_text())["online"]["requests_ok"] == 4
+
+
+def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: Path) -> None:
+    from runtime.bench.suite import host_tier_size
+
+    assert host_tier_size(8, None) == 32 and host_tier_size(64, None) == 64 and host_tier_size(8, 8) == 8
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(tmp_path / "never"), "--max-loras", "8", "--max-cpu-loras", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--max-cpu-loras 4 is below --max-loras 8" in proc.stderr
+    assert not (tmp_path / "never").exists()  # refused before anything is written
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "bench", "--max-loras", "8", "--max-cpu-loras", "4", "--workdir", str(tmp_path / "w")],
+                          cwd=ROOT, timeout=120, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "--max-cpu-loras 4 is below --max-loras 8" in proc.stderr

@@ -37,6 +37,16 @@ class BenchSetup:
     targets: tuple[str, ...] = ATTENTION
 
 
+def host_tier_size(max_loras: int, max_cpu_loras: int | None) -> int:
+    """``--max-cpu-loras``, or max(32, max_loras) when not given; below max_loras is an error
+    (the host tier backs every device slot), never silently raised."""
+    if max_cpu_loras is None:
+        return max(32, max_loras)
+    if max_cpu_loras < max_loras:
+        raise ValueError(f"--max-cpu-loras {max_cpu_loras} is below --max-loras {max_loras}: the host tier must hold every device adapter")
+    return max_cpu_loras
+
+
 def prepare(workload: Any, setup: BenchSetup) -> tuple[Path, dict[str, Path]]:
     """Write (or reuse) the synthetic base and one adapter folder per workload adapter."""
     model_dir = setup.workdir / f"llama-h{setup.shape.hidden_size}-l{setup.shape.num_hidden_layers}"

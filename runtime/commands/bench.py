@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=512, help="synthetic model hidden size")
     p.add_argument("--layers", type=int, default=4, help="synthetic model layers")
     p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--max-cpu-loras", type=int, default=32)
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--workdir", default=str(Path.home() / ".cache" / "lorafleet-bench"), help="where synthetic weights are written")
     p.add_argument("--workload", help="replay this JSONL workload instead of generating one")
     p.add_argument("--url", help="benchmark a running server at this URL instead of an in-process engine")
@@ -43,13 +43,14 @@ def run(args: argparse.Namespace) -> int:
 
     from runtime.bench.replay import replay_http, served_base_model
     from runtime.bench.summary import summarize, table
-    from runtime.bench.suite import BenchSetup, prepare, run_lorafleet
+    from runtime.bench.suite import BenchSetup, host_tier_size, prepare, run_lorafleet
     from runtime.bench.synthetic import LlamaShape
     from runtime.bench.workload import Workload, generate, spec_from_args
 
     try:
         workload = Workload.load(args.workload) if args.workload else generate(spec_from_args(args))
         shape = LlamaShape.sized(args.hidden, args.layers)
+        host_cpu_loras = host_tier_size(args.max_loras, args.max_cpu_loras)
     except (ValueError, OSError) as err:
         print(f"lorafleet bench: {err}", file=sys.stderr)
         return 2
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             base = args.base_model or served_base_model(args.url, args.api_key)
             result = asyncio.run(replay_http(args.url, base, workload.requests, "lorafleet-http", args.api_key, progress=bar.update))
         else:
-            setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, max(args.max_cpu_loras, args.max_loras),
+            setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, host_cpu_loras,
                                max_lora_rank=max(64, max(workload.spec.ranks)), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
             bar.set_description("preparing synthetic weights")
             model_dir, adapters = prepare(workload, setup)
