@@ -55,10 +55,20 @@ def test_engine_prefix_hits_only_for_same_adapter_and_version(tiny_llama_dir, ti
     engine.register_adapter("live", str(live))
     engine.register_adapter("a", str(tiny_adapters["a"]))
     prompt = random_prompt(random.Random(2), 14)
+    prefills: list[tuple[int, int]] = []  # (start position, tokens) of each prompt chunk the model computed
+    execute = engine.runner.execute
+
+    def recording_execute(steps):
+        prefills.extend((s.start_pos, len(s.token_ids)) for s in steps if s.start_pos < len(prompt))
+        return execute(steps)
+
+    engine.runner.execute = recording_execute
     first = run_alone(engine, "p1", prompt, PARAMS, "live")
-    assert _hits(engine) == 0
+    assert _hits(engine) == 0 and prefills == [(0, 14)]
+    prefills.clear()
     second = run_alone(engine, "p2", prompt, PARAMS, "live")
     assert _hits(engine) == 3 and second.token_ids == first.token_ids  # 3 full blocks of 4 below 14 tokens
+    assert prefills == [(12, 2)], "a hit must skip the cached tokens' compute, not only count them"
     run_alone(engine, "other-adapter", prompt, PARAMS, "a")
     run_alone(engine, "base", prompt, PARAMS, None)
     assert _hits(engine) == 3, "KV is never shared across adapters"

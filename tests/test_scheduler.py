@@ -174,3 +174,20 @@ def test_forgetting_idle_counters_bounds_the_table_and_changes_no_decision():
         backlogged = len(sched._backlogged_keys())
         assert len(sched.counters) <= backlogged + 3, (len(sched.counters), backlogged)
         assert len(ref_sched.counters) > 60  # over a hundred keys were served: without forgetting, one counter each
+
+
+def test_fairness_bound_is_the_documented_formula():
+    """The tests above compare waits with ``fairness_bound_steps``; pin that method to the
+    formula in the module docstring, computed here independently."""
+    import math
+
+    import pytest
+
+    sched, _, _ = _setup()
+    for s, c, p, m in [(4, 8, 6, 3), (8, 8, 6, 4), (32, 512, 100, 32), (1, 1, 7, 5), (1, 16, 40, 9), (3, 20, 1, 1)]:
+        sched.max_num_seqs, sched.max_num_batched_tokens = s, c
+        want = math.ceil(s * p / (c - s + 1)) + m + 2 + ((math.ceil(p / c) + m) if s == 1 else 0)
+        assert sched.fairness_bound_steps(p, m) == want, (s, c, p, m)
+    sched.max_num_seqs, sched.max_num_batched_tokens = 8, 4
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        sched.fairness_bound_steps(6, 3)
