@@ -10,6 +10,11 @@ Runs, in this order and in one process (so the ratios are side by side):
      adapter swaps and cache hit rates, memory split;
   3. sweeps: offline throughput vs number of adapters (zipf) and p99 latency vs rate.
 Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables.
+records.jsonl holds the raw data behind every summarized run: one JSON object per request with
+the run's label, its round (offline runs and the adapter sweep; null for the online runs) and
+the request's RequestRecord fields (index, adapter, prompt/output tokens, client-side ttft, tpot
+and latency, adapter_location, error, and the engine's own engine_ttft, null where not measured:
+over HTTP and for PEFT).
 With --url the online replay goes over HTTP to a running server instead (TTFT real).
 """
 from __future__ import annotations
@@ -27,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
-from runtime.bench.replay import replay_http, served_base_model  # noqa: E402
+from runtime.bench.replay import ReplayResult, replay_http, served_base_model  # noqa: E402
 from runtime.bench.suite import BenchSetup, host_tier_size, prepare, run_lorafleet  # noqa: E402
 from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
@@ -106,6 +111,16 @@ def main() -> int:
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     workload = loaded if loaded is not None else generate(spec)
     workload.save(out / "workload.jsonl")
+    records_path = out / "records.jsonl"
+    records_path.write_text("")
+
+    def summarized(result: ReplayResult, round_: int | None = None) -> dict[str, Any]:
+        """``summarize(result)``, after appending its per-request records to records.jsonl."""
+        with records_path.open("a") as f:
+            for rec in result.records:
+                f.write(json.dumps({"label": result.label, "round": round_, **dataclasses.asdict(rec)}) + "\n")
+        return summarize(result, a.slo_ttft, a.slo_tpot)
+
     baselines = set() if a.baselines == "none" else set(a.baselines.split(","))
     log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s")
     model_dir, adapters = prepare(workload, setup)
@@ -137,7 +152,7 @@ def main() -> int:
         rounds.append({})
         for label, what, fn in runs:
             log(f"offline: {what}" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
-            rounds[-1][label] = summarize(fn(), a.slo_ttft, a.slo_tpot)
+            rounds[-1][label] = summarized(fn(), r + 1)
     rows = [median_round([rd[label] for rd in rounds], "throughput_tokens_per_s") for label, _, _ in runs]
     by_label = {r["label"]: r for r in rows}
 
@@ -170,7 +185,7 @@ def main() -> int:
         online = asyncio.run(replay_http(a.url, a.base_model or served_base_model(a.url), workload.requests, "lorafleet online (http)"))
     else:
         online = run_lorafleet(workload, setup, model_dir, adapters, "lorafleet online")
-    on = summarize(online, a.slo_ttft, a.slo_tpot)
+    on = summarized(online)
     ttfts: dict[str, list[float]] = {}
     for rec in online.records:
         if rec.ttft is not None:
@@ -186,7 +201,7 @@ def main() -> int:
     on["fairness"] = fairness
     results["online"] = on
     print(table([on]))
-    if fairness:
+    if fairness and fairness["ratio"] is not None:  # None: the most popular adapter's p99 TTFT was 0
         print(f"fairness: p99 TTFT least popular / most popular = {fairness['ratio']:.2f}")
     plots.per_adapter_ttft(ttfts, out / "per_adapter_ttft.png")
 
@@ -203,7 +218,7 @@ def main() -> int:
             for n in counts:
                 log(f"sweep: {n} adapters (zipf alpha {spec.alpha}), offline" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
                 w, m, ads = prepared[n]
-                sweep_rounds[-1][n] = summarize(run_lorafleet(w, setup, m, ads, f"{n} adapters"), a.slo_ttft, a.slo_tpot)
+                sweep_rounds[-1][n] = summarized(run_lorafleet(w, setup, m, ads, f"{n} adapters"), r + 1)
         points = []
         for n in counts:
             s = median_round([rd[n] for rd in sweep_rounds], "throughput_tokens_per_s")
@@ -230,12 +245,12 @@ def main() -> int:
         for rate in (float(x) for x in a.sweep_rates.split(",")):
             w = generate(dataclasses.replace(spec, rate=rate))
             log(f"sweep: rate {rate}/s, online")
-            s = summarize(run_lorafleet(w, setup, model_dir, adapters, f"rate {rate}"), a.slo_ttft, a.slo_tpot)
+            s = summarized(run_lorafleet(w, setup, model_dir, adapters, f"rate {rate}"))
             rpoints.append((rate, s["ttft_p99_s"] or 0.0, s["tpot_p99_s"] or 0.0))
         plots.p99_vs_rate(rpoints, out / "p99_vs_rate.png")
         results["sweep_rates"] = [{"rate": r, "ttft_p99_s": t, "tpot_p99_s": q} for r, t, q in rpoints]
     (out / "summary.json").write_text(json.dumps(results, indent=2, default=str))
-    log(f"wrote {out / 'summary.json'} and plots")
+    log(f"wrote {out / 'summary.json'}, {records_path.name} and plots")
     return 0
 
 

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.bench.summary import percentile
+import numpy
+import pytest
+
+from runtime.bench.summary import BASE, percentile, upper_median
 from runtime.bench.workload import Workload, WorkloadSpec, generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +49,21 @@ def test_adapter_count_changes_only_the_adapters() -> None:
     assert {r.adapter for r in few.requests} != {r.adapter for r in many.requests}  # the adapters do change
 
 
+def _pct(values: list[float], q: float) -> float | None:
+    """numpy's linear-interpolation percentile: an independent check of summary.percentile."""
+    return float(numpy.percentile(values, q)) if values else None
+
+
+def _check_latency_block(block: dict, records: list[dict]) -> None:
+    """A summary's request count and TTFT/TPOT p50/p99, recomputed from its raw records."""
+    assert block["requests"] == len(records)
+    for key in ("ttft", "tpot"):
+        values = [r[key] for r in records if r[key] is not None]
+        for q in (50, 99):
+            want = _pct(values, q)
+            assert block[f"{key}_p{q}_s"] == (None if want is None else pytest.approx(want, rel=1e-9, abs=1e-12)), (key, q)
+
+
 def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--num-requests", "8", "--adapters", "3",
@@ -54,29 +72,75 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
     res = json.loads((out / "summary.json").read_text())
     workload = Workload.load(out / "workload.jsonl")
-    want_tokens = sum(r.output_tokens for r in workload.requests)
+    want_out = {r.index: r.output_tokens for r in workload.requests}
+    want_tokens = sum(want_out.values())
+    loop_subset = [r.index for r in workload.requests[:3]]  # --loop-requests 3: the first 3 requests
+    runs: dict[tuple[str, int | None], list[dict]] = {}  # (label, round) -> that run's records
+    for line in (out / "records.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        runs.setdefault((rec["label"], rec["round"]), []).append(rec)
+    peft = "(c) transformers+peft"
+
+    # Every request of every run, on its own: timings in a possible order, exactly its output length.
+    for (label, _), recs in runs.items():
+        for r in recs:
+            assert r["error"] is None and r["output_tokens"] == want_out[r["index"]], (label, r)
+            if label == peft:  # batch latency only; no streamed timings, no engine
+                assert r["ttft"] is None and r["engine_ttft"] is None and r["latency"] > 0
+                continue
+            assert 0 <= r["ttft"] <= r["latency"], (label, r)
+            assert r["tpot"] is None or 0 <= r["tpot"] <= r["latency"], (label, r)
+            # The engine stamps its arrival after the client's and its first token before the client reads it
+            # (time.monotonic and time.perf_counter: the same clock on Linux).
+            assert r["engine_ttft"] is not None and 0 < r["engine_ttft"] <= r["ttft"] + 1e-6, (label, r)
+
+    # Each offline row is its median round's summary: recompute it from that round's records.
     offline = {r["label"]: r for r in res["offline"]}
-    for label in ("lorafleet offline", "(a) no adapters", "(c) transformers+peft"):
-        row = offline[label]
-        assert row["requests_failed"] == 0 and row["requests_ok"] == 8
-        assert row["output_tokens"] == want_tokens  # every request produced exactly its output length
+    for label, row in offline.items():
+        per_round = res["offline_rounds_tokens_per_s"][label]
+        assert len(per_round) == 2 and row["throughput_tokens_per_s"] == upper_median(per_round)
+        recs = runs[(label, per_round.index(row["throughput_tokens_per_s"]) + 1)]
+        assert row["requests_failed"] == 0 and row["requests_ok"] == len(recs)
+        assert row["output_tokens"] == sum(r["output_tokens"] for r in recs)
+        assert row["throughput_tokens_per_s"] == pytest.approx(row["output_tokens"] / row["wall_s"])
+        _check_latency_block(row, recs)
+    for label in ("lorafleet offline", "(a) no adapters", peft):
+        assert offline[label]["requests_ok"] == 8 and offline[label]["output_tokens"] == want_tokens
+    for label in ("(b) per-request loop", "lorafleet on loop subset"):  # both run the same first 3 requests
+        assert offline[label]["requests_ok"] == 3 and offline[label]["output_tokens"] == sum(want_out[i] for i in loop_subset)
+        for rnd in (1, 2):
+            assert sorted(r["index"] for r in runs[(label, rnd)]) == loop_subset, (label, rnd)
+    for label in offline:
+        for rnd in (1, 2):
+            assert len(runs[(label, rnd)]) == (3 if "loop" in label else 8), (label, rnd)
+
     online = res["online"]
-    assert online["output_tokens"] == want_tokens
+    on_recs = runs[("lorafleet online", None)]
+    assert online["requests_ok"] == 8 and online["output_tokens"] == want_tokens == sum(r["output_tokens"] for r in on_recs)
+    assert online["throughput_tokens_per_s"] == pytest.approx(online["output_tokens"] / online["wall_s"])
+    _check_latency_block(online, on_recs)
+    for name, block in online["per_adapter"].items():
+        _check_latency_block(block, [r for r in on_recs if (r["adapter"] or BASE) == name])
     assert sum(v["requests"] for v in online["per_adapter"].values()) == 8
-    for block in [online, *online["per_adapter"].values()]:
-        assert block["ttft_p50_s"] <= block["ttft_p99_s"] and block["tpot_p50_s"] <= block["tpot_p99_s"]
+    for loc, block in online["ttft_by_adapter_location"].items():
+        _check_latency_block(block, [r for r in on_recs if r["adapter_location"] == loc])
     cache = online["cache"]
     with_adapter = sum(1 for r in workload.requests if r.adapter)
     assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == with_adapter
     assert sum(b["requests"] for b in online["ttft_by_adapter_location"].values()) == with_adapter
     assert all(online["memory"][k] > 0 for k in ("weights_bytes", "kv_cache_bytes", "lora_pool_bytes", "workspace_bytes"))
     assert [p["rate"] for p in res["sweep_rates"]] == [20.0]
-    assert offline["(c) transformers+peft"]["adapter_swaps"] is None  # not measured there, so not reported as 0
+    rate_recs = runs[("rate 20.0", None)]
+    assert res["sweep_rates"][0]["ttft_p99_s"] == pytest.approx(_pct([r["ttft"] for r in rate_recs], 99), rel=1e-9)
+    assert offline[peft]["adapter_swaps"] is None  # not measured there, so not reported as 0
     assert res["peft_batch"] == 32  # defaults to the engine's batch cap (--max-num-seqs)
     assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft"}
     assert all(v > 0 for v in res["ratios"].values())
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
+    assert all(len(runs[(f"{n} adapters", rnd)]) == 8 for n in (2, 3) for rnd in (1, 2))
     assert res["sweep_ratio_most_vs_fewest_adapters"]["adapters"] == [2, 3] and res["sweep_ratio_most_vs_fewest_adapters"]["ratio"] > 0
+    # records.jsonl holds exactly the summarized runs: 5 offline configs and 2 adapter counts x 2 rounds, online, one rate
+    assert len(runs) == 5 * 2 + 2 * 2 + 2
     for png in ("per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):
         assert (out / png).stat().st_size > 1000
 
@@ -92,8 +156,11 @@ def test_engine_throughput_benchmark_smoke(tmp_path: Path) -> None:
     assert res["model"]["hidden_size"] == 64 and res["model"]["num_hidden_layers"] == 1  # --hidden/--layers are honoured
     runs = ["base_only", "mixed_8_rank16_uniform", "zipf_8_adapters", "zipf_200_adapters", "zipf_200_adapters_max_loras_8"]
     for name in runs:
-        assert res[name]["tokens"] == 6 * 3, name
-        assert len(res[name]["tokens_per_s_rounds"]) == 2 and res[name]["tokens_per_s"] in res[name]["tokens_per_s_rounds"]
+        r = res[name]
+        assert r["tokens"] == 6 * 3, name
+        assert len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] == upper_median(r["tokens_per_s_rounds"])  # the median round
+        # tokens_per_s = tokens / wall time, reported rounded (wall_s to 1 ms, tokens_per_s to 0.1)
+        assert r["tokens"] / (r["wall_s"] + 5e-4) - 0.05 <= r["tokens_per_s"] <= r["tokens"] / max(r["wall_s"] - 5e-4, 1e-9) + 0.05, name
     assert res["zipf_200_adapters_max_loras_8"]["pool"]["device_slots_total"] == 8
     assert res["mixed_8_rank16_uniform"]["pool"]["device_slots_used"] == 6  # 6 requests round-robin over a0..a7
     # every adapter the zipf picks used was loaded once and, with 32 slots, is still resident at the end

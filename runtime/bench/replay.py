@@ -6,6 +6,11 @@ Each request is sent at its arrival time (``arrival_s`` after the start) with
     ttft    = first streamed token - arrival
     tpot    = (last token - first token) / (output tokens - 1)
     latency = last token - arrival
+
+In-process, ``engine_ttft`` is the engine's own TTFT for the request (``RequestMetrics.ttft``
+from its observer: its first token - its arrival). The engine takes its arrival when the
+request is admitted, after the client's, and its first token before the client reads it, so
+``engine_ttft <= ttft``; the difference is admission and streaming overhead.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from runtime.request import SamplingParams
+from runtime.stats import RequestMetrics
 
 
 @dataclass
@@ -30,6 +36,7 @@ class RequestRecord:
     latency: Optional[float] = None
     adapter_location: Optional[str] = None  # where the adapter was on arrival (in-process only)
     error: Optional[str] = None
+    engine_ttft: Optional[float] = None  # the engine's own TTFT (in-process only; None: not measured)
 
 
 @dataclass
@@ -69,15 +76,16 @@ def _finish(record: RequestRecord, arrival: float, first: Optional[float], last:
 
 
 async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapter_of: Callable[[Any], Optional[str]] = lambda r: r.adapter,
-                        progress: Optional[Callable[[], None]] = None, locations: Optional[dict[str, str]] = None) -> ReplayResult:
-    """Drive an AsyncLLMEngine in this process; adapter locations come from its observer.
+                        progress: Optional[Callable[[], None]] = None, metrics: Optional[dict[str, RequestMetrics]] = None) -> ReplayResult:
+    """Drive an AsyncLLMEngine in this process; adapter locations and the engine's own TTFT
+    come from the RequestMetrics its observer reports.
 
-    Pass a shared ``locations`` dict (already fed by an observer) when replaying many
-    times on one engine, so observers do not pile up.
+    Pass a shared ``metrics`` dict (request id -> RequestMetrics, already fed by an observer)
+    when replaying many times on one engine, so observers do not pile up.
     """
-    if locations is None:
-        locations = {}
-        engine.add_observer(lambda m: locations.__setitem__(m.request_id, m.adapter_location))
+    if metrics is None:
+        metrics = {}
+        engine.add_observer(lambda m: metrics.__setitem__(m.request_id, m))
 
     async def run_one(req: Any, arrival: float) -> RequestRecord:
         rec = RequestRecord(req.index, adapter_of(req), req.arrival_s)
@@ -100,7 +108,9 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
     records = await _paced(requests, start, run_one, progress)
     wall = time.perf_counter() - start
     for rec in records:
-        rec.adapter_location = locations.get(f"{label}-{rec.index}")
+        m = metrics.get(f"{label}-{rec.index}")
+        if m is not None:
+            rec.adapter_location, rec.engine_ttft = m.adapter_location, m.ttft
     return ReplayResult(label, records, wall, snapshot=engine.snapshot())
 
 

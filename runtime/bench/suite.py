@@ -105,12 +105,12 @@ async def _one_at_a_time(engine: Any, requests: Any, label: str, progress: Optio
     import time
 
     records = []
-    locations: dict[str, str] = {}
-    engine.add_observer(lambda m: locations.__setitem__(m.request_id, m.adapter_location))
+    metrics: dict[str, Any] = {}  # request id -> RequestMetrics, one observer for every sub-replay
+    engine.add_observer(lambda m: metrics.__setitem__(m.request_id, m))
     start = time.perf_counter()
     for req in sorted(requests, key=lambda r: r.arrival_s):
         shifted = dataclasses.replace(req, arrival_s=0.0)
-        sub = await replay_engine(engine, [shifted], f"{label}-{req.index}", locations=locations)
+        sub = await replay_engine(engine, [shifted], f"{label}-{req.index}", metrics=metrics)
         records.extend(sub.records)
         if progress is not None:
             progress()
