@@ -7,7 +7,9 @@ Builds a random llama (hidden 512 and 4 layers unless ``--hidden``/``--layers`` 
 otherwise) with transformers and random PEFT adapter folders in a temp dir; nothing is
 downloaded. Throughput = generated tokens / wall time
 of one LLMEngine run to completion (all requests submitted up front); every config runs
-``--rounds`` times, interleaved, and ratios are the median of within-round ratios. Every LoRA run
+``--rounds`` times, interleaved, and ratios are the median of within-round ratios. The
+multi-LoRA vs base-only pair is also measured with both engines stepped in turn in one process
+(``alternating``: each run's tokens over the time of its own steps). Every LoRA run
 uses the same engine config (``--max-loras`` slots); unless that is 8 already, the
 200-adapter run is repeated with 8 slots, where a step can hold at most 8 of the ~21
 adapters in play.
@@ -42,11 +44,45 @@ def zipf_choice(rng: random.Random, n: int, alpha: float = 1.0) -> int:
     return rng.choices(range(n), weights=weights)[0]
 
 
+def engine_config(model: Path, **cfg) -> EngineConfig:
+    return EngineConfig(model=str(model), device="cpu", max_num_seqs=32, max_num_batched_tokens=512, block_size=16, num_kv_blocks=256, **cfg)
+
+
 def run(model: Path, adapters: dict[str, Path], picks: list, prompts: list, params: SamplingParams, **cfg) -> dict:
-    config = EngineConfig(model=str(model), device="cpu", max_num_seqs=32, max_num_batched_tokens=512, block_size=16, num_kv_blocks=256, **cfg)
-    result = offline_throughput(config, adapters, list(zip(prompts, picks)), params)
+    result = offline_throughput(engine_config(model, **cfg), adapters, list(zip(prompts, picks)), params)
     print(f"  {len(adapters)} adapters: {result['tokens']} tokens in {result['wall_s']:.2f}s", file=sys.stderr, flush=True)
     return result
+
+
+def alternating(model: Path, runs: dict[str, tuple[dict[str, Path], list]], prompts: list, params: SamplingParams, **cfg) -> dict[str, dict]:
+    """Side by side in one process: one engine per run, stepped in turn until all finish.
+
+    tokens/s of a run = its generated tokens / the time spent in its own steps. Machine drift
+    then hits every run alike, step by step, instead of run by run.
+    """
+    import time
+
+    from runtime.engine import LLMEngine
+
+    engines: dict[str, LLMEngine] = {}
+    try:
+        for name, (adapters, picks) in runs.items():
+            engine = engines[name] = LLMEngine(engine_config(model, **cfg))
+            for adapter, path in adapters.items():
+                engine.register_adapter(adapter, str(path))
+            for i, (prompt, pick) in enumerate(zip(prompts, picks)):
+                engine.add_request(f"r{i}", prompt, params, pick)
+        busy, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+        while any(e.has_unfinished() for e in engines.values()):
+            for name, engine in engines.items():
+                if engine.has_unfinished():
+                    start = time.perf_counter()
+                    tokens[name] += sum(len(o.new_token_ids) for o in engine.step())
+                    busy[name] += time.perf_counter() - start
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: {"tokens": tokens[name], "busy_s": round(busy[name], 6), "tokens_per_s": round(tokens[name] / busy[name], 1)} for name in engines}
 
 
 def main() -> None:
@@ -91,8 +127,7 @@ def main() -> None:
         if args.max_loras != 8:  # the slot-capped case: at most 8 distinct adapters per step
             runs["zipf_200_adapters_max_loras_8"] = (many, zipf200, {**lora_cfg, "max_loras": 8})
         # Untimed warm-up: the first engine run of a process pays one-off initialisation.
-        offline_throughput(EngineConfig(model=str(model), device="cpu", max_num_seqs=32, max_num_batched_tokens=512, block_size=16,
-                                        num_kv_blocks=256), {}, [(p, None) for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True))  # fmt: skip
+        offline_throughput(engine_config(model), {}, [(p, None) for p in prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True))
         rounds: list[dict] = []
         for r in range(args.rounds):  # every config once per round, so drift hits all of them alike
             print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
@@ -101,6 +136,12 @@ def main() -> None:
             per_round = [rd[name] for rd in rounds]
             results[name] = {**median_round(per_round, "tokens_per_s"), "tokens_per_s_rounds": [x["tokens_per_s"] for x in per_round]}
         results["zipf_200_distinct_adapters_used"] = len(set(zipf200))
+        # The headline pair again, both engines stepped in turn in one process (see ``alternating``).
+        paired = []
+        for r in range(args.rounds):
+            print(f"alternating steps {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            paired.append(alternating(model, {"base_only": runs["base_only"][:2], "mixed_8_rank16_uniform": runs["mixed_8_rank16_uniform"][:2]},
+                                      prompts, params, **lora_cfg))  # fmt: skip
         mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", shape, r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
         picks = list(mixed) * (16 // len(mixed))
         mixed_prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in picks]  # every adapter resident, whatever --requests
@@ -111,6 +152,8 @@ def main() -> None:
         return round(upper_median([rd[num]["tokens_per_s"] / rd[den]["tokens_per_s"] for rd in rounds]), 3)
 
     results["ratio_multi_lora_vs_base"] = ratio("mixed_8_rank16_uniform", "base_only")
+    results["alternating_steps"] = paired
+    results["ratio_multi_lora_vs_base_alternating"] = round(upper_median([r["mixed_8_rank16_uniform"]["tokens_per_s"] / r["base_only"]["tokens_per_s"] for r in paired]), 3)
     results["ratio_200_vs_8_zipf"] = ratio("zipf_200_adapters", "zipf_8_adapters")
     if "zipf_200_adapters_max_loras_8" in results:
         results["ratio_200_max_loras_8_vs_8_zipf"] = ratio("zipf_200_adapters_max_loras_8", "zipf_8_adapters")
