@@ -17,19 +17,20 @@ Fairness (virtual token counter, after Sheng et al., "Fairness in Serving Large
 Language Models", OSDI'24). Each adapter key (an ``AdapterRef``, or None for the base
 model) has a counter ``c`` of tokens it was served (prefill and decode tokens, weight
 1). Admission always picks the backlogged key with the smallest ``(c, arrival of its
-oldest waiting request)``. A key that becomes backlogged (no waiting or running
-request before) is lifted to ``c = max(c, min c over backlogged keys)``, so idle time
-is never banked as credit. A key with no waiting or running request whose counter is at or
-below that minimum is forgotten (after every step), so the counter table does not grow with
-every adapter version ever served (each hot update is a new key). While anything is backlogged
-this changes no decision (a returning key is lifted to the minimum either way, and the minimum
-never falls while the backlog lasts); after the engine went fully idle, a forgotten key starts
-again from 0, like a new one. If the chosen key X cannot get a device slot (every slot, or
-the rows it needs, are held by running requests), the scheduler computes the resident
-adapters whose rows X needs (most-served first) and stops admitting *new* requests of
-those adapters ("drain", sticky until X is placed, so the victim cannot flip between
-adapters from step to step); their running requests finish and free the slot, and X, still
-holding the minimum counter, takes it at the start of the next step.
+oldest waiting request)``. A key that becomes backlogged (no waiting or running request
+before) is lifted to ``c = max(c, m)``: m is the smallest counter over backlogged keys or, when
+none is, the largest such minimum seen so far (the scheduler's virtual time; it never falls), so
+idle time is never banked as credit, not even across a moment when the engine has nothing to do.
+After every step, keys with no waiting or running request and ``c <= m`` are forgotten: on their
+return they would be lifted to at least m anyway, so no decision changes, and the counter table
+does not grow with every adapter version ever served (each hot update is a new key).
+
+If the chosen key X cannot get a device slot (every slot, or the rows it needs, are held by
+running requests), the scheduler computes the resident adapters whose rows X needs
+(most-served first) and stops admitting *new* requests of those adapters ("drain", sticky
+until X is placed, so the victim cannot flip between adapters from step to step); their
+running requests finish and free the slot, and X, still holding the minimum counter, takes it
+at the start of the next step.
 
 Bound (documented guarantee, tested in tests/test_scheduler.py and tests/test_engine.py).
 Let S = max_num_seqs, C = max_num_batched_tokens (assume C >= S, so every decode fits in
@@ -116,6 +117,7 @@ class Scheduler:
         self.waiting: dict[Optional[AdapterRef], deque[Sequence]] = {}
         self.running: list[Sequence] = []  # sorted by arrival_index (oldest first)
         self.counters: dict[Optional[AdapterRef], float] = {}
+        self._virtual_time = 0.0  # the largest minimum counter over backlogged keys seen so far
         # Sticky drains: blocked adapter -> the residents it waits for. Kept across steps
         # so the victim does not flip between adapters (which would never free a slot).
         self._drains: dict[AdapterRef, list[AdapterRef]] = {}
@@ -125,9 +127,7 @@ class Scheduler:
         key = seq.adapter
         if not self._backlogged(key):
             active = [self.counters.get(k, 0.0) for k in self._backlogged_keys()]
-            if active:
-                self.counters[key] = max(self.counters.get(key, 0.0), min(active))
-        self.counters.setdefault(key, 0.0)
+            self.counters[key] = max(self.counters.get(key, 0.0), min(active) if active else self._virtual_time)
         self.waiting.setdefault(key, deque()).append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -200,6 +200,7 @@ class Scheduler:
         for seq, n in planned.items():
             out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
             self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
+        self._advance_virtual_time()
         self._forget_idle_counters()
         if len(out.adapters) > self.max_loras:
             raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
@@ -255,14 +256,17 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _forget_idle_counters(self) -> None:
-        """Drop idle keys at or below the backlogged minimum: ``add`` would lift them to it anyway."""
+    def _advance_virtual_time(self) -> None:
         backlogged = self._backlogged_keys()
-        if not backlogged or len(self.counters) == len(backlogged):
-            return
-        floor = min(self.counters.get(k, 0.0) for k in backlogged)
-        for key in [k for k, c in self.counters.items() if c <= floor and k not in backlogged]:
-            del self.counters[key]
+        if backlogged:
+            self._virtual_time = max(self._virtual_time, min(self.counters.get(k, 0.0) for k in backlogged))
+
+    def _forget_idle_counters(self) -> None:
+        """Drop idle keys at or below the virtual time: ``add`` would lift them to at least that."""
+        backlogged = self._backlogged_keys()
+        if len(self.counters) > len(backlogged):
+            for key in [k for k, c in self.counters.items() if c <= self._virtual_time and k not in backlogged]:
+                del self.counters[key]
 
     def _charged(self, key: Optional[AdapterRef], planned: dict[Sequence, int]) -> float:
         return self.counters.get(key, 0.0) + sum(n for s, n in planned.items() if s.adapter == key)

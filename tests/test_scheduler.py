@@ -142,8 +142,8 @@ class _RememberingScheduler(Scheduler):
 
 
 def _random_traffic(sched_cls, seed: int):
-    """A steady base-model backlog plus random adapter requests over many hot-update versions;
-    returns every step's (request id, tokens) plan and the scheduler."""
+    """A base-model backlog plus random adapter requests over many hot-update versions, with
+    idle spells (the backlog empties); returns every step's (request id, tokens) plan and the scheduler."""
     import random
 
     rng = random.Random(seed)
@@ -152,7 +152,10 @@ def _random_traffic(sched_cls, seed: int):
     sched = sched_cls(BlockManager(4096, 4), pool, max_num_seqs=4, max_num_batched_tokens=12, max_loras=3)
     plans, idx = [], 0
     for step in range(400):
-        if len(sched.waiting.get(None, ())) < 2:  # the backlog never empties
+        if step % 100 >= 80:  # the last 20 of every 100 steps: no new requests, the engine drains and idles
+            plans.append([(c.seq.request_id, c.num_tokens) for c in _run_step(sched, pool).chunks])
+            continue
+        if len(sched.waiting.get(None, ())) < 2:  # otherwise a base-model backlog
             sched.add(Sequence(f"b{idx}", idx, list(range(rng.randint(1, 9))), SamplingParams(max_tokens=rng.randint(1, 4)), None, 0.0))
             idx += 1
         if rng.random() < 0.4:
@@ -167,6 +170,7 @@ def _random_traffic(sched_cls, seed: int):
 
 
 def test_forgetting_idle_counters_bounds_the_table_and_changes_no_decision():
+    """Also across idle spells: a key returning to an empty scheduler is lifted to the virtual time."""
     for seed in range(5):
         forgetful, sched = _random_traffic(Scheduler, seed)
         remembering, ref_sched = _random_traffic(_RememberingScheduler, seed)
@@ -191,3 +195,32 @@ def test_fairness_bound_is_the_documented_formula():
     sched.max_num_seqs, sched.max_num_batched_tokens = 8, 4
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         sched.fairness_bound_steps(6, 3)
+
+
+def test_no_credit_across_an_idle_engine():
+    """A and B are served while both are backlogged, then the engine idles. A key arriving at
+    the idle engine (new, or returning after it was forgotten) is lifted to the virtual time,
+    the last backlogged minimum, not left at 0 (it would then win every admission against a
+    key that kept its counter, until it had caught up)."""
+    sched, pool, adapters = _setup(max_loras=2, max_num_seqs=4, budget=8)
+    a, b, c = (_ref(adapters, pool, n) for n in "abc")
+    for i in range(40):
+        pool.demand(a if i % 2 else b)
+        pool.poll()
+        sched.add(_seq(i, 6, a if i % 2 else b))
+    minima = []
+    while sched.has_unfinished():
+        _run_step(sched, pool)
+        backlogged = sched._backlogged_keys()
+        if backlogged:
+            minima.append(min(sched.counters[k] for k in backlogged))
+    for _ in range(3):  # idle steps
+        _run_step(sched, pool)
+    assert minima and max(minima) > 100  # both were served hundreds of tokens
+    for ref, i in ((c, 100), (b, 101)):  # new C first, then B (forgotten by now) returns
+        pool.demand(ref)
+        pool.poll()
+        sched.add(_seq(i, 6, ref))
+    # At least every backlogged minimum observed between steps (the scheduler also sees the
+    # minimum inside a step, after charging and before the step's finished requests leave).
+    assert sched.counters[c] == sched.counters[b] >= max(minima)
