@@ -58,7 +58,9 @@ def alternating(model: Path, runs: dict[str, tuple[dict[str, Path], list]], prom
     """Side by side in one process: one engine per run, stepped in turn until all finish.
 
     tokens/s of a run = its generated tokens / the time spent in its own steps. Machine drift
-    then hits every run alike, step by step, instead of run by run.
+    then hits every run alike, step by step, instead of run by run. Disk loads of the adapters
+    finish before the first step (the loader thread would otherwise run during another
+    engine's timed steps); host -> device copies stay in the run's own steps.
     """
     import time
 
@@ -72,6 +74,9 @@ def alternating(model: Path, runs: dict[str, tuple[dict[str, Path], list]], prom
                 engine.register_adapter(adapter, str(path))
             for i, (prompt, pick) in enumerate(zip(prompts, picks)):
                 engine.add_request(f"r{i}", prompt, params, pick)
+            while engine.pool.loads_pending:
+                engine.pool.wait_for_load(timeout=0.05)
+                engine.pool.poll()
         busy, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
         while any(e.has_unfinished() for e in engines.values()):
             for name, engine in engines.items():
@@ -140,8 +145,9 @@ def main() -> None:
         paired = []
         for r in range(args.rounds):
             print(f"alternating steps {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-            paired.append(alternating(model, {"base_only": runs["base_only"][:2], "mixed_8_rank16_uniform": runs["mixed_8_rank16_uniform"][:2]},
-                                      prompts, params, **lora_cfg))  # fmt: skip
+            pair = {name: runs[name][:2] for name in ("base_only", "mixed_8_rank16_uniform")}
+            order = list(pair) if r % 2 == 0 else list(reversed(pair))  # who steps first alternates by round
+            paired.append(alternating(model, {name: pair[name] for name in order}, prompts, params, **lora_cfg))
         mixed = {f"m{r}_{i}": write_adapter(root / f"m{r}_{i}", shape, r, 5000 + 10 * r + i) for r in (8, 16, 32, 64) for i in range(2)}
         picks = list(mixed) * (16 // len(mixed))
         mixed_prompts = [[rng.randrange(0, 256) for _ in range(args.prompt_len)] for _ in picks]  # every adapter resident, whatever --requests

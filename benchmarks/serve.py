@@ -111,6 +111,9 @@ def main() -> int:
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     workload = loaded if loaded is not None else generate(spec)
     workload.save(out / "workload.jsonl")
+    # A rerun into the same --out must not leave the last run's summary and plots next to new records.
+    for stale in ("summary.json", "per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):
+        (out / stale).unlink(missing_ok=True)
     records_path = out / "records.jsonl"
     records_path.write_text("")
 

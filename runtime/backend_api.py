@@ -89,8 +89,8 @@ def apply_lora(
     get each fused projection's A rows interleaved in one buffer
     (``LoRASliceWeights.allocate_projection``), so one shrink can serve all its slices.
     """
-    if not meta.has_lora or not any(any(w.host_rank) for w in weights):
-        return  # no row has an adapter, or no resident adapter targets these modules
+    if not meta.has_lora:
+        return
     fused = getattr(ops, "apply", None)
     if fused is not None:
         fused(x, y, weights, meta, slice_offsets, workspace)

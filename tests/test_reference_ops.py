@@ -284,28 +284,27 @@ def test_row_ranges_see_slot_rewrites(layout):
     check()
 
 
-def test_apply_lora_skips_modules_no_resident_adapter_targets():
-    """Rows with adapters, but no slot holds weights for these slices (e.g. an MLP that no
-    adapter targets): ``apply_lora`` returns before calling the backend; once a slot is
-    written it calls it, and clearing the slot makes it skip again."""
-
-    class Spy:
-        calls = 0
-
-        def apply(self, x, y, weights, meta, offsets, workspace):
-            Spy.calls += 1
-
+def test_fused_apply_with_no_targeted_slot_adds_nothing_then_sees_a_new_slot():
+    """Rows with adapters, but no slot holds weights for these slices (e.g. an MLP no adapter
+    targets): the CPU ``apply`` returns early and ``y`` is untouched; once a slot is written,
+    the very next call adds exactly its update (float64 reference), and clearing it stops it."""
     gen = torch.Generator().manual_seed(5)
     weights = LoRASliceWeights.allocate_projection(IN, list(OUTS), 4, 64, torch.float32, "cpu", interleaved=True)
-    meta = LoRABatchMeta.build([0, 1, -1], "cpu")
-    x, y = torch.randn(3, IN, generator=gen), torch.randn(3, sum(OUTS), generator=gen)
+    slots = [1, 1, -1, 2]
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    offsets = [0, OUTS[0], OUTS[0] + OUTS[1]]
+    x, work = torch.randn(len(slots), IN, generator=gen), torch.zeros(len(OUTS), len(slots), MAX_RANK)
+    y = torch.randn(len(slots), sum(OUTS), generator=gen)
     before = y.clone()
-    args = (x, y, weights, meta, [0, OUTS[0], OUTS[0] + OUTS[1]], torch.zeros(len(OUTS), 3, MAX_RANK))
-    apply_lora(Spy(), *args)
-    assert Spy.calls == 0 and torch.equal(y, before)
-    weights[1].write_slot(1, 0, torch.randn(4, IN, generator=gen), torch.randn(OUTS[1], 4, generator=gen), 1.0)
-    apply_lora(Spy(), *args)
-    assert Spy.calls == 1
+    apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
+    assert torch.equal(y, before)
+    a, b = torch.randn(4, IN, generator=gen), torch.randn(OUTS[1], 4, generator=gen)
+    weights[1].write_slot(1, 0, a, b, 0.5)
+    apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
+    expected = before.double()
+    expected[:2, OUTS[0] : OUTS[0] + OUTS[1]] += 0.5 * (x[:2].double() @ a.double().t()) @ b.double().t()
+    assert (y.double() - expected).abs().max() < 1e-4
     weights[1].clear_slot(1)
-    apply_lora(Spy(), *args)
-    assert Spy.calls == 1
+    again = y.clone()
+    apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
+    assert torch.equal(y, again)

@@ -97,3 +97,12 @@ def test_ray_deployment_checks_declared_base_names_before_starting(tiny_llama_di
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", spec, "--ray"))
     assert run_ray(settings) == 2  # refused before Ray starts: nothing to shut down
     assert "base_model_name 'some-other-model'" in capsys.readouterr().err
+
+
+def test_ray_key_must_be_boolean_and_one_replica_needs_no_ray(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\nray: 'false'\n")
+    with pytest.raises(ConfigError, match="ray: expected true or false"):
+        serve.load_settings(parse("--config", str(cfg)))
+    cfg.write_text(f"model: {tiny_llama_dir}\nnum_replicas: 1\n")  # a shared template's default: a single server is one replica
+    assert not serve.load_settings(parse("--config", str(cfg))).ray

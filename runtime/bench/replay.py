@@ -8,9 +8,10 @@ Each request is sent at its arrival time (``arrival_s`` after the start) with
     latency = last token - arrival
 
 In-process, ``engine_ttft`` is the engine's own TTFT for the request (``RequestMetrics.ttft``
-from its observer: its first token - its arrival). The engine takes its arrival when the
-request is admitted, after the client's, and its first token before the client reads it, so
-``engine_ttft <= ttft``; the difference is admission and streaming overhead.
+from its observer: its first token - its arrival). The engine stamps its arrival in
+``add_request`` (after the client's arrival time; queueing inside the engine counts in both) and
+its first token in the step that sampled it, before the client reads it, so
+``engine_ttft <= ttft``; the difference is submission and streaming overhead.
 """
 from __future__ import annotations
 

@@ -28,12 +28,15 @@ def run_ray(settings: Any) -> int:
     from runtime.models.hf_config import load_model_config
     from runtime.server.serve_config import check_base_model_names
 
-    try:  # the replicas register name and path only: check declared base names here, as a single server does
-        model_name = load_model_config(settings.engine.model).name
-        check_base_model_names(settings.lora_modules, (settings.server.served_model_name or model_name, model_name))
-    except (ConfigError, ValueError, OSError) as err:
-        print(f"lorafleet serve: {err}", file=sys.stderr)
-        return 2
+    if any(m.base_model_name for m in settings.lora_modules):
+        # The replicas register name and path only: check declared base names here, as a single
+        # server does (only then is the model's config read on this machine).
+        try:
+            model_name = load_model_config(settings.engine.model).name
+            check_base_model_names(settings.lora_modules, (settings.server.served_model_name or model_name, model_name))
+        except (ConfigError, ValueError, OSError) as err:
+            print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
 
     registry_dir = str(Path(settings.registry_dir or DEFAULT_REGISTRY_DIR).expanduser().resolve())
     cfg = ScaleOutConfig(

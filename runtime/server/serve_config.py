@@ -132,8 +132,12 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     num_replicas = merged.get("num_replicas", 1)
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ConfigError(f"num_replicas: expected an integer >= 1, got {num_replicas!r}")
-    ray_only = [k for k in ("num_replicas", "ray_address", "registry_dir") if merged.get(k) is not None]
-    if ray_only and not merged.get("ray"):
+    ray = merged.get("ray", False)
+    if not isinstance(ray, bool):
+        raise ConfigError(f"ray: expected true or false, got {ray!r}")
+    # num_replicas: 1 is what a single server is anyway; anything else needs Ray.
+    ray_only = [k for k in ("num_replicas", "ray_address", "registry_dir") if merged.get(k) is not None and not (k == "num_replicas" and merged[k] == 1)]
+    if ray_only and not ray:
         raise ConfigError(f"{ray_only[0]}: only used by a Ray Serve deployment; add --ray (or 'ray: true'), or drop it")
     return ServeSettings(
         engine=engine,
@@ -141,7 +145,7 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
         lora_modules=modules,
         log_level=log_level,
         uses_demo=uses_demo,
-        ray=bool(merged.get("ray", False)),
+        ray=ray,
         num_replicas=num_replicas,
         ray_address=merged.get("ray_address"),
         registry_dir=merged.get("registry_dir"),
