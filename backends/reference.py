@@ -31,7 +31,7 @@ from torch import Tensor
 
 from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
-from runtime.lora.slice_weights import LoRASliceWeights, interleaved_a, shared_block
+from runtime.lora.slice_weights import LoRASliceWeights, interleaved_a, interleaved_b, shared_block
 
 
 def _segment_rows(meta: LoRABatchMeta) -> list[tuple[int, Tensor]]:
@@ -156,11 +156,16 @@ class SlotViews:
     ``a_block`` is the interleaved ``[R * K, in]`` A block when one shrink serves every
     slice (``interleaved_a`` and ``shared_block``), else None and each slice has its own
     ``a``. ``slices`` holds ``(i, r, a_i or None, B_i^T [r, n_i], scale)`` per targeted slice.
+    ``b_block`` is ``[K, R, n]`` (a view of the interleaved B rows, ``interleaved_b``) when in
+    addition every slice has rank R and one scale ``b_scale``: one batched matmul then does
+    every expand of the segment; else None.
     """
 
     a_block: Tensor | None
     rank: int
     slices: tuple[tuple[int, int, Tensor | None, Tensor, float], ...]
+    b_block: Tensor | None = None
+    b_scale: float = 0.0
 
     @classmethod
     def build(cls, weights: Sequence[LoRASliceWeights], slot: int) -> "SlotViews":
@@ -176,7 +181,12 @@ class SlotViews:
             if r:
                 a = None if a_block is not None else w.a_rows[start : start + r]
                 slices.append((i, r, a, w.b_rows[start : start + r], w.host_scale[slot]))
-        return cls(a_block, block[1] if block is not None else 0, tuple(slices))
+        b_block, b_scale = None, 0.0
+        b_group = interleaved_b(weights) if a_block is not None else None
+        if b_group is not None and len(slices) == len(weights) and len({(r, scale) for _, r, _, _, scale in slices}) == 1:
+            start, rank = block
+            b_block, b_scale = b_group[start : start + rank].transpose(0, 1), slices[0][4]  # [K, R, n]
+        return cls(a_block, block[1] if block is not None else 0, tuple(slices), b_block, b_scale)
 
     @classmethod
     def cache_for(cls, weights: Sequence[LoRASliceWeights]) -> dict[int, "SlotViews"]:
@@ -206,7 +216,8 @@ def apply_row_ranges(
 
     No row gather, no delta buffer, no scatter: per segment one shrink matmul per slice,
     or one for all slices when their A rows are interleaved (``interleaved_a``), then
-    one expand per slice. float32 expands with an in-place ``addmm_``; other dtypes
+    one expand per slice, or (float32, B rows interleaved too, every slice at the same rank
+    and scale, columns side by side) one ``baddbmm_`` for all of them. float32 expands with an in-place ``addmm_``; other dtypes
     compute in float32 and round into ``y`` once, like the other schedules. Decode steps
     have many one-row segments, where the cost is per op, not math: the operand views
     are cached per slot (``SlotViews.cache_for``) rather than sliced again for every segment.
@@ -219,6 +230,9 @@ def apply_row_ranges(
     starts = meta.host_seg_starts
     in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
+    width = weights[0].out_features
+    # The slices' columns side by side in order, all of one width: a segment's expands can be one batched matmul.
+    side_by_side = in_fp32 and all(off == slice_offsets[0] + i * width and w.out_features == width for i, (off, w) in enumerate(zip(slice_offsets, weights)))
     cache = SlotViews.cache_for(weights)
     for k, slot in enumerate(meta.host_seg_slots):
         views = cache.get(slot)
@@ -233,6 +247,11 @@ def apply_row_ranges(
             # takes as a transposed operand; the other way round it is a strided copy.
             a = views.a_block if in_fp32 else views.a_block.float()
             h_all = torch.mm(a, xs.t()).view(views.rank, len(weights), hi - lo)
+            if views.b_block is not None and side_by_side:
+                # y[lo:hi, slice i] += scale * h_i @ B_i^T for every i at once: [K, n, R] @ [K, R, n_out]
+                out = y[lo:hi, slice_offsets[0] : slice_offsets[0] + len(weights) * width].view(hi - lo, len(weights), width)
+                out.transpose(0, 1).baddbmm_(h_all.permute(1, 2, 0), views.b_block, alpha=views.b_scale)
+                continue
         for i, r, a_i, b, scale in views.slices:
             h = h_all[:r, i].t() if a_i is None else torch.mm(xs, (a_i if in_fp32 else a_i.float()).t())
             cols = columns[i][lo:hi]

@@ -18,6 +18,7 @@ import torch
 from backends.reference import (
     ReferenceAttention,
     ReferenceLoRAOps,
+    SlotViews,
     expand_per_token,
     expand_segment,
     shrink_per_token,
@@ -308,3 +309,54 @@ def test_fused_apply_with_no_targeted_slot_adds_nothing_then_sees_a_new_slot():
     again = y.clone()
     apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
     assert torch.equal(y, again)
+
+
+def test_row_ranges_batched_expand_matches_float64():
+    """q/k/v-like slices of one width, A and B interleaved: slots whose slices share one rank and
+    one scale take the one-``baddbmm_`` expand; slots with unequal ranks, an untargeted slice or
+    unequal scales take the per-slice expands; both match a float64 loop, rows without an
+    adapter stay untouched, and swapping a B buffer out of the group falls back at once."""
+    gen = torch.Generator().manual_seed(zlib.crc32(b"batched-expand"))
+    outs, slots_n = (24, 24, 24), 5
+    # per slot: (rank per slice, scale per slice); slot 0 and 3 qualify for the batched expand
+    plan = [((8, 8, 8), (0.5, 0.5, 0.5)), ((4, 8, 8), (1.0, 1.0, 1.0)), ((8, 0, 8), (2.0, 2.0, 2.0)),
+            ((16, 16, 16), (1.5, 1.5, 1.5)), ((8, 8, 8), (1.0, 0.25, 1.0))]  # fmt: skip
+    weights = LoRASliceWeights.allocate_projection(IN, list(outs), slots_n, 64, torch.float32, "cpu", interleaved=True)
+    assert weights[0].b_group is not None
+    for w in weights:  # finite garbage in rows no slot owns, and past a slice's rank
+        w.a_rows.copy_(torch.randn(w.a_rows.shape, generator=gen) * 100)
+        w.b_rows.copy_(torch.randn(w.b_rows.shape, generator=gen) * 100)
+    host, start = {}, 0
+    for s, (ranks, scales) in enumerate(plan):
+        for i, (r, scale) in enumerate(zip(ranks, scales)):
+            if r == 0:
+                weights[i].clear_slot(s)
+                continue
+            a, b = torch.randn(r, IN, generator=gen), torch.randn(outs[i], r, generator=gen)
+            weights[i].write_slot(s, start, a, b, scale)
+            host[(s, i)] = (a.double(), b.double(), scale)
+        start += max(ranks)
+    slots = [-1, 0, 0, 1, 2, 2, 3, 3, 3, 4, -1]
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    offsets = [0, outs[0], outs[0] + outs[1]]
+    x = torch.randn(len(slots), IN, generator=gen)
+
+    def check() -> None:
+        y = torch.randn(len(slots), sum(outs), generator=gen)
+        expected = y.double().clone()
+        for t, s in enumerate(slots):
+            for i in range(len(outs)):
+                if s >= 0 and (s, i) in host:
+                    a, b, scale = host[(s, i)]
+                    expected[t, offsets[i] : offsets[i] + outs[i]] += scale * (x[t].double() @ a.t()) @ b.t()
+        before = y.clone()
+        apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, torch.zeros(3, len(slots), MAX_RANK))
+        assert ((y.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+        assert torch.equal(y[[0, -1]], before[[0, -1]])
+
+    check()
+    views = SlotViews.cache_for(weights)
+    assert {s for s, v in views.items() if v.b_block is not None} == {0, 3}  # the batched path did run
+    weights[2].b_rows = weights[2].b_rows.clone()  # B of slice 2 leaves the group
+    check()
+    assert all(v.b_block is None for v in SlotViews.cache_for(weights).values())

@@ -27,6 +27,11 @@ row ``start`` has every slice's A in one contiguous block,
 
 so one matmul does the shrink for all K slices: ``h[t, j, i] = x[t] @ A_i[j]``, of which
 columns ``j < r_i`` are used (rows ``r_i .. R`` of slice i are never read as A_i).
+
+When the K slices also have equal widths (q/k/v without GQA, gate/up), their B rows are
+interleaved the same way, ``b_group[row, i, :] = B_i^T row``, so an adapter whose slices all
+have rank R and one scale has every expand in one batched matmul:
+``y[t, o_0 + i*n + c] += scale * sum_j h[t, j, i] * b_group[start + j, i, c]``.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class LoRASliceWeights:
     host_rank: list[int] = field(default_factory=list)
     host_scale: list[float] = field(default_factory=list)
     a_group: Tensor | None = None  # [row_capacity, K, in] shared by the K slices of a projection, or None
+    b_group: Tensor | None = None  # [row_capacity, K, out] likewise for B, when the K widths are equal
     group_index: int = 0  # this slice's i in a_group[:, i, :]
     version: int = 0  # bumped whenever a slot's start, rank or scale changes
     # Host-side views that ops derive from the slot table (reference backend), keyed by
@@ -90,17 +96,20 @@ class LoRASliceWeights:
     ) -> "list[LoRASliceWeights]":
         """One slice per entry of ``outs``, all reading the same ``x`` (a fused projection).
 
-        ``interleaved`` (and more than one slice): the A rows share one buffer (see module
-        docstring), B buffers stay one per slice; otherwise every slice gets its own pair."""
+        ``interleaved`` (and more than one slice): the A rows share one buffer, and so do the
+        B rows when every slice has the same width (see module docstring); otherwise every
+        slice gets its own pair."""
         if not interleaved or len(outs) < 2:
             return [cls.allocate(in_features, out, max_slots, row_capacity, dtype, device) for out in outs]
         device = torch.device(device)
         group = torch.zeros(row_capacity, len(outs), in_features, dtype=dtype, device=device)
+        b_group = torch.zeros(row_capacity, len(outs), outs[0], dtype=dtype, device=device) if len(set(outs)) == 1 else None
         slices = []
         for i, out_features in enumerate(outs):
             w = cls.allocate(in_features, out_features, max_slots, 0, dtype, device)
-            w.a_rows, w.b_rows = group[:, i, :], torch.zeros(row_capacity, out_features, dtype=dtype, device=device)
-            w.a_group, w.group_index = group, i
+            w.a_rows = group[:, i, :]
+            w.b_rows = b_group[:, i, :] if b_group is not None else torch.zeros(row_capacity, out_features, dtype=dtype, device=device)
+            w.a_group, w.b_group, w.group_index = group, b_group, i
             slices.append(w)
         return slices
 
@@ -153,15 +162,25 @@ class LoRASliceWeights:
 
 def interleaved_a(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...]") -> Tensor | None:
     """The shared ``a_group`` when ``weights`` are exactly its K >= 2 slices in order, else None."""
-    group = weights[0].a_group if weights else None
+    return _shared_group(weights, "a_group", "a_rows")
+
+
+def interleaved_b(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...]") -> Tensor | None:
+    """The shared ``b_group`` when ``weights`` are exactly its K >= 2 slices in order, else None."""
+    return _shared_group(weights, "b_group", "b_rows")
+
+
+def _shared_group(weights: "list[LoRASliceWeights] | tuple[LoRASliceWeights, ...]", group_field: str, rows_field: str) -> Tensor | None:
+    group = getattr(weights[0], group_field) if weights else None
     if group is None or len(weights) < 2 or len(weights) != group.shape[1]:
         return None
     for i, w in enumerate(weights):
         view = group[:, i, :]
-        if w.a_group is not group or w.group_index != i:
+        if getattr(w, group_field) is not group or w.group_index != i:
             return None
-        if w.a_rows.data_ptr() != view.data_ptr() or w.a_rows.stride() != view.stride() or w.a_rows.shape != view.shape:
-            return None  # a_rows was replaced: it no longer reads from the group
+        rows = getattr(w, rows_field)
+        if rows.data_ptr() != view.data_ptr() or rows.stride() != view.stride() or rows.shape != view.shape:
+            return None  # the rows buffer was replaced: it no longer reads from the group
     return group
 
 
