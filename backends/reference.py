@@ -217,8 +217,9 @@ def apply_row_ranges(
     No row gather, no delta buffer, no scatter: per segment one shrink matmul per slice,
     or one for all slices when their A rows are interleaved (``interleaved_a``), then
     one expand per slice, or (float32, B rows interleaved too, every slice at the same rank
-    and scale, columns side by side) one ``baddbmm_`` for all of them. float32 expands with an in-place ``addmm_``; other dtypes
-    compute in float32 and round into ``y`` once, like the other schedules. Decode steps
+    and scale, columns side by side) one ``baddbmm_`` for all of them. float32 expands with
+    an in-place ``addmm_``; other dtypes compute in float32 and round into ``y`` once, like
+    the other schedules. Decode steps
     have many one-row segments, where the cost is per op, not math: the operand views
     are cached per slot (``SlotViews.cache_for``) rather than sliced again for every segment.
     """
@@ -230,9 +231,11 @@ def apply_row_ranges(
     starts = meta.host_seg_starts
     in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
-    width = weights[0].out_features
     # The slices' columns side by side in order, all of one width: a segment's expands can be one batched matmul.
-    side_by_side = in_fp32 and all(off == slice_offsets[0] + i * width and w.out_features == width for i, (off, w) in enumerate(zip(slice_offsets, weights)))
+    width = weights[0].out_features
+    side_by_side = in_fp32 and all(
+        off == slice_offsets[0] + i * width and w.out_features == width for i, (off, w) in enumerate(zip(slice_offsets, weights))
+    )
     cache = SlotViews.cache_for(weights)
     for k, slot in enumerate(meta.host_seg_slots):
         views = cache.get(slot)
