@@ -200,8 +200,9 @@ class Scheduler:
         for seq, n in planned.items():
             out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
             self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
-        self._advance_virtual_time()
-        self._forget_idle_counters()
+        backlogged = self._backlogged_keys()
+        self._advance_virtual_time(backlogged)
+        self._forget_idle_counters(backlogged)
         if len(out.adapters) > self.max_loras:
             raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
         return out
@@ -256,14 +257,12 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _advance_virtual_time(self) -> None:
-        backlogged = self._backlogged_keys()
+    def _advance_virtual_time(self, backlogged: set) -> None:
         if backlogged:
             self._virtual_time = max(self._virtual_time, min(self.counters.get(k, 0.0) for k in backlogged))
 
-    def _forget_idle_counters(self) -> None:
+    def _forget_idle_counters(self, backlogged: set) -> None:
         """Drop idle keys at or below the virtual time: ``add`` would lift them to at least that."""
-        backlogged = self._backlogged_keys()
         if len(self.counters) > len(backlogged):
             for key in [k for k, c in self.counters.items() if c <= self._virtual_time and k not in backlogged]:
                 del self.counters[key]

@@ -137,7 +137,7 @@ def test_documented_bound_holds_on_random_budgets():
 class _RememberingScheduler(Scheduler):
     """The scheduler without forgetting idle counters: the reference for the test below."""
 
-    def _forget_idle_counters(self) -> None:
+    def _forget_idle_counters(self, backlogged: set) -> None:
         return None
 
 
