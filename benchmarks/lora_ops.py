@@ -180,8 +180,8 @@ def cases(device: str) -> list[Case]:
 def make_weights(in_features: int, outs: Sequence[int], ranks: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int,
                  interleaved: bool = False) -> list[LoRASliceWeights]:  # fmt: skip
     """One slice per out width; slot s has rank ranks[s] at its own row range (unpadded).
-    ``interleaved``: the slices' A rows share one buffer, as the model allocates them for
-    ops that ask for it (``interleaved_a``)."""
+    ``interleaved``: the slices' A rows share one buffer (the B rows too when the slices have
+    one width), as the model allocates them for ops that ask for it (``interleaved_a``)."""
     gen = torch.Generator().manual_seed(seed)
     allocated = LoRASliceWeights.allocate_projection(in_features, list(outs), len(ranks), sum(ranks), dtype, device, interleaved)
     slices = []

@@ -86,7 +86,8 @@ def apply_lora(
     A backend whose ops also offer a fused ``apply(x, y, weights, meta, slice_offsets,
     workspace)`` (e.g. Ascend's npu_batch_gather_matmul, which needs x and y in one
     call) gets the whole update in one call instead. Ops that set ``interleaved_a = True``
-    get each fused projection's A rows interleaved in one buffer
+    get each fused projection's A rows interleaved in one buffer (and its B rows too, as
+    strided ``b_rows`` views, when the slices have one width)
     (``LoRASliceWeights.allocate_projection``), so one shrink can serve all its slices.
     """
     if not meta.has_lora:

@@ -88,11 +88,44 @@ def greedy(runner: ModelRunner, slots: dict[str, int], order, prompts: torch.Ten
     return torch.stack(tokens, dim=1)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def setup(request, tiny_llama_dir, tiny_adapters, tiny_qwen2_dir, tiny_qwen2_adapters):
-    model_dir, adapters = (tiny_llama_dir, tiny_adapters) if request.param == "llama" else (tiny_qwen2_dir, tiny_qwen2_adapters)
+@pytest.fixture(scope="module")
+def tiny_mha(tmp_path_factory):
+    """A llama without GQA (q/k/v of one width) and adapters a-e with one rank and scale on every
+    module they target: the CPU backend's batched q/k/v (and gate/up) expand serves them."""
+    from safetensors.torch import load_file, save_file
+
+    from runtime.bench.synthetic import ATTENTION, LlamaShape, build_random_adapter, build_random_llama
+
+    root = tmp_path_factory.mktemp("mha")
+    shape = LlamaShape(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                       vocab_size=300, max_position_embeddings=128)  # fmt: skip
+    model_dir = build_random_llama(root / "model", shape, seed=3)
+    every = ATTENTION + ("gate_proj", "up_proj", "down_proj")
+    adapters = {}
+    for i, (name, rank) in enumerate(zip("abcde", (4, 8, 16, 8, 4))):
+        path = build_random_adapter(root / name, shape, rank, seed=40 + i, targets=every if i % 2 == 0 else ATTENTION)
+        weights = load_file(str(path / "adapter_model.safetensors"))  # B * 25: deltas large enough to change tokens
+        save_file({k: v * 25 if "lora_B" in k else v for k, v in weights.items()}, str(path / "adapter_model.safetensors"))
+        adapters[name] = path
+    return model_dir, adapters
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama_mha"])
+def setup(request, tiny_llama_dir, tiny_adapters, tiny_qwen2_dir, tiny_qwen2_adapters, tiny_mha):
+    model_dir, adapters = {"llama": (tiny_llama_dir, tiny_adapters), "qwen2": (tiny_qwen2_dir, tiny_qwen2_adapters), "llama_mha": tiny_mha}[request.param]
     runner, slots = make_runner(model_dir, adapters)
     return model_dir, adapters, runner, slots, peft_model(model_dir, adapters)
+
+
+def test_mha_model_takes_the_batched_expand(tiny_mha):
+    """The llama_mha case above really exercises the one-baddbmm q/k/v and gate/up expand."""
+    from backends.reference import SlotViews
+
+    runner, slots = make_runner(*tiny_mha)
+    prefill_chunked(runner, slots, ORDER, random_prompts(len(ORDER), PROMPT_LEN, seed=9), [4, 1])
+    fused = [lin.slices for layer in runner.model.layers for lin in layer.projections.values() if len(lin.slices) > 1]
+    batched = {len(ws): sum(v.b_block is not None for v in SlotViews.cache_for(ws).values()) for ws in fused}
+    assert batched.get(3, 0) > 0 and batched.get(2, 0) > 0, batched  # q/k/v and gate/up
 
 
 def test_mixed_batch_logits_match_peft(setup):

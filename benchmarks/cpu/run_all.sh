@@ -29,6 +29,9 @@ echo "== serving benchmark (cpu), hidden 1024, max_loras 16, no sweeps"
   --popularity zipf --alpha 1 --rate 4 --input-len 8,16 --output-len 16,32 --hidden 1024 --layers 4 --max-loras 16 \
   --repeats 3 --baselines no-adapter,peft --sweep-adapters '' --sweep-rates '' --ranks 8,16 | tee "$out/serve-h1024.txt"
 echo "== engine throughput (cpu), hidden 512 and 1024"
-"$py" "$root/benchmarks/engine_throughput.py" --rounds 5 --out "$out/engine_throughput.json" | tail -4 | tee "$out/engine_throughput.txt"
-"$py" "$root/benchmarks/engine_throughput.py" --hidden 1024 --out "$out/engine_throughput_h1024.json" | tail -4 | tee "$out/engine_throughput_h1024.txt"
+ratios='import json, sys; [print(k, v) for k, v in json.load(open(sys.argv[1])).items() if k.startswith("ratio")]'
+"$py" "$root/benchmarks/engine_throughput.py" --rounds 5 --out "$out/engine_throughput.json" > /dev/null
+"$py" -c "$ratios" "$out/engine_throughput.json" | tee "$out/engine_throughput.txt"
+"$py" "$root/benchmarks/engine_throughput.py" --hidden 1024 --out "$out/engine_throughput_h1024.json" > /dev/null
+"$py" -c "$ratios" "$out/engine_throughput_h1024.json" | tee "$out/engine_throughput_h1024.txt"
 echo "results in $out"

@@ -73,8 +73,8 @@ def build_problem(
     interleaved: bool = False,
 ) -> LoRAProblem:
     """Slot s has rank ``slot_ranks[s]`` in every slice except (slice, slot) in ``untargeted``.
-    ``interleaved``: the slices' A rows share one buffer (``allocate_projection(..., interleaved=True)``), as the
-    model allocates them for ops that set ``interleaved_a``."""
+    ``interleaved``: the slices' A rows share one buffer (``allocate_projection(..., interleaved=True)``; the B rows
+    too when the slices have one width), as the model allocates them for ops that set ``interleaved_a``."""
     g = torch.Generator().manual_seed(seed)
     n_slots = len(slot_ranks)
     rows = list(range(n_slots)) + [NO_ADAPTER] * no_adapter_rows
