@@ -226,8 +226,6 @@ def apply_row_ranges(
     first = meta.first_row
     if first is None:
         raise ValueError("apply_row_ranges: the rows with an adapter are not one run in slot order (meta.first_row is None)")
-    if not any(any(w.host_rank) for w in weights):  # no loaded adapter targets these modules
-        return
     starts = meta.host_seg_starts
     in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]

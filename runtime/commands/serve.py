@@ -93,7 +93,7 @@ def build_engine(settings: Any) -> Any:
     from runtime.server.serve_config import check_base_model_names
 
     try:
-        check_base_model_names(settings.lora_modules, (settings.server.served_model_name or engine.model_name, engine.model_name))
+        check_base_model_names(settings.lora_modules, settings.server.served_model_name, engine.model_name)
         for module in settings.lora_modules:
             engine.register_adapter(module.name, module.path)
     except BaseException:

@@ -33,7 +33,7 @@ def run_ray(settings: Any) -> int:
         # server does (only then is the model's config read on this machine).
         try:
             model_name = load_model_config(settings.engine.model).name
-            check_base_model_names(settings.lora_modules, (settings.server.served_model_name or model_name, model_name))
+            check_base_model_names(settings.lora_modules, settings.server.served_model_name, model_name)
         except (ConfigError, ValueError, OSError) as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2

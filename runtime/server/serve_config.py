@@ -69,11 +69,12 @@ def load_yaml(path: str) -> dict[str, Any]:
     return normalize_keys(data, f"--config {path}")
 
 
-def check_base_model_names(modules: "tuple[LoRAModule, ...]", served_names: "tuple[str, ...]") -> None:
-    """Refuse an adapter whose declared ``base_model_name`` is none of the served base's names."""
+def check_base_model_names(modules: "tuple[LoRAModule, ...]", served_model_name: str | None, model_name: str) -> None:
+    """Refuse an adapter whose declared ``base_model_name`` is neither the served name nor the checkpoint's."""
+    served = served_model_name or model_name
     for module in modules:
-        if module.base_model_name is not None and module.base_model_name not in served_names:
-            raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {served_names[0]!r}")
+        if module.base_model_name is not None and module.base_model_name not in (served, model_name):
+            raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {served!r}")
 
 
 def parse_lora_module(spec: Any) -> LoRAModule:
