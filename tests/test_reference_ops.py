@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import zlib
 
 import pytest
@@ -194,12 +195,16 @@ def dense_causal(q, keys, vals, q_offset: int, scale: float) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("group_positions", [None, 1, 16, 28], ids=["one-group", "alone", "equal-pairs", "padded-groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention_matches_dense_float64(dtype):
+def test_paged_attention_matches_dense_float64(dtype, group_positions):
+    """Decode groups (``group_bytes`` in positions of this cache): one padded group; every
+    sequence alone (no mask); 16 positions: the two 8-token contexts together (equal
+    lengths, no mask), 9, 12, 14 alone; 28: (8, 8, 9) and (12, 14), padded and masked."""
     gen = torch.Generator().manual_seed(11)
-    hq, hkv, d, bs, n_blocks = 4, 2, 8, 4, 24
-    # (new tokens, context): plain prefill, chunked prefill (history in the cache), decode, decode at a block edge
-    seqs = [(5, 5), (3, 11), (1, 9), (1, 8)]
+    hq, hkv, d, bs, n_blocks = 4, 2, 8, 4, 40
+    # (new tokens, context): plain prefill, chunked prefill (history in the cache), decodes, two at a block edge
+    seqs = [(5, 5), (3, 11), (1, 9), (1, 8), (1, 12), (1, 8), (1, 14)]
     perm = torch.randperm(n_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
     tables, used = [], 0
     for _, ctx in seqs:
@@ -222,7 +227,8 @@ def test_paged_attention_matches_dense_float64(dtype):
     new_v = torch.cat([v[ctx - ql :] for v, (ql, ctx) in zip(full_v, seqs)])
     meta = AttentionMeta.build(q_lens, [c for _, c in seqs], tables, bs)
     scale = d**-0.5
-    out = ReferenceAttention().paged_attention(q, new_k, new_v, cache, meta, scale)
+    attention = ReferenceAttention(None if group_positions is None else group_positions * hkv * d * cache.element_size())
+    out = attention.paged_attention(q, new_k, new_v, cache, meta, scale)
     start = 0
     for b, (q_len, ctx) in enumerate(seqs):
         expected = dense_causal(q[start : start + q_len], full_k[b], full_v[b], ctx - q_len, scale)
@@ -232,6 +238,30 @@ def test_paged_attention_matches_dense_float64(dtype):
     # the new K/V landed in the cache at slot_mapping
     assert torch.equal(cache[0].index_select(0, meta.slot_mapping), new_k)
     assert torch.equal(cache[1].index_select(0, meta.slot_mapping), new_v)
+
+
+def test_decode_groups_sorted_and_within_budget():
+    """Every decode lands in exactly one group; groups run shortest contexts first; a group
+    of several fits the budget (sequences x longest context x bytes per position)."""
+    rng = random.Random(5)
+    for _ in range(200):
+        context_lens = [rng.randint(1, 700) for _ in range(rng.randint(1, 40))]
+        seqs = [b for b in range(len(context_lens)) if rng.random() < 0.8]
+        budget = rng.choice([1, 512, 4096, 1 << 16])
+        groups = ReferenceAttention(budget).decode_groups(seqs, context_lens, bytes_per_position=8)
+        assert sorted(b for g in groups for b in g) == sorted(seqs)
+        flat = [context_lens[b] for g in groups for b in g]
+        assert flat == sorted(flat)
+        for g in groups:
+            if len(g) > 1:
+                assert len(g) * max(context_lens[b] for b in g) * 8 <= budget
+        # greedy: the next group's first sequence would not have fitted in the previous group
+        for prev, nxt in zip(groups, groups[1:]):
+            assert (len(prev) + 1) * context_lens[nxt[0]] * 8 > budget
+    assert ReferenceAttention(None).decode_groups([3, 1, 2], [5, 6, 7, 8], 8) == [[3, 1, 2]]
+    assert ReferenceAttention(64).decode_groups([], [], 8) == []
+    with pytest.raises(ValueError, match="group_bytes"):
+        ReferenceAttention(0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
