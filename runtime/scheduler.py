@@ -27,10 +27,13 @@ does not grow with every adapter version ever served (each hot update is a new k
 
 If the chosen key X cannot get a device slot (every slot, or the rows it needs, are held by
 running requests), the scheduler computes the resident adapters whose rows X needs
-(most-served first) and stops admitting *new* requests of those adapters ("drain", sticky
-until X is placed, so the victim cannot flip between adapters from step to step); their
-running requests finish and free the slot, and X, still holding the minimum counter, takes it
-at the start of the next step.
+and stops admitting *new* requests of those adapters ("drain", sticky until X is placed, so
+the victim cannot flip between adapters from step to step); their running requests finish
+and free the slot, and X, still holding the minimum counter, takes it at the start of the
+next step. Victims are preferred by fewest waiting requests, then most served: draining an
+adapter that nobody waits for stops no admission (its slot frees as its requests end), while
+draining a popular one holds its queue back and makes it take a slot again later (on the
+adapter-count sweep's 16-adapter workload, 50 steps instead of 56 for the same tokens).
 
 Bound (documented guarantee, tested in tests/test_scheduler.py and tests/test_engine.py).
 Let S = max_num_seqs, C = max_num_batched_tokens (assume C >= S, so every decode fits in
@@ -227,7 +230,7 @@ class Scheduler:
                 resident = {s.adapter for s in self.running if s.adapter is not None}
                 victims = [v for v in self._drains.get(key, []) if v in resident]
                 if not victims:
-                    prefer = sorted(resident, key=lambda k: -self._charged(k, planned))
+                    prefer = sorted(resident, key=lambda k: (len(self.waiting.get(k, ())), -self._charged(k, planned)))
                     victims = self.pool.device_blockers(key, prefer) or []
                 self._drains[key] = victims
                 for victim in victims:

@@ -94,6 +94,36 @@ def test_rare_adapter_admitted_within_documented_bound():
     assert waited <= sched.fairness_bound_steps(6, 3)
 
 
+def test_drain_takes_the_slot_nobody_waits_for():
+    """Both slots busy, c blocked: a (most served, more requests waiting) and b (nothing
+    waiting) could each free a slot. Draining b costs no admission, so b is drained and
+    a's waiting requests still start; c runs once b's request ends."""
+    sched, pool, adapters = _setup(max_loras=2, max_num_seqs=8, budget=64)
+    a, b, c = (_ref(adapters, pool, n) for n in "abc")
+
+    def add(seq):
+        pool.demand(seq.adapter)  # one demand per request, as the engine does
+        pool.poll()
+        sched.add(seq)
+
+    add(_seq(0, 20, a, max_tokens=6))
+    add(_seq(1, 2, b, max_tokens=4))
+    _run_step(sched, pool)
+    assert sched.counters[a] > sched.counters[b]
+    more_a = [_seq(2, 3, a), _seq(3, 3, a)]
+    rare = _seq(4, 3, c)
+    for seq in (rare, *more_a):
+        add(seq)
+    out = _run_step(sched, pool)
+    assert out.drained == [b]
+    assert set(out.admitted) == set(more_a)
+    for _ in range(sched.fairness_bound_steps(20, 6)):
+        if rare.num_computed:
+            break
+        _run_step(sched, pool)
+    assert rare.num_computed > 0
+
+
 def _rare_adapter_wait(seed: int) -> tuple[int, int, tuple]:
     """Random budgets, prompt and output lengths, steady traffic on adapters a and b with
     max_loras=2, and one request of adapter c arriving at a random step: (waited, bound, config)."""
