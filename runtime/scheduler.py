@@ -213,6 +213,15 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, planned: dict[Sequence, int], budget: int) -> int:
         blocked: set[Optional[AdapterRef]] = set()
         drained: set[AdapterRef] = set()
+        # The counter is charged for tokens planned in this step too, so two admissions in
+        # one step already see each other's cost.
+        planned_tokens: dict[Optional[AdapterRef], int] = {}
+        for planned_seq, n in planned.items():
+            planned_tokens[planned_seq.adapter] = planned_tokens.get(planned_seq.adapter, 0) + n
+
+        def charged(k: Optional[AdapterRef]) -> float:
+            return self.counters.get(k, 0.0) + planned_tokens.get(k, 0)
+
         while budget > 0 and len(self.running) < self.max_num_seqs:
             candidates = [
                 k
@@ -221,16 +230,14 @@ class Scheduler:
             ]
             if not candidates:
                 break
-            # The counter is charged for tokens planned in this step too, so two
-            # admissions in one step already see each other's cost.
-            key = min(candidates, key=lambda k: (self._charged(k, planned), self.waiting[k][0].arrival_index))
+            key = min(candidates, key=lambda k: (charged(k), self.waiting[k][0].arrival_index))
             seq = self.waiting[key][0]
             if key is not None and self.pool.acquire_device(key) is None:
                 blocked.add(key)
                 resident = {s.adapter for s in self.running if s.adapter is not None}
                 victims = [v for v in self._drains.get(key, []) if v in resident]
                 if not victims:
-                    prefer = sorted(resident, key=lambda k: (len(self.waiting.get(k, ())), -self._charged(k, planned)))
+                    prefer = sorted(resident, key=lambda k: (len(self.waiting.get(k, ())), -charged(k)))
                     victims = self.pool.device_blockers(key, prefer) or []
                 self._drains[key] = victims
                 for victim in victims:
@@ -257,6 +264,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
             out.admitted.append(seq)
             planned[seq] = n
+            planned_tokens[key] = planned_tokens.get(key, 0) + n
             budget -= n
         return budget
 
@@ -269,9 +277,6 @@ class Scheduler:
         if len(self.counters) > len(backlogged):
             for key in [k for k, c in self.counters.items() if c <= self._virtual_time and k not in backlogged]:
                 del self.counters[key]
-
-    def _charged(self, key: Optional[AdapterRef], planned: dict[Sequence, int]) -> float:
-        return self.counters.get(key, 0.0) + sum(n for s, n in planned.items() if s.adapter == key)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
