@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.bench.suite import offline_throughput  # noqa: E402
+from runtime.bench.suite import offline_throughput, stepped_in_turn  # noqa: E402
 from runtime.bench.summary import median_round, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
@@ -56,39 +56,9 @@ def run(model: Path, adapters: dict[str, Path], picks: list, prompts: list, para
 
 
 def alternating(model: Path, runs: dict[str, tuple[dict[str, Path], list]], prompts: list, params: SamplingParams, **cfg) -> dict[str, dict]:
-    """Side by side in one process: one engine per run, stepped in turn until all finish.
-
-    tokens/s of a run = its generated tokens / the time spent in its own steps. Machine drift
-    then hits every run alike, step by step, instead of run by run. Disk loads of the adapters
-    finish before the first step (the loader thread would otherwise run during another
-    engine's timed steps); host -> device copies stay in the run's own steps.
-    """
-    import time
-
-    from runtime.engine import LLMEngine
-
-    engines: dict[str, LLMEngine] = {}
-    try:
-        for name, (adapters, picks) in runs.items():
-            engine = engines[name] = LLMEngine(engine_config(model, **cfg))
-            for adapter, path in adapters.items():
-                engine.register_adapter(adapter, str(path))
-            for i, (prompt, pick) in enumerate(zip(prompts, picks)):
-                engine.add_request(f"r{i}", prompt, params, pick)
-            while engine.pool.loads_pending:
-                engine.pool.wait_for_load(timeout=0.05)
-                engine.pool.poll()
-        busy, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
-        while any(e.has_unfinished() for e in engines.values()):
-            for name, engine in engines.items():
-                if engine.has_unfinished():
-                    start = time.perf_counter()
-                    tokens[name] += sum(len(o.new_token_ids) for o in engine.step())
-                    busy[name] += time.perf_counter() - start
-    finally:
-        for engine in engines.values():
-            engine.close()
-    return {name: {"tokens": tokens[name], "busy_s": round(busy[name], 6), "tokens_per_s": round(tokens[name] / busy[name], 1)} for name in engines}
+    """The runs side by side, engines stepped in turn (``runtime.bench.suite.stepped_in_turn``)."""
+    return stepped_in_turn({name: (engine_config(model, **cfg), adapters, [(prompt, pick, params) for prompt, pick in zip(prompts, picks)])
+                            for name, (adapters, picks) in runs.items()})
 
 
 def main() -> None:

@@ -5,10 +5,13 @@
 Runs, in this order and in one process (so the ratios are side by side):
   1. offline throughput (every request ready at t=0): lorafleet with the mixed adapters,
      (a) the same engine with no adapters, (b) a per-request loop, (c) transformers+PEFT;
+     then lorafleet and (a) again with both engines stepped in turn in one process, each
+     round, so machine drift hits both alike (``stepped_in_turn`` in summary.json);
   2. online replay at --rate (Poisson, or --cv for burstiness): TTFT/TPOT p50/p99,
      SLO attainment, per-adapter latency, TTFT by where the adapter was on arrival,
      adapter swaps and cache hit rates, memory split;
-  3. sweeps: offline throughput vs number of adapters (zipf) and p99 latency vs rate.
+  3. sweeps: offline throughput vs number of adapters (zipf), the most against the fewest
+     adapters also stepped in turn, and p99 latency vs rate.
 Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables.
 records.jsonl holds the raw data behind every summarized run: one JSON object per request with
 the run's label, its round (offline runs and the adapter sweep; null for the online runs) and
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, replay_http, served_base_model  # noqa: E402
-from runtime.bench.suite import BenchSetup, host_tier_size, prepare, run_lorafleet  # noqa: E402
+from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, prepare, run_lorafleet, stepped_in_turn, workload_jobs  # noqa: E402
 from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
@@ -179,6 +182,16 @@ def main() -> int:
     if a.repeats > 1:
         for label, per_round in results["offline_rounds_tokens_per_s"].items():
             print(f"  {label:<30} tok/s by round: " + ", ".join(f"{v:.1f}" for v in per_round))
+    if "no-adapter" in baselines:
+        # The tax again, both engines stepped in turn in one process (drift hits both alike).
+        pairs = []
+        for r in range(a.repeats):
+            log("offline: lorafleet and (a) stepped in turn" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
+            order = [False, True] if r % 2 == 0 else [True, False]  # who steps first alternates by round
+            pairs.append(stepped_in_turn({("no-adapter" if bare else "lorafleet"): (engine_config(setup, model_dir), *workload_jobs(off, adapters, bare))
+                                          for bare in order}))
+        ratios["lorafleet / no-adapter, stepped in turn"] = upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs])
+        results["stepped_in_turn"] = pairs
     for k, v in ratios.items():
         print(f"{k:<45} " + (f"{v:6.2f}x" if v is not None else "     - (the baseline produced no tokens)"))
 
@@ -231,9 +244,16 @@ def main() -> int:
         results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s} for n, t, s in points]
         if len(counts) > 1:  # the largest count against the smallest, per round
             lo, hi = min(counts), max(counts)
+            in_turn = []
+            for r in range(a.repeats):
+                log(f"sweep: {hi} and {lo} adapters stepped in turn" + (f" (round {r + 1}/{a.repeats})" if a.repeats > 1 else ""))
+                order = [hi, lo] if r % 2 == 0 else [lo, hi]
+                in_turn.append(stepped_in_turn({str(n): (engine_config(setup, prepared[n][1]), *workload_jobs(prepared[n][0], prepared[n][2])) for n in order}))
             results["sweep_ratio_most_vs_fewest_adapters"] = {
                 "adapters": [lo, hi],
                 "ratio": ratio(hi, lo, sweep_rounds),
+                "ratio_stepped_in_turn": upper_median([pr[str(hi)]["tokens_per_s"] / pr[str(lo)]["tokens_per_s"] for pr in in_turn]),
+                "stepped_in_turn": in_turn,
             }
         for n, t, s in points:
             print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")
@@ -241,6 +261,7 @@ def main() -> int:
             sr = results["sweep_ratio_most_vs_fewest_adapters"]
             if sr["ratio"] is not None:
                 print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
+            print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters, stepped in turn (median of rounds): {sr['ratio_stepped_in_turn']:.2f}x")
     if a.sweep_rates and a.url:
         log("sweep: the arrival-rate sweep runs in-process only; skipped with --url")
     if a.sweep_rates and not a.url:

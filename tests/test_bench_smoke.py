@@ -134,11 +134,26 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     assert res["sweep_rates"][0]["ttft_p99_s"] == pytest.approx(_pct([r["ttft"] for r in rate_recs], 99), rel=1e-9)
     assert offline[peft]["adapter_swaps"] is None  # not measured there, so not reported as 0
     assert res["peft_batch"] == 32  # defaults to the engine's batch cap (--max-num-seqs)
-    assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft"}
+    assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft",
+                                  "lorafleet / no-adapter, stepped in turn"}
     assert all(v > 0 for v in res["ratios"].values())
+    # Stepped in turn: every request of both runs each round, who steps first alternating.
+    pairs = res["stepped_in_turn"]
+    assert [list(pr) for pr in pairs] == [["lorafleet", "no-adapter"], ["no-adapter", "lorafleet"]]
+    for pr in pairs:
+        for run in pr.values():
+            assert run["tokens"] == want_tokens and run["steps"] > 0
+            assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["busy_s"], rel=1e-3)
+    assert res["ratios"]["lorafleet / no-adapter, stepped in turn"] == upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs])
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
     assert all(len(runs[(f"{n} adapters", rnd)]) == 8 for n in (2, 3) for rnd in (1, 2))
-    assert res["sweep_ratio_most_vs_fewest_adapters"]["adapters"] == [2, 3] and res["sweep_ratio_most_vs_fewest_adapters"]["ratio"] > 0
+    sweep_ratio = res["sweep_ratio_most_vs_fewest_adapters"]
+    assert sweep_ratio["adapters"] == [2, 3] and sweep_ratio["ratio"] > 0
+    assert [list(pr) for pr in sweep_ratio["stepped_in_turn"]] == [["3", "2"], ["2", "3"]]
+    for pr in sweep_ratio["stepped_in_turn"]:
+        for n, run in pr.items():
+            assert run["tokens"] == sum(r["output_tokens"] for r in runs[(f"{n} adapters", 1)])
+    assert sweep_ratio["ratio_stepped_in_turn"] == upper_median([pr["3"]["tokens_per_s"] / pr["2"]["tokens_per_s"] for pr in sweep_ratio["stepped_in_turn"]])
     # records.jsonl holds exactly the summarized runs: 5 offline configs and 2 adapter counts x 2 rounds, online, one rate
     assert len(runs) == 5 * 2 + 2 * 2 + 2
     for png in ("per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):

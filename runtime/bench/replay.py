@@ -50,7 +50,8 @@ class ReplayResult:
     peak_rss_bytes: int = 0
 
 
-def _params(output_tokens: int) -> SamplingParams:
+def sampling_params(output_tokens: int) -> SamplingParams:
+    """A workload request's sampling: greedy, exactly ``output_tokens`` tokens (EOS ignored)."""
     return SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
 
 
@@ -92,7 +93,7 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
         rec = RequestRecord(req.index, adapter_of(req), req.arrival_s)
         first, last, final = None, arrival, None
         try:
-            async for out in engine.generate(f"{label}-{req.index}", req.prompt, _params(req.output_tokens), rec.adapter):
+            async for out in engine.generate(f"{label}-{req.index}", req.prompt, sampling_params(req.output_tokens), rec.adapter):
                 now = time.perf_counter()
                 if out.new_token_ids and first is None:
                     first = now

@@ -142,3 +142,55 @@ def offline_throughput(config: EngineConfig, adapters: dict[str, Path], jobs: li
     finally:
         engine.close()
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "steps": snap["steps"], "pool": snap["pool"]}
+
+
+def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tuple[Any, Optional[str], Any]]]]) -> dict[str, dict[str, Any]]:
+    """Runs side by side in one process: one LLMEngine per run, stepped in turn until all finish.
+
+    ``runs``: name -> (engine config, adapter folders to register, jobs (prompt, adapter or
+    None, SamplingParams)), every job submitted up front. tokens/s of a run = its generated
+    tokens / the time spent in its own steps, so machine drift hits every run alike, step by
+    step, instead of run by run (on the 2-core dev machine sequential runs of one config drift
+    by up to 1.36x). Disk loads of the adapters finish before the first timed step (the loader
+    thread would otherwise run during another engine's steps); host -> device copies stay in
+    the run's own steps. Run order is the dict's: callers alternate it between rounds.
+    """
+    import time
+
+    from runtime.engine import LLMEngine
+
+    engines: dict[str, LLMEngine] = {}
+    try:
+        for name, (config, adapters, jobs) in runs.items():
+            engine = engines[name] = LLMEngine(config)
+            for adapter, path in adapters.items():
+                engine.register_adapter(adapter, str(path))
+            for i, (prompt, adapter, params) in enumerate(jobs):
+                engine.add_request(f"r{i}", prompt, params, adapter)
+            while engine.pool.loads_pending:
+                engine.pool.wait_for_load(timeout=0.05)
+                engine.pool.poll()
+        busy, tokens, steps = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
+        while any(e.has_unfinished() for e in engines.values()):
+            for name, engine in engines.items():
+                if engine.has_unfinished():
+                    start = time.perf_counter()
+                    tokens[name] += sum(len(o.new_token_ids) for o in engine.step())
+                    busy[name] += time.perf_counter() - start
+                    steps[name] += 1
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {name: {"tokens": tokens[name], "steps": steps[name], "busy_s": round(busy[name], 6),
+                   "tokens_per_s": round(tokens[name] / busy[name], 1) if busy[name] else 0.0} for name in engines}
+
+
+def workload_jobs(workload: Any, adapters: dict[str, Path], without_adapters: bool = False) -> tuple[dict[str, Path], list[tuple[Any, Optional[str], Any]]]:
+    """(adapter folders the workload uses, its requests as ``stepped_in_turn`` jobs), greedy
+    with ``ignore_eos`` as in the replays; ``without_adapters``: every request on the base model."""
+    from runtime.bench.replay import sampling_params
+
+    if without_adapters:
+        return {}, [(r.prompt, None, sampling_params(r.output_tokens)) for r in workload.requests]
+    used = sorted({r.adapter for r in workload.requests if r.adapter is not None})
+    return {name: adapters[name] for name in used}, [(r.prompt, r.adapter, sampling_params(r.output_tokens)) for r in workload.requests]
