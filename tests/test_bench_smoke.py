@@ -217,3 +217,46 @@ def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: 
     proc = subprocess.run([sys.executable, "-m", "runtime.cli", "bench", "--max-loras", "8", "--max-cpu-loras", "4", "--workdir", str(tmp_path / "w")],
                           cwd=ROOT, timeout=120, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and "--max-cpu-loras 4 is below --max-loras 8" in proc.stderr
+
+
+def test_decode_attention_benchmark_smoke(tmp_path: Path) -> None:
+    """Both variants run on every context range and agree (the script checks); the JSON has a
+    positive time per variant and the ratio of the two."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_attention.py"), "--batch", "3", "--heads", "2",
+                           "--head-dim", "8", "--calls", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["contexts"] for r in rows] == [[40, 60], [20, 100], [200, 300], [10, 612], [500, 612]]
+    for r in rows:
+        one, grouped = r["ms"].values()
+        assert one > 0 and grouped > 0 and r["speedup"] == round(one / grouped, 2)
+
+
+def test_stepped_in_turn_with_more_adapters_than_the_host_tier(tmp_path: Path) -> None:
+    """Three adapters through a host tier of two: the load that cannot start up front happens
+    during the run (waiting for it before the first step would never end), and both runs
+    produce every token. In a subprocess, so a hang fails the test instead of stalling CI."""
+    script = f"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {str(ROOT)!r})
+from runtime.bench.suite import stepped_in_turn
+from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_random_llama
+from runtime.config import EngineConfig
+from runtime.request import SamplingParams
+root = Path({str(tmp_path)!r})
+shape = LlamaShape.sized(64, 1)
+model = build_random_llama(root / "model", shape)
+adapters = {{f"a{{i}}": build_random_adapter(root / f"a{{i}}", shape, 4, seed=i) for i in range(3)}}
+config = EngineConfig(model=str(model), device="cpu", max_loras=1, max_cpu_loras=2, max_lora_rank=8, max_num_seqs=4)
+params = SamplingParams(max_tokens=3, ignore_eos=True)
+jobs = [("hello", name, params) for name in adapters] * 2
+res = stepped_in_turn({{"lora": (config, adapters, jobs), "base": (config, {{}}, [(p, None, s) for p, _, s in jobs])}})
+print(json.dumps(res))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert list(res) == ["lora", "base"]
+    assert res["lora"]["tokens"] == res["base"]["tokens"] == 18

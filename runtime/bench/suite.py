@@ -151,9 +151,10 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
     None, SamplingParams)), every job submitted up front. tokens/s of a run = its generated
     tokens / the time spent in its own steps, so machine drift hits every run alike, step by
     step, instead of run by run (on the 2-core dev machine sequential runs of one config drift
-    by up to 1.36x). Disk loads of the adapters finish before the first timed step (the loader
-    thread would otherwise run during another engine's steps); host -> device copies stay in
-    the run's own steps. Run order is the dict's: callers alternate it between rounds.
+    by up to 1.36x). Disk loads that can start up front finish before the first timed step (the
+    loader thread would otherwise run during another engine's steps); loads queued behind a full
+    host tier (more adapters in the workload than ``max_cpu_loras``) happen during the run, as
+    do host -> device copies. Run order is the dict's: callers alternate it between rounds.
     """
     import time
 
@@ -167,7 +168,8 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
                 engine.register_adapter(adapter, str(path))
             for i, (prompt, adapter, params) in enumerate(jobs):
                 engine.add_request(f"r{i}", prompt, params, adapter)
-            while engine.pool.loads_pending:
+            engine.pool.poll()
+            while engine.pool.load_futures():  # a load queued behind a full host tier waits for the run's steps
                 engine.pool.wait_for_load(timeout=0.05)
                 engine.pool.poll()
         busy, tokens, steps = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)

@@ -1,0 +1,84 @@
+"""Decode attention on the CPU: one padded group vs groups sized to the cache.
+
+    .venv/bin/python benchmarks/decode_attention.py [--batch 32] [--heads 8] [--head-dim 64] [--json out.json]
+
+For several ranges of context lengths, builds a paged KV cache with scattered blocks and a
+batch of decode rows (one new token per sequence, contexts drawn uniformly from the range),
+then times ``ReferenceAttention.paged_attention`` with ``group_bytes=None`` (every decode in
+one padded gather + SDPA) and with the CPU backend's ``CPU_ATTENTION_GROUP_BYTES``. The two
+are called in turn, so machine drift hits both alike; the outputs are checked to agree.
+Reports the median time per call and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.reference import CPU_ATTENTION_GROUP_BYTES, ReferenceAttention  # noqa: E402
+from runtime.kv.attention_meta import AttentionMeta  # noqa: E402
+
+RANGES = ((40, 60), (20, 100), (200, 300), (10, 612), (500, 612))
+
+
+def decode_step(batch: int, heads: int, head_dim: int, lo: int, hi: int, block_size: int, seed: int):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [rng.randint(lo, hi) for _ in range(batch)]
+    blocks_needed = [-(-c // block_size) for c in ctx]
+    n_blocks = sum(blocks_needed) + 8
+    order = torch.randperm(n_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(order[used : used + n])
+        used += n
+    cache = torch.randn(2, n_blocks * block_size, heads, head_dim, generator=gen)
+    meta = AttentionMeta.build([1] * batch, ctx, tables, block_size)
+    q, k, v = (torch.randn(batch, heads, head_dim, generator=gen) for _ in range(3))
+    return q, k, v, cache, meta
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=32, help="decode rows (sequences) per step")
+    p.add_argument("--heads", type=int, default=8, help="query and kv heads (no GQA)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--calls", type=int, default=20, help="timed calls per variant and range")
+    p.add_argument("--json", type=str, default=None, help="write the results here")
+    a = p.parse_args()
+    variants = {"one group": ReferenceAttention(None), f"groups of {CPU_ATTENTION_GROUP_BYTES >> 20} MiB": ReferenceAttention(CPU_ATTENTION_GROUP_BYTES)}
+    rows = []
+    print(f"{'contexts':>10} " + " ".join(f"{name:>16}" for name in variants) + "   ratio")
+    for lo, hi in RANGES:
+        q, k, v, cache, meta = decode_step(a.batch, a.heads, a.head_dim, lo, hi, a.block_size, seed=lo * 1000 + hi)
+        scale = a.head_dim**-0.5
+        outs = [att.paged_attention(q, k, v, cache, meta, scale) for att in variants.values()]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(3):  # warm-up
+            for att in variants.values():
+                att.paged_attention(q, k, v, cache, meta, scale)
+        for _ in range(a.calls):
+            for name, att in variants.items():
+                start = time.perf_counter()
+                att.paged_attention(q, k, v, cache, meta, scale)
+                times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        one, grouped = ms.values()
+        rows.append({"contexts": [lo, hi], "ms": ms, "speedup": round(one / grouped, 2)})
+        print(f"{lo:>4}-{hi:<5} " + " ".join(f"{m:13.2f} ms" for m in ms.values()) + f"   {one / grouped:5.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
