@@ -87,7 +87,10 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLMEngine:
     """See the module docstring. The LLMEngine is built *in* the step thread, so the
-    model's torch work (load and steps) runs on one OpenMP thread team."""
+    model's torch work (load and steps) runs on one OpenMP thread team. Torch work on the
+    caller's other long-lived threads (say the main thread building weights) leaves a second
+    team, which slows every step (1.57x on 2 cores): do it through
+    ``runtime.torch_threads.in_fresh_thread``."""
 
     def __init__(self, config: EngineConfig, backend: Any = None, engine: Optional[LLMEngine] = None) -> None:
         import torch
