@@ -36,10 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, replay_http, served_base_model  # noqa: E402
-from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, prepare, run_lorafleet, stepped_in_turn, workload_jobs  # noqa: E402
+from runtime.bench import suite  # noqa: E402
+from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
+from runtime.torch_threads import in_fresh_thread  # noqa: E402
+
+# This process's torch work runs in threads that end with it, never on the main thread: an
+# OpenMP team left there slows every AsyncLLMEngine replay after it (runtime/torch_threads.py).
+prepare = in_fresh_thread(suite.prepare)
+stepped_in_turn = in_fresh_thread(suite.stepped_in_turn)
 
 
 def offline(workload: Workload) -> Workload:

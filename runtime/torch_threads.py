@@ -36,6 +36,10 @@ def in_fresh_thread(fn: Callable[P, T]) -> Callable[P, T]:
     wake-up each. Measured on 2 cores: 411 tokens/s instead of 645 for the same replay after one
     512 x 512 matmul on the main thread (docs/benchmarks.md). A thread that ends takes its team
     with it, so torch work done through this decorator leaves nothing behind.
+    Use it where the caller's thread has no team of its own: calling it from a thread that
+    already ran torch ops makes two teams live at once, which is the slowdown it avoids (an
+    engine benchmark whose main thread had built the model and then stepped engines in such a
+    thread measured its LoRA / base ratio at 0.59 instead of 0.86).
     Exceptions are re-raised in the caller.
     """
 

@@ -143,7 +143,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     for pr in pairs:
         for run in pr.values():
             assert run["tokens"] == want_tokens and run["steps"] > 0
-            assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["busy_s"], rel=1e-3)
+            assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["busy_s"], rel=1e-3, abs=0.05)  # rounded to 0.1
     assert res["ratios"]["lorafleet / no-adapter, stepped in turn"] == upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs])
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
     assert all(len(runs[(f"{n} adapters", rnd)]) == 8 for n in (2, 3) for rnd in (1, 2))

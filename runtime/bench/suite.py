@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 from runtime.bench.replay import ReplayResult, replay_engine
 from runtime.bench.synthetic import ATTENTION, LlamaShape, build_random_adapter, build_random_llama
 from runtime.config import EngineConfig
-from runtime.torch_threads import in_fresh_thread
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,6 @@ def host_tier_size(max_loras: int, max_cpu_loras: int | None) -> int:
     return max_cpu_loras
 
 
-@in_fresh_thread  # no OpenMP team left on the caller's thread to slow an AsyncLLMEngine run after it
 def prepare(workload: Any, setup: BenchSetup) -> tuple[Path, dict[str, Path]]:
     """Write (or reuse) the synthetic base and one adapter folder per workload adapter."""
     model_dir = setup.workdir / f"llama-h{setup.shape.hidden_size}-l{setup.shape.num_hidden_layers}"
@@ -146,7 +144,6 @@ def offline_throughput(config: EngineConfig, adapters: dict[str, Path], jobs: li
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "steps": snap["steps"], "pool": snap["pool"]}
 
 
-@in_fresh_thread  # the engines' OpenMP team ends with the runs (see runtime/torch_threads.py)
 def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tuple[Any, Optional[str], Any]]]]) -> dict[str, dict[str, Any]]:
     """Runs side by side in one process: one LLMEngine per run, stepped in turn until all finish.
 

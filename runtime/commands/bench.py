@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.bench.replay import replay_http, served_base_model
     from runtime.bench.summary import summarize, table
     from runtime.bench.suite import BenchSetup, host_tier_size, prepare, run_lorafleet
+    from runtime.torch_threads import in_fresh_thread
     from runtime.bench.synthetic import LlamaShape
     from runtime.bench.workload import Workload, generate, spec_from_args
 
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
             setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, host_cpu_loras,
                                max_lora_rank=max(64, max(workload.spec.ranks)), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
             bar.set_description("preparing synthetic weights")
-            model_dir, adapters = prepare(workload, setup)
+            # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
+            model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
             bar.set_description("requests")
             result = run_lorafleet(workload, setup, model_dir, adapters, progress=bar.update)
     finally:
