@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmarks in one go (about 8 minutes on 2 cores): the LoRA op benchmark, the serving
+# CPU benchmarks in one go (about 10 minutes on 2 cores): the LoRA op benchmark, decode attention, the serving
 # benchmark with baselines, sweeps and plots (hidden 512: max_loras 8 and 16; hidden 1024: max_loras 16,
 # offline comparisons and the online replay, no sweeps), and engine throughput at hidden 512 and 1024.
 # Usage: benchmarks/cpu/run_all.sh OUTDIR
@@ -16,10 +16,12 @@ mkdir -p "$out"
 cat "$out/env.txt"
 echo "== LoRA ops (cpu)"
 "$py" "$root/benchmarks/lora_ops.py" --device cpu --json "$out/lora_ops.json" | tee "$out/lora_ops.txt"
+echo "== decode attention (cpu): one padded group vs cache-sized groups"
+"$py" "$root/benchmarks/decode_attention.py" --json "$out/decode_attention.json" | tee "$out/decode_attention.txt"
 echo "== serving benchmark (cpu)"
 "$py" "$root/benchmarks/serve.py" --out "$out/serve" --num-requests 48 --adapters 16 --popularity zipf --alpha 1 \
   --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 8 --repeats 3 \
-  --loop-requests 12 --sweep-adapters 16,100,500 --sweep-rates 1,2,4 --ranks 8,16 | tee "$out/serve.txt"
+  --loop-requests 12 --sweep-adapters 16,100,500 --sweep-rates 2,4,8 --ranks 8,16 | tee "$out/serve.txt"
 echo "== serving benchmark (cpu), every adapter of the workload fitting one step (max_loras 16)"
 "$py" "$root/benchmarks/serve.py" --out "$out/serve-ml16" --workdir "$out/serve/weights" --num-requests 48 --adapters 16 \
   --popularity zipf --alpha 1 --rate 4 --input-len 8,16 --output-len 16,32 --hidden 512 --layers 4 --max-loras 16 \
