@@ -36,7 +36,7 @@ from runtime.lora.slice_weights import LoRASliceWeights, interleaved_a, interlea
 # Decode attention on the CPU gathers K for at most this many bytes per SDPA call (V the
 # same again): about one core's share of a server L2/L3, so the gathered blocks are still in
 # cache when SDPA reads them. On the 2-core dev machine, 32 decodes with contexts of 10-612
-# tokens (hidden 512): 5 ms per layer against 38 ms as one padded group
+# tokens (8 heads of 64): 5.4 ms per layer against 37-38 ms as one padded group
 # (docs/benchmarks.md, "Decode attention on the CPU").
 CPU_ATTENTION_GROUP_BYTES = 2 << 20
 
@@ -370,23 +370,25 @@ class ReferenceAttention:
         out = torch.empty_like(q)
         qs = meta.host_query_starts
         decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
-        for group in self.decode_groups(decodes, meta.host_context_lens, kv_cache[0, 0].numel() * kv_cache.element_size()):
+        for group in self.decode_groups(decodes, meta.host_context_lens, kv_cache[0, 0].numel() * kv_cache.element_size(), meta.block_size):
             self._decode_group(q, kv_cache, meta, group, scale, out)
         for b in range(meta.num_seqs):
             if qs[b + 1] - qs[b] > 1:
                 self._one_sequence(q, kv_cache, meta, b, scale, out)
         return out
 
-    def decode_groups(self, seqs: list[int], context_lens: Sequence[int], bytes_per_position: int) -> list[list[int]]:
-        """``seqs`` cut into groups, shortest contexts first, each within ``group_bytes``
-        (a sequence longer than the budget on its own is a group of one)."""
+    def decode_groups(self, seqs: list[int], context_lens: Sequence[int], bytes_per_position: int, block_size: int = 1) -> list[list[int]]:
+        """``seqs`` cut into groups, shortest contexts first, each gathering at most ``group_bytes``
+        of K: sequences x longest context rounded up to whole blocks x ``bytes_per_position``
+        (a sequence over the budget on its own is a group of one)."""
         if not seqs:
             return []
         if self.group_bytes is None:
             return [seqs]
         groups: list[list[int]] = [[]]
         for b in sorted(seqs, key=lambda b: context_lens[b]):
-            if groups[-1] and (len(groups[-1]) + 1) * context_lens[b] * bytes_per_position > self.group_bytes:
+            gathered = -(-context_lens[b] // block_size) * block_size * bytes_per_position
+            if groups[-1] and (len(groups[-1]) + 1) * gathered > self.group_bytes:
                 groups.append([])
             groups[-1].append(b)
         return groups

@@ -49,6 +49,14 @@ prepare = in_fresh_thread(suite.prepare)
 stepped_in_turn = in_fresh_thread(suite.stepped_in_turn)
 
 
+def in_turn_ratio(pairs: list[dict[str, dict]], num: str, den: str) -> float | None:
+    """Median over rounds of num / den tokens/s from ``stepped_in_turn`` results; None if a
+    denominator run produced no tokens."""
+    if any(pr[den]["tokens_per_s"] <= 0 for pr in pairs):
+        return None
+    return upper_median([pr[num]["tokens_per_s"] / pr[den]["tokens_per_s"] for pr in pairs])
+
+
 def offline(workload: Workload) -> Workload:
     """The same requests, all arriving at t=0."""
     return dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
@@ -197,7 +205,7 @@ def main() -> int:
             order = [False, True] if r % 2 == 0 else [True, False]  # who steps first alternates by round
             pairs.append(stepped_in_turn({("no-adapter" if bare else "lorafleet"): (engine_config(setup, model_dir), *workload_jobs(off, adapters, bare))
                                           for bare in order}))
-        ratios["lorafleet / no-adapter, stepped in turn"] = upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs])
+        ratios["lorafleet / no-adapter, stepped in turn"] = in_turn_ratio(pairs, "lorafleet", "no-adapter")
         results["stepped_in_turn"] = pairs
     for k, v in ratios.items():
         print(f"{k:<45} " + (f"{v:6.2f}x" if v is not None else "     - (the baseline produced no tokens)"))
@@ -259,7 +267,7 @@ def main() -> int:
             results["sweep_ratio_most_vs_fewest_adapters"] = {
                 "adapters": [lo, hi],
                 "ratio": ratio(hi, lo, sweep_rounds),
-                "ratio_stepped_in_turn": upper_median([pr[str(hi)]["tokens_per_s"] / pr[str(lo)]["tokens_per_s"] for pr in in_turn]),
+                "ratio_stepped_in_turn": in_turn_ratio(in_turn, str(hi), str(lo)),
                 "stepped_in_turn": in_turn,
             }
         for n, t, s in points:
@@ -268,7 +276,8 @@ def main() -> int:
             sr = results["sweep_ratio_most_vs_fewest_adapters"]
             if sr["ratio"] is not None:
                 print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
-            print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters, stepped in turn (median of rounds): {sr['ratio_stepped_in_turn']:.2f}x")
+            if sr["ratio_stepped_in_turn"] is not None:
+                print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters, stepped in turn (median of rounds): {sr['ratio_stepped_in_turn']:.2f}x")
     if a.sweep_rates and a.url:
         log("sweep: the arrival-rate sweep runs in-process only; skipped with --url")
     if a.sweep_rates and not a.url:

@@ -198,9 +198,10 @@ def dense_causal(q, keys, vals, q_offset: int, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("group_positions", [None, 1, 16, 28], ids=["one-group", "alone", "equal-pairs", "padded-groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention_matches_dense_float64(dtype, group_positions):
-    """Decode groups (``group_bytes`` in positions of this cache): one padded group; every
-    sequence alone (no mask); 16 positions: the two 8-token contexts together (equal
-    lengths, no mask), 9, 12, 14 alone; 28: (8, 8, 9) and (12, 14), padded and masked."""
+    """Decode groups (``group_bytes`` in positions of this cache, contexts counted in whole
+    blocks of 4): one padded group; every sequence alone (no mask); 16 positions: the two
+    8-token contexts together (equal lengths, no mask), 9, 12, 14 alone; 28: (8, 8), then
+    (9, 12) padded and masked, then 14."""
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d, bs, n_blocks = 4, 2, 8, 4, 40
     # (new tokens, context): plain prefill, chunked prefill (history in the cache), decodes, two at a block edge
@@ -248,16 +249,18 @@ def test_decode_groups_sorted_and_within_budget():
         context_lens = [rng.randint(1, 700) for _ in range(rng.randint(1, 40))]
         seqs = [b for b in range(len(context_lens)) if rng.random() < 0.8]
         budget = rng.choice([1, 512, 4096, 1 << 16])
-        groups = ReferenceAttention(budget).decode_groups(seqs, context_lens, bytes_per_position=8)
+        bs = rng.choice([1, 4, 16])
+        groups = ReferenceAttention(budget).decode_groups(seqs, context_lens, bytes_per_position=8, block_size=bs)
         assert sorted(b for g in groups for b in g) == sorted(seqs)
         flat = [context_lens[b] for g in groups for b in g]
         assert flat == sorted(flat)
+        gathered = {b: math.ceil(context_lens[b] / bs) * bs * 8 for b in seqs}  # whole blocks are copied
         for g in groups:
             if len(g) > 1:
-                assert len(g) * max(context_lens[b] for b in g) * 8 <= budget
+                assert len(g) * max(gathered[b] for b in g) <= budget
         # greedy: the next group's first sequence would not have fitted in the previous group
         for prev, nxt in zip(groups, groups[1:]):
-            assert (len(prev) + 1) * context_lens[nxt[0]] * 8 > budget
+            assert (len(prev) + 1) * gathered[nxt[0]] > budget
     assert ReferenceAttention(None).decode_groups([3, 1, 2], [5, 6, 7, 8], 8) == [[3, 1, 2]]
     assert ReferenceAttention(64).decode_groups([], [], 8) == []
     with pytest.raises(ValueError, match="group_bytes"):

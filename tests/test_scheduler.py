@@ -124,6 +124,36 @@ def test_drain_takes_the_slot_nobody_waits_for():
     assert rare.num_computed > 0
 
 
+def test_drain_holds_back_the_most_served_when_every_resident_has_a_queue():
+    """Both residents have waiting requests (a more served, with the longer queue): the most
+    served is drained, as the counters intend, not the one with the shorter queue."""
+    sched, pool, adapters = _setup(max_loras=2, max_num_seqs=3, budget=64)
+    a, b, c = (_ref(adapters, pool, n) for n in "abc")
+
+    def add(seq):
+        pool.demand(seq.adapter)
+        pool.poll()
+        sched.add(seq)
+
+    add(_seq(0, 20, a, max_tokens=6))
+    add(_seq(1, 2, b, max_tokens=6))
+    _run_step(sched, pool)
+    assert sched.counters[a] > sched.counters[b]
+    rare = _seq(2, 3, c)
+    add(rare)
+    for i in (3, 4):
+        add(_seq(i, 3, a))
+    add(_seq(5, 3, b))
+    out = _run_step(sched, pool)
+    assert out.drained == [a]
+    assert [s.adapter for s in out.admitted] == [b]
+    for _ in range(sched.fairness_bound_steps(20, 6)):
+        if rare.num_computed:
+            break
+        _run_step(sched, pool)
+    assert rare.num_computed > 0
+
+
 def _rare_adapter_wait(seed: int) -> tuple[int, int, tuple]:
     """Random budgets, prompt and output lengths, steady traffic on adapters a and b with
     max_loras=2, and one request of adapter c arriving at a random step: (waited, bound, config)."""

@@ -102,3 +102,10 @@ def test_single_threaded_torch_sets_one_thread_on_its_thread_only() -> None:
     t.start()
     t.join()
     assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_any_callable_and_keyword_arguments() -> None:
+    import functools
+
+    scaled = in_fresh_thread(functools.partial(torch.full, (2,), dtype=torch.float64))  # no __name__
+    assert scaled(fill_value=3.0).tolist() == [3.0, 3.0]
