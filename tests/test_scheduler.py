@@ -1,6 +1,8 @@
 """Scheduler in isolation (no model, no torch): budgets, chunking, preemption, fairness bound."""
 from __future__ import annotations
 
+import functools
+
 from runtime.kv.block_manager import BlockManager
 from runtime.request import AdapterRef, SamplingParams, Sequence
 from runtime.scheduler import Scheduler
@@ -94,18 +96,27 @@ def test_rare_adapter_admitted_within_documented_bound():
     assert waited <= sched.fairness_bound_steps(6, 3)
 
 
+def _add(sched, pool, seq):
+    pool.demand(seq.adapter)  # one demand per request, as the engine does
+    pool.poll()
+    sched.add(seq)
+
+
+def _assert_starts_within_bound(sched, pool, seq, longest_prompt, max_tokens):
+    for _ in range(sched.fairness_bound_steps(longest_prompt, max_tokens)):
+        if seq.num_computed:
+            break
+        _run_step(sched, pool)
+    assert seq.num_computed > 0
+
+
 def test_drain_takes_the_slot_nobody_waits_for():
     """Both slots busy, c blocked: a (most served, more requests waiting) and b (nothing
     waiting) could each free a slot. Draining b costs no admission, so b is drained and
     a's waiting requests still start; c runs once b's request ends."""
     sched, pool, adapters = _setup(max_loras=2, max_num_seqs=8, budget=64)
     a, b, c = (_ref(adapters, pool, n) for n in "abc")
-
-    def add(seq):
-        pool.demand(seq.adapter)  # one demand per request, as the engine does
-        pool.poll()
-        sched.add(seq)
-
+    add = functools.partial(_add, sched, pool)
     add(_seq(0, 20, a, max_tokens=6))
     add(_seq(1, 2, b, max_tokens=4))
     _run_step(sched, pool)
@@ -117,11 +128,7 @@ def test_drain_takes_the_slot_nobody_waits_for():
     out = _run_step(sched, pool)
     assert out.drained == [b]
     assert set(out.admitted) == set(more_a)
-    for _ in range(sched.fairness_bound_steps(20, 6)):
-        if rare.num_computed:
-            break
-        _run_step(sched, pool)
-    assert rare.num_computed > 0
+    _assert_starts_within_bound(sched, pool, rare, longest_prompt=20, max_tokens=6)
 
 
 def test_drain_holds_back_the_most_served_when_every_resident_has_a_queue():
@@ -129,12 +136,7 @@ def test_drain_holds_back_the_most_served_when_every_resident_has_a_queue():
     served is drained, as the counters intend, not the one with the shorter queue."""
     sched, pool, adapters = _setup(max_loras=2, max_num_seqs=3, budget=64)
     a, b, c = (_ref(adapters, pool, n) for n in "abc")
-
-    def add(seq):
-        pool.demand(seq.adapter)
-        pool.poll()
-        sched.add(seq)
-
+    add = functools.partial(_add, sched, pool)
     add(_seq(0, 20, a, max_tokens=6))
     add(_seq(1, 2, b, max_tokens=6))
     _run_step(sched, pool)
@@ -147,11 +149,7 @@ def test_drain_holds_back_the_most_served_when_every_resident_has_a_queue():
     out = _run_step(sched, pool)
     assert out.drained == [a]
     assert [s.adapter for s in out.admitted] == [b]
-    for _ in range(sched.fairness_bound_steps(20, 6)):
-        if rare.num_computed:
-            break
-        _run_step(sched, pool)
-    assert rare.num_computed > 0
+    _assert_starts_within_bound(sched, pool, rare, longest_prompt=20, max_tokens=6)
 
 
 def _rare_adapter_wait(seed: int) -> tuple[int, int, tuple]:
