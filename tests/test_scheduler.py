@@ -110,17 +110,23 @@ def _assert_starts_within_bound(sched, pool, seq, longest_prompt, max_tokens):
     assert seq.num_computed > 0
 
 
+def _two_residents(max_num_seqs, b_max_tokens):
+    """Two slots held by running requests of a (20-token prompt, so more served) and b; c known."""
+    sched, pool, adapters = _setup(max_loras=2, max_num_seqs=max_num_seqs, budget=64)
+    refs = a, b, _ = tuple(_ref(adapters, pool, n) for n in "abc")
+    add = functools.partial(_add, sched, pool)
+    add(_seq(0, 20, a, max_tokens=6))
+    add(_seq(1, 2, b, max_tokens=b_max_tokens))
+    _run_step(sched, pool)
+    assert sched.counters[a] > sched.counters[b]
+    return sched, pool, add, refs
+
+
 def test_drain_takes_the_slot_nobody_waits_for():
     """Both slots busy, c blocked: a (most served, more requests waiting) and b (nothing
     waiting) could each free a slot. Draining b costs no admission, so b is drained and
     a's waiting requests still start; c runs once b's request ends."""
-    sched, pool, adapters = _setup(max_loras=2, max_num_seqs=8, budget=64)
-    a, b, c = (_ref(adapters, pool, n) for n in "abc")
-    add = functools.partial(_add, sched, pool)
-    add(_seq(0, 20, a, max_tokens=6))
-    add(_seq(1, 2, b, max_tokens=4))
-    _run_step(sched, pool)
-    assert sched.counters[a] > sched.counters[b]
+    sched, pool, add, (a, b, c) = _two_residents(max_num_seqs=8, b_max_tokens=4)
     more_a = [_seq(2, 3, a), _seq(3, 3, a)]
     rare = _seq(4, 3, c)
     for seq in (rare, *more_a):
@@ -134,13 +140,7 @@ def test_drain_takes_the_slot_nobody_waits_for():
 def test_drain_holds_back_the_most_served_when_every_resident_has_a_queue():
     """Both residents have waiting requests (a more served, with the longer queue): the most
     served is drained, as the counters intend, not the one with the shorter queue."""
-    sched, pool, adapters = _setup(max_loras=2, max_num_seqs=3, budget=64)
-    a, b, c = (_ref(adapters, pool, n) for n in "abc")
-    add = functools.partial(_add, sched, pool)
-    add(_seq(0, 20, a, max_tokens=6))
-    add(_seq(1, 2, b, max_tokens=6))
-    _run_step(sched, pool)
-    assert sched.counters[a] > sched.counters[b]
+    sched, pool, add, (a, b, c) = _two_residents(max_num_seqs=3, b_max_tokens=6)
     rare = _seq(2, 3, c)
     add(rare)
     for i in (3, 4):
