@@ -340,6 +340,18 @@ def _check_expand(h: Tensor, weights: Sequence[LoRASliceWeights], y: Tensor, sli
         raise ValueError(f"expand: h has {h.shape[1]} rows, y has {y.shape[0]}")
 
 
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """One SDPA call's worth of decode rows: their step rows, whole blocks to gather, and mask."""
+
+    width: int  # longest context in the group
+    block_size: int
+    n_blocks: int  # blocks per sequence gathered (ceil(width / block_size))
+    blocks: Tensor  # [G * n_blocks] block ids, each sequence's table padded with block 0
+    mask: Optional[Tensor]  # [G, 1, 1, width] True where a key is in context; None if all equal
+    rows: Tensor  # [G] the sequences' rows in the step (q and out)
+
+
 class ReferenceAttention:
     """Paged attention: gather each sequence's KV blocks, then causal SDPA.
 
@@ -363,15 +375,15 @@ class ReferenceAttention:
         if group_bytes is not None and group_bytes <= 0:
             raise ValueError(f"group_bytes must be positive or None, got {group_bytes}")
         self.group_bytes = group_bytes
+        self._plan: Optional[tuple[AttentionMeta, list[_DecodeGroup]]] = None
 
     def paged_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMeta, scale: float) -> Tensor:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         out = torch.empty_like(q)
         qs = meta.host_query_starts
-        decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
-        for group in self.decode_groups(decodes, meta.host_context_lens, kv_cache[0, 0].numel() * kv_cache.element_size(), meta.block_size):
-            self._decode_group(q, kv_cache, meta, group, scale, out)
+        for group in self._decode_plan(q.device, kv_cache, meta):
+            self._decode_group(q, kv_cache, group, scale, out)
         for b in range(meta.num_seqs):
             if qs[b + 1] - qs[b] > 1:
                 self._one_sequence(q, kv_cache, meta, b, scale, out)
@@ -402,31 +414,51 @@ class ReferenceAttention:
         """One cache half ``[N, Hkv, D]`` as ``[N / block_size, block_size, Hkv, D]`` (no copy)."""
         return half.view(-1, block_size, *half.shape[1:])
 
-    def _decode_group(self, q: Tensor, kv_cache: Tensor, meta: AttentionMeta, seqs: list[int], scale: float, out: Tensor) -> None:
-        device, bs = q.device, meta.block_size
-        ctx = [meta.host_context_lens[b] for b in seqs]
-        width = max(ctx)
-        n_blocks = (width + bs - 1) // bs
-        sel = torch.tensor(seqs, device=device)
-        # Whole blocks: one contiguous copy of block_size rows each. Padding entries (block 0 past
-        # a table's end, or rows past a context) are masked out below.
-        blocks = meta.block_tables.index_select(0, sel)[:, :n_blocks].reshape(-1)
+    def _decode_plan(self, device: torch.device, kv_cache: Tensor, meta: AttentionMeta) -> list["_DecodeGroup"]:
+        """The step's decode groups with their index tensors, built once per step: every layer
+        gets the same ``meta`` (the last plan is kept and reused while ``meta`` is the same object;
+        the grouping only sets how the work is cut, so any plan for ``meta`` gives the same output)."""
+        cached = self._plan  # one read: (meta, plan) is replaced as a whole
+        if cached is not None and cached[0] is meta:
+            return cached[1]
+        qs, bs = meta.host_query_starts, meta.block_size
+        decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
+        plan = []
+        for seqs in self.decode_groups(decodes, meta.host_context_lens, kv_cache[0, 0].numel() * kv_cache.element_size(), bs):
+            ctx = [meta.host_context_lens[b] for b in seqs]
+            width = max(ctx)
+            n_blocks = (width + bs - 1) // bs
+            sel = torch.tensor(seqs, device=device)
+            mask = None
+            if min(ctx) < width:
+                lens = torch.tensor(ctx, device=device)
+                mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            plan.append(_DecodeGroup(
+                width=width,
+                block_size=bs,
+                n_blocks=n_blocks,
+                # Whole blocks: one contiguous copy of block_size rows each. Padding entries (block 0
+                # past a table's end, or rows past a context) are masked out.
+                blocks=meta.block_tables.index_select(0, sel)[:, :n_blocks].reshape(-1),
+                mask=mask,
+                rows=torch.tensor([qs[b] for b in seqs], device=device),
+            ))
+        self._plan = (meta, plan)
+        return plan
+
+    def _decode_group(self, q: Tensor, kv_cache: Tensor, group: "_DecodeGroup", scale: float, out: Tensor) -> None:
+        n, bs = len(group.rows), group.block_size
         hkv, d = kv_cache.shape[2], q.shape[2]
-        groups = q.shape[1] // hkv
+        heads_per_kv = q.shape[1] // hkv
         keys, vals = (
-            self._block_view(half, bs).index_select(0, blocks).view(len(seqs), n_blocks * bs, hkv, d)[:, :width].transpose(1, 2).to(q.dtype)
+            self._block_view(half, bs).index_select(0, group.blocks).view(n, group.n_blocks * bs, hkv, d)[:, : group.width].transpose(1, 2).to(q.dtype)
             for half in kv_cache
         )  # [B, Hkv, L, D]
-        mask = None
-        if min(ctx) < width:
-            lens = torch.tensor(ctx, device=device)
-            mask = (torch.arange(width, device=device)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        rows = torch.tensor([meta.host_query_starts[b] for b in seqs], device=device)
-        # GQA without repeating K/V: one query token per sequence, so the `groups` query
-        # heads that share kv head h are `groups` query rows against that head's keys.
-        qb = q.index_select(0, rows).view(len(seqs), hkv, groups, d)  # [B, Hkv, G, D]
-        ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)  # [B, Hkv, G, D]
-        out.index_copy_(0, rows, ob.reshape(len(seqs), hkv * groups, d))
+        # GQA without repeating K/V: one query token per sequence, so the query heads that
+        # share kv head h are that many query rows against that head's keys.
+        qb = q.index_select(0, group.rows).view(n, hkv, heads_per_kv, d)  # [B, Hkv, G, D]
+        ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=group.mask, scale=scale)  # [B, Hkv, G, D]
+        out.index_copy_(0, group.rows, ob.reshape(n, hkv * heads_per_kv, d))
 
     def _one_sequence(self, q: Tensor, kv_cache: Tensor, meta: AttentionMeta, b: int, scale: float, out: Tensor) -> None:
         device, bs = q.device, meta.block_size

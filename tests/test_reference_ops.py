@@ -9,6 +9,7 @@ slice), and rows with no adapter, over a 3-slice fused projection.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import zlib
@@ -239,6 +240,27 @@ def test_paged_attention_matches_dense_float64(dtype, group_positions):
     # the new K/V landed in the cache at slot_mapping
     assert torch.equal(cache[0].index_select(0, meta.slot_mapping), new_k)
     assert torch.equal(cache[1].index_select(0, meta.slot_mapping), new_v)
+
+
+def test_decode_plan_is_shared_by_a_steps_layers_and_rebuilt_for_the_next_step():
+    """The decode plan is kept for the step's ``meta``: every layer (its own cache, its own
+    q/k/v, same meta) must still get its own right answer, in fp32 and then bf16 with the
+    same meta, and a new step (new meta, other lengths and tables) must not reuse the plan."""
+    from types import SimpleNamespace
+
+    from runtime.verifiers.attention_problem import check_attention, random_cache, random_step
+
+    gen = torch.Generator().manual_seed(23)
+    backend = SimpleNamespace(attention=ReferenceAttention(group_bytes=16 * 2 * 16 * 4), synchronize=lambda: None)  # 16 fp32 positions per group
+    steps = [
+        random_step([1, 1, 1, 3], [5, 9, 6, 7], [[0, 1], [2, 3, 4], [5, 6], [7, 8]], torch.float32, torch.device("cpu"), gen),
+        random_step([1, 1, 1], [13, 3, 11], [[9, 10, 11, 12], [13], [14, 15, 0]], torch.float32, torch.device("cpu"), gen),
+    ]
+    for step in steps:
+        for dtype in (torch.float32, torch.float32, torch.bfloat16):  # two layers, then a bf16 cache
+            s = dataclasses.replace(step, q=step.q.to(dtype), k=step.k.to(dtype), v=step.v.to(dtype))
+            check_attention(backend, s, random_cache(16, dtype, torch.device("cpu"), gen), dtype, f"plan reuse {dtype}")
+        assert backend.attention._plan[0] is step.meta
 
 
 def test_decode_groups_sorted_and_within_budget():
