@@ -362,7 +362,8 @@ class ReferenceAttention:
     Decode rows (one new token per sequence) are batched in groups. With ``group_bytes``
     None every decode forms one group (one gather, one SDPA). Otherwise the sequences are
     sorted by context length and cut into groups whose gathered keys (sequences x longest
-    context x Hkv x D x element size) fit in ``group_bytes``. Each group gathers whole
+    context in whole blocks x Hkv x D x element size) fit in ``group_bytes``; the groups and
+    their index tensors are built once per step and reused by every layer. Each group gathers whole
     blocks into a padded ``[G, Hkv, L_max, D]`` tensor and runs one SDPA that masks every row
     to its own context length. Small groups do two things on a CPU: the copy stays in cache
     for the SDPA that reads it right after, and each group pads only to its own longest
@@ -439,7 +440,7 @@ class ReferenceAttention:
                 n_blocks=n_blocks,
                 # Whole blocks: one contiguous copy of block_size rows each. Padding entries (block 0
                 # past a table's end, or rows past a context) are masked out.
-                blocks=meta.block_tables.index_select(0, sel)[:, :n_blocks].reshape(-1),
+                blocks=meta.block_tables.index_select(0, sel)[:, :n_blocks].reshape(-1).long(),  # int64: every device's index_select takes it
                 mask=mask,
                 rows=torch.tensor([qs[b] for b in seqs], device=device),
             ))
