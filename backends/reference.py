@@ -352,6 +352,19 @@ class _DecodeGroup:
     rows: Tensor  # [G] the sequences' rows in the step (q and out)
 
 
+@dataclass(frozen=True)
+class _PrefillChunk:
+    """One sequence's several new rows ``lo:hi``: its blocks and the causal mask offset by the
+    ``ctx - (hi - lo)`` tokens already cached."""
+
+    lo: int
+    hi: int
+    ctx: int
+    block_size: int
+    blocks: Tensor  # [ceil(ctx / block_size)] block ids
+    mask: Tensor  # [hi - lo, ctx]: row i sees keys 0 .. ctx - (hi - lo) + i
+
+
 class ReferenceAttention:
     """Paged attention: gather each sequence's KV blocks, then causal SDPA.
 
@@ -376,18 +389,17 @@ class ReferenceAttention:
         if group_bytes is not None and group_bytes <= 0:
             raise ValueError(f"group_bytes must be positive or None, got {group_bytes}")
         self.group_bytes = group_bytes
-        self._plan: Optional[tuple[AttentionMeta, list[_DecodeGroup]]] = None
+        self._plan: Optional[tuple[AttentionMeta, list[_DecodeGroup], list[_PrefillChunk]]] = None
 
     def paged_attention(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMeta, scale: float) -> Tensor:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
         out = torch.empty_like(q)
-        qs = meta.host_query_starts
-        for group in self._decode_plan(q.device, kv_cache, meta):
+        decode_groups, prefill_chunks = self._step_plan(q.device, kv_cache, meta)
+        for group in decode_groups:
             self._decode_group(q, kv_cache, group, scale, out)
-        for b in range(meta.num_seqs):
-            if qs[b + 1] - qs[b] > 1:
-                self._one_sequence(q, kv_cache, meta, b, scale, out)
+        for chunk in prefill_chunks:
+            self._prefill_chunk(q, kv_cache, chunk, scale, out)
         return out
 
     def decode_groups(self, seqs: list[int], context_lens: Sequence[int], bytes_per_position: int, block_size: int = 1) -> list[list[int]]:
@@ -415,13 +427,14 @@ class ReferenceAttention:
         """One cache half ``[N, Hkv, D]`` as ``[N / block_size, block_size, Hkv, D]`` (no copy)."""
         return half.view(-1, block_size, *half.shape[1:])
 
-    def _decode_plan(self, device: torch.device, kv_cache: Tensor, meta: AttentionMeta) -> list["_DecodeGroup"]:
-        """The step's decode groups with their index tensors, built once per step: every layer
-        gets the same ``meta`` (the last plan is kept and reused while ``meta`` is the same object;
-        the grouping only sets how the work is cut, so any plan for ``meta`` gives the same output)."""
-        cached = self._plan  # one read: (meta, plan) is replaced as a whole
+    def _step_plan(self, device: torch.device, kv_cache: Tensor, meta: AttentionMeta) -> tuple[list["_DecodeGroup"], list["_PrefillChunk"]]:
+        """The step's decode groups and prefill chunks with their index tensors and masks, built
+        once per step: every layer gets the same ``meta`` (the last plan is kept and reused while
+        ``meta`` is the same object; the grouping only sets how the work is cut, so any plan for
+        ``meta`` gives the same output)."""
+        cached = self._plan  # one read: (meta, decode groups, prefill chunks) is replaced as a whole
         if cached is not None and cached[0] is meta:
-            return cached[1]
+            return cached[1], cached[2]
         qs, bs = meta.host_query_starts, meta.block_size
         decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
         plan = []
@@ -444,8 +457,18 @@ class ReferenceAttention:
                 mask=mask,
                 rows=torch.tensor([qs[b] for b in seqs], device=device),
             ))
-        self._plan = (meta, plan)
-        return plan
+        chunks = []
+        for b in range(meta.num_seqs):
+            lo, hi, ctx = qs[b], qs[b + 1], meta.host_context_lens[b]
+            if hi - lo > 1:
+                pos_q = torch.arange(ctx - (hi - lo), ctx, device=device)[:, None]
+                chunks.append(_PrefillChunk(
+                    lo=lo, hi=hi, ctx=ctx, block_size=bs,
+                    blocks=torch.tensor(meta.host_block_tables[b][: (ctx + bs - 1) // bs], device=device),
+                    mask=torch.arange(ctx, device=device)[None, :] <= pos_q,  # [q_len, ctx]
+                ))
+        self._plan = (meta, plan, chunks)
+        return plan, chunks
 
     def _decode_group(self, q: Tensor, kv_cache: Tensor, group: "_DecodeGroup", scale: float, out: Tensor) -> None:
         n, bs = len(group.rows), group.block_size
@@ -461,21 +484,14 @@ class ReferenceAttention:
         ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=group.mask, scale=scale)  # [B, Hkv, G, D]
         out.index_copy_(0, group.rows, ob.reshape(n, hkv * heads_per_kv, d))
 
-    def _one_sequence(self, q: Tensor, kv_cache: Tensor, meta: AttentionMeta, b: int, scale: float, out: Tensor) -> None:
-        device, bs = q.device, meta.block_size
-        ctx = meta.host_context_lens[b]
-        lo, hi = meta.host_query_starts[b], meta.host_query_starts[b + 1]
-        n_blocks = (ctx + bs - 1) // bs
-        table = torch.tensor(meta.host_block_tables[b][:n_blocks], device=device)
+    def _prefill_chunk(self, q: Tensor, kv_cache: Tensor, chunk: "_PrefillChunk", scale: float, out: Tensor) -> None:
         groups = q.shape[1] // kv_cache.shape[2]
         keys, vals = (
-            self._gqa(self._block_view(half, bs).index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1), groups, 0).to(q.dtype)
+            self._gqa(self._block_view(half, chunk.block_size).index_select(0, chunk.blocks).flatten(0, 1)[: chunk.ctx].transpose(0, 1), groups, 0).to(q.dtype)
             for half in kv_cache
         )  # [Hq, ctx, D]
-        qb = q[lo:hi].transpose(0, 1)  # [Hq, q_len, D]
-        pos_q = torch.arange(ctx - (hi - lo), ctx, device=device)[:, None]
-        mask = torch.arange(ctx, device=device)[None, :] <= pos_q  # [q_len, ctx]
-        out[lo:hi] = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale).transpose(0, 1)
+        qb = q[chunk.lo : chunk.hi].transpose(0, 1)  # [Hq, q_len, D]
+        out[chunk.lo : chunk.hi] = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=chunk.mask, scale=scale).transpose(0, 1)
 
 
 class ReferenceBackend:

@@ -242,8 +242,8 @@ def test_paged_attention_matches_dense_float64(dtype, group_positions):
     assert torch.equal(cache[1].index_select(0, meta.slot_mapping), new_v)
 
 
-def test_decode_plan_is_shared_by_a_steps_layers_and_rebuilt_for_the_next_step():
-    """The decode plan is kept for the step's ``meta``: every layer (its own cache, its own
+def test_step_plan_is_shared_by_a_steps_layers_and_rebuilt_for_the_next_step():
+    """The plan (decode groups, prefill chunks) is kept for the step's ``meta``: every layer (its own cache, its own
     q/k/v, same meta) must still get its own right answer, in fp32 and then bf16 with the
     same meta, and a new step (new meta, other lengths and tables) must not reuse the plan."""
     from types import SimpleNamespace
