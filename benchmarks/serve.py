@@ -10,8 +10,9 @@ Runs, in this order and in one process (so the ratios are side by side):
   2. online replay at --rate (Poisson, or --cv for burstiness): TTFT/TPOT p50/p99,
      SLO attainment, per-adapter latency, TTFT by where the adapter was on arrival,
      adapter swaps and cache hit rates, memory split;
-  3. sweeps: offline throughput vs number of adapters (zipf), the most against the fewest
-     adapters also stepped in turn, and p99 latency vs rate.
+  3. sweeps: offline throughput vs number of adapters (zipf), with the steps each run took
+     against the fewest that any schedule needs under --max-loras (runtime.bench.slot_bound),
+     the most against the fewest adapters also stepped in turn, and p99 latency vs rate.
 Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables.
 records.jsonl holds the raw data behind every summarized run: one JSON object per request with
 the run's label, its round (offline runs and the adapter sweep; null for the online runs) and
@@ -38,6 +39,7 @@ from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, replay_http, served_base_model  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
+from runtime.bench.slot_bound import slot_bound  # noqa: E402
 from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
@@ -253,10 +255,12 @@ def main() -> int:
         points = []
         for n in counts:
             s = median_round([rd[n] for rd in sweep_rounds], "throughput_tokens_per_s")
-            points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"]))
+            bound = slot_bound(((q.adapter, q.output_tokens) for q in prepared[n][0].requests), setup.max_loras, setup.max_num_seqs)
+            points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"], s["engine_steps"], bound))
         base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
-        plots.throughput_vs_adapters([(n, t) for n, t, _ in points], base_tp, out / "throughput_vs_adapters.png")
-        results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s} for n, t, s in points]
+        plots.throughput_vs_adapters([(n, t) for n, t, *_ in points], base_tp, out / "throughput_vs_adapters.png")
+        results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s, "steps": st, "slot_bound": b.as_dict()}
+                                     for n, t, s, st, b in points]
         if len(counts) > 1:  # the largest count against the smallest, per round
             lo, hi = min(counts), max(counts)
             in_turn = []
@@ -270,8 +274,10 @@ def main() -> int:
                 "ratio_stepped_in_turn": in_turn_ratio(in_turn, str(hi), str(lo)),
                 "stepped_in_turn": in_turn,
             }
-        for n, t, s in points:
-            print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps")
+        for n, t, s, st, b in points:
+            print(f"{n:>5} adapters: {t:8.1f} tok/s, {s} swaps, {st} steps ({b.adapters} distinct adapters need "
+                  f"{b.slot_steps} slot-steps: at least {b.lower_bound} steps; best packing of whole slot runs "
+                  f"{b.packed}{'' if b.packed_exact else ' (longest first; search gave up)'})")
         if "sweep_ratio_most_vs_fewest_adapters" in results:
             sr = results["sweep_ratio_most_vs_fewest_adapters"]
             if sr["ratio"] is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy
 import pytest
 
+from runtime.bench.slot_bound import slot_bound
 from runtime.bench.summary import BASE, percentile, upper_median
 from runtime.bench.workload import Workload, WorkloadSpec, generate
 
@@ -146,6 +147,13 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
             assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["busy_s"], rel=1e-3, abs=0.05)  # rounded to 0.1
     assert res["ratios"]["lorafleet / no-adapter, stepped in turn"] == upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs])
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
+    for p in res["sweep_adapters"]:  # steps of the median round, against what any schedule needs for those requests
+        recs = runs[(f"{p['adapters']} adapters", 1)]
+        want = slot_bound([(r["adapter"], r["output_tokens"]) for r in recs], max_loras=int(res["setup"]["max_loras"]),
+                          max_num_seqs=int(res["setup"]["max_num_seqs"]))
+        assert p["slot_bound"] == want.as_dict()
+        assert p["steps"] >= want.lower_bound > 0
+    assert offline["(a) no adapters"]["engine_steps"] >= max(want_out.values()) and offline[peft]["engine_steps"] is None
     assert all(len(runs[(f"{n} adapters", rnd)]) == 8 for n in (2, 3) for rnd in (1, 2))
     sweep_ratio = res["sweep_ratio_most_vs_fewest_adapters"]
     assert sweep_ratio["adapters"] == [2, 3] and sweep_ratio["ratio"] > 0

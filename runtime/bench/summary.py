@@ -78,6 +78,7 @@ def summarize(result: ReplayResult, slo_ttft_s: float, slo_tpot_s: float) -> dic
                 "attainment": (len(met) / len(result.records) if any(r.ttft is not None for r in ok) else None) if ok
                 else (0.0 if result.records else None)},
         "adapter_swaps": swaps,
+        "engine_steps": result.snapshot.get("steps") if measured else None,
         "cache": {**hits, "device_hit_rate": hits["device_hits"] / arrivals if arrivals else None,
                   "host_or_device_hit_rate": (hits["device_hits"] + hits["host_hits"]) / arrivals if arrivals else None},
         "ttft_by_adapter_location": {loc: _latency_block(rs) for loc, rs in sorted(by_location.items())},
