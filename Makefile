@@ -1,10 +1,13 @@
 # lorafleet: `make run` serves the bundled demo, `make test` runs the test suite.
-# Both create .venv when it is missing. torch is installed first and pinned, so a
-# CPU-only machine never resolves a multi-GB CUDA build of torch.
+# Both create .venv when it is missing. torch is installed first, pinned (TORCH_PIN),
+# through pip's own configuration unless TORCH_INDEX names a wheel index, e.g.
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu   (CPU build from plain PyPI;
+#   there the default Linux torch wheel is a CUDA build)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.lorafleet-installed
 
 .PHONY: run test venv clean
@@ -14,7 +17,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH_PIN)"
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
