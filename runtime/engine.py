@@ -294,6 +294,10 @@ class LLMEngine:
         now = time.monotonic()
         for seq, token in zip(sampled, tokens):
             live = self._live[seq.request_id]
+            if token is None:  # NaN or +inf logits for this row: nothing to sample from
+                self._finish(live, "error", "the model produced non-finite logits (NaN or inf) for this request")
+                outputs.append(self._output(live, [], finished=True))
+                continue
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -36,11 +36,16 @@ class AdapterRef:
         return f"{self.name}@{self.version[:12]}"
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingParams.greedy)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature: 0 means greedy (argmax); otherwise sample from softmax(logits / temperature).
+    temperature: below ``GREEDY_BELOW`` (1e-5; 0 included) means greedy (argmax): dividing
+                 float32 logits by a smaller one overflows or divides by zero (vLLM draws the same
+                 line); otherwise sample from softmax(logits / temperature).
     top_k:       keep only the k most likely tokens (0 = off).
     top_p:       keep the smallest set of most likely tokens whose probability mass is >= top_p.
     seed:        seeds this request's own torch.Generator (None: drawn from the engine's seed).
@@ -92,7 +97,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_number(value: object) -> bool:

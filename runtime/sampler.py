@@ -2,8 +2,10 @@
 
 For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams``:
 
-    greedy (temperature == 0):  next = argmax_j z_j            (lowest index on ties)
-    otherwise:                  z' = z / temperature
+    greedy (temperature < 1e-5, ``SamplingParams.greedy``):
+                                next = argmax_j z_j            (lowest index on ties)
+    otherwise:                  z' = (z - max_j z_j) / temperature   (the shift leaves softmax
+                                       unchanged and keeps z' <= 0, so no overflow)
                                 top_k > 0: z'_j = -inf unless z_j is among the k largest
                                 top_p < 1: keep the smallest prefix of tokens sorted by
                                            probability whose mass reaches top_p (the most
@@ -11,6 +13,10 @@ For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams`
                                 next ~ Categorical(softmax(z'))  drawn with the request's own
                                        torch.Generator, so a seeded request gives the same
                                        tokens whatever else is in the batch.
+
+A row whose logits hold NaN or +inf, or are all -inf (a broken checkpoint or an overflow in
+the model), has no distribution to draw from and no meaningful argmax: ``sample`` returns None for it and the
+engine ends that request with an error, leaving every other row and the engine running.
 
 Stop rules after a token is appended (the string-level ``stop`` rule lives in
 ``runtime.detokenizer``): eos (unless ignore_eos) or a ``stop_token_ids`` member gives
@@ -46,26 +52,28 @@ class Sampler:
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> list[int]:
-        """One token per row of ``logits`` [n, vocab]."""
+    def sample(self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> list[Optional[int]]:
+        """One token per row of ``logits`` [n, vocab]; None for a row with NaN or +inf logits, or all -inf."""
         if logits.dim() != 2 or logits.shape[0] != len(request_ids) or len(params) != len(request_ids):
             raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(request_ids)} requests")
         logits = logits.float()
-        out = [0] * len(request_ids)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        broken = ((torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | torch.isneginf(logits).all(dim=-1)).tolist()
+        out: list[Optional[int]] = [None] * len(request_ids)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy and not broken[i]]
         if greedy_rows:
             picked = logits[greedy_rows].argmax(dim=-1).tolist()
             for i, tok in zip(greedy_rows, picked):
                 out[i] = int(tok)
         for i, p in enumerate(params):
-            if not p.greedy:
+            if not p.greedy and not broken[i]:
                 out[i] = sample_row(logits[i], p, self._generators[request_ids[i]])
         return out
 
 
 def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:
     """Temperature, top-k and top-p applied to one row (see module docstring)."""
-    z = z.float() / params.temperature
+    z = z.float()
+    z = (z - z.max()) / params.temperature
     vocab = z.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(z, params.top_k).values[-1]

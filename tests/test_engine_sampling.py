@@ -105,3 +105,48 @@ def test_top_k_one_is_greedy_at_any_temperature(tiny_llama_dir, tiny_adapters):
             differs |= run_alone(engine, f"h{i}-{seed}", prompt, hot, adapter).token_ids != greedy
     assert differs, "temperature 1.5 without top_k always matched greedy: is temperature honoured?"
     engine.close()
+
+
+def test_tiny_temperature_decodes_greedily(tiny_llama_dir, tiny_adapters):
+    """temperature 1e-40 (valid in the API's 0..2 range) used to overflow the float32 logits and
+    make ``torch.multinomial`` raise, killing the engine; below 1e-5 it is greedy now."""
+    engine = make_engine(tiny_llama_dir, seed=1)
+    name = sorted(tiny_adapters)[0]
+    engine.register_adapter(name, str(tiny_adapters[name]))
+    for i, prompt in enumerate(_prompts(2, seed=6)):
+        adapter = name if i else None
+        greedy = run_alone(engine, f"g{i}", prompt, GREEDY, adapter).token_ids
+        tiny = SamplingParams(max_tokens=MAX_TOKENS, temperature=1e-40, ignore_eos=True)
+        out = run_alone(engine, f"t{i}", prompt, tiny, adapter)
+        assert out.finish_reason == "length" and out.token_ids == greedy
+    engine.close()
+
+
+def test_non_finite_logits_end_only_that_request(tiny_llama_dir, tiny_adapters, monkeypatch):
+    """A row of NaN logits ends its own request with an error; the other rows of the step keep
+    their tokens and the engine serves the next request normally."""
+    engine = make_engine(tiny_llama_dir, seed=1)
+    prompts = _prompts(3, seed=8)
+    want = [run_alone(engine, f"ref{i}", p, GREEDY, None).token_ids for i, p in enumerate(prompts)]
+    real_execute = engine.runner.execute
+    poisoned: list[int] = []
+
+    def execute(steps):
+        logits = real_execute(steps)
+        if not poisoned:  # the first step: poison the second sampled row
+            poisoned.append(1)
+            logits = logits.clone()
+            logits[1, 5] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY, None)
+    finals = run_to_completion(engine)
+    assert finals["r1"].finish_reason == "error" and "non-finite logits" in finals["r1"].error and finals["r1"].token_ids == ()
+    assert [finals["r0"].token_ids, finals["r2"].token_ids] == [want[0], want[2]]
+    assert finals["r0"].finish_reason == finals["r2"].finish_reason == "length"
+    assert run_alone(engine, "after", prompts[1], GREEDY, None).token_ids == want[1]
+    snap = engine.snapshot()
+    assert snap["kv_blocks_free"] == snap["kv_blocks_total"]
+    engine.close()

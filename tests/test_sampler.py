@@ -65,3 +65,84 @@ def test_detokenizer_cuts_at_stop_string_split_across_tokens_and_holds_back():
         if d.stopped:
             break
     assert d.stopped and d.text == "hell" and emitted == "hell"
+
+
+def _float64_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(z.double() / temperature, 0)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampled_frequencies_follow_softmax_over_temperature(temperature):
+    """20000 seeded draws against float64 softmax(z / T): total variation within sampling noise
+    (about 0.01 here), while using T = 1 or T^2 instead would be off by more than 0.09."""
+    z = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
+    params = SamplingParams(temperature=temperature, seed=5)
+    sampler = Sampler()
+    sampler.add("r", params)
+    n = 20000
+    counts = torch.zeros(6, dtype=torch.float64)
+    for _ in range(n):
+        counts[sampler.sample(z[None], ["r"], [params])[0]] += 1
+    want = _float64_softmax(z, temperature)
+    tv = 0.5 * (counts / n - want).abs().sum()
+    assert tv < 0.03, (counts / n, want)
+    for wrong in (1.0, temperature**2):  # the distance a sampler ignoring or squaring T would show
+        assert 0.5 * (_float64_softmax(z, wrong) - want).abs().sum() > 0.09
+
+
+def test_filtered_logits_are_shifted_logits_over_temperature():
+    z = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 4
+    for temperature in (0.3, 1.0, 1.7):
+        got = filtered_logits(z, SamplingParams(temperature=temperature)).double()
+        torch.testing.assert_close(got, (z.double() - z.double().max()) / temperature, rtol=1e-6, atol=1e-5)
+
+
+def test_top_p_applies_after_temperature():
+    """top_p keeps tokens by softmax(z / T): at T = 0.25 the top token alone holds 0.98 of the mass,
+    at T = 1 the top two hold 0.90, so top_p = 0.85 keeps one token at T = 0.25 and two at T = 1."""
+    z = torch.tensor([1.0, 0.0, -1.0, -3.0])
+    for temperature in (0.25, 1.0):
+        probs = _float64_softmax(z, temperature)
+        mass_before = torch.cumsum(probs, 0) - probs
+        want = (mass_before < 0.85).tolist()
+        kept = torch.isfinite(filtered_logits(z, SamplingParams(temperature=temperature, top_p=0.85))).tolist()
+        assert kept == want
+    assert sum(torch.isfinite(filtered_logits(z, SamplingParams(temperature=0.25, top_p=0.85)))) == 1
+    assert sum(torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, top_p=0.85)))) == 2
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-40, 1e-38, 5e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    """Below 1e-5 a temperature is greedy: z / T in float32 would overflow (or divide by zero once
+    T underflows) and leave NaN probabilities that ``torch.multinomial`` rejects."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1)) * 30
+    params = SamplingParams(temperature=temperature, seed=2)
+    assert params.greedy
+    sampler = Sampler()
+    sampler.add("r", params)
+    assert sampler.sample(logits[:1], ["r"], [params]) == [int(logits[0].argmax())]
+
+
+def test_small_temperature_above_the_greedy_line_samples_without_overflow():
+    logits = torch.tensor([[3e34, 2e34, 0.0, -3e34]])  # z / 2e-5 overflows float32 to inf (NaN softmax); z - max does not
+    params = SamplingParams(temperature=2e-5, seed=0)
+    assert not params.greedy
+    sampler = Sampler()
+    sampler.add("r", params)
+    assert {sampler.sample(logits, ["r"], [params])[0] for _ in range(20)} == {0}
+    assert torch.isfinite(torch.softmax(filtered_logits(logits[0], params), 0)).all()
+
+
+def test_rows_with_nan_or_inf_logits_get_no_token_and_the_others_do():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(4))
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3] = float("-inf")
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=9)
+    sampler = Sampler()
+    ids = ["a", "b", "c", "d", "e"]
+    params = [greedy, sampled, greedy, sampled, sampled]
+    for rid, p in zip(ids, params):
+        sampler.add(rid, p)
+    out = sampler.sample(logits, ids, params)
+    assert out[0] == int(logits[0].argmax()) and out[1:4] == [None, None, None] and isinstance(out[4], int)
