@@ -25,14 +25,17 @@ def build_router(state: Any) -> APIRouter:
             prompt = state.tokenizer.apply_chat_template(messages)
         except ValueError as err:  # the template refused these messages (raise_exception), or a sandbox violation
             raise APIError(400, str(err), param="messages", code="invalid_parameter") from err
-        prompt_len = len(state.tokenizer.encode(prompt))
+        # The template writes the special tokens it wants (e.g. ``{{ bos_token }}``) as text; encoding
+        # with special tokens added would put a second BOS in front (as HF and vLLM, encode without).
+        prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_len = len(prompt_ids)
         # Default: whatever room the context has left (as vLLM does for chat).
         max_tokens = body.max_tokens or max(1, state.max_model_len - prompt_len)
         params = gen.sampling_params(body, max_tokens)
         request_id = gen.new_id("chatcmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())
-        first, rest = await gen.open_stream(engine, request_id, prompt, params, target.adapter)
+        first, rest = await gen.open_stream(engine, request_id, prompt_ids, params, target.adapter)
 
         def payload(obj: str, choice: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice] if choice else []}
