@@ -115,6 +115,29 @@ def routed_hit_rate(cfg: ScaleOutConfig, routing: str, names: list[str], n: int,
     return sum(loc in HIT_LOCATIONS for loc in locations) / n
 
 
+@pytest.mark.parametrize(
+    ("available", "device", "options"),
+    [
+        ({"cuda", "npu", "cpu"}, "cuda", {"num_gpus": 1}),
+        ({"npu", "cpu"}, "npu", {"resources": {"NPU": 1}}),
+        ({"cpu"}, "cpu", {"num_cpus": 1}),
+    ],
+)
+def test_auto_device_is_resolved_before_replicas_reserve_resources(monkeypatch, available, device, options) -> None:
+    """--device auto (the default) resolves like a single server (cuda, then npu, then cpu);
+    each replica then reserves that device and its engine runs on it. No Ray needed."""
+    import backends
+
+    monkeypatch.setattr(backends, "availability", lambda name: (name in available, f"{name}: test"))
+    cfg = ScaleOutConfig(engine=EngineConfig(model="m"), server=ServerOptions(), num_replicas=1, registry_dir="unused")
+    assert cfg.engine.device == "auto"
+    assert cfg.replica_device == device
+    assert cfg.replica_actor_options() == options
+    assert cfg.replica_engine() == cfg.engine.replace(device=device)
+    explicit = ScaleOutConfig(**{**cfg.__dict__, "replica_resources": {"num_cpus": 0}})
+    assert explicit.replica_actor_options() == {"num_cpus": 0}
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -20,6 +20,7 @@ import ray
 from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+import backends
 from runtime.config import EngineConfig
 from runtime.distributed.ingress import LoraIngress
 from runtime.distributed.registry_client import RegistryClient
@@ -43,7 +44,8 @@ class ScaleOutConfig:
     app_name:          Serve application name (also names the registry actor)
     routing:           "affinity" (multiplexed by adapter) or "adapter_blind" (the baseline)
     replica_resources: Ray actor options of one replica, e.g. {"num_gpus": 1}; default:
-                       one GPU for device cuda, else {"num_cpus": 1}
+                       one GPU for device cuda, one "NPU" resource for npu, else {"num_cpus": 1},
+                       after ``replica_device`` resolves "auto"
     apply_timeout_s:   how long an admin change waits for live replicas to apply it
     """
 
@@ -68,12 +70,24 @@ class ScaleOutConfig:
     def registry_name(self) -> str:
         return f"lorafleet-registry-{self.app_name}"
 
+    @property
+    def replica_device(self) -> str:
+        """engine.device with "auto" resolved as a single server resolves it (``backends.resolve_name``:
+        cuda, then npu, then cpu), on the machine that builds the application."""
+        return backends.resolve_name(self.engine.device)
+
+    def replica_engine(self) -> EngineConfig:
+        """Each replica's engine config: ``engine`` with the device resolved, so a replica runs on
+        the device its actor options reserve."""
+        return dataclasses.replace(self.engine, device=self.replica_device)
+
     def replica_actor_options(self) -> dict[str, Any]:
         if self.replica_resources is not None:
             return dict(self.replica_resources)
-        if self.engine.device == "cuda":
+        device = self.replica_device
+        if device == "cuda":
             return {"num_gpus": 1}
-        if self.engine.device == "npu":
+        if device == "npu":
             return {"resources": {"NPU": 1}}
         return {"num_cpus": 1}
 
@@ -109,7 +123,7 @@ def build(cfg: ScaleOutConfig) -> Any:
         max_ongoing_requests=max_ongoing,
         health_check_period_s=2,
         graceful_shutdown_timeout_s=10,
-    ).bind(cfg.engine, cfg.registry_name, NAMESPACE)
+    ).bind(cfg.replica_engine(), cfg.registry_name, NAMESPACE)
     ingress = serve.deployment(
         LoraIngress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, max_ongoing * cfg.num_replicas)
     ).bind(replica, cfg.engine.model, cfg.server, cfg.registry_name, NAMESPACE, cfg.routing, cfg.apply_timeout_s)
