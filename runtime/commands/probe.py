@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backend to probe (auto: cuda, then npu, then cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--matrix", metavar="PATH", default=None,
-                        help="capability matrix to check (default: capability_matrix.yaml at the repo root)")
+                        help="capability matrix to check (default: runtime/capability_matrix.yaml, in a checkout a symlink to the repo root's capability_matrix.yaml)")
 
 
 def _declared(entry: Capability) -> str:
