@@ -140,6 +140,11 @@ class AsyncLLMEngine:
         return None
 
     @property
+    def accepting(self) -> bool:
+        """False once the engine died or began shutting down: new requests are refused. Lock-free."""
+        return self._accepting and self.dead_error is None
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

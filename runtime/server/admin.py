@@ -36,6 +36,9 @@ def build_router(state: Any) -> APIRouter:
             ref = await asyncio.to_thread(state.engine.register_adapter, body.lora_name, str(path))
         except ValueError as err:  # the validator's message: names the file and the key/tensor
             raise APIError(400, str(err), param="lora_path", code="invalid_adapter") from err
+        except OSError as err:  # unreadable, or removed between the loader's checks and its read
+            what = err.filename or "the adapter files"
+            raise APIError(400, f"lora_path {body.lora_path!r}: cannot read {what}: {err.strerror or err}", param="lora_path", code="invalid_adapter") from err
         return JSONResponse({"object": "lora_adapter", "lora_name": ref.name, "version": ref.version, "lora_path": str(path)})
 
     @router.post("/v1/unload_lora_adapter", tags=["admin"])

@@ -13,10 +13,24 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from runtime.server import admin, chat, completions
-from runtime.server.errors import install_error_handlers
+from runtime.server.errors import error_response, install_error_handlers
 from runtime.server.metrics import ServerMetrics
 from runtime.server.options import ServerOptions
 from runtime.server.security import GuardMiddleware
+
+
+def unavailable_reason(engine: Any) -> str | None:
+    """Why the engine cannot take requests (it died, or is shutting down), or None. Takes no lock.
+
+    An engine without ``dead_error``/``accepting`` (a replica set: Serve restarts dead
+    replicas itself) is always available.
+    """
+    dead = getattr(engine, "dead_error", None)
+    if dead is not None:
+        return f"engine unavailable: {dead}"
+    if not getattr(engine, "accepting", True):
+        return "engine unavailable: it is shutting down; no new requests are accepted"
+    return None
 
 
 @dataclass
@@ -60,6 +74,9 @@ def create_app(
 
     @app.get("/health", tags=["ops"])
     async def health() -> Any:
+        problem = unavailable_reason(engine)
+        if problem is not None:
+            return error_response(503, problem, code="engine_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics", tags=["ops"], response_class=Response)

@@ -1,6 +1,8 @@
 """Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -16,6 +18,7 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+log = logging.getLogger("lorafleet.server")
 
 
 class APIError(Exception):
@@ -35,6 +38,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Every error a route can end in is answered in the OpenAI shape, never as plain text."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return error_response(err.status, err.message, err.param, err.code)
@@ -50,3 +55,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return error_response(err.status_code, str(err.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, err: Exception) -> JSONResponse:
+        """Anything no handler above claims (a bug): logged with its traceback, answered as a 500.
+
+        Starlette re-raises the exception after sending this response, so the HTTP server
+        (uvicorn) logs it as well.
+        """
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(err).__name__, err, exc_info=err)
+        return error_response(500, f"internal server error ({type(err).__name__}); the server log has the details", code="internal_error")

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
+from runtime.async_engine import EngineDeadError
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError
 from runtime.server.protocol import _SamplingFields
@@ -75,6 +76,8 @@ async def open_stream(engine: Any, request_id: str, prompt: str | list[int], par
         raise APIError(404, str(err), param="model", code="model_not_found") from err
     except (PromptTooLongError, RequestRejected) as err:
         raise APIError(400, str(err), param="prompt", code="context_length_exceeded") from err
+    except EngineDeadError as err:  # a RuntimeError: the engine died or is shutting down
+        raise APIError(503, str(err), code="engine_unavailable") from err
     except ValueError as err:
         raise APIError(400, str(err), code="invalid_parameter") from err
     except StopAsyncIteration as err:

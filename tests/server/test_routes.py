@@ -220,3 +220,24 @@ async def test_benchmark_http_replay_times_every_token(app, engine) -> None:
     assert result.records[0].tpot is None and all(r.tpot is not None and r.tpot >= 0 for r in result.records[1:])
     summary = summarize(result, 2.0, 0.5)
     assert summary["output_tokens"] == 24 and summary["adapter_swaps"] is None and summary["cache"]["device_hits"] is None
+
+
+async def test_adapter_file_removed_during_load_is_a_400(app, adapter_root: Path, tiny_adapters, monkeypatch) -> None:
+    """A file that goes away between the loader's existence checks and its read is a clear 400, not a 500."""
+    import runtime.lora.adapter as adapter_module
+
+    folder = adapter_root / "vanishing"
+    if not folder.exists():
+        shutil.copytree(next(iter(tiny_adapters.values())), folder)
+    read_config = adapter_module._read_config
+
+    def read_config_then_lose_weights(path: Path) -> dict:
+        (path.parent / adapter_module.WEIGHTS_FILE).unlink()  # removed after is_file(), before read_bytes()
+        return read_config(path)
+
+    monkeypatch.setattr(adapter_module, "_read_config", read_config_then_lose_weights)
+    async with client_for(app) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "vanishing", "lora_path": str(folder)})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "lora_path" and "cannot read" in err["message"] and adapter_module.WEIGHTS_FILE in err["message"]

@@ -1,0 +1,114 @@
+"""A dead or shutting-down engine is visible: /health and new requests answer 503 in the OpenAI
+shape, and no route ever answers in plain text (in-process, httpx over ASGI)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from runtime.server.app import create_app
+from runtime.server.options import ServerOptions
+from tests.server.conftest import make_engine_config
+from tests.server_harness import wait_until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def client_for(app: Any, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
+
+
+def completion(model: str) -> dict[str, Any]:
+    return {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+
+
+def assert_unavailable(r: httpx.Response, fragment: str) -> None:
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == "engine_unavailable"
+    assert fragment in err["message"]
+
+
+@pytest.fixture
+def fresh_engine(tiny_llama_dir: Path):
+    """An engine of its own: these tests kill it."""
+    from runtime.async_engine import AsyncLLMEngine
+
+    eng = AsyncLLMEngine(make_engine_config(tiny_llama_dir))
+    yield eng
+    eng.shutdown(timeout=5)
+
+
+async def test_dead_engine_fails_health_and_new_requests_with_503(fresh_engine) -> None:
+    def broken_step(**_: Any) -> list:
+        raise RuntimeError("simulated device fault")
+
+    fresh_engine.engine.step = broken_step  # the step thread's next step raises
+    app = create_app(fresh_engine, ServerOptions())
+    async with client_for(app) as c:
+        assert (await c.get("/health")).json() == {"status": "ok"}
+        failed = await c.post("/v1/completions", json=completion(fresh_engine.model_name))  # the request that kills the step
+        assert failed.status_code == 500 and "simulated device fault" in failed.json()["error"]["message"]
+        assert fresh_engine.dead_error is not None
+        assert_unavailable(await c.get("/health"), "simulated device fault")
+        assert_unavailable(await c.post("/v1/completions", json=completion(fresh_engine.model_name)), "simulated device fault")
+        chat = {"model": fresh_engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert_unavailable(await c.post("/v1/chat/completions", json=chat), "simulated device fault")
+
+
+async def test_shutting_down_engine_fails_health_and_new_requests_with_503(fresh_engine) -> None:
+    """While shutdown() waits for the requests in flight, the engine refuses new ones: so does /health."""
+    step, gate = fresh_engine.engine.step, threading.Event()
+    fresh_engine.engine.step = lambda **kw: step(**kw) if gate.is_set() else []  # nothing finishes until the gate opens
+    app = create_app(fresh_engine, ServerOptions())
+    async with client_for(app) as c:
+        in_flight = asyncio.create_task(c.post("/v1/completions", json=completion(fresh_engine.model_name)))
+        assert await asyncio.to_thread(wait_until, lambda: fresh_engine.engine.has_unfinished(), 10)
+        stopper = threading.Thread(target=fresh_engine.shutdown, kwargs={"timeout": 30})
+        stopper.start()
+        try:
+            assert await asyncio.to_thread(wait_until, lambda: not fresh_engine.accepting, 10)
+            assert fresh_engine.dead_error is None  # still draining
+            assert_unavailable(await c.get("/health"), "shutting down")
+            assert_unavailable(await c.post("/v1/completions", json=completion(fresh_engine.model_name)), "shutting down")
+        finally:
+            gate.set()
+            await asyncio.to_thread(stopper.join, 30)
+        assert (await in_flight).status_code == 200  # the request in flight was drained, not dropped
+        assert_unavailable(await c.get("/health"), "shut down")
+
+
+class _BrokenModels:
+    """The shared engine, but listing its adapters raises (a bug no handler anticipates)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def adapters(self) -> list:
+        raise KeyError("simulated bug")
+
+
+async def test_unexpected_errors_are_openai_shaped_500s(engine, caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(_BrokenModels(engine), ServerOptions())
+    with caplog.at_level(logging.ERROR, logger="lorafleet.server"):
+        async with client_for(app, raise_app_exceptions=False) as c:
+            r = await c.get("/v1/models")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["type"] == "internal_server_error" and err["code"] == "internal_error" and "KeyError" in err["message"]
+    logged = [rec for rec in caplog.records if "/v1/models" in rec.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the traceback is in the log
