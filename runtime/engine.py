@@ -301,6 +301,7 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            seq.last_token_time = now
             reason = token_stop_reason(token, len(seq.output_token_ids), seq.params, self._eos_ids)
             text_ids = seq.output_token_ids
             if reason == "stop":  # the stopping token (eos or a stop id) is not part of the text

@@ -147,6 +147,7 @@ class Sequence:
     preemptions: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None

@@ -2,7 +2,8 @@
 
     queue_time = first scheduled - arrival
     ttft       = first token - arrival
-    tpot       = (finish - first token) / (output_tokens - 1)      (0 with one token)
+    tpot       = (last token - first token) / (output_tokens - 1)  (None with one token; the
+                 last token, not the finish: an abort or a client that leaves later adds no idle time)
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ class RequestMetrics:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time is not None else None
         n_out = len(seq.output_token_ids)
         tpot = None
-        if seq.first_token_time is not None and seq.finished_time is not None:
-            tpot = (seq.finished_time - seq.first_token_time) / (n_out - 1) if n_out > 1 else None  # one token: no gap
+        if seq.first_token_time is not None and seq.last_token_time is not None and n_out > 1:  # one token: no gap
+            tpot = (seq.last_token_time - seq.first_token_time) / (n_out - 1)
         return cls(
             request_id=seq.request_id,
             adapter=seq.adapter.name if seq.adapter is not None else None,

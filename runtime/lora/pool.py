@@ -60,7 +60,7 @@ Loader = Callable[[AdapterRef], Any]  # returns a LoRAAdapter with .max_rank; ra
 class AdapterCounters:
     """Per-adapter-name pool counters (summed over versions)."""
 
-    loads: int = 0  # disk -> host
+    loads: int = 0  # disk -> host (the read at registration included)
     load_time_s: float = 0.0
     device_loads: int = 0  # host -> device
     host_evictions: int = 0
@@ -176,6 +176,7 @@ class AdapterPool:
         if not self._make_host_room():
             return False
         self._host[ref] = adapter
+        self._counters(ref).loads += 1
         return True
 
     def demand(self, ref: AdapterRef) -> str:

@@ -25,7 +25,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["adapter"]
         self.requests = Counter("lorafleet_requests", "Finished requests", labels + ["finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry)
+        self.prompt_tokens = Counter("lorafleet_prompt_tokens", "Prompt tokens of finished requests that reached the model (scheduled at least once)", labels, registry=self.registry)
         self.output_tokens = Counter("lorafleet_generation_tokens", "Tokens generated", labels, registry=self.registry)
         self.ttft = Histogram("lorafleet_time_to_first_token_seconds", "Time to first token", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("lorafleet_time_per_output_token_seconds", "Time per output token after the first", labels, buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -43,7 +43,8 @@ class ServerMetrics:
         """Engine observer: called once per finished request with its RequestMetrics."""
         adapter = m.adapter or BASE_LABEL
         self.requests.labels(adapter, m.finish_reason or "unknown").inc()
-        self.prompt_tokens.labels(adapter).inc(m.prompt_tokens)
+        if m.queue_time is not None:  # aborted or failed while waiting: its prompt never ran
+            self.prompt_tokens.labels(adapter).inc(m.prompt_tokens)
         self.output_tokens.labels(adapter).inc(m.output_tokens)
         if m.ttft is not None:
             self.ttft.labels(adapter).observe(m.ttft)
