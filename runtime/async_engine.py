@@ -4,7 +4,10 @@ Steps are CPU-bound (on the CPU backend they *are* the model forward), so they r
 dedicated thread and the asyncio loop stays free to accept requests and stream tokens.
 Every call into the LLMEngine holds one lock, which a step holds for its whole length, so
 the event loop never takes it: ``generate`` admits its request (and a cancelled consumer
-aborts it) through small helper threads, and awaits them. Outputs are handed to each
+aborts it) through small helper threads, and awaits them. ``adapters()`` and ``accepting``
+take no lock: ``adapters()`` returns a copy of the registered set that register/unregister
+replace under the lock. The other calls (``snapshot()``, register/unregister) take the lock:
+async callers run them in a worker thread (``asyncio.to_thread``). Outputs are handed to each
 request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Cancelling a consumer of
 ``generate`` aborts its request, which releases its KV blocks and adapter references.
 When nothing can run until an adapter is read from disk, the step thread waits for the
@@ -108,6 +111,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
+        self._adapter_infos: tuple[AdapterInfo, ...] = ()  # replaced (not mutated) under the lock
         self.engine: LLMEngine  # assigned by the step thread once built
         self._thread = threading.Thread(target=self._run, args=(config, backend, engine), name="lorafleet-engine-step", daemon=True)
         self._thread.start()
@@ -116,6 +120,8 @@ class AsyncLLMEngine:
         except BaseException:
             self._files.shutdown(wait=False)
             raise
+        with self._lock:  # a prebuilt LLMEngine may come with adapters
+            self._adapter_infos = tuple(self.engine.adapters())
 
     # ---- passthroughs -----------------------------------------------------------------------
     @property
@@ -243,7 +249,9 @@ class AsyncLLMEngine:
         # single-threaded helper (see runtime/torch_threads.py).
         adapter = self._files.submit(self.engine.load_adapter_files, name, path).result()
         with self._lock:
-            return self.engine.install_adapter(adapter, str(path))
+            ref = self.engine.install_adapter(adapter, str(path))
+            self._adapter_infos = tuple(self.engine.adapters())
+            return ref
 
     async def register_adapter_async(self, name: str, path: str) -> AdapterRef:
         return await asyncio.to_thread(self.register_adapter, name, path)
@@ -251,10 +259,12 @@ class AsyncLLMEngine:
     def unregister_adapter(self, name: str) -> None:
         with self._lock:
             self.engine.unregister_adapter(name)
+            self._adapter_infos = tuple(self.engine.adapters())
 
     def adapters(self) -> list[AdapterInfo]:
-        with self._lock:
-            return self.engine.adapters()
+        """The registered adapters, without the lock (the event loop calls this for every request):
+        the copy the last register/unregister made, so it never waits for a step."""
+        return list(self._adapter_infos)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -5,6 +5,7 @@ engine, so tests run it in-process and the Ray deployment reuses the same routes
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -81,10 +82,13 @@ def create_app(
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # The engine snapshot takes the engine lock (held for a whole step): wait for it off the event loop.
+        body = await asyncio.to_thread(metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> Any:
+        # engine.adapters() takes no lock (see runtime/async_engine.py): this never waits for a step.
         base = {"id": base_name, "object": "model", "created": state.started, "owned_by": "lorafleet", "root": base_name, "parent": None}
         adapters = [
             {"id": a.name, "object": "model", "created": state.started, "owned_by": "lorafleet", "root": str(a.path), "parent": base_name, "version": a.version}

@@ -31,6 +31,7 @@ class Target:
 
 
 def resolve_model(engine: Any, base_name: str, model: str) -> Target:
+    """Map the request's ``model`` to the base or an adapter; lock-free (``engine.adapters()`` is)."""
     if model == base_name:
         return Target(model, None)
     if any(info.name == model for info in engine.adapters()):
