@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
@@ -47,7 +47,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
     n: Literal[1] = Field(1, description="Only n=1 is supported.")
     presence_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
     frequency_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
@@ -63,6 +63,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
             raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: Optional[StreamOptions], info: ValidationInfo) -> Optional[StreamOptions]:
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
         return value
 
 

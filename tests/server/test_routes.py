@@ -241,3 +241,21 @@ async def test_adapter_file_removed_during_load_is_a_400(app, adapter_root: Path
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "lora_path" and "cannot read" in err["message"] and adapter_module.WEIGHTS_FILE in err["message"]
+
+
+def body_for(path: str, model: str, **extra) -> dict:
+    """A small greedy request for ``path`` (completions or chat), with ``extra`` fields."""
+    what = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    return {"model": model, "max_tokens": 3, "temperature": 0, **what, **extra}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stream_options_need_stream(app, engine, path) -> None:
+    """stream_options without stream: true is a 400 (as OpenAI and vLLM), not silently ignored."""
+    async with client_for(app) as c:
+        for stream in ({}, {"stream": False}):
+            r = await c.post(path, json=body_for(path, engine.model_name, stream_options={"include_usage": True}, **stream))
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "stream_options" and "only allowed when stream is true" in err["message"]
+        assert (await c.post(path, json=body_for(path, engine.model_name, stream_options=None))).status_code == 200  # null is no option
