@@ -196,13 +196,24 @@ def dense_causal(q, keys, vals, q_offset: int, scale: float) -> torch.Tensor:
     return out
 
 
+# Decode groups per case: (sequences by their index in ``seqs`` below, masked) in run order.
+# Decodes are sequences 2..6 with contexts 9, 8, 12, 8, 14 (12, 8, 12, 8, 16 in whole blocks of 4).
+EXPECTED_GROUPS = {
+    None: [([2, 3, 4, 5, 6], True)],  # one group, in step order, padded to 14 and masked
+    1: [([3], False), ([5], False), ([2], False), ([4], False), ([6], False)],  # alone, shortest first
+    16: [([3, 5], False), ([2], False), ([4], False), ([6], False)],  # the 8s together (2 x 8), 12 > 16 / 2
+    28: [([3, 5], False), ([2, 4], True), ([6], False)],  # 3 x 12 > 28 >= 2 x 12; 9 vs 12 masked; 2 x 16 > 28
+}
+
+
 @pytest.mark.parametrize("group_positions", [None, 1, 16, 28], ids=["one-group", "alone", "equal-pairs", "padded-groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention_matches_dense_float64(dtype, group_positions):
     """Decode groups (``group_bytes`` in positions of this cache, contexts counted in whole
     blocks of 4): one padded group; every sequence alone (no mask); 16 positions: the two
     8-token contexts together (equal lengths, no mask), 9, 12, 14 alone; 28: (8, 8), then
-    (9, 12) padded and masked, then 14."""
+    (9, 12) padded and masked, then 14 (``EXPECTED_GROUPS``, checked on the plan the call used;
+    counted in single positions instead of whole blocks, 28 would give (8, 8, 9) and (12, 14))."""
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d, bs, n_blocks = 4, 2, 8, 4, 40
     # (new tokens, context): plain prefill, chunked prefill (history in the cache), decodes, two at a block edge
@@ -230,16 +241,26 @@ def test_paged_attention_matches_dense_float64(dtype, group_positions):
     meta = AttentionMeta.build(q_lens, [c for _, c in seqs], tables, bs)
     scale = d**-0.5
     attention = ReferenceAttention(None if group_positions is None else group_positions * hkv * d * cache.element_size())
+    cache_before = cache.clone()
     out = attention.paged_attention(q, new_k, new_v, cache, meta, scale)
+    plan_meta, groups, chunks = attention._plan
+    assert plan_meta is meta
+    qs = meta.host_query_starts
+    got = [(g.rows.tolist(), g.mask is not None) for g in groups]
+    assert got == [([qs[b] for b in seqs], masked) for seqs, masked in EXPECTED_GROUPS[group_positions]]
+    assert [(c.lo, c.hi) for c in chunks] == [(0, 5), (5, 8)]  # the two prefills, one SDPA each
     start = 0
     for b, (q_len, ctx) in enumerate(seqs):
         expected = dense_causal(q[start : start + q_len], full_k[b], full_v[b], ctx - q_len, scale)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[start : start + q_len].double(), expected, rtol=tol, atol=tol)
         start += q_len
-    # the new K/V landed in the cache at slot_mapping
+    # the new K/V landed in the cache at slot_mapping, and nowhere else
     assert torch.equal(cache[0].index_select(0, meta.slot_mapping), new_k)
     assert torch.equal(cache[1].index_select(0, meta.slot_mapping), new_v)
+    untouched = torch.ones(cache.shape[1], dtype=torch.bool)
+    untouched[meta.slot_mapping] = False
+    assert torch.equal(cache[:, untouched], cache_before[:, untouched])
 
 
 def test_step_plan_is_shared_by_a_steps_layers_and_rebuilt_for_the_next_step():
@@ -256,11 +277,20 @@ def test_step_plan_is_shared_by_a_steps_layers_and_rebuilt_for_the_next_step():
         random_step([1, 1, 1, 3], [5, 9, 6, 7], [[0, 1], [2, 3, 4], [5, 6], [7, 8]], torch.float32, torch.device("cpu"), gen),
         random_step([1, 1, 1], [13, 3, 11], [[9, 10, 11, 12], [13], [14, 15, 0]], torch.float32, torch.device("cpu"), gen),
     ]
-    for step in steps:
+    plans = []
+    for n, step in enumerate(steps):
         for dtype in (torch.float32, torch.float32, torch.bfloat16):  # two layers, then a bf16 cache
             s = dataclasses.replace(step, q=step.q.to(dtype), k=step.k.to(dtype), v=step.v.to(dtype))
             check_attention(backend, s, random_cache(16, dtype, torch.device("cpu"), gen), dtype, f"plan reuse {dtype}")
-        assert backend.attention._plan[0] is step.meta
+            if len(plans) == n:  # the step's first layer builds its plan
+                plans.append(backend.attention._plan)
+                assert plans[-1][0] is step.meta and (n == 0 or plans[-1] is not plans[-2])
+            else:  # its later layers use that very plan, not a rebuilt one
+                assert backend.attention._plan is plans[-1]
+    # Step 1: decodes with contexts 5 and 6 (8 positions each in blocks) together, 9 alone; one prefill.
+    # Step 2: contexts 3, 11, 13 (4, 12, 16 in blocks), every decode alone; no prefill.
+    assert [[g.rows.tolist() for g in plan[1]] for plan in plans] == [[[0, 2], [1]], [[1], [2], [0]]]
+    assert [[(c.lo, c.hi) for c in plan[2]] for plan in plans] == [[(3, 6)], []]
 
 
 def test_decode_groups_sorted_and_within_budget():
