@@ -2,13 +2,15 @@
 
 Every accepted field is honoured. OpenAI fields lorafleet does not implement are
 declared with their only supported value (e.g. ``n`` must be 1, ``logprobs`` must be
-null) and anything else is a 400; unknown fields are a 400 too.
+null) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
+boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
+ids take integers only, and float fields take integers or floats.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
@@ -38,13 +40,13 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
-    max_tokens: Optional[int] = Field(None, ge=1, description="Tokens to generate; default 16, capped by the model length.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, description="Tokens to generate; default 16, capped by the model length.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
     stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match.")
-    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
+    stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
@@ -52,6 +54,14 @@ class _SamplingFields(BaseModel):
     presence_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
     frequency_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
     user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
+
+    @field_validator("n", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        """A Literal matches ``true`` as 1 and ``false`` as 0 (pydantic cannot make a Literal strict)."""
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -74,12 +84,25 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists."
     )
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
     echo: Literal[False] = Field(False, description="echo is not supported; only false is accepted.")
     logprobs: Optional[Literal[None]] = Field(None, description="logprobs are not supported; only null is accepted.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, value: Any) -> Any:
+        """One clear message for a prompt of none of the four forms (the union would report one per form)."""
+        def token_ids(items: Any) -> bool:
+            return isinstance(items, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+        if isinstance(value, str) or token_ids(value):
+            return value
+        if isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(token_ids(p) for p in value)):
+            return value
+        raise ValueError("expected a string, a list of strings, a list of token ids (integers), or a list of token-id lists")
 
 
 class ChatMessage(BaseModel):

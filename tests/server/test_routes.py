@@ -259,3 +259,38 @@ async def test_stream_options_need_stream(app, engine, path) -> None:
             err = r.json()["error"]
             assert err["param"] == "stream_options" and "only allowed when stream is true" in err["message"]
         assert (await c.post(path, json=body_for(path, engine.model_name, stream_options=None))).status_code == 200  # null is no option
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "patch, param",
+    [({"max_tokens": True}, "max_tokens"), ({"seed": True}, "seed"), ({"top_k": True}, "top_k"), ({"n": True}, "n"),
+     ({"stop_token_ids": [True]}, "stop_token_ids.0"), ({"temperature": True}, "temperature"), ({"top_p": True}, "top_p"),
+     ({"presence_penalty": False}, "presence_penalty"), ({"max_tokens": 2.0}, "max_tokens")],
+)  # fmt: skip
+async def test_booleans_are_not_numbers(app, engine, path, patch, param) -> None:
+    """JSON true is not 1 (pydantic's lax mode would coerce it): integer and number fields refuse booleans."""
+    async with client_for(app) as c:
+        r = await c.post(path, json=body_for(path, engine.model_name, **patch))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("prompt", [[True], [1, True], [[5, 6], [True]], [1.0], ["text", 3]])
+async def test_prompt_token_ids_must_be_integers(app, engine, prompt) -> None:
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", json=greedy(engine.model_name, prompt))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "token ids (integers)" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_float_fields_take_integers(app, engine, path) -> None:
+    """JSON 1 and 0 are normal numbers for temperature and top_p: accepted, and the same as 1.0 and 0.0."""
+    async with client_for(app) as c:
+        ints = await c.post(path, json=body_for(path, engine.model_name, temperature=1, top_p=1, seed=7))
+        floats = await c.post(path, json=body_for(path, engine.model_name, temperature=1.0, top_p=1.0, seed=7))
+        greedy_int = await c.post(path, json=body_for(path, engine.model_name, temperature=0))
+    assert ints.status_code == floats.status_code == greedy_int.status_code == 200, (ints.text, floats.text, greedy_int.text)
+    assert ints.json()["choices"] == floats.json()["choices"]
