@@ -106,3 +106,22 @@ def test_ray_key_must_be_boolean_and_one_replica_needs_no_ray(tmp_path: Path, ti
         serve.load_settings(parse("--config", str(cfg)))
     cfg.write_text(f"model: {tiny_llama_dir}\nnum_replicas: 1\n")  # a shared template's default: a single server is one replica
     assert not serve.load_settings(parse("--config", str(cfg))).ray
+
+
+def test_adapter_named_like_the_served_base_is_refused(tiny_llama_dir: Path, tiny_adapters) -> None:
+    """Such an adapter could never be reached (requests for the name go to the base): refused at startup."""
+    with pytest.raises(ConfigError, match="'foo' has the served base model's name"):
+        serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "foo", "--lora-modules", f"foo={tiny_adapters['a']}"))
+    with pytest.raises(ConfigError, match=f"'{serve.DEMO_MODEL_NAME}' has the served base model's name"):  # the demo's base name
+        serve.load_settings(parse("--device", "cpu", "--lora-modules", f"{serve.DEMO_MODEL_NAME}={tiny_adapters['a']}"))
+
+
+def test_adapter_named_like_the_checkpoint_is_refused_when_it_is_the_served_name(tiny_llama_dir: Path, tiny_adapters) -> None:
+    from runtime.models.hf_config import load_model_config
+
+    checkpoint = load_model_config(str(tiny_llama_dir)).name
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--device", "cpu", "--lora-modules", f"{checkpoint}={tiny_adapters['a']}"))
+    with pytest.raises(ConfigError, match="has the served base model's name"):  # the base is served under the checkpoint's name
+        serve.build_engine(settings)
+    renamed = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules", f"{checkpoint}={tiny_adapters['a']}"))
+    assert [m.name for m in renamed.lora_modules] == [checkpoint]  # another served name frees the name

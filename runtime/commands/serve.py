@@ -66,7 +66,7 @@ def _demo_paths() -> tuple[str | None, dict[str, str]]:
 
 
 def load_settings(args: argparse.Namespace) -> Any:
-    from runtime.server.serve_config import LoRAModule, build_settings, load_yaml, normalize_keys
+    from runtime.server.serve_config import LoRAModule, build_settings, check_adapter_names, load_yaml, normalize_keys
 
     file_values = load_yaml(args.config) if args.config else {}
     flags = normalize_keys(_flag_values(args), "flags")
@@ -78,6 +78,8 @@ def load_settings(args: argparse.Namespace) -> Any:
         settings = dataclasses.replace(settings, lora_modules=extra + settings.lora_modules)
         if settings.server.served_model_name is None:  # the demo checkpoint's folder is just "base"
             settings = dataclasses.replace(settings, server=dataclasses.replace(settings.server, served_model_name=DEMO_MODEL_NAME))
+    if settings.server.served_model_name is not None:  # known now (else build_engine checks against the checkpoint's name)
+        check_adapter_names(settings.lora_modules, settings.server.served_model_name)
     return settings
 
 

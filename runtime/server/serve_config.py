@@ -69,9 +69,23 @@ def load_yaml(path: str) -> dict[str, Any]:
     return normalize_keys(data, f"--config {path}")
 
 
+def check_adapter_names(modules: "tuple[LoRAModule, ...]", served_name: str) -> None:
+    """Refuse an adapter named like the served base model: a request's ``model`` is matched
+    against the base first, so the adapter could never be reached (and /v1/models would list
+    the name twice)."""
+    for module in modules:
+        if module.name == served_name:
+            raise ConfigError(
+                f"lora_modules: adapter {module.name!r} has the served base model's name, so requests for it would reach the base; "
+                "rename the adapter or set another --served-model-name"
+            )
+
+
 def check_base_model_names(modules: "tuple[LoRAModule, ...]", served_model_name: str | None, model_name: str) -> None:
-    """Refuse an adapter whose declared ``base_model_name`` is neither the served name nor the checkpoint's."""
+    """Refuse an adapter named like the served base (``check_adapter_names``), and one whose
+    declared ``base_model_name`` is neither the served name nor the checkpoint's."""
     served = served_model_name or model_name
+    check_adapter_names(modules, served)
     for module in modules:
         if module.base_model_name is not None and module.base_model_name not in (served, model_name):
             raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {served!r}")
