@@ -7,8 +7,10 @@ batch of decode rows (one new token per sequence, contexts drawn uniformly from 
 then times ``ReferenceAttention.paged_attention`` with ``group_bytes=None`` (every decode in
 one gather of whole blocks, padded to the longest context, + one SDPA) and with
 ``--group-bytes`` (default: the CPU backend's ``CPU_ATTENTION_GROUP_BYTES``). The two are
-called in turn after one warm-up pass over every range, so machine drift hits both alike; the
-outputs are checked to agree. Reports the median time per call and the ratio.
+called in turn after one warm-up pass over every range, so machine drift hits both alike; both
+outputs are checked against a float64 dense reference. Reports the median time per call, the
+ratio, and the number of decode groups the grouped variant ran (from the step plan
+``paged_attention`` built).
 """
 from __future__ import annotations
 
@@ -47,6 +49,21 @@ def decode_step(batch: int, heads: int, head_dim: int, lo: int, hi: int, block_s
     return q, k, v, cache, meta
 
 
+def dense_float64(q, k, v, cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
+    """float64 decode attention: each sequence's keys and values read from the cache in block-table
+    order, its new token's at its last position; one softmax per head (no GQA)."""
+    bs = meta.block_size
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, ctx in enumerate(meta.host_context_lens):
+        table = torch.tensor(meta.host_block_tables[b])
+        idx = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[: ctx - 1]
+        keys = torch.cat([cache[0, idx].double(), k[b : b + 1].double()])  # [ctx, H, D]
+        vals = torch.cat([cache[1, idx].double(), v[b : b + 1].double()])
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), keys) * scale, dim=1)
+        out[b] = torch.einsum("hl,lhd->hd", weights, vals)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=32, help="decode rows (sequences) per step")
@@ -70,9 +87,14 @@ def main() -> None:
     rows = []
     print(f"{'contexts':>10} " + " ".join(f"{name:>16}" for name in variants) + "   ratio   groups")
     for (lo, hi), (q, k, v, cache, meta) in steps.items():
-        outs = [att.paged_attention(q, k, v, cache, meta, scale) for att in variants.values()]
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-        n_groups = len(grouped.decode_groups(list(range(a.batch)), meta.host_context_lens, a.heads * a.head_dim * cache.element_size(), a.block_size))
+        expected = dense_float64(q, k, v, cache, meta, scale)
+        errors = {}
+        for name, att in variants.items():
+            got = att.paged_attention(q, k, v, cache, meta, scale).double()
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}, contexts {lo}-{hi}: {m}")
+            errors[name] = float((got - expected).abs().max())
+        assert grouped._plan is not None and grouped._plan[0] is meta
+        n_groups = len(grouped._plan[1])  # the decode groups that call ran
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(a.calls):
             for name, att in variants.items():
@@ -81,7 +103,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         one, grouped_ms = ms.values()
-        rows.append({"contexts": [lo, hi], "ms": ms, "speedup": round(one / grouped_ms, 2), "groups": n_groups})
+        rows.append({"contexts": [lo, hi], "ms": ms, "speedup": round(one / grouped_ms, 2), "groups": n_groups, "max_abs_err_vs_float64": errors})
         print(f"{lo:>4}-{hi:<5} " + " ".join(f"{m:13.2f} ms" for m in ms.values()) + f"   {one / grouped_ms:5.2f}x   {n_groups:6d}")
     if a.json:
         Path(a.json).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=2))
