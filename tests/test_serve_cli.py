@@ -125,3 +125,15 @@ def test_adapter_named_like_the_checkpoint_is_refused_when_it_is_the_served_name
         serve.build_engine(settings)
     renamed = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules", f"{checkpoint}={tiny_adapters['a']}"))
     assert [m.name for m in renamed.lora_modules] == [checkpoint]  # another served name frees the name
+
+
+def test_adapter_root_without_admin_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """--adapter-root only confines the admin routes: without --enable-adapter-admin it would be ignored."""
+    with pytest.raises(ConfigError, match="adapter_root: only used by the adapter admin routes; add --enable-adapter-admin"):
+        serve.load_settings(parse("--model", str(tiny_llama_dir), "--adapter-root", str(tmp_path)))
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\nadapter_root: {tmp_path}\nenable_adapter_admin: false\n")
+    with pytest.raises(ConfigError, match="adapter_root: only used by the adapter admin routes"):
+        serve.load_settings(parse("--config", str(cfg)))
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--adapter-root", str(tmp_path), "--enable-adapter-admin"))
+    assert settings.server.adapter_roots == (tmp_path.resolve(),)

@@ -128,6 +128,8 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     roots = merged.get("adapter_root") or []
     if isinstance(roots, str):
         roots = [roots]
+    if roots and not merged.get("enable_adapter_admin"):
+        raise ConfigError("adapter_root: only used by the adapter admin routes; add --enable-adapter-admin (or 'enable_adapter_admin: true'), or drop it")
     server_kwargs = {k: merged[k] for k in ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "max_request_bytes") if k in merged}
     port = server_kwargs.get("port", 8000)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
