@@ -137,3 +137,31 @@ def test_adapter_root_without_admin_is_refused(tmp_path: Path, tiny_llama_dir: P
         serve.load_settings(parse("--config", str(cfg)))
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--adapter-root", str(tmp_path), "--enable-adapter-admin"))
     assert settings.server.adapter_roots == (tmp_path.resolve(),)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [('enable_adapter_admin: "false"\n', "enable_adapter_admin: expected true or false, got 'false'"),
+     ("api_key: 12345678\n", "api_key: expected a string, got 12345678"),
+     ("served_model_name: 2024\n", "served_model_name: expected a string, got 2024"),
+     ("host: 0\n", "host: expected a string, got 0"),
+     ("host: null\n", "host: expected a string, got None"),
+     ("adapter_root: 7\nenable_adapter_admin: true\n", "adapter_root: expected a folder or a list of folders, got 7"),
+     ("ray: true\nregistry_dir: [a]\n", r"registry_dir: expected a string, got \['a'\]"),
+     ("ray: true\nray_address: 1\n", "ray_address: expected a string, got 1"),
+     ("lora_modules: a=/x\n", "lora_modules: expected a list of adapters"),
+     ("lora_modules: [{name: 2024, path: /x}]\n", "lora_modules: name, path and base_model_name must be strings")],
+)  # fmt: skip
+def test_yaml_server_keys_are_type_checked(tmp_path: Path, tiny_llama_dir: Path, text: str, message: str) -> None:
+    """YAML can give any type; a wrong one is a ConfigError naming the key, never a truthy string or a TypeError."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\n" + text)
+    with pytest.raises(ConfigError, match=message):
+        serve.load_settings(parse("--config", str(cfg)))
+
+
+def test_yaml_nullable_server_keys_mean_not_set(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\nserved_model_name: null\napi_key: ~\nenable_adapter_admin: true\nhost: 0.0.0.0\n")
+    server = serve.load_settings(parse("--config", str(cfg))).server
+    assert (server.served_model_name, server.api_key, server.enable_adapter_admin, server.host) == (None, None, True, "0.0.0.0")

@@ -23,6 +23,16 @@ ENGINE_KEYS = (
 SERVER_KEYS = ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "adapter_root", "max_request_bytes")
 OTHER_KEYS = ("lora_modules", "log_level", "ray", "num_replicas", "ray_address", "registry_dir")
 ALL_KEYS = ENGINE_KEYS + SERVER_KEYS + OTHER_KEYS
+# Keys a YAML file could set to any type (flags are always strings): key -> (type, what to say).
+TYPED_KEYS = {
+    "host": (str, "a string"),
+    "served_model_name": (str, "a string"),
+    "api_key": (str, "a string"),
+    "enable_adapter_admin": (bool, "true or false"),
+    "ray_address": (str, "a string"),
+    "registry_dir": (str, "a string"),
+}
+NULLABLE_KEYS = ("served_model_name", "api_key", "ray_address", "registry_dir")  # null: not set, as their default
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,24 @@ def load_yaml(path: str) -> dict[str, Any]:
     return normalize_keys(data, f"--config {path}")
 
 
+def check_types(merged: Mapping[str, Any]) -> None:
+    """Refuse a value of the wrong type for ``TYPED_KEYS``, naming the key (``enable_adapter_admin:
+    "false"`` is a string, and would be true; ``api_key: 12345678`` an int)."""
+    for key, (kind, expected) in TYPED_KEYS.items():
+        if key not in merged or (merged[key] is None and key in NULLABLE_KEYS):
+            continue
+        if not isinstance(merged[key], kind):
+            raise ConfigError(f"{key}: expected {expected}, got {merged[key]!r}")
+
+
+def adapter_roots(value: Any) -> list[str]:
+    """``adapter_root``: one folder or a list of folders (every one a string)."""
+    roots = [value] if isinstance(value, str) else (value or [])
+    if not isinstance(roots, list) or not all(isinstance(r, str) for r in roots):
+        raise ConfigError(f"adapter_root: expected a folder or a list of folders, got {value!r}")
+    return roots
+
+
 def check_adapter_names(modules: "tuple[LoRAModule, ...]", served_name: str) -> None:
     """Refuse an adapter named like the served base model: a request's ``model`` is matched
     against the base first, so the adapter could never be reached (and /v1/models would list
@@ -104,7 +132,9 @@ def parse_lora_module(spec: Any) -> LoRAModule:
             raise ConfigError(f"lora_modules: unknown field(s) {sorted(unknown)} in {dict(spec)}")
         if not spec.get("name") or not spec.get("path"):
             raise ConfigError(f"lora_modules: {dict(spec)} needs both 'name' and 'path'")
-        return LoRAModule(str(spec["name"]), str(spec["path"]), spec.get("base_model_name"))
+        if not all(isinstance(v, str) for k, v in spec.items() if not (k == "base_model_name" and v is None)):
+            raise ConfigError(f"lora_modules: name, path and base_model_name must be strings, got {dict(spec)}")
+        return LoRAModule(spec["name"], spec["path"], spec.get("base_model_name"))
     if isinstance(spec, str) and "=" in spec:
         name, path = spec.split("=", 1)
         if name and path:
@@ -114,7 +144,11 @@ def parse_lora_module(spec: Any) -> LoRAModule:
 
 def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any], demo_model: str | None) -> ServeSettings:
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
-    modules = tuple(parse_lora_module(m) for m in (merged.get("lora_modules") or []))
+    check_types(merged)
+    specs = merged.get("lora_modules") or []
+    if not isinstance(specs, list):
+        raise ConfigError(f"lora_modules: expected a list of adapters ('name=path' strings or mappings), got {specs!r}")
+    modules = tuple(parse_lora_module(m) for m in specs)
     names = [m.name for m in modules]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -125,9 +159,7 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
             raise ConfigError("model: no --model given and the bundled demo model is not installed")
         merged["model"] = demo_model
     engine = EngineConfig.from_dict({k: merged[k] for k in ENGINE_KEYS if k in merged})
-    roots = merged.get("adapter_root") or []
-    if isinstance(roots, str):
-        roots = [roots]
+    roots = adapter_roots(merged.get("adapter_root"))
     if roots and not merged.get("enable_adapter_admin"):
         raise ConfigError("adapter_root: only used by the adapter admin routes; add --enable-adapter-admin (or 'enable_adapter_admin: true'), or drop it")
     server_kwargs = {k: merged[k] for k in ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "max_request_bytes") if k in merged}
