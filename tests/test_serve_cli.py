@@ -165,3 +165,12 @@ def test_yaml_nullable_server_keys_mean_not_set(tmp_path: Path, tiny_llama_dir: 
     cfg.write_text(f"model: {tiny_llama_dir}\nserved_model_name: null\napi_key: ~\nenable_adapter_admin: true\nhost: 0.0.0.0\n")
     server = serve.load_settings(parse("--config", str(cfg))).server
     assert (server.served_model_name, server.api_key, server.enable_adapter_admin, server.host) == (None, None, True, "0.0.0.0")
+
+
+def test_help_states_the_registry_dir_default() -> None:
+    from runtime.distributed.launcher import DEFAULT_REGISTRY_DIR
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    action = next(a for a in p._actions if "--registry-dir" in a.option_strings)  # noqa: SLF001
+    assert f"default: ./{DEFAULT_REGISTRY_DIR}" in action.help

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from runtime.config import ConfigError
+from runtime.distributed.launcher import DEFAULT_REGISTRY_DIR  # stdlib imports only: ray is imported when --ray runs
 
 log = logging.getLogger("lorafleet.serve")
 DEMO_MODEL_NAME = "lorafleet-demo"
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_const", const=True, help="run as a Ray Serve application (needs the 'ray' extra)")
     p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (with --ray; default 1)")
     p.add_argument("--ray-address", help="join an existing Ray cluster (e.g. 'auto'); default: start a local one")
-    p.add_argument("--registry-dir", help="with --ray: folder for the shared adapter registry manifest")
+    p.add_argument("--registry-dir", help=f"with --ray: folder for the shared adapter registry manifest (default: ./{DEFAULT_REGISTRY_DIR}, in the working directory)")
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
