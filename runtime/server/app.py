@@ -34,15 +34,29 @@ def unavailable_reason(engine: Any) -> str | None:
     return None
 
 
+def sequence_token_limit(engine: Any) -> int:
+    """Most tokens (prompt + output) one request can have: max_model_len, or what the KV pool
+    holds for one sequence (num_kv_blocks * block_size) when that is less. An engine that reports
+    no pool (a replica set) gives max_model_len: its replicas refuse what their pool cannot hold."""
+    block_size = getattr(getattr(engine, "config", None), "block_size", None)
+    blocks = engine.snapshot().get("kv_blocks_total") if block_size else None
+    return min(engine.max_model_len, blocks * block_size) if blocks else engine.max_model_len
+
+
 @dataclass
 class AppState:
-    """What the routes need, held by one app (no module globals)."""
+    """What the routes need, held by one app (no module globals).
+
+    max_seq_tokens: ``sequence_token_limit``; a request without max_tokens gets its default
+    capped to what its prompt leaves of it.
+    """
 
     engine: Any
     options: ServerOptions
     base_name: str
     tokenizer: Any
     max_model_len: int
+    max_seq_tokens: int
     metrics: ServerMetrics
     started: int
 
@@ -65,6 +79,7 @@ def create_app(
         base_name=base_name,
         tokenizer=engine.tokenizer,
         max_model_len=engine.max_model_len,
+        max_seq_tokens=sequence_token_limit(engine),
         metrics=metrics,
         started=int(time.time()),
     )

@@ -29,8 +29,8 @@ def build_router(state: Any) -> APIRouter:
         # with special tokens added would put a second BOS in front (as HF and vLLM, encode without).
         prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
         prompt_len = len(prompt_ids)
-        # Default: whatever room the context has left (as vLLM does for chat).
-        max_tokens = body.max_tokens or max(1, state.max_model_len - prompt_len)
+        # Default: whatever room the context (and the KV pool: max_seq_tokens) has left, as vLLM does for chat.
+        max_tokens = body.max_tokens or max(1, state.max_seq_tokens - prompt_len)
         params = gen.sampling_params(body, max_tokens)
         request_id = gen.new_id("chatcmpl")
         gen.log_request(request_id, body, target)

@@ -30,6 +30,15 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return [list(ids) for ids in p]
 
 
+def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any:
+    """The prompt's SamplingParams: an explicit max_tokens as sent (the engine refuses one that
+    does not fit), else the default 16 capped by the room the prompt leaves."""
+    if body.max_tokens is not None:
+        return gen.sampling_params(body, body.max_tokens)
+    prompt_len = len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))  # as the engine encodes it
+    return gen.sampling_params(body, gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens))
+
+
 def _choice(index: int, out: Any, with_ids: bool, text: str) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": gen.finish_reason(out)}
     if with_ids:
@@ -51,15 +60,15 @@ def build_router(state: Any) -> APIRouter:
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
         engine = state.engine
         target = gen.resolve_model(engine, state.base_name, body.model)
-        params = gen.sampling_params(body, body.max_tokens or gen.DEFAULT_COMPLETION_TOKENS)
         prompts = _prompts(body)
+        params = [_params(body, prompt, state) for prompt in prompts]
         request_id = gen.new_id("cmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await gen.open_stream(engine, f"{request_id}-{i}", prompt, params, target.adapter))
+                streams.append(await gen.open_stream(engine, f"{request_id}-{i}", prompt, params[i], target.adapter))
         except BaseException:
             for _, rest in streams:
                 await rest.aclose()

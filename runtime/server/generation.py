@@ -56,6 +56,13 @@ def sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
         raise APIError(400, str(err), code="invalid_parameter") from err
 
 
+def default_max_tokens(default: int, prompt_len: int, max_seq_tokens: int) -> int:
+    """max_tokens for a request that sent none: ``default``, capped to the room the prompt leaves
+    of ``max_seq_tokens``; at least 1, so a prompt with no room gets the engine's error about the
+    prompt, never one about a max_tokens the client did not send."""
+    return max(1, min(default, max_seq_tokens - prompt_len))
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

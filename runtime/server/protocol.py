@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
 MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
+MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
+                   "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400.")
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +42,7 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
-    max_tokens: Optional[StrictInt] = Field(None, ge=1, description="Tokens to generate; default 16, capped by the model length.")
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, description=MAX_TOKENS_HELP)
     temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="0 means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
