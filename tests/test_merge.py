@@ -242,8 +242,15 @@ def test_existing_output_and_force(tiny_llama_dir: Path, tiny_adapters: dict[str
     assert _cli(tiny_llama_dir, tiny_adapters["a"], out) == 2
     assert "already exists; choose a new folder or pass --force" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    assert _cli(tiny_llama_dir, tiny_adapters["a"], out, "--force") == 0
-    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+    # --force replaces only an empty folder or an earlier lorafleet output, never someone's files.
+    assert _cli(tiny_llama_dir, tiny_adapters["a"], out, "--force") == 2
+    assert "holds files that lorafleet did not write" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert _cli(tiny_llama_dir, tiny_adapters["a"], out, "--force") == 0  # empty folder
+    first = (out / "model.safetensors").read_bytes()
+    assert _cli(tiny_llama_dir, tiny_adapters["c"], out, "--force") == 0  # an earlier merge output
+    assert (out / "lorafleet_merge.json").is_file() and (out / "model.safetensors").read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging or old folders left
 
 

@@ -10,13 +10,18 @@ scales, dtype, time, verification figures). A merged model serves ONE adapter: e
 request gets that adapter's behaviour, so other adapters' requests must not be sent to it.
 
 Exit status: 0 merged (and verified); 1 verification below the threshold (nothing
-written); 2 bad input (missing/mismatched adapter, DoRA, existing or unwritable output).
+written); 2 bad input (missing/mismatched adapter, DoRA, existing or unwritable output,
+no tokenizer to verify with, --verify-tokens too long for the model); 3 an unexpected
+error (with its traceback; nothing written); 130 interrupted by Ctrl-C, 143 / 129 by
+SIGTERM / SIGHUP (nothing written: the staging folder is removed).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
+from runtime.config import ConfigError
 from runtime.lora.adapter import AdapterError
 from runtime.merge.merge_job import DEFAULT_THRESHOLD, MergeOptions, VerificationFailed, run_merge
 from runtime.merge.merger import MergeError
@@ -25,7 +30,10 @@ from runtime.merge.verify import DEFAULT_NEW_TOKENS
 from runtime.models.hf_config import ModelConfigError
 from runtime.models.loader import DTYPES, CheckpointError
 
-INPUT_ERRORS = (AdapterError, MergeError, OutputPathError, ModelConfigError, CheckpointError)
+from runtime.tokenizer import TokenizerError
+
+INPUT_ERRORS = (AdapterError, MergeError, OutputPathError, ModelConfigError, CheckpointError, ConfigError, TokenizerError)
+VERIFY_DEVICES = ("cpu", "cuda", "npu", "auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,19 +45,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing --out folder (never an input folder, nor one inside/around an input)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the comparison with the dynamic path (base + adapter)")
-    parser.add_argument("--verify-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="X",
+    parser.add_argument("--verify-threshold", type=float, default=None, metavar="X",
                         help=f"fail (and write nothing) when greedy-token agreement is below X (default {DEFAULT_THRESHOLD})")
-    parser.add_argument("--verify-tokens", type=int, default=DEFAULT_NEW_TOKENS, metavar="N",
+    parser.add_argument("--verify-tokens", type=int, default=None, metavar="N",
                         help=f"tokens decoded per verification prompt (default {DEFAULT_NEW_TOKENS})")
+    parser.add_argument("--device", choices=VERIFY_DEVICES, default=None,
+                        help="where verification runs the two models, in float32 (default cpu; auto: cuda, npu, then cpu). "
+                             "The merge itself always runs on the CPU")  # fmt: skip
     parser.add_argument("--adapter-name", default=None, metavar="NAME", help="name recorded in the manifest (default: the adapter folder's name)")
     parser.add_argument("--requantize", dest="requantize", action=argparse.BooleanOptionalAction, default=None,
                         help="int8 base only: requantize the merged weights to int8 (default) or, with --no-requantize, write float")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.verify:
+        unused = [flag for flag, value in (("--verify-threshold", args.verify_threshold), ("--verify-tokens", args.verify_tokens),
+                                           ("--device", args.device)) if value is not None]  # fmt: skip
+        if unused:
+            print(f"lorafleet merge: error: {', '.join(unused)} only apply to verification, which --no-verify skips", file=sys.stderr)
+            return 2
     opts = MergeOptions(
         model=args.model, adapter=args.adapter, out=args.out, dtype=args.dtype, force=args.force, verify=args.verify,
-        threshold=args.verify_threshold, adapter_name=args.adapter_name, requantize=args.requantize, new_tokens=args.verify_tokens,
+        threshold=DEFAULT_THRESHOLD if args.verify_threshold is None else args.verify_threshold, adapter_name=args.adapter_name,
+        requantize=args.requantize, new_tokens=DEFAULT_NEW_TOKENS if args.verify_tokens is None else args.verify_tokens,
+        device=args.device or "cpu",
     )  # fmt: skip
     if opts.new_tokens < 1:
         print("lorafleet merge: error: --verify-tokens must be >= 1", file=sys.stderr)
@@ -59,11 +78,18 @@ def run(args: argparse.Namespace) -> int:
     except INPUT_ERRORS as err:
         print(f"lorafleet merge: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"lorafleet merge: interrupted; nothing was written to {args.out}", file=sys.stderr)
+        return 130
     except VerificationFailed as err:
         print(err.result.report)
         print(f"lorafleet merge: error: verification failed; nothing was written to {args.out}. "
               "Lower --verify-threshold or pass --no-verify to keep such a merge.", file=sys.stderr)  # fmt: skip
         return 1
+    except Exception:  # noqa: BLE001 - a bug or an environment failure: not "verification failed" (1)
+        traceback.print_exc()
+        print(f"lorafleet merge: error: unexpected failure (traceback above); nothing was written to {args.out}", file=sys.stderr)
+        return 3
     if result.report:
         print(result.report)
     else:

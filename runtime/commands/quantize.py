@@ -5,13 +5,16 @@
 The seven projections of every layer become int8 codes with float32 per-output-channel
 scales (format: runtime/quant/int8.py); embeddings, lm_head and norms stay float (``--dtype``,
 default the base's). The folder loads with lorafleet (not transformers) and carries
-``lorafleet_quantize.json``. Written atomically: a failure leaves nothing behind.
-Exit status: 0 written; 2 bad input.
+``lorafleet_quantize.json``. Written atomically: a failure, Ctrl-C, SIGTERM or SIGHUP leaves
+nothing behind (only SIGKILL can leave a hidden staging folder; the next run names it).
+Exit status: 0 written; 2 bad input; 3 an unexpected error (with its traceback); 130
+interrupted by Ctrl-C, 143 / 129 by SIGTERM / SIGHUP.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 from runtime.merge.manifest import QUANTIZE_MANIFEST, base_record, quantize_manifest, write_manifest
@@ -34,7 +37,7 @@ def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: b
     """Write the int8 copy of ``model`` to ``out`` (see module docstring); returns the output folder."""
     model_dir = Path(model)
     if not model_dir.is_dir():
-        raise MergeError(f"{model}: model folder does not exist")
+        raise MergeError(f"{model}: {'is not a folder' if model_dir.exists() else 'model folder does not exist'}")
     cfg = load_model_config(model_dir)
     if checkpoint_quantization(model_dir) is not None:
         raise MergeError(f"{model_dir / 'config.json'}: quantization_config says this checkpoint is already int8")
@@ -56,5 +59,12 @@ def run(args: argparse.Namespace) -> int:
     except (MergeError, OutputPathError, ModelConfigError, CheckpointError) as err:
         print(f"lorafleet quantize: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"lorafleet quantize: interrupted; nothing was written to {args.out}", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        print(f"lorafleet quantize: error: unexpected failure (traceback above); nothing was written to {args.out}", file=sys.stderr)
+        return 3
     print(f"wrote int8 weight-only checkpoint to {out}")
     return 0

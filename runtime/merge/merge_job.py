@@ -19,6 +19,7 @@ before verification has passed):
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from backends import availability, resolve_name
 from runtime.lora.adapter import LoRAAdapter, load_adapter
 from runtime.merge.manifest import MERGE_MANIFEST, base_record, merge_manifest, write_manifest
 from runtime.merge.merger import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, MergeError, MergeSpec, WriteSummary, weights_sha256, write_checkpoint
@@ -36,6 +38,7 @@ from runtime.models.hf_config import load_model_config
 from runtime.models.llama import lora_targets
 from runtime.models.loader import DTYPES, checkpoint_quantization
 from runtime.quant.int8 import QUANTIZATION_CONFIG
+from runtime.tokenizer import TokenizerError
 
 MERGE_MAX_RANK = 4096  # merging has no slot pool, so no serving rank limit; this only bounds absurd configs
 DEFAULT_THRESHOLD = 0.99
@@ -81,7 +84,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         raise MergeError(f"--verify-threshold: {opts.threshold} must be between 0 and 1")
     model_dir = Path(opts.model)
     if not model_dir.is_dir():
-        raise MergeError(f"{opts.model}: base model folder does not exist")
+        raise MergeError(f"{opts.model}: {'is not a folder' if model_dir.exists() else 'base model folder does not exist'}")
     cfg = load_model_config(model_dir)
     source_q = checkpoint_quantization(model_dir)
     if source_q is None and opts.requantize is not None:
@@ -94,6 +97,8 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     adapter = load_adapter(opts.adapter, name, lora_targets(cfg), num_layers=cfg.num_hidden_layers, max_lora_rank=MERGE_MAX_RANK)
     dtype = DTYPES[_output_dtype(opts.dtype, cfg.torch_dtype, source_q is not None)]
     out = check_output(opts.out, [opts.model, opts.adapter], opts.force)
+    device = _verification_device(opts.device) if opts.verify else opts.device
+    prompts = _verification_prompts(model_dir, opts.new_tokens, cfg.max_model_len) if opts.verify else []
     spec = MergeSpec(model_dir, adapter, dtype, quantize_output=requantize, max_shard_bytes=opts.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
     staged = StagedOutput(out, opts.force)
     with staged as tmp:
@@ -101,7 +106,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         rows: tuple[ReportRow, ...] = ()
         report = ""
         if opts.verify:
-            rows = _verify(opts, spec, adapter, tmp, source_q is not None)
+            rows = _verify(opts, spec, adapter, tmp, source_q is not None, prompts, device)
             reference = f"float base{' (dequantized int8)' if source_q else ''} + float LoRA, dynamic path; " \
                         f"{len(VERIFY_PROMPTS)} prompts x {opts.new_tokens} tokens, teacher-forced"  # fmt: skip
             report = format_report(reference, rows, opts.threshold)
@@ -113,6 +118,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
                              "rows": {r.label: r.figures.as_dict() for r in rows}}  # fmt: skip
         output = {"dtype": DTYPE_NAMES[dtype], "quantization": dict(QUANTIZATION_CONFIG) if requantize else None,
                   "flow": _flow(source_q is not None, requantize), "files": list(summary.files)}  # fmt: skip
+        _say(opts, "hashing the base weights for the manifest")
         manifest = merge_manifest(base_record(cfg.name, model_dir, weights_sha256(model_dir), source_q), adapter, output, verification)
         result = MergeResult(out, summary, rows, report, passed, manifest)
         if not passed:
@@ -140,31 +146,66 @@ def _output_dtype(asked: str | None, checkpoint_dtype: str | None, source_quanti
     return "float32"
 
 
-def _verify(opts: MergeOptions, spec: MergeSpec, adapter: LoRAAdapter, written: Path, source_quantized: bool) -> tuple[ReportRow, ...]:
-    prompts = prompt_ids(spec.model_dir)
+def _say(opts: MergeOptions, message: str) -> None:
+    """A progress line on stderr for the stages without a progress bar (each loads or reads a whole model)."""
+    if opts.progress:
+        print(f"{message} ...", file=sys.stderr, flush=True)
+
+
+def _verification_device(name: str) -> str:
+    """The backend verification runs on (``auto``: cuda, npu, then cpu); an unavailable one is a MergeError."""
+    try:
+        resolved = resolve_name(name)
+    except ValueError as err:
+        raise MergeError(f"--device: {err}") from err
+    ok, reason = availability(resolved)
+    if not ok:
+        raise MergeError(f"--device {name}: {reason}")
+    return resolved
+
+
+def _verification_prompts(model_dir: Path, new_tokens: int, max_positions: int) -> list[list[int]]:
+    """The verification prompts as token ids, checked before anything is written: the base needs a
+    tokenizer, and the longest prompt plus ``new_tokens`` must fit the model's positions."""
+    try:
+        prompts = prompt_ids(model_dir)
+    except TokenizerError as err:
+        raise MergeError(f"verification needs the base's tokenizer: {err}; pass --no-verify to merge without it") from err
+    longest = max(len(p) for p in prompts)
+    if longest + new_tokens > max_positions:
+        raise MergeError(f"--verify-tokens {new_tokens}: with the longest verification prompt ({longest} tokens) it exceeds the "
+                         f"model's {max_positions} positions; use at most {max_positions - longest}")  # fmt: skip
+    return prompts
+
+
+def _verify(opts: MergeOptions, spec: MergeSpec, adapter: LoRAAdapter, written: Path, source_quantized: bool,
+            prompts: list[list[int]], device: str) -> tuple[ReportRow, ...]:  # fmt: skip
     dtype_name = DTYPE_NAMES[spec.dtype]
 
-    def run(model: Path, with_adapter: bool, forced: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
-        return trace(model, adapter if with_adapter else None, prompts, opts.new_tokens, forced, opts.device)
+    def run(what: str, model: Path, with_adapter: bool, forced: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
+        _say(opts, f"verifying on {device}: {what}, {len(prompts)} prompts x {opts.new_tokens} tokens")
+        return trace(model, adapter if with_adapter else None, prompts, opts.new_tokens, forced, device)
 
     if not source_quantized:
-        ref = run(spec.model_dir, True)
-        return (ReportRow(f"merged, {dtype_name}", compare(ref, run(written, False, ref.tokens)), written=True),)
+        ref = run("reference (base + adapter, dynamic path)", spec.model_dir, True)
+        return (ReportRow(f"merged, {dtype_name}", compare(ref, run("merged checkpoint", written, False, ref.tokens)), written=True),)
     # Scratch checkpoints live next to the output (same disk) and are removed on exit.
     with tempfile.TemporaryDirectory(prefix=f".{written.name}.verify-", dir=written.parent) as scratch_root:
         scratch = Path(scratch_root)
         dequantized = scratch / "dequantized-base"
         dequantized.mkdir()
+        _say(opts, f"writing a float32 dequantized copy of the int8 base for the reference (scratch: {scratch})")
         write_checkpoint(MergeSpec(spec.model_dir, None, torch.float32, quantize_output=False), dequantized, progress=False)
-        ref = run(dequantized, True)
-        rows = [ReportRow("dynamic: int8 base + float LoRA", compare(ref, run(spec.model_dir, True, ref.tokens)), written=False)]
+        ref = run("reference (dequantized base + adapter, dynamic path)", dequantized, True)
+        rows = [ReportRow("dynamic: int8 base + float LoRA", compare(ref, run("int8 base + adapter, dynamic path", spec.model_dir, True, ref.tokens)), written=False)]
         for requant in (False, True):
             if requant == spec.quantize_output:
                 path = written
             else:
                 path = scratch / ("merged-requantized" if requant else "merged-float")
                 path.mkdir()
+                _say(opts, f"writing the {'requantized' if requant else 'float'} merge variant for comparison (scratch)")
                 write_checkpoint(MergeSpec(spec.model_dir, adapter, spec.dtype, quantize_output=requant), path, progress=False)
             label = "merged, requantized int8" if requant else f"merged, {dtype_name}"
-            rows.append(ReportRow(label, compare(ref, run(path, False, ref.tokens)), written=requant == spec.quantize_output))
+            rows.append(ReportRow(label, compare(ref, run(label, path, False, ref.tokens)), written=requant == spec.quantize_output))
     return tuple(rows)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,10 +174,18 @@ def _encode(name: str, tensor: Tensor, spec: MergeSpec) -> list[tuple[str, Tenso
     return [(name, tensor.to(spec.dtype).contiguous())]
 
 
+def _save(shard: dict[str, Tensor], path: Path) -> None:
+    """``save_file``, then the mode any new file gets under the umask (safetensors writes 0600,
+    which would keep another account, e.g. the one running the server, from reading the weights)."""
+    save_file(shard, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _save_shards(shards: list[dict[str, Tensor]], out_dir: Path) -> list[str]:
-    metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata=metadata)
+        _save(shards[0], out_dir / "model.safetensors")
         return ["model.safetensors"]
     n = len(shards)
     weight_map: dict[str, str] = {}
@@ -184,7 +193,7 @@ def _save_shards(shards: list[dict[str, Tensor]], out_dir: Path) -> list[str]:
     total = 0
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata=metadata)
+        _save(shard, out_dir / fname)
         names.append(fname)
         for key, t in shard.items():
             weight_map[key] = fname

@@ -1,8 +1,11 @@
 """The output folder of `lorafleet merge` / `lorafleet quantize`: written in a staging folder, published by rename.
 
     check_output(out, inputs, force)   refuse before any work: out equal to / inside / above an
-                                       input, out existing without --force, a parent that is
-                                       missing or not a folder
+                                       input, out existing without --force, with --force a
+                                       folder that is neither empty nor an earlier lorafleet
+                                       output (it holds no lorafleet_merge.json or
+                                       lorafleet_quantize.json), a parent that is missing or
+                                       not a folder
     with StagedOutput(out, force) as tmp:
         ... write everything into tmp ...
         staged.publish()               rename tmp -> out (with --force the old out is moved
@@ -10,17 +13,27 @@
 
 The staging folder is a hidden sibling of ``out`` (same filesystem, so the final rename is
 atomic). If anything raises before ``publish``, the staging folder is deleted: a failed run
-leaves nothing behind and the old ``out`` (with --force) is untouched.
+leaves nothing behind and the old ``out`` (with --force) is untouched. That includes SIGTERM
+and SIGHUP while the block runs (in the main thread they raise ``SystemExit(128 + signal)``,
+so the cleanup runs) and Ctrl-C. Only SIGKILL or a crash can leave a staging folder; the next
+run into the same ``out`` lists such leftovers on stderr.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable
+from typing import Any, Iterable
+
+from runtime.merge.manifest import MERGE_MANIFEST, QUANTIZE_MANIFEST
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class OutputPathError(ValueError):
@@ -45,6 +58,11 @@ def check_output(out: str | Path, inputs: Iterable[str | Path], force: bool) -> 
             raise OutputPathError(f"{out}: already exists; choose a new folder or pass --force to replace it")
         if not target.is_dir():
             raise OutputPathError(f"{out}: exists and is not a folder; refusing to replace it even with --force")
+        if any(target.iterdir()) and not any((target / m).is_file() for m in (MERGE_MANIFEST, QUANTIZE_MANIFEST)):
+            raise OutputPathError(
+                f"{out}: holds files that lorafleet did not write (no {MERGE_MANIFEST} or {QUANTIZE_MANIFEST}); --force only "
+                "replaces an empty folder or an earlier merge/quantize output. Remove it yourself or choose another folder"
+            )
     parent = target.parent
     if not parent.exists():
         raise OutputPathError(f"{out}: the parent folder {parent} does not exist")
@@ -61,8 +79,13 @@ class StagedOutput:
         self.force = force
         self.path: Path | None = None
         self.published = False
+        self._previous_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> Path:
+        leftovers = leftover_scratch(self.out)
+        if leftovers:
+            print(f"note: {len(leftovers)} folder(s) left by an interrupted earlier run into {self.out} (delete them if no "
+                  "other run writes there now): " + ", ".join(str(p) for p in leftovers), file=sys.stderr)  # fmt: skip
         # os.mkdir (not mkdtemp, which makes 0700) so the published folder gets the umask's usual mode.
         path = self.out.parent / f".{self.out.name}.staging-{uuid.uuid4().hex[:12]}"
         try:
@@ -70,6 +93,7 @@ class StagedOutput:
             self.path = path
         except OSError as err:
             raise OutputPathError(f"{self.out}: cannot write into {self.out.parent}: {err.strerror or err}") from err
+        self._previous_handlers = _raise_on_termination()
         return self.path
 
     def publish(self) -> None:
@@ -93,5 +117,32 @@ class StagedOutput:
             shutil.rmtree(old)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if not self.published and self.path is not None and self.path.exists():
-            shutil.rmtree(self.path)
+        try:
+            if not self.published and self.path is not None and self.path.exists():
+                shutil.rmtree(self.path)
+        finally:
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+            self._previous_handlers = {}
+
+
+def leftover_scratch(out: Path) -> list[Path]:
+    """Hidden staging and verification folders of earlier runs into ``out`` that were killed before cleanup."""
+    if not out.parent.is_dir():
+        return []
+    prefixes = (f".{out.name}.staging-", f".{out.name}.verify-", f".{out.name}.old-")
+    return sorted(p for p in out.parent.iterdir() if p.is_dir() and p.name.startswith(prefixes))
+
+
+def _raise_on_termination() -> dict[int, Any]:
+    """SIGTERM/SIGHUP -> ``SystemExit(128 + signum)`` (main thread only), so cleanup code runs; returns the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for signum in TERMINATING_SIGNALS:
+        previous[signum] = signal.signal(signum, stop)
+    return previous

@@ -1,0 +1,123 @@
+"""`lorafleet merge` / `quantize` as a careful user needs them: input problems found before any
+weight is written, clear exit codes, nothing left behind on signals or errors, readable files."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.cli import main as cli_main
+from runtime.merge import merge_job
+from runtime.merge.staging import StagedOutput, check_output
+
+
+def _merge(base: Path, adapter: Path, out: Path, *extra: str) -> int:
+    return cli_main(["merge", "--model", str(base), "--adapter", str(adapter), "--out", str(out), *extra])
+
+
+def _siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir())
+
+
+def test_verify_tokens_beyond_the_model_is_refused_before_writing(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    out = tmp_path / "m"
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--verify-tokens", "5000") == 2
+    err = capsys.readouterr().err
+    assert "--verify-tokens 5000" in err and "positions" in err and "Traceback" not in err
+    assert _siblings(out) == []  # not even a staging folder was made
+
+
+def test_base_without_tokenizer_fails_verification_early_and_merges_with_no_verify(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    (base / "tokenizer.json").unlink()
+    out = tmp_path / "m"
+    assert _merge(base, tiny_adapters["a"], out) == 2
+    err = capsys.readouterr().err
+    assert "verification needs the base's tokenizer" in err and "--no-verify" in err
+    assert _siblings(out) == ["base"]
+    assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 0
+
+
+def test_verification_flags_with_no_verify_are_an_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    out = tmp_path / "m"
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--no-verify", "--verify-threshold", "0.5", "--device", "cpu") == 2
+    err = capsys.readouterr().err
+    assert "--verify-threshold, --device only apply to verification" in err and not out.exists()
+
+
+def test_unavailable_verification_device_is_an_input_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    from backends import availability
+
+    if availability("npu")[0]:
+        pytest.skip("an NPU is available here")
+    out = tmp_path / "m"
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--device", "npu") == 2
+    assert "--device npu" in capsys.readouterr().err and _siblings(out) == []
+
+
+def test_progress_lines_name_each_verification_stage(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], tmp_path / "m", "--device", "auto", "--verify-tokens", "2") == 0
+    err = capsys.readouterr().err
+    for stage in ("verifying on", "reference (base + adapter, dynamic path)", "merged checkpoint", "hashing the base weights"):
+        assert stage in err, stage
+
+
+@pytest.mark.parametrize("raised, code, says", [(RuntimeError("disk on fire"), 3, "unexpected failure"),
+                                                 (KeyboardInterrupt(), 130, "interrupted")])
+def test_errors_mid_write_leave_nothing_and_have_their_own_exit_code(tiny_llama_dir, tiny_adapters, tmp_path, capsys, monkeypatch, raised, code, says):
+    def broken(spec, out_dir, progress=True):  # type: ignore[no-untyped-def]
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise raised
+
+    monkeypatch.setattr(merge_job, "write_checkpoint", broken)
+    out = tmp_path / "m"
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--no-verify") == code
+    assert says in capsys.readouterr().err and _siblings(out) == []
+
+
+def test_sigterm_inside_the_staging_block_cleans_up_and_restores_the_handler(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    out = check_output(tmp_path / "m", [], force=False)
+    with pytest.raises(SystemExit) as exc:
+        with StagedOutput(out, force=False) as staging:
+            (staging / "model.safetensors").write_bytes(b"partial")
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs in this thread between two bytecodes
+                time.sleep(0.001)
+            raise AssertionError("SIGTERM did not stop the block")
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert _siblings(out) == [] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_leftovers_of_a_killed_run_are_named(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    out = tmp_path / "m"
+    (tmp_path / ".m.staging-0123456789ab").mkdir()
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--no-verify") == 0
+    assert ".m.staging-0123456789ab" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["merge", "quantize"])
+def test_written_weights_get_the_umask_mode(tiny_llama_dir, tiny_adapters, tmp_path, command):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "m"
+        args = ["--adapter", str(tiny_adapters["a"]), "--no-verify"] if command == "merge" else []
+        assert cli_main([command, "--model", str(tiny_llama_dir), "--out", str(out), *args]) == 0
+    finally:
+        os.umask(old)
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+
+
+def test_quantize_force_keeps_foreign_folders(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "notes.txt").write_text("important")
+    assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(out), "--force"]) == 2
+    assert "holds files that lorafleet did not write" in capsys.readouterr().err and (out / "notes.txt").read_text() == "important"
