@@ -9,21 +9,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
-from runtime.server.protocol import CompletionRequest
+from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """Normalise the four prompt forms to a list of prompts; the engine checks token ids."""
+    """Normalise the four prompt forms to a list of prompts (at most ``MAX_PROMPTS``); the engine checks token ids."""
     p = req.prompt
     if isinstance(p, str):
         return [p]
     if not p:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_parameter")
-    if all(isinstance(x, str) for x in p):
-        return list(p)
     if all(isinstance(x, int) for x in p):
         return [list(p)]
+    if len(p) > MAX_PROMPTS:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}; send several requests", param="prompt", code="invalid_parameter")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
     for ids in p:
         if not ids:
             raise APIError(400, "token-id prompts must not be empty", param="prompt", code="invalid_parameter")
@@ -65,14 +67,8 @@ def build_router(state: Any) -> APIRouter:
         request_id = gen.new_id("cmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())
-        streams = []
-        try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await gen.open_stream(engine, f"{request_id}-{i}", prompt, params[i], target.adapter))
-        except BaseException:
-            for _, rest in streams:
-                await rest.aclose()
-            raise
+        # Every prompt is admitted at once; a client that goes away meanwhile aborts them all.
+        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, prompts, params, target.adapter))
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": body.model, "choices": choices}

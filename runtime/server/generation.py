@@ -93,6 +93,37 @@ async def open_stream(engine: Any, request_id: str, prompt: str | list[int], par
     return first, stream
 
 
+async def open_streams(
+    engine: Any, request_id: str, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], adapter: str | None
+) -> list[tuple[Any, AsyncIterator[Any]]]:
+    """``open_stream`` for every prompt at once (request ids ``<request_id>-<i>``), then wait for all.
+
+    If one fails, the first failure in prompt order is raised; then, or when this is cancelled
+    (the client went away), every stream already opened is closed and every admission still
+    pending is cancelled, which aborts their engine requests.
+    """
+    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{i}", p, ps, adapter)) for i, (p, ps) in enumerate(zip(prompts, params))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            raise failed[0]
+        return [t.result() for t in tasks]
+    except BaseException:
+        await _close_opened(tasks)
+        raise
+
+
+async def _close_opened(tasks: Sequence["asyncio.Future[tuple[Any, AsyncIterator[Any]]]"]) -> None:
+    """Cancel the admissions still pending and close the streams that opened (aborting their requests)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is None:
+            await task.result()[1].aclose()
+
+
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:

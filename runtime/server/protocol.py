@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
 MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
+MAX_PROMPTS = 256  # prompts in one completions request: each is its own engine request
 MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
                    "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400.")
 
@@ -87,7 +88,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]] = Field(
-        ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+        ..., description=f"A string, a list of strings, a list of token ids, or a list of token-id lists (at most {MAX_PROMPTS} prompts)."
     )
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
     echo: Literal[False] = Field(False, description="echo is not supported; only false is accepted.")
