@@ -60,17 +60,9 @@ class AdapterLease:
 
 class LoraReplica:
     async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25) -> None:
-        self.engine = AsyncLLMEngine(engine_config)
-        self.engine.start()
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.registry = ray.get_actor(registry_name, namespace=namespace)
-        self.sync_interval_s = sync_interval_s
-        self.applied_revision = -1
-        self.apply_errors: tuple[str, ...] = ()
-        self._sync_lock = asyncio.Lock()
-        self._metrics_lock = threading.Lock()
-        self._finished: dict[str, Any] = {}
-        self.engine.add_observer(self._observe)
+        engine = AsyncLLMEngine(engine_config)
+        engine.start()
+        self._setup(engine, ray.get_actor(registry_name, namespace=namespace), serve.get_replica_context().replica_id.unique_id, sync_interval_s)
 
         async def load_adapter(name: str) -> AdapterLease:
             return await self._lease(name)
@@ -81,6 +73,20 @@ class LoraReplica:
         self.load_adapter = serve.multiplexed(max_num_models_per_replica=engine_config.max_cpu_loras)(load_adapter)
         await asyncio.to_thread(self._apply, await self.registry.state.remote())
         self._sync_task = asyncio.create_task(self._sync_loop())
+
+    def _setup(self, engine: AsyncLLMEngine, registry: Any, replica_id: str, sync_interval_s: float) -> None:
+        """The replica's state around an engine and a registry handle (``__init__`` without Serve:
+        tests build a replica this way, with a local registry, and call its methods directly)."""
+        self.engine = engine
+        self.replica_id = replica_id
+        self.registry = registry
+        self.sync_interval_s = sync_interval_s
+        self.applied_revision = -1
+        self.apply_errors: tuple[str, ...] = ()
+        self._sync_lock = asyncio.Lock()
+        self._metrics_lock = threading.Lock()
+        self._finished: dict[str, Any] = {}
+        self.engine.add_observer(self._observe)
 
     # ---- the registered set ------------------------------------------------------------------
     def _apply(self, state: dict[str, Any]) -> None:
