@@ -34,11 +34,14 @@ class FakeWriter:
 RANKS = (4, 8, 16, 32)
 
 
-def make_pool(max_loras=3, max_cpu_loras=4, pool_rows=48):
+def make_pool(max_loras=3, max_cpu_loras=4, pool_rows=48, stale: set | None = None):
+    """``stale``: versions whose files changed on disk (an in-place update): reading them fails."""
     writer = FakeWriter()
     adapters: dict[AdapterRef, FakeAdapter] = {}
 
     def loader(ref: AdapterRef) -> FakeAdapter:
+        if stale is not None and ref in stale:
+            raise ValueError(f"{ref}: the adapter changed on disk since it was registered")
         return adapters[ref]
 
     pool = AdapterPool(writer, loader, max_loras, max_cpu_loras, pool_rows, max_lora_rank=32, row_bytes=10, async_loads=False)
@@ -61,7 +64,8 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_pool_invariants_under_random_operations(operations):
-    pool, writer, adapters = make_pool()
+    stale: set[AdapterRef] = set()  # retired versions' files were overwritten in place: no disk read can bring them back
+    pool, writer, adapters = make_pool(stale=stale)
     current = {f"n{i}": new_ref(adapters, f"n{i}", 0, RANKS[i % 4]) for i in range(6)}
     versions = {name: 0 for name in current}
     live: list[dict] = []  # each request: ref, running(bool)
@@ -95,13 +99,16 @@ def test_pool_invariants_under_random_operations(operations):
             old = current[name]
             current[name] = new_ref(adapters, name, versions[name], RANKS[(k + versions[name]) % 4])
             pool.retire(old)
+            stale.add(old)
         elif op == "abort_all":
             for q in live:
                 if q["running"]:
                     pool.release_device(q["ref"])
                 pool.undemand(q["ref"])
             live.clear()
-        pool.poll()
+        failures = pool.poll()
+        # A version that requests want and that was in memory stays in memory: it never needs a disk read.
+        assert not [f for f in failures if f.ref in pinned], failures
         snap = pool.snapshot()
         # capacity
         assert snap["host_entries"] + snap["loads_in_flight"] <= 4
@@ -120,6 +127,7 @@ def test_pool_invariants_under_random_operations(operations):
         demanded = {q["ref"] for q in live if pool.demand_of(q["ref"]) > 0}
         host_now = set(pool.host_refs())
         assert pinned & demanded <= host_now, "a host entry was evicted while a request still wants it"
+        assert {ref for ref, _, _ in residents.values()} <= host_now, "a device resident without a host copy"
         pinned = (pinned & demanded) | (demanded & host_now)
         assert writer.slots == residents
     for q in live:  # abort everything: refcounts return to zero
@@ -176,26 +184,78 @@ def test_referenced_slot_blocks_placement_and_reports_blockers():
     assert pool.acquire_device(c) is not None and pool.slot_of(b) is None and pool.slot_of(a) is not None
 
 
-def test_device_resident_adapter_needs_no_disk_reload():
-    """An adapter dropped from the host tier but still resident on the device is ready to run
-    (a device hit, no reload); evicted from the device while still wanted, its reload is queued."""
-    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=1, pool_rows=32)
-    a, b = new_ref(adapters, "a", 0, 8), new_ref(adapters, "b", 0, 8)
+def test_host_tier_holds_every_device_resident():
+    """Making host room drops an idle device resident from the device too, preferring entries
+    that are not on the device; so a device copy is never the only copy of a version."""
+    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=2, pool_rows=32)
+    a, b, c = (new_ref(adapters, n, 0, 8) for n in "abc")
     pool.demand(a)
     pool.acquire_device(a)
     pool.release_device(a)
-    pool.undemand(a)  # a: resident on the device, unreferenced
-    assert pool.insert_host(b, adapters[b])  # the 1-entry host tier drops a; its device copy stays
-    assert a not in pool.host_refs() and pool.slot_of(a) == 0
-    assert pool.demand(a) == "device"
-    assert pool.weights_ready(a) and pool.snapshot()["loads_queued"] == 0 and pool.counters["a"].loads == 1
-    pool.demand(b)
-    assert pool.acquire_device(b) == 0  # evicts the unreferenced a, which a request still wants
-    assert pool.slot_of(a) is None and not pool.weights_ready(a)
+    pool.undemand(a)  # a: idle on device and host
+    assert pool.insert_host(b, adapters[b])  # room for b without touching a
+    assert pool.insert_host(c, adapters[c])  # b (not on the device) goes first
+    assert pool.host_refs() == [a, c] and pool.slot_of(a) == 0
+    d = new_ref(adapters, "d", 0, 8)
+    assert pool.insert_host(d, adapters[d])  # only idle device residents left... c is idle and not on device
+    assert a in pool.host_refs() and pool.slot_of(a) == 0 and c not in pool.host_refs()
+    e = new_ref(adapters, "e", 0, 8)
+    pool.demand(d)  # d is wanted: the only idle entry is a, which leaves both tiers
+    assert pool.insert_host(e, adapters[e])
+    assert a not in pool.host_refs() and pool.slot_of(a) is None and writer.slots == {}
+
+
+def test_retired_version_wanted_by_a_waiting_request_survives_an_in_place_update():
+    """The reviewer's case: a request waits for version v1, the files are overwritten in place and
+    v2 registered, and another adapter takes v1's only slot. v1 must still run from the host copy
+    (a disk read would find v2's content and fail)."""
+    stale: set[AdapterRef] = set()
+    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=2, pool_rows=32, stale=stale)
+    v1, b = new_ref(adapters, "a", 1, 8), new_ref(adapters, "b", 0, 8)
+    pool.insert_host(v1, adapters[v1])
+    pool.demand(v1)
+    pool.acquire_device(v1)
+    pool.release_device(v1)
+    pool.undemand(v1)  # v1 idle on device and host
+    pool.insert_host(b, adapters[b])
+    pool.demand(b)  # b waits
+    assert pool.demand(v1) == "device"  # a request for v1 waits too
+    v2 = new_ref(adapters, "a", 2, 8)
+    stale.add(v1)  # v1's folder now holds v2's content
+    pool.insert_host(v2, adapters[v2])  # host full of wanted entries: v2 is read again on demand
+    pool.retire(v1)
+    assert pool.acquire_device(b) == 0  # b takes the only slot; v1 leaves the device, not the host
+    assert v1 in pool.host_refs() and pool.weights_ready(v1)
     pool.release_device(b)
     pool.undemand(b)
-    pool.poll()  # host room again: a's queued reload runs
-    assert pool.weights_ready(a) and pool.counters["a"].loads == 2
+    assert pool.acquire_device(v1) == 0 and writer.slots[0][0] == v1 and pool.poll() == []
+    pool.release_device(v1)
+    pool.undemand(v1)  # its last reader: the retired version is freed
+    assert v1 not in pool.host_refs() and pool.slot_of(v1) is None
+
+
+def test_a_late_failed_read_of_a_version_already_in_place_fails_nobody():
+    """A request's disk read is in flight; the same content is registered again from another
+    folder (insert_host) and the request runs; the old folder is gone, so the read fails. That
+    failure must not be reported: the weights the request runs on are in place."""
+    gate = threading.Event()
+
+    def loader(ref: AdapterRef) -> FakeAdapter:
+        gate.wait(10)
+        raise ValueError("/old/path: adapter folder does not exist")
+
+    pool = AdapterPool(FakeWriter(), loader, max_loras=1, max_cpu_loras=2, pool_rows=32, max_lora_rank=32)
+    try:
+        x = AdapterRef("x", "v1")
+        assert pool.demand(x) == "disk" and pool.snapshot()["loads_in_flight"] == 1
+        assert pool.insert_host(x, FakeAdapter("x", "v1", 8))
+        assert pool.acquire_device(x) == 0
+        gate.set()
+        pool.wait_for_load(10)
+        assert pool.poll() == [] and x in pool.host_refs() and pool.device_refs_of(x) == 1
+    finally:
+        gate.set()
+        pool.close()
 
 
 def test_prefetch_replaces_unwanted_unreferenced_residents_only():
@@ -246,10 +306,10 @@ def test_reregistered_version_is_current_again_and_failed_retired_load_is_forgot
         slow.close()
 
 
-def test_the_only_copy_of_a_wanted_adapter_is_evicted_last():
-    """Z is wanted by a waiting request and lives only on the device; W is idle and also on the
-    host. Placing X evicts W, not Z (evicting Z would mean a disk read), and prefetch never evicts Z."""
-    pool, writer, adapters = make_pool(max_loras=2, max_cpu_loras=3, pool_rows=64)
+def test_wanted_idle_residents_are_evicted_last_and_never_by_prefetch():
+    """Z is idle on the device but a waiting request wants it; W is idle and unwanted. Placing X
+    evicts W, not Z, and prefetch (optional work) never evicts Z."""
+    pool, writer, adapters = make_pool(max_loras=2, max_cpu_loras=4, pool_rows=64)
     z, w, x, y = (new_ref(adapters, n, 1, 8) for n in "ZWXY")
     for ref in (z, w):
         pool.demand(ref)
@@ -257,12 +317,11 @@ def test_the_only_copy_of_a_wanted_adapter_is_evicted_last():
         pool.release_device(ref)
         pool.undemand(ref)
     pool.insert_host(x, adapters[x])
-    pool.insert_host(y, adapters[y])  # the 3-entry host tier now holds W, X, Y: Z is on the device only
-    assert z not in pool.host_refs() and w in pool.host_refs()
-    pool.demand(z)
+    pool.insert_host(y, adapters[y])
+    assert pool.demand(z) == "device"
     pool.demand(x)
     pool.acquire_device(x)
-    assert pool.slot_of(w) is None and pool.slot_of(z) is not None and pool.counters["Z"].loads == 1
+    assert pool.slot_of(w) is None and pool.slot_of(z) is not None and pool.counters["Z"].loads == 1  # read once
     pool.demand(y)
-    pool.prefetch([y])  # the only free-able resident is Z's only copy: prefetch leaves it
+    pool.prefetch([y])  # the only idle resident is Z, which a request wants: prefetch leaves it
     assert pool.slot_of(z) is not None and pool.slot_of(y) is None

@@ -24,10 +24,18 @@ References. Two counts per ``AdapterRef``:
   evicted or overwritten. Unreferenced slots stay resident (a later request hits them)
   and are evicted least recently used first when rows or slots run out.
 
-Host capacity counts resident entries plus loads in flight. When every host entry is
-demanded, further loads wait in FIFO order until a request finishes. An adapter still
-resident on the device needs no host copy to run; if it is evicted from the device while
-requests still want it and the host no longer holds it, its reload is queued.
+The host tier holds every device resident (host ⊇ device; ``max_cpu_loras >= max_loras``).
+So a device copy is never the only copy: evicting it from the device never needs a disk
+read, which matters for a retired version, whose files may already hold newer content (an
+in-place update) or be gone. Host capacity counts resident entries plus loads in flight.
+To make room the host evicts its least recently used entry that no request demands and no
+running sequence references, preferring entries not on the device; an idle device resident
+chosen this way leaves the device too. When every host entry is demanded, further loads
+wait in FIFO order until a request finishes.
+
+A disk load that finishes after the same version reached the host some other way (the same
+content registered again, from another folder) is dropped, success or failure: the weights
+are in place, so a failed late read must not fail the requests that run on them.
 
 Prefetch: after each step the engine passes the waiting requests' adapters; those on the
 host are copied to the device ahead of the step that needs them, into free rows or in
@@ -173,6 +181,8 @@ class AdapterPool:
         if ref in self._host:
             self._host.move_to_end(ref)
             return True
+        if ref in self._load_queue:  # a queued disk read of the same version is not needed any more
+            self._load_queue.remove(ref)
         if not self._make_host_room():
             return False
         self._host[ref] = adapter
@@ -194,7 +204,7 @@ class AdapterPool:
             location = "disk"
         if ref in self._host:
             self._host.move_to_end(ref)
-        elif ref not in self._slot_of:  # on the device it needs no host copy (until evicted there)
+        else:  # the host holds every device resident, so it is on disk only
             self._queue_load(ref)
         self._start_loads()
         return location
@@ -303,8 +313,8 @@ class AdapterPool:
         for ref in refs:
             if ref in self._slot_of or ref not in self._host:
                 continue
-            # Optional work: never evict the only copy of an adapter that a request waits for.
-            removable = [r for r in self._evictable() if r not in wanted and not self._only_copy_wanted(r)]
+            # Optional work: never evict an adapter that a request waits for.
+            removable = [r for r in self._evictable() if r not in wanted and self._demand.get(r, 0) == 0]
             plan = self._plan(self._host[ref].max_rank, removable)
             if plan is None:
                 return
@@ -358,26 +368,27 @@ class AdapterPool:
     def _counters(self, ref: AdapterRef) -> AdapterCounters:
         return self.counters.setdefault(ref.name, AdapterCounters())
 
-    def _only_copy_wanted(self, ref: AdapterRef) -> bool:
-        """Requests want ``ref`` and its device copy is the only one (not on the host)."""
-        return self._demand.get(ref, 0) > 0 and ref not in self._host
-
     def _evictable(self) -> list[AdapterRef]:
-        """Unreferenced device residents in eviction order: least recently used first, except
-        that the only copy of an adapter waiting requests want goes last (evicting it means a disk read)."""
+        """Unreferenced device residents in eviction order: least recently used first, except that
+        adapters waiting requests want go last (their requests would need them copied back)."""
         idle = [r for r in self._device_lru if self._device_refs.get(r, 0) == 0]
-        return [r for r in idle if not self._only_copy_wanted(r)] + [r for r in idle if self._only_copy_wanted(r)]
+        return [r for r in idle if not self._demand.get(r, 0)] + [r for r in idle if self._demand.get(r, 0)]
 
     def _queue_load(self, ref: AdapterRef) -> None:
         if ref not in self._loading and ref not in self._load_queue:
             self._load_queue.append(ref)
 
     def _make_host_room(self) -> bool:
-        """Evict unreferenced host entries (LRU) until one more entry fits."""
+        """Evict idle host entries until one more entry fits: least recently used first, entries
+        not on the device before idle device residents (which then leave the device too, so the
+        host keeps holding every device resident)."""
         while len(self._host) + len(self._loading) >= self.max_cpu_loras:
-            victim = next((r for r in self._host if self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0), None)
+            idle = [r for r in self._host if self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0]
+            victim = next((r for r in idle if r not in self._slot_of), None) or next(iter(idle), None)
             if victim is None:
                 return False
+            if victim in self._slot_of:
+                self._evict_device(victim)
             self._evict_host(victim)
         return True
 
@@ -406,6 +417,8 @@ class AdapterPool:
         del self._loading[ref]
         counters = self._counters(ref)
         err = load.future.exception()
+        if ref in self._host:  # registered again while this read ran: the weights are already in place
+            return
         if err is not None:
             if self._demand.get(ref, 0) > 0:
                 self._failures.append(PoolFailure(ref, f"loading adapter {ref.name!r} (version {ref.version[:12]}) failed: {err}"))

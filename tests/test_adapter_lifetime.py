@@ -1,0 +1,36 @@
+"""A waiting request keeps its adapter version through an in-place update, even when another
+adapter takes the version's only device slot: the host tier holds every device resident, so the
+version's weights never have to be read again from a folder that now holds other content."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from runtime.request import SamplingParams
+from tests.engine_helpers import clone_adapter, copy_adapter, make_engine, random_prompt, run_alone, run_to_completion
+
+
+def test_waiting_request_keeps_its_version_after_in_place_update_and_slot_loss(tiny_llama_dir, tiny_adapters, tmp_path):
+    engine = make_engine(tiny_llama_dir, max_loras=1, max_cpu_loras=2)
+    live = copy_adapter(Path(tiny_adapters["b"]), tmp_path / "live")
+    v1 = engine.register_adapter("A", str(live))
+    prompt = random_prompt(random.Random(4), 9)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = run_alone(engine, "warm", prompt, params, "A").token_ids  # A@v1 now on the device and the host
+    engine.register_adapter("B", str(tiny_adapters["a"]))
+    engine.register_adapter("C", str(tiny_adapters["c"]))  # host room: B goes, not A, which is on the device
+    assert v1 in engine.pool.host_refs() and engine.pool.slot_of(v1) == 0
+    engine.add_request("rc", prompt, params, "C")  # older: takes the only slot first, evicting A@v1 there
+    engine.add_request("ra", prompt, params, "A")  # bound to A@v1
+    clone_adapter(Path(tiny_adapters["b"]), live, seed=999)  # overwrite A's folder in place ...
+    v2 = engine.register_adapter("A", str(live))  # ... and hot-update the name
+    assert v2.version != v1.version
+    finals = run_to_completion(engine)
+    assert finals["rc"].finish_reason == "length"
+    assert finals["ra"].finish_reason == "length" and finals["ra"].adapter == v1 and finals["ra"].token_ids == want
+    # v1 was read once, at registration; ra needed no second read. (v2 found the host full of wanted versions.)
+    assert engine.snapshot()["adapters"]["A"]["loads"] == 1
+    assert v1 not in engine.pool.host_refs() and engine.pool.slot_of(v1) is None  # freed after its last reader
+    after = run_alone(engine, "new", prompt, params, "A")
+    assert after.adapter == v2 and after.token_ids != want and engine.snapshot()["adapters"]["A"]["loads"] == 2
+    engine.close()
