@@ -125,8 +125,25 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     assert sum(v["requests"] for v in online["per_adapter"].values()) == 8
     for loc, block in online["ttft_by_adapter_location"].items():
         _check_latency_block(block, [r for r in on_recs if r["adapter_location"] == loc])
+    # Fairness: p99 TTFT of the least popular adapters (by requests with a TTFT; the worst of
+    # them) over the most popular one's, base-model requests left out.
+    ttfts: dict[str, list[float]] = {}
+    for r in on_recs:
+        if r["ttft"] is not None and r["adapter"] is not None:
+            ttfts.setdefault(r["adapter"], []).append(r["ttft"])
+    counts = {name: len(v) for name, v in ttfts.items()}
+    assert len(counts) >= 2  # otherwise serve.py reports no fairness
+    fairness = online["fairness"]
+    assert counts[fairness["most_popular"]] == max(counts.values())
+    assert sorted(fairness["least_popular"]) == sorted(n for n, k in counts.items() if k == min(counts.values()))
+    most = _pct(ttfts[fairness["most_popular"]], 99)
+    least = max(_pct(ttfts[n], 99) for n in fairness["least_popular"])
+    assert fairness["most_popular_p99_ttft_s"] == pytest.approx(most, rel=1e-9)
+    assert fairness["least_popular_p99_ttft_s"] == pytest.approx(least, rel=1e-9)
+    assert fairness["ratio"] == pytest.approx(least / most, rel=1e-9)
     cache = online["cache"]
     with_adapter = sum(1 for r in workload.requests if r.adapter)
+    distinct_adapters = len({r.adapter for r in workload.requests if r.adapter})  # distinct adapters the workload uses
     assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == with_adapter
     assert sum(b["requests"] for b in online["ttft_by_adapter_location"].values()) == with_adapter
     assert all(online["memory"][k] > 0 for k in ("weights_bytes", "kv_cache_bytes", "lora_pool_bytes", "workspace_bytes"))
@@ -135,17 +152,29 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     assert res["sweep_rates"][0]["ttft_p99_s"] == pytest.approx(_pct([r["ttft"] for r in rate_recs], 99), rel=1e-9)
     assert offline[peft]["adapter_swaps"] is None  # not measured there, so not reported as 0
     assert res["peft_batch"] == 32  # defaults to the engine's batch cap (--max-num-seqs)
-    assert set(res["ratios"]) == {"lorafleet / no-adapter", "lorafleet / per-request loop (same subset)", "lorafleet / transformers+peft",
-                                  "lorafleet / no-adapter, stepped in turn"}
-    assert all(v > 0 for v in res["ratios"].values())
-    # Stepped in turn: every request of both runs each round, who steps first alternating.
+
+    def ratio(num: str, den: str, per_round: dict[str, list[float]]) -> float:
+        """As serve.py's ``ratio``: the upper median of the within-round throughput quotients."""
+        return upper_median([n / d for n, d in zip(per_round[num], per_round[den])])
+
+    # Stepped in turn: every request of both runs each round, who steps first alternating; the
+    # LoRA run puts each of the workload's adapters on the device once (3 <= --max-loras 8), the other none.
     pairs = res["stepped_in_turn"]
     assert [list(pr) for pr in pairs] == [["lorafleet", "no-adapter"], ["no-adapter", "lorafleet"]]
     for pr in pairs:
-        for run in pr.values():
+        for name, run in pr.items():
             assert run["tokens"] == want_tokens and run["steps"] > 0
             assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["busy_s"], rel=1e-3, abs=0.05)  # rounded to 0.1
-    assert res["ratios"]["lorafleet / no-adapter, stepped in turn"] == upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs])
+            loaded = distinct_adapters if name == "lorafleet" else 0
+            assert run["adapters_loaded"] == run["device_loads"] == loaded and run["host_loads"] >= loaded, (name, run)
+    offline_rounds = res["offline_rounds_tokens_per_s"]
+    assert res["ratios"] == {
+        "lorafleet / no-adapter": ratio("lorafleet offline", "(a) no adapters", offline_rounds),
+        "lorafleet / per-request loop (same subset)": ratio("lorafleet on loop subset", "(b) per-request loop", offline_rounds),
+        "lorafleet / transformers+peft": ratio("lorafleet offline", peft, offline_rounds),
+        "lorafleet / no-adapter, stepped in turn": upper_median([pr["lorafleet"]["tokens_per_s"] / pr["no-adapter"]["tokens_per_s"] for pr in pairs]),
+    }
+    assert all(v > 0 for v in res["ratios"].values())
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
     for p in res["sweep_adapters"]:  # steps of the median round, against what any schedule needs for those requests
         recs = runs[(f"{p['adapters']} adapters", 1)]
@@ -155,12 +184,19 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
         assert p["steps"] >= want.lower_bound > 0
     assert offline["(a) no adapters"]["engine_steps"] >= max(want_out.values()) and offline[peft]["engine_steps"] is None
     assert all(len(runs[(f"{n} adapters", rnd)]) == 8 for n in (2, 3) for rnd in (1, 2))
+    sweep_rounds = res["sweep_rounds_tokens_per_s"]
+    assert list(sweep_rounds) == ["2", "3"] and all(len(v) == 2 for v in sweep_rounds.values())
+    for p in res["sweep_adapters"]:  # each point is its median round
+        assert p["tokens_per_s"] == upper_median(sweep_rounds[str(p["adapters"])])
     sweep_ratio = res["sweep_ratio_most_vs_fewest_adapters"]
-    assert sweep_ratio["adapters"] == [2, 3] and sweep_ratio["ratio"] > 0
+    assert sweep_ratio["adapters"] == [2, 3] and sweep_ratio["ratio"] == ratio("3", "2", sweep_rounds) > 0
     assert [list(pr) for pr in sweep_ratio["stepped_in_turn"]] == [["3", "2"], ["2", "3"]]
     for pr in sweep_ratio["stepped_in_turn"]:
         for n, run in pr.items():
-            assert run["tokens"] == sum(r["output_tokens"] for r in runs[(f"{n} adapters", 1)])
+            recs = runs[(f"{n} adapters", 1)]
+            assert run["tokens"] == sum(r["output_tokens"] for r in recs)
+            used = len({r["adapter"] for r in recs if r["adapter"] is not None})
+            assert run["adapters_loaded"] == run["device_loads"] == used > 0 and run["host_loads"] >= used, (n, run)
     assert sweep_ratio["ratio_stepped_in_turn"] == upper_median([pr["3"]["tokens_per_s"] / pr["2"]["tokens_per_s"] for pr in sweep_ratio["stepped_in_turn"]])
     # records.jsonl holds exactly the summarized runs: 5 offline configs and 2 adapter counts x 2 rounds, online, one rate
     assert len(runs) == 5 * 2 + 2 * 2 + 2
@@ -191,7 +227,16 @@ def test_engine_throughput_benchmark_smoke(tmp_path: Path) -> None:
     pool = res["mixed_rank_pool"]
     assert pool["device_rows_used"] == 2 * (8 + 16 + 32 + 64)
     assert pool["device_bytes_in_use"] < pool["device_bytes_if_padded"]
-    assert all(res[k] > 0 for k in ("ratio_multi_lora_vs_base", "ratio_200_vs_8_zipf", "ratio_200_max_loras_8_vs_8_zipf"))
+
+    def ratio(num: str, den: str) -> float:
+        """As engine_throughput.py computes it: the upper median of the within-round quotients, to 3 places."""
+        return round(upper_median([n / d for n, d in zip(res[num]["tokens_per_s_rounds"], res[den]["tokens_per_s_rounds"])]), 3)
+
+    assert res["ratio_multi_lora_vs_base"] == ratio("mixed_8_rank16_uniform", "base_only") > 0
+    assert res["ratio_200_vs_8_zipf"] == ratio("zipf_200_adapters", "zipf_8_adapters") > 0
+    assert res["ratio_200_max_loras_8_vs_8_zipf"] == ratio("zipf_200_adapters_max_loras_8", "zipf_8_adapters") > 0
+    # Adapters each alternating run put on the device (32 slots: each adapter used, once)
+    used = {"base_only": 0, "mixed_8_rank16_uniform": 6, "zipf_200_adapters": res["zipf_200_distinct_adapters_used"]}
     # The alternating-steps pairs: both engines finish every request, and each ratio is the median round's.
     for key, (num, den) in {"multi_lora_vs_base": ("mixed_8_rank16_uniform", "base_only"),
                             "200_vs_8_zipf": ("zipf_200_adapters", "zipf_8_adapters")}.items():  # fmt: skip
@@ -199,6 +244,10 @@ def test_engine_throughput_benchmark_smoke(tmp_path: Path) -> None:
         assert len(paired) == 2 and all(set(r) == {num, den} for r in paired)
         for r in (run for rnd in paired for run in rnd.values()):
             assert r["tokens"] == 6 * 3 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["busy_s"], rel=1e-3, abs=0.1)
+        for name, r in ((name, r) for rnd in paired for name, r in rnd.items()):
+            want = used.get(name, r["adapters_loaded"])  # zipf_8_adapters: its distinct count is not reported
+            assert r["adapters_loaded"] == r["device_loads"] == want and (want > 0) == (name != "base_only"), (key, name, r)
+            assert (r["host_loads"] >= want) and (r["host_loads"] > 0) == (name != "base_only"), (key, name, r)  # registering loads too
         ratios = [r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in paired]
         assert res[f"ratio_{key}_alternating"] == round(max(ratios), 3)  # upper median of two
 
@@ -255,7 +304,9 @@ def test_decode_attention_benchmark_smoke(tmp_path: Path) -> None:
 def test_stepped_in_turn_with_more_adapters_than_the_host_tier(tmp_path: Path) -> None:
     """Three adapters through a host tier of two: the load that cannot start up front happens
     during the run (waiting for it before the first step would never end), and both runs
-    produce every token. In a subprocess, so a hang fails the test instead of stalling CI."""
+    produce every token, the LoRA run with every adapter loaded onto the device (one slot, so at
+    least one device load each) and the base run loading none. In a subprocess, so a hang fails
+    the test instead of stalling CI."""
     script = f"""
 import json, sys
 from pathlib import Path
@@ -279,3 +330,7 @@ print(json.dumps(res))
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert list(res) == ["lora", "base"]
     assert res["lora"]["tokens"] == res["base"]["tokens"] == 18
+    lora, base = res["lora"], res["base"]
+    assert lora["adapters_loaded"] == 3 and lora["device_loads"] >= 3
+    assert lora["host_loads"] > 3  # one load per registration, and the adapter evicted by the third loaded again in the run
+    assert base["adapters_loaded"] == base["host_loads"] == base["device_loads"] == 0

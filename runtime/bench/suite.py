@@ -155,6 +155,9 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
     loader thread would otherwise run during another engine's steps); loads queued behind a full
     host tier (more adapters in the workload than ``max_cpu_loras``) happen during the run, as
     do host -> device copies. Run order is the dict's: callers alternate it between rounds.
+    Each run also reports its adapter pool's counters over the whole run: ``host_loads`` (disk ->
+    host), ``device_loads`` (host -> device) and ``adapters_loaded`` (distinct adapter names
+    loaded onto the device); all 0 for a run without adapters.
     """
     import time
 
@@ -180,11 +183,14 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
                     tokens[name] += sum(len(o.new_token_ids) for o in engine.step())
                     busy[name] += time.perf_counter() - start
                     steps[name] += 1
+        loads = {name: list(engine.pool.counters.values()) for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.close()
     return {name: {"tokens": tokens[name], "steps": steps[name], "busy_s": round(busy[name], 6),
-                   "tokens_per_s": round(tokens[name] / busy[name], 1) if busy[name] else 0.0} for name in engines}
+                   "tokens_per_s": round(tokens[name] / busy[name], 1) if busy[name] else 0.0,
+                   "host_loads": sum(c.loads for c in loads[name]), "device_loads": sum(c.device_loads for c in loads[name]),
+                   "adapters_loaded": sum(1 for c in loads[name] if c.device_loads)} for name in engines}
 
 
 def workload_jobs(workload: Any, adapters: dict[str, Path], without_adapters: bool = False) -> tuple[dict[str, Path], list[tuple[Any, Optional[str], Any]]]:
