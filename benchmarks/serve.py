@@ -261,6 +261,7 @@ def main() -> int:
         plots.throughput_vs_adapters([(n, t) for n, t, *_ in points], base_tp, out / "throughput_vs_adapters.png")
         results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s, "steps": st, "slot_bound": b.as_dict()}
                                      for n, t, s, st, b in points]
+        results["sweep_rounds_tokens_per_s"] = {str(n): [rd[n]["throughput_tokens_per_s"] for rd in sweep_rounds] for n in counts}
         if len(counts) > 1:  # the largest count against the smallest, per round
             lo, hi = min(counts), max(counts)
             in_turn = []
