@@ -117,11 +117,26 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
 
 
 def served_base_model(base_url: str, api_key: Optional[str] = None) -> str:
-    """The base model's name as a running server lists it (the first entry of /v1/models)."""
+    """The base model's name as a running server lists it (the first entry of /v1/models).
+
+    A reply other than 200 is an ``httpx.HTTPStatusError`` whose one-line message gives the
+    status and the start of the body (a wrong or missing key: 401; not a lorafleet server: 404);
+    a 200 that is not a model list is a ``ValueError``. ``base_url`` may end with a slash."""
     import httpx
 
+    url = f"{base_url.rstrip('/')}/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return str(httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"])
+    resp = httpx.get(url, headers=headers, timeout=30)
+    try:
+        resp.raise_for_status()
+    except httpx.HTTPStatusError as err:
+        body = " ".join(resp.text.split())[:200]
+        raise httpx.HTTPStatusError(f"GET {url}: HTTP {resp.status_code} {resp.reason_phrase}" + (f": {body}" if body else ""),
+                                    request=err.request, response=err.response) from None  # fmt: skip
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"GET {url}: not an OpenAI model list with at least one model: {' '.join(resp.text.split())[:200]!r}") from None
 
 
 async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], label: str, api_key: Optional[str] = None,
@@ -134,7 +149,7 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max(1, len(requests)))
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s, limits=limits, transport=transport) as client:
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits, transport=transport) as client:
 
         async def run_one(req: Any, arrival: float) -> RequestRecord:
             rec = RequestRecord(req.index, req.adapter, req.arrival_s)

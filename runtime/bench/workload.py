@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -46,8 +47,12 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.popularity not in POPULARITIES:
             raise ValueError(f"popularity: {self.popularity!r} is not one of {', '.join(POPULARITIES)}")
-        if self.num_requests < 1 or self.num_adapters < 1:
-            raise ValueError("num_requests and num_adapters must be >= 1")
+        for name in ("num_requests", "num_adapters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("alpha", "rate", "cv"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
         if self.cv <= 0:
             raise ValueError(f"cv: must be > 0, got {self.cv}")
         if not 0.0 <= self.base_fraction <= 1.0:
@@ -86,15 +91,85 @@ class Workload:
 
     @classmethod
     def load(cls, path: str | Path) -> "Workload":
+        """Read a file written by :meth:`save`. A malformed file is a ``ValueError`` that names the
+        file, the line and what is wrong or missing; an unreadable one is the ``OSError``."""
         lines = Path(path).read_text().splitlines()
-        if not lines:
-            raise ValueError(f"{path}: empty workload file")
-        head = json.loads(lines[0])
-        spec_values = dict(head["spec"])
-        for key in ("ranks", "input_len", "output_len"):
-            spec_values[key] = tuple(spec_values[key])
-        requests = tuple(WorkloadRequest(**json.loads(line)) for line in lines[1:] if line.strip())
-        return cls(WorkloadSpec(**spec_values), dict(head["adapter_ranks"]), requests)
+        if not lines or not lines[0].strip():
+            raise ValueError(f"{path}: empty workload file (expected a JSONL header line with 'spec' and 'adapter_ranks', "
+                             "then one line per request, as Workload.save writes)")
+        head = _json_object(path, 1, lines[0], "the header")
+        missing = [k for k in ("spec", "adapter_ranks") if k not in head]
+        if missing:
+            raise ValueError(f"{path}: line 1: the header lacks {' and '.join(map(repr, missing))} "
+                             f"(has: {', '.join(map(repr, head)) or 'nothing'}); is this a workload file written by Workload.save?")
+        spec = _spec_from_header(path, head["spec"])
+        adapter_ranks = head["adapter_ranks"]
+        if not isinstance(adapter_ranks, dict) or not all(
+                isinstance(k, str) and type(v) is int and v >= 1 for k, v in adapter_ranks.items()):  # fmt: skip
+            raise ValueError(f"{path}: line 1: adapter_ranks: expected an object of adapter name -> positive integer rank, got {adapter_ranks!r:.200}")
+        requests = tuple(_request_from_line(path, n, line, adapter_ranks) for n, line in enumerate(lines[1:], start=2) if line.strip())
+        if not requests:
+            raise ValueError(f"{path}: no requests after the header line")
+        return cls(spec, dict(adapter_ranks), requests)
+
+
+def _json_object(path: str | Path, n: int, line: str, what: str) -> dict:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: line {n}: {what} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: line {n}: {what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _spec_from_header(path: str | Path, raw: object) -> WorkloadSpec:
+    known = {f.name: f for f in fields(WorkloadSpec)}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: line 1: spec must be a JSON object, got {type(raw).__name__}")
+    unknown, missing = sorted(set(raw) - set(known)), sorted(set(known) - set(raw))
+    if unknown or missing:
+        parts = ([f"unknown key(s) {', '.join(unknown)}"] if unknown else []) + ([f"missing key(s) {', '.join(missing)}"] if missing else [])
+        raise ValueError(f"{path}: line 1: spec: {'; '.join(parts)}")
+    values = dict(raw)
+    for key in ("ranks", "input_len", "output_len"):
+        if not isinstance(values[key], list) or not all(type(v) is int for v in values[key]) or (key != "ranks" and len(values[key]) != 2):
+            want = "a list of integers" if key == "ranks" else "a list of two integers [lo, hi]"
+            raise ValueError(f"{path}: line 1: spec.{key}: expected {want}, got {values[key]!r}")
+        values[key] = tuple(values[key])
+    for key in ("num_requests", "num_adapters", "seed"):
+        if type(values[key]) is not int:
+            raise ValueError(f"{path}: line 1: spec.{key}: expected an integer, got {values[key]!r}")
+    for key in ("alpha", "rate", "cv", "base_fraction"):
+        if type(values[key]) not in (int, float):
+            raise ValueError(f"{path}: line 1: spec.{key}: expected a number, got {values[key]!r}")
+    try:
+        return WorkloadSpec(**values)
+    except ValueError as err:
+        raise ValueError(f"{path}: line 1: spec.{err}") from None
+
+
+def _request_from_line(path: str | Path, n: int, line: str, adapter_ranks: dict[str, int]) -> WorkloadRequest:
+    raw = _json_object(path, n, line, "the request")
+    names = [f.name for f in fields(WorkloadRequest)]
+    unknown, missing = sorted(set(raw) - set(names)), [k for k in names if k not in raw]
+    if unknown or missing:
+        parts = ([f"unknown key(s) {', '.join(unknown)}"] if unknown else []) + ([f"missing key(s) {', '.join(missing)}"] if missing else [])
+        raise ValueError(f"{path}: line {n}: request: {'; '.join(parts)}")
+    bad = None
+    if type(raw["index"]) is not int:
+        bad = f"index: expected an integer, got {raw['index']!r}"
+    elif type(raw["arrival_s"]) not in (int, float) or not 0 <= raw["arrival_s"] < math.inf:
+        bad = f"arrival_s: expected a number >= 0, got {raw['arrival_s']!r}"
+    elif raw["adapter"] is not None and raw["adapter"] not in adapter_ranks:
+        bad = f"adapter: {raw['adapter']!r} is not in the header's adapter_ranks"
+    elif not isinstance(raw["prompt"], str) or not raw["prompt"]:
+        bad = f"prompt: expected a non-empty string, got {raw['prompt']!r:.80}"
+    elif type(raw["output_tokens"]) is not int or raw["output_tokens"] < 1:
+        bad = f"output_tokens: expected an integer >= 1, got {raw['output_tokens']!r}"
+    if bad is not None:
+        raise ValueError(f"{path}: line {n}: {bad}")
+    return WorkloadRequest(**raw)
 
 
 def adapter_name(k: int) -> str:
@@ -140,30 +215,104 @@ def generate(spec: WorkloadSpec) -> Workload:
     return Workload(spec, ranks, tuple(requests))
 
 
+class Given(argparse.Action):
+    """``store``, and remember the flag in ``namespace.given_flags``: the default stays the
+    effective value (and shows in --help), yet a caller can tell a flag the user typed from one
+    left at its default, and refuse a typed flag that its mode would ignore."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        given = set(getattr(namespace, "given_flags", None) or ())
+        given.add(next((o for o in self.option_strings if o.startswith("--")), self.option_strings[0]))  # also for an abbreviation
+        namespace.given_flags = given
+
+
+def given_flags(args: argparse.Namespace) -> set[str]:
+    """The flags (long names) the user typed, of those added with ``action=Given``."""
+    return set(getattr(args, "given_flags", None) or ())
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integer ranks like 8,16,32, got {text!r}") from None
+    return ranks
+
+
+def parse_pair(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        lo, hi = (int(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"expected two comma-separated integers lo,hi like 8,32, got {text!r}") from None
+    return lo, hi
+
+
+def _arg_type(parse):  # type: ignore[no-untyped-def]
+    """argparse keeps an ArgumentTypeError's message (a ValueError's becomes 'invalid ... value')."""
+
+    def convert(text: str):  # type: ignore[no-untyped-def]
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+# WorkloadSpec field -> the flag that sets it
+SPEC_FLAGS = {"num_requests": "--num-requests", "num_adapters": "--adapters", "popularity": "--popularity", "alpha": "--alpha",
+              "ranks": "--ranks", "rate": "--rate", "cv": "--cv", "input_len": "--input-len", "output_len": "--output-len",
+              "base_fraction": "--base-fraction", "seed": "--seed"}  # fmt: skip
+
+
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=8, help="number of adapters")
-    p.add_argument("--popularity", choices=POPULARITIES, default="zipf")
-    p.add_argument("--alpha", type=float, default=1.0, help="zipf exponent")
-    p.add_argument("--ranks", default="8,16,32,64", help="comma-separated rank set")
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (<= 0: all at once)")
-    p.add_argument("--cv", type=float, default=1.0, help="inter-arrival coefficient of variation (1 = Poisson)")
-    p.add_argument("--input-len", default="8,32", help="prompt words lo,hi")
-    p.add_argument("--output-len", default="8,32", help="output tokens lo,hi")
-    p.add_argument("--base-fraction", type=float, default=0.0, help="share of requests with no adapter")
-    p.add_argument("--seed", type=int, default=0)
+    """The workload flags. Defaults are WorkloadSpec's; each flag records its explicit use (``given_flags``)."""
+    d = WorkloadSpec()
+    p.add_argument("--num-requests", type=int, default=d.num_requests, action=Given, help="requests in the workload (default: %(default)s)")
+    p.add_argument("--adapters", type=int, default=d.num_adapters, action=Given, help="number of adapters (default: %(default)s)")
+    p.add_argument("--popularity", choices=POPULARITIES, default=d.popularity, action=Given,
+                   help="which adapter each request uses: identical (all adapter 0), distinct (round robin), uniform, or zipf "
+                        "(see --alpha) (default: %(default)s)")  # fmt: skip
+    p.add_argument("--alpha", type=float, default=d.alpha, action=Given, help="zipf exponent; only with --popularity zipf (default: %(default)s)")
+    p.add_argument("--ranks", type=_arg_type(parse_ranks), metavar="R,R,...", default=",".join(map(str, d.ranks)), action=Given,
+                   help="comma-separated rank set; each adapter's rank is drawn from it (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=d.rate, action=Given, help="mean arrivals per second; <= 0: all at once (default: %(default)s)")
+    p.add_argument("--cv", type=float, default=d.cv, action=Given, help="inter-arrival coefficient of variation; 1 = Poisson (default: %(default)s)")
+    p.add_argument("--input-len", type=_arg_type(parse_pair), metavar="LO,HI", default=",".join(map(str, d.input_len)), action=Given,
+                   help="prompt words, uniform in lo,hi (default: %(default)s)")
+    p.add_argument("--output-len", type=_arg_type(parse_pair), metavar="LO,HI", default=",".join(map(str, d.output_len)), action=Given,
+                   help="output tokens, uniform in lo,hi (default: %(default)s)")
+    p.add_argument("--base-fraction", type=float, default=d.base_fraction, action=Given,
+                   help="share of requests that name no adapter (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, action=Given, help="seed of every random draw (default: %(default)s)")
 
 
 def spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
-    def pair(text: str) -> tuple[int, int]:
-        lo, hi = (int(x) for x in text.split(","))
-        return lo, hi
+    """The WorkloadSpec of parsed ``add_spec_arguments`` flags. A bad value is a ValueError that
+    starts with the flag's name (``--cv: must be > 0, got 0.0``)."""
+    def value(field_name: str, parse=None):  # type: ignore[no-untyped-def]
+        v = getattr(a, "adapters" if field_name == "num_adapters" else field_name)
+        if parse is not None and isinstance(v, str):  # argparse converts; a hand-made Namespace may hold the text
+            try:
+                v = parse(v)
+            except ValueError as err:
+                raise ValueError(f"{SPEC_FLAGS[field_name]}: {err}") from None
+        return v
 
-    return WorkloadSpec(
-        num_requests=a.num_requests, num_adapters=a.adapters, popularity=a.popularity, alpha=a.alpha,
-        ranks=tuple(int(r) for r in a.ranks.split(",")), rate=a.rate, cv=a.cv,
-        input_len=pair(a.input_len), output_len=pair(a.output_len), base_fraction=a.base_fraction, seed=a.seed,
-    )
+    try:
+        return WorkloadSpec(
+            num_requests=value("num_requests"), num_adapters=value("num_adapters"), popularity=value("popularity"), alpha=value("alpha"),
+            ranks=value("ranks", parse_ranks), rate=value("rate"), cv=value("cv"), input_len=value("input_len", parse_pair),
+            output_len=value("output_len", parse_pair), base_fraction=value("base_fraction"), seed=value("seed"),
+        )
+    except ValueError as err:
+        name, sep, why = str(err).partition(":")
+        if sep and name in SPEC_FLAGS:
+            raise ValueError(f"{SPEC_FLAGS[name]}:{why}") from None
+        raise
 
 
 def main() -> None:
@@ -171,7 +320,10 @@ def main() -> None:
     add_spec_arguments(p)
     p.add_argument("--out", required=True, help="JSONL file to write")
     a = p.parse_args()
-    w = generate(spec_from_args(a))
+    try:
+        w = generate(spec_from_args(a))
+    except ValueError as err:
+        p.error(str(err))
     w.save(a.out)
     print(f"wrote {len(w.requests)} requests over {len(w.adapter_ranks)} adapters to {a.out}")
 
