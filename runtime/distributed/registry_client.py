@@ -14,12 +14,26 @@ from typing import Any
 import ray
 
 from runtime.request import AdapterRef, UnknownAdapterError
+from runtime.server.errors import APIError
 
 logger = logging.getLogger("lorafleet.registry")
 
 
-class ReplicasFailedToApply(RuntimeError):
-    """A live replica could not apply the new revision (e.g. the files changed on disk meanwhile)."""
+class ReplicasFailedToApply(APIError):
+    """HTTP 503: live replica(s) could not apply the change (the files are not visible on their
+    node yet, or changed on disk since they were validated). The change is recorded; those
+    replicas do not serve the name meanwhile and retry at every sync. Posting the same load
+    again waits for them once more and answers with how they stand then."""
+
+    def __init__(self, what: str, name: str, failed: dict[str, list[str]]) -> None:
+        detail = "; ".join(f"replica {rid}: {' | '.join(errs)}" for rid, errs in sorted(failed.items()))
+        super().__init__(
+            503,
+            f"{what}: recorded in the registry, but {len(failed)} replica(s) failed to apply it and do not serve {name!r} "
+            f"until they can (they retry at every sync; post the same request again to check): {detail}",
+            code="replicas_failed_to_apply",
+        )
+        self.failed = failed
 
 
 class RegistryClient:
@@ -47,10 +61,10 @@ class RegistryClient:
 
     def _wait(self, revision: int, what: str, name: str) -> None:
         report = ray.get(self.registry.wait_applied.remote(revision, self.apply_timeout_s))
-        failed = {rid: [e for e in errs if e.startswith(f"{name}:")] for rid, errs in report["errors"].items()}
+        failed = {rid: [e for e in errs if e.startswith(f"{name}: ")] for rid, errs in report["errors"].items()}
         failed = {rid: errs for rid, errs in failed.items() if errs}
         if failed:
-            raise ReplicasFailedToApply(f"{what}: recorded in the registry, but replica(s) failed to apply it: {failed}")
+            raise ReplicasFailedToApply(what, name, failed)
         if report["lagging"]:
             # Recorded durably; lagging replicas apply it on their next heartbeat, and a request
             # routed there first syncs in the multiplexed loader. Say so instead of failing.

@@ -4,12 +4,14 @@ Runs as one named Ray actor per application (see ``application.py``); replicas s
 from it and the ingress writes to it. Every change bumps ``revision`` and is written to
 the manifest *before* it becomes visible, so what replicas apply is always durable.
 
-Replicas call ``heartbeat(replica_id, applied_revision, snapshot)`` every
-``sync_interval`` seconds: it records that they are alive, which revision they have
-applied and their engine snapshot (for /metrics), and returns the registered set when
-they are behind. A replica is *live* while its last heartbeat is younger than
+Replicas call ``heartbeat(replica_id, applied_revision, snapshot, errors,
+attempted_revision)`` every ``sync_interval`` seconds: it records that they are alive,
+which revision they have applied in full, which one they tried (and what failed), and
+their engine snapshot (for /metrics), and returns the registered set when they are
+behind. A replica whose entries failed stays behind, so it is sent the set again, and
+retries, at every heartbeat. A replica is *live* while its last heartbeat is younger than
 ``live_after_s``. ``wait_applied(R)`` returns once every live replica has applied a
-revision >= R, or at the timeout with the lagging replicas named.
+revision >= R or reported errors for one, or at the timeout with the lagging replicas named.
 
 Version rules are the single server's: re-registering a name with other content is a
 hot update (a new version; requests in flight finish on the old one, each replica's
@@ -28,11 +30,19 @@ from runtime.distributed.manifest import Manifest, ManifestEntry, ManifestStore
 
 @dataclass
 class ReplicaStatus:
+    """What a replica's last heartbeat said: ``applied_revision`` was applied in full;
+    ``attempted_revision`` was applied except for the entries named in ``errors``."""
+
     applied_revision: int
     last_seen: float
     snapshot: dict[str, Any]
     errors: tuple[str, ...] = ()
     first_seen: float = field(default_factory=time.monotonic)
+    attempted_revision: int = -1
+
+    def settled(self, revision: int) -> bool:
+        """Done with ``revision``: applied it, or tried and reported what failed."""
+        return self.applied_revision >= revision or (self.attempted_revision >= revision and bool(self.errors))
 
 
 class AdapterRegistryService:
@@ -70,26 +80,48 @@ class AdapterRegistryService:
         self.manifest = manifest
 
     # ---- replicas --------------------------------------------------------------------------------
-    def heartbeat(self, replica_id: str, applied_revision: int, snapshot: dict[str, Any], errors: tuple[str, ...] = ()) -> Optional[dict[str, Any]]:
-        """Record a replica's progress; returns ``state()`` when it is behind, else None."""
+    def heartbeat(
+        self,
+        replica_id: str,
+        applied_revision: int,
+        snapshot: dict[str, Any],
+        errors: tuple[str, ...] = (),
+        attempted_revision: Optional[int] = None,
+    ) -> Optional[dict[str, Any]]:
+        """Record a replica's progress; returns ``state()`` when it is behind, else None.
+
+        A replica whose entries failed stays behind (``applied_revision`` does not advance),
+        so it gets the state again at every heartbeat and retries them.
+        """
         now = time.monotonic()
+        attempted = max(applied_revision, attempted_revision if attempted_revision is not None else applied_revision)
         status = self.replicas.get(replica_id)
         if status is None:
-            self.replicas[replica_id] = ReplicaStatus(applied_revision, now, snapshot, tuple(errors))
+            self.replicas[replica_id] = ReplicaStatus(applied_revision, now, snapshot, tuple(errors), attempted_revision=attempted)
         else:
             status.applied_revision, status.last_seen, status.snapshot, status.errors = applied_revision, now, snapshot, tuple(errors)
+            status.attempted_revision = attempted
         return self.state() if applied_revision < self.manifest.revision else None
 
     def forget(self, replica_id: str) -> None:
         """A replica shutting down says goodbye, so waits need not time it out."""
         self.replicas.pop(replica_id, None)
 
+    def _live(self) -> dict[str, ReplicaStatus]:
+        now = time.monotonic()
+        return {rid: s for rid, s in sorted(self.replicas.items()) if now - s.last_seen <= self.live_after_s}
+
     def live_replicas(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
         return {
-            rid: {"applied_revision": s.applied_revision, "age_s": now - s.last_seen, "snapshot": s.snapshot, "errors": list(s.errors)}
-            for rid, s in sorted(self.replicas.items())
-            if now - s.last_seen <= self.live_after_s
+            rid: {
+                "applied_revision": s.applied_revision,
+                "attempted_revision": s.attempted_revision,
+                "age_s": now - s.last_seen,
+                "snapshot": s.snapshot,
+                "errors": list(s.errors),
+            }
+            for rid, s in self._live().items()
         }
 
     def view(self) -> dict[str, Any]:
@@ -97,14 +129,22 @@ class AdapterRegistryService:
         return {**self.state(), "replicas": self.live_replicas()}
 
     async def wait_applied(self, revision: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
-        """Wait until every live replica applied ``revision``; {applied, lagging, errors}."""
+        """Wait until every live replica is done with ``revision``: applied it, or tried and
+        reported errors (those are returned at once, not after the timeout).
+
+        Returns {applied, lagging, errors}: replicas that applied it, replicas that had not
+        tried it by the timeout, and replica -> errors of its attempt at ``revision`` or later.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
-            live = self.live_replicas()
-            lagging = sorted(rid for rid, s in live.items() if s["applied_revision"] < revision)
+            live = self._live()
+            lagging = sorted(rid for rid, s in live.items() if not s.settled(revision))
             if not lagging or time.monotonic() >= deadline:
-                errors = {rid: s["errors"] for rid, s in live.items() if s["errors"]}
-                return {"applied": sorted(set(live) - set(lagging)), "lagging": lagging, "errors": errors}
+                return {
+                    "applied": sorted(rid for rid, s in live.items() if s.applied_revision >= revision),
+                    "lagging": lagging,
+                    "errors": {rid: list(s.errors) for rid, s in live.items() if s.errors and s.attempted_revision >= revision},
+                }
             await asyncio.sleep(poll_s)
 
 

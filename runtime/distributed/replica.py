@@ -30,12 +30,21 @@ from ray import serve
 
 from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
+from runtime.lora.registry import AdapterInfo
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 
 logger = logging.getLogger("lorafleet.replica")
 
+
+
+class AdapterUnavailable(RuntimeError):
+    """The adapter is registered, but this replica cannot serve the version the request needs
+    (yet): the request should be retried (another replica, or a later sync, can serve it)."""
+
+
 ERROR_KINDS: dict[str, type[Exception]] = {
     "unknown_adapter": UnknownAdapterError,
+    "adapter_unavailable": AdapterUnavailable,
     "prompt_too_long": PromptTooLongError,
     "rejected": RequestRejected,
     "invalid": ValueError,
@@ -81,8 +90,10 @@ class LoraReplica:
         self.replica_id = replica_id
         self.registry = registry
         self.sync_interval_s = sync_interval_s
-        self.applied_revision = -1
+        self.applied_revision = -1  # the newest revision applied in full
+        self.attempted_revision = -1  # the newest revision applied, in full or not (apply_errors says what failed)
         self.apply_errors: tuple[str, ...] = ()
+        self._unservable: dict[str, str] = {}  # registered names this replica cannot serve yet -> why
         self._sync_lock = asyncio.Lock()
         self._metrics_lock = threading.Lock()
         self._finished: dict[str, Any] = {}
@@ -90,37 +101,72 @@ class LoraReplica:
 
     # ---- the registered set ------------------------------------------------------------------
     def _apply(self, state: dict[str, Any]) -> None:
-        """Make this engine's adapter set equal the registry's revision (runs off the event loop)."""
+        """Make this engine's adapter set equal the registry's ``state`` (runs off the event loop).
+
+        An entry that cannot be applied here (files not visible on this node yet, or changed
+        since the registry validated them) is reported in ``apply_errors`` and keeps
+        ``applied_revision`` below the state's revision, so every later sync retries it;
+        ``attempted_revision`` says which revision the errors are about.
+        """
         wanted = {e["name"]: e for e in state["entries"]}
         have = {a.name: a for a in self.engine.adapters()}
-        errors = []
+        failed: dict[str, str] = {}
         for name, entry in wanted.items():
             if name in have and have[name].version == entry["version"]:
                 continue
-            try:
-                ref = self.engine.register_adapter(name, entry["path"])
-            except (ValueError, OSError) as err:
-                errors.append(f"{name}: {err}")
-                continue
-            if ref.version != entry["version"]:
-                # The files changed since the registry validated them: serving them would
-                # give this replica different weights than the others under the same name.
-                self.engine.unregister_adapter(name)
-                errors.append(f"{name}: {entry['path']} now has version {ref.version}, registered {entry['version']}; load it again")
+            error = self._apply_entry(entry, have.get(name))
+            if error is not None:
+                failed[name] = error
         for name in set(have) - set(wanted):
             self.engine.unregister_adapter(name)
-        self.applied_revision = state["revision"]
-        self.apply_errors = tuple(errors)
-        for e in errors:
-            logger.error("replica %s: %s", self.replica_id, e)
+        self._record_apply(state["revision"], failed)
+
+    def _apply_entry(self, entry: dict[str, Any], held: Optional[AdapterInfo]) -> Optional[str]:
+        """Make ``entry`` current in the engine; returns why it could not (``"<name>: ..."``), else None."""
+        name = entry["name"]
+        try:
+            ref = self.engine.register_adapter(name, entry["path"])
+        except (ValueError, OSError) as err:
+            problem = str(err)
+        else:
+            if ref.version == entry["version"]:
+                return None
+            # The files changed since the registry validated them: serving them would
+            # give this replica different weights than the others under the same name.
+            self.engine.unregister_adapter(name)
+            problem = f"{entry['path']} now has version {ref.version}, registered {entry['version']}; load it again"
+        if held is not None and held.version != entry["version"] and name in {a.name for a in self.engine.adapters()}:
+            self.engine.unregister_adapter(name)  # never serve a version the registry no longer names
+        return f"{name}: {problem}"
+
+    def _record_apply(self, revision: int, failed: dict[str, str]) -> None:
+        """Record the outcome of applying ``revision``: applied only when nothing failed."""
+        self.attempted_revision = revision
+        if not failed:
+            self.applied_revision = revision
+        self._unservable = {name: failed[name] for name in failed if name not in {a.name for a in self.engine.adapters()}}
+        errors = tuple(failed[name] for name in sorted(failed))
+        if errors != self.apply_errors:  # log changes, not every retry
+            for e in errors:
+                logger.error("replica %s: %s", self.replica_id, e)
+        self.apply_errors = errors
+
+    async def _heartbeat(self) -> Optional[dict[str, Any]]:
+        """Report progress to the registry; returns its state when this replica is behind."""
+        return await self.registry.heartbeat.remote(
+            self.replica_id, self.applied_revision, self.report(), self.apply_errors, self.attempted_revision
+        )
 
     async def _sync_once(self) -> None:
+        """Heartbeat, and apply the registry's state when this replica is behind it."""
         async with self._sync_lock:
-            for _ in range(2):  # a second heartbeat acknowledges what the first one delivered
-                state = await self.registry.heartbeat.remote(self.replica_id, self.applied_revision, self.report(), self.apply_errors)
-                if state is None:
-                    return
+            attempted = None
+            for _ in range(2):  # the second heartbeat acknowledges what the first one delivered
+                state = await self._heartbeat()
+                if state is None or state["revision"] == attempted:
+                    return  # current, or this revision failed a moment ago: the next sync retries it
                 await asyncio.to_thread(self._apply, state)
+                attempted = state["revision"]
 
     async def _sync_loop(self) -> None:
         while True:
@@ -137,14 +183,27 @@ class LoraReplica:
         return snap
 
     async def _lease(self, name: str) -> AdapterLease:
-        """Serve's multiplexed loader: make sure ``name`` is registered here (syncing if needed)."""
-        info = next((a for a in self.engine.adapters() if a.name == name), None)
+        """Serve's multiplexed loader: make sure ``name`` is registered here (syncing if needed).
+
+        Serve calls it only for names its cache does not hold; ``generate`` checks the rest.
+        """
+        info = self._held(name)
         if info is None:
             await self._sync_once()
-            info = next((a for a in self.engine.adapters() if a.name == name), None)
+            info = self._held(name)
         if info is None:
+            self._raise_if_unservable(name)
             raise UnknownAdapterError(f"adapter {name!r} is not registered in the application")
         return AdapterLease(name, info.version)
+
+    def _held(self, name: str) -> Optional[AdapterInfo]:
+        return next((a for a in self.engine.adapters() if a.name == name), None)
+
+    def _raise_if_unservable(self, name: str) -> None:
+        """A registered name whose registered version this replica failed to apply: a 503, not a 404."""
+        why = self._unservable.get(name)
+        if why is not None:
+            raise AdapterUnavailable(f"adapter {name!r} is registered, but this replica cannot serve it yet: {why}; retry the request")
 
     # ---- requests ------------------------------------------------------------------------------
     def _observe(self, metrics: Any) -> None:
@@ -155,7 +214,8 @@ class LoraReplica:
         if adapter is not None:
             try:
                 await self.load_adapter(adapter)
-            except UnknownAdapterError as err:
+                self._raise_if_unservable(adapter)  # Serve's cache may still hold a lease on it
+            except (UnknownAdapterError, AdapterUnavailable) as err:
                 yield error_item(err)
                 return
         stream = self.engine.generate(request_id, prompt, params, adapter)

@@ -43,6 +43,13 @@ class ReplicaUnavailable(APIError):
         super().__init__(503, f"request {request_id}: the replica serving it died ({detail}); retry the request", code="replica_unavailable")
 
 
+def replica_error(kind: str, message: str) -> Exception:
+    """The exception for a replica's ``("error", kind, message)`` item."""
+    if kind == "adapter_unavailable":  # registered, but not servable there yet: the client should retry
+        return APIError(503, message, param="model", code="adapter_unavailable")
+    return ERROR_KINDS[kind](message)
+
+
 class ReplicaSetEngine:
     def __init__(
         self,
@@ -134,7 +141,7 @@ class ReplicaSetEngine:
             try:
                 async for item in stream:
                     if item[0] == "error":
-                        raise ERROR_KINDS[item[1]](item[2])
+                        raise replica_error(item[1], item[2])
                     out, metrics = item[1], item[2]
                     if metrics is not None:
                         for observer in self._observers:

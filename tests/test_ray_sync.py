@@ -1,0 +1,161 @@
+"""A replica's adapter sync with the registry, without a Ray cluster.
+
+Each test builds a ``LoraReplica`` around a real ``AsyncLLMEngine`` on the tiny llama
+(``LoraReplica._setup``: no Serve), and an ``AdapterRegistryService`` called through
+``LocalHandle``, which answers ``handle.method.remote(...)`` like a Ray actor handle. The
+tests drive ``_sync_once`` / ``_apply`` / ``generate`` themselves, so nothing waits on a clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from runtime.async_engine import AsyncLLMEngine  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.distributed import registry_client  # noqa: E402
+from runtime.distributed.registry_client import RegistryClient, ReplicasFailedToApply  # noqa: E402
+from runtime.distributed.registry_service import AdapterRegistryService  # noqa: E402
+from runtime.distributed.replica import LoraReplica  # noqa: E402
+from runtime.distributed.replica_set import replica_error  # noqa: E402
+from runtime.request import SamplingParams  # noqa: E402
+from runtime.server.errors import APIError  # noqa: E402
+from tests.engine_helpers import clone_adapter  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+class LocalHandle:
+    """An object called like a Ray actor handle: ``handle.method.remote(*args)`` is an awaitable
+    of the method's result (awaiting it too when the method is async)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.target, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        return SimpleNamespace(remote=call)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> AdapterRegistryService:
+    return AdapterRegistryService(str(tmp_path / "registry"))
+
+
+@pytest.fixture
+def replica(tiny_llama_dir: Path, service: AdapterRegistryService) -> Iterator[LoraReplica]:
+    """A replica of the tiny llama synced from ``service``; Serve's multiplexed loader is
+    stood in for by ``_lease`` itself."""
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=2, max_lora_rank=16,
+                          max_cpu_loras=4, max_num_seqs=4, max_model_len=64, block_size=8, num_kv_blocks=48)
+    engine = AsyncLLMEngine(config)
+    rep = LoraReplica.__new__(LoraReplica)
+    rep._setup(engine, LocalHandle(service), "replica-1", sync_interval_s=0.0)
+    rep.load_adapter = rep._lease
+    try:
+        yield rep
+    finally:
+        engine.shutdown()
+        rep.registry = rep.engine = None  # nothing left for __del__ to say goodbye to or shut down
+
+
+@pytest.fixture
+def folders(tiny_adapters: dict[str, Path], tmp_path: Path) -> SimpleNamespace:
+    """v1: a copy of adapter "a"; v2: other weights with the same config (another version)."""
+    v1 = Path(shutil.copytree(tiny_adapters["a"], tmp_path / "v1"))
+    v2 = clone_adapter(v1, tmp_path / "v2", seed=7)
+    return SimpleNamespace(root=tmp_path, v1=v1, v2=v2)
+
+
+def record(rep: LoraReplica, service: AdapterRegistryService, name: str, path: Path) -> dict[str, Any]:
+    """What the admin call does before waiting: validate the files (here, on ``rep``), record them."""
+    adapter = rep.engine.engine.load_adapter_files(name, str(path))
+    return service.register(name, str(path), adapter.version, adapter.max_rank)
+
+
+def version_of(path: Path, rep: LoraReplica) -> str:
+    return rep.engine.engine.load_adapter_files("probe", str(path)).version
+
+
+def held(rep: LoraReplica) -> dict[str, tuple[str, str]]:
+    """name -> (version, path) as this replica's engine holds them."""
+    return {a.name: (a.version, a.path) for a in rep.engine.adapters()}
+
+
+def sync(rep: LoraReplica) -> None:
+    asyncio.run(rep._sync_once())
+
+
+def items(rep: LoraReplica, adapter: str | None, max_tokens: int = 4, **kwargs: Any) -> list[tuple]:
+    """Everything ``rep.generate`` sends for one greedy request."""
+
+    async def run() -> list[tuple]:
+        return [item async for item in rep.generate("req", "hello there", SamplingParams(max_tokens=max_tokens, ignore_eos=True), adapter, **kwargs)]
+
+    return asyncio.run(run())
+
+
+# ---- 1: a failed apply is retried, and the replica stops serving the stale version ------------------
+def test_failed_hot_update_is_retried_and_the_stale_version_is_not_served(replica, service, folders) -> None:
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    v1, v2 = version_of(folders.v1, replica), version_of(folders.v2, replica)
+    assert held(replica) == {"A": (v1, str(folders.v1))}
+    revision = record(replica, service, "A", folders.v2)["revision"]  # validated on another node ...
+    hidden = folders.v2.rename(folders.root / "v2-not-yet-visible")  # ... not yet visible on this one
+    sync(replica)
+    assert "A" not in held(replica), f"replica still serves A@{held(replica).get('A')} while the registry names A@{v2[:12]} only"
+    assert replica.applied_revision < revision, "a revision whose entry failed was counted as applied: it would never be retried"
+    assert any(e.startswith("A: ") for e in replica.apply_errors), replica.apply_errors
+    refused = items(replica, "A")
+    assert [i[:2] for i in refused] == [("error", "adapter_unavailable")], refused
+    assert "retry" in refused[0][2], refused
+    as_http = replica_error(*refused[0][1:])
+    assert isinstance(as_http, APIError) and as_http.status == 503, as_http
+    hidden.rename(folders.v2)  # the files show up: the next sync retries and succeeds
+    sync(replica)
+    assert held(replica) == {"A": (v2, str(folders.v2))}
+    assert replica.applied_revision == revision and replica.apply_errors == ()
+    assert items(replica, "A")[-1][1].adapter.version == v2
+
+
+def admin_client(service: AdapterRegistryService, checked: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> RegistryClient:
+    """The admin path's RegistryClient over ``service``: ``ray.get`` runs the local call, and the
+    files validate (on some replica) as ``checked``; waits time out at once."""
+    monkeypatch.setattr(registry_client, "ray", SimpleNamespace(get=asyncio.run))
+    validated = SimpleNamespace(result=lambda: checked)
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(remote=lambda name, path: validated))
+    return RegistryClient(LocalHandle(service), replicas, apply_timeout_s=0.0)
+
+
+def test_admin_call_reports_a_replica_that_failed_to_apply_and_succeeds_once_it_caught_up(replica, service, folders, monkeypatch) -> None:
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    v2 = version_of(folders.v2, replica)
+    revision = record(replica, service, "A", folders.v2)["revision"]
+    hidden = folders.v2.rename(folders.root / "v2-not-yet-visible")
+    sync(replica)
+    report = asyncio.run(service.wait_applied(revision, timeout_s=0.0))
+    assert report["lagging"] == [], f"a replica that tried revision {revision} and reported errors is done with it, not lagging: {report}"
+    assert list(report["errors"]) == ["replica-1"], report
+    client = admin_client(service, {"version": v2, "max_rank": 4}, monkeypatch)
+    with pytest.raises(ReplicasFailedToApply) as failed:  # posting the same load again: no new revision, same answer
+        client.register("A", str(folders.v2))
+    assert failed.value.status == 503, failed.value.status
+    assert "replica-1" in failed.value.message and "'A'" in failed.value.message and "does not exist" in failed.value.message, failed.value.message
+    hidden.rename(folders.v2)
+    sync(replica)
+    assert client.register("A", str(folders.v2)).version == v2
