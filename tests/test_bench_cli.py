@@ -1,0 +1,388 @@
+"""`lorafleet bench` as a command: setup errors are one line and exit 2 before any weights are
+written, flags the chosen mode would ignore are refused, failed requests are explained, --json
+is checked up front and written atomically, and every flag's help shows its default.
+
+Everything runs in this process through ``runtime.cli.main``; a stub HTTP server stands in for
+`lorafleet serve` where a server is needed. One real run, of the smallest size."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from runtime.bench.workload import Workload, WorkloadSpec, generate, spec_from_args
+from runtime.cli import main
+from runtime.commands import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
+
+
+def bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """(exit code, stderr) of `lorafleet bench ARGV`; an argparse error is its SystemExit code."""
+    try:
+        rc = main(["bench", *argv])
+    except SystemExit as stop:
+        rc = int(stop.code or 0)
+    return rc, capsys.readouterr().err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---- setup errors: exit 2, one line naming the flag, nothing written --------------------------
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--max-loras", "0"], "lorafleet bench: --max-loras: must be >= 1, got 0"),
+    (["--max-loras", "8", "--max-cpu-loras", "4"], "lorafleet bench: --max-cpu-loras 4 is below --max-loras 8"),
+    (["--ranks", "512"], "lorafleet bench: --ranks: cpu: max_rank: adapter 'lora-0000': rank 512 is outside 1..256"),
+    (["--ranks", "8,0"], "lorafleet bench: --ranks: need positive ranks"),
+    (["--cv", "0"], "lorafleet bench: --cv: must be > 0, got 0.0"),
+    (["--num-requests", "0"], "lorafleet bench: --num-requests: must be >= 1, got 0"),
+    (["--adapters", "0"], "lorafleet bench: --adapters: must be >= 1, got 0"),
+    (["--input-len", "9,3"], "lorafleet bench: --input-len: need 1 <= lo <= hi, got (9, 3)"),
+    (["--hidden", "0"], "lorafleet bench: --hidden: "),
+    (["--slo-ttft", "0"], "lorafleet bench: --slo-ttft: must be a positive number"),
+])  # fmt: skip
+def test_setup_errors_exit_2_before_any_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], want: str) -> None:
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, *argv)
+    assert rc == 2
+    assert one_error_line(err).startswith(want)
+    assert "Traceback" not in err
+    assert not work.exists()  # refused before preparing the synthetic weights
+
+
+def test_unavailable_device_exits_2_before_any_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import backends
+
+    real = backends.availability
+    monkeypatch.setattr(backends, "availability", lambda name: (False, f"{name}: no such device here") if name == "cuda" else real(name))
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--device", "cuda")
+    assert rc == 2 and one_error_line(err) == "lorafleet bench: --device: cuda: no such device here"
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("argv, flag, why", [
+    (["--ranks", "8,x"], "--ranks", "expected comma-separated integer ranks like 8,16,32, got '8,x'"),
+    (["--input-len", "8"], "--input-len", "expected two comma-separated integers lo,hi like 8,32, got '8'"),
+    (["--output-len", "1,2,3"], "--output-len", "expected two comma-separated integers lo,hi"),
+])  # fmt: skip
+def test_malformed_values_name_their_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], flag: str, why: str) -> None:
+    rc, err = bench_cli(capsys, "--workdir", str(tmp_path / "w"), *argv)
+    assert rc == 2 and f"argument {flag}: {why}" in err
+    assert "invalid literal" not in err and "not enough values" not in err
+
+
+def test_spec_flag_defaults_are_the_workload_spec_defaults() -> None:
+    """The flags' defaults (shared with benchmarks/serve.py) still give WorkloadSpec's defaults,
+    also from a hand-made Namespace that holds the flags' text."""
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert spec_from_args(p.parse_args([])) == WorkloadSpec()
+    text = argparse.Namespace(**{**vars(p.parse_args([])), "ranks": "8,16", "input_len": "2,3"})
+    assert spec_from_args(text) == WorkloadSpec(ranks=(8, 16), input_len=(2, 3))
+    with pytest.raises(ValueError, match=r"^--ranks: expected comma-separated integer ranks"):
+        spec_from_args(argparse.Namespace(**{**vars(text), "ranks": "8,x"}))
+
+
+# ---- workload files ----------------------------------------------------------------------
+
+
+def _saved(tmp_path: Path, **spec: object) -> Path:
+    path = tmp_path / "w.jsonl"
+    generate(WorkloadSpec(**{"num_requests": 3, "num_adapters": 2, "ranks": (8,), "input_len": (2, 3), "output_len": (2, 3), "rate": 0, **spec})).save(path)
+    return path
+
+
+@pytest.mark.parametrize("edit, want", [
+    (lambda lines: ['{"foo": 1}'], "line 1: the header lacks 'spec' and 'adapter_ranks' (has: 'foo')"),
+    (lambda lines: [], "empty workload file"),
+    (lambda lines: ["not json"] + lines[1:], "line 1: the header is not JSON"),
+    (lambda lines: ["[1, 2]"], "line 1: the header must be a JSON object, got list"),
+    (lambda lines: lines[:1], "no requests after the header line"),
+    (lambda lines: [lines[0].replace('"seed": 0', '"sed": 0')] + lines[1:], "line 1: spec: unknown key(s) sed; missing key(s) seed"),
+    (lambda lines: [lines[0].replace('"cv": 1.0', '"cv": 0')] + lines[1:], "line 1: spec.cv: must be > 0"),
+    (lambda lines: [lines[0].replace('"ranks": [8]', '"ranks": 8')] + lines[1:], "line 1: spec.ranks: expected a list of integers, got 8"),
+    (lambda lines: lines[:2] + ['{"index": 2}'], "line 3: request: missing key(s) arrival_s, adapter, rank, prompt, input_words, output_tokens"),
+    (lambda lines: lines[:2] + [lines[2].replace('"lora-000', '"lora-099')], "line 3: adapter: 'lora-0990' is not in the header's adapter_ranks"),
+    (lambda lines: lines[:2] + ["{"], "line 3: the request is not JSON"),
+])  # fmt: skip
+def test_malformed_workload_file_names_the_file_line_and_what_is_missing(tmp_path: Path, edit, want: str) -> None:  # type: ignore[no-untyped-def]
+    path = _saved(tmp_path)
+    lines = path.read_text().splitlines()
+    assert '"seed": 0' in lines[0] and '"cv": 1.0' in lines[0] and '"ranks": [8]' in lines[0] and '"lora-000' in lines[2]  # the edits apply
+    path.write_text("\n".join(edit(lines)) + "\n")
+    with pytest.raises(ValueError) as info:
+        Workload.load(path)
+    assert str(info.value).startswith(f"{path}: ") and want in str(info.value)
+
+
+def test_bad_workload_file_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n')
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), "--workload", str(bad))
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: {bad}: line 1: the header lacks 'spec'")
+    rc, err = bench_cli(capsys, "--workdir", str(work), "--workload", str(tmp_path / "none.jsonl"))
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --workload {tmp_path / 'none.jsonl'}: No such file or directory"
+    assert not work.exists()
+
+
+def test_workload_file_rank_beyond_the_backend_is_refused_before_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _saved(tmp_path, ranks=(512,))
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), "--hidden", "64", "--layers", "1", "--workload", str(path))
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: --workload {path}: cpu: max_rank: adapter 'lora-0000': rank 512 is outside")
+    assert not work.exists()
+
+
+def test_saved_workload_loads_back_unchanged(tmp_path: Path) -> None:
+    path = _saved(tmp_path, base_fraction=0.5, seed=4)
+    assert Workload.load(path) == generate(WorkloadSpec(num_requests=3, num_adapters=2, ranks=(8,), input_len=(2, 3), output_len=(2, 3),
+                                                        rate=0, base_fraction=0.5, seed=4))  # fmt: skip
+
+
+# ---- flags a mode would ignore --------------------------------------------------------------
+
+SPEC_FLAG_VALUES = [("--num-requests", "4"), ("--adapters", "2"), ("--popularity", "uniform"), ("--alpha", "1.0"), ("--ranks", "8"),
+                    ("--rate", "0"), ("--cv", "2"), ("--input-len", "2,3"), ("--output-len", "2,3"), ("--base-fraction", "0.5"),
+                    ("--seed", "1")]  # fmt: skip
+ENGINE_FLAG_VALUES = [("--device", "cpu"), ("--dtype", "float32"), ("--hidden", "64"), ("--layers", "1"), ("--max-loras", "8"),
+                      ("--max-cpu-loras", "32"), ("--workdir", "/tmp/never")]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, value", SPEC_FLAG_VALUES)
+def test_workload_flags_are_refused_with_a_workload_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
+    path = _saved(tmp_path)
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), "--workload", str(path), flag, value)  # even at its default value
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: {flag}: not used with --workload")
+    assert not work.exists()
+
+
+def test_an_abbreviated_flag_is_refused_under_its_full_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = bench_cli(capsys, "--workload", str(_saved(tmp_path)), "--num-req", "4")
+    assert rc == 2 and one_error_line(err).startswith("lorafleet bench: --num-requests: not used with --workload")
+
+
+@pytest.mark.parametrize("flag, value", ENGINE_FLAG_VALUES)
+def test_engine_flags_are_refused_with_url(capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
+    rc, err = bench_cli(capsys, "--url", "http://127.0.0.1:9", flag, value)
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: {flag}: not used with --url (the server's own settings apply)"
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--base-model"])
+def test_url_flags_are_refused_without_url(tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, flag, "x")
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: {flag}: only used with --url"
+    assert not work.exists()
+
+
+def test_alpha_is_refused_unless_popularity_is_zipf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--popularity", "uniform", "--alpha", "2")
+    assert rc == 2 and one_error_line(err) == "lorafleet bench: --alpha: only used with --popularity zipf, not uniform"
+    # with zipf (given or the default) --alpha is used: the error is the next one, not about --alpha
+    for popularity in (["--popularity", "zipf"], []):
+        rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, *popularity, "--alpha", "2", "--max-loras", "0")
+        assert rc == 2 and one_error_line(err) == "lorafleet bench: --max-loras: must be >= 1, got 0"
+
+
+def test_every_ignored_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = bench_cli(capsys, "--url", "http://127.0.0.1:9", "--hidden", "64", "--device", "cpu")
+    assert rc == 2 and err.count("not used with --url") == 2 and "--hidden:" in err and "--device:" in err
+
+
+# ---- --url ------------------------------------------------------------------------------------
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """A stand-in for `lorafleet serve`: /v1/models per ``server.models`` (status, body); every
+    completion answers 404 (no such adapter). Records the paths asked for."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        if self.path == "/v1/models":
+            self._reply(*self.server.models)  # type: ignore[attr-defined]
+        else:
+            self._reply(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._reply(404, {"error": {"message": "The model `lora-0000` does not exist.", "code": 404}})
+
+
+@pytest.fixture
+def stub() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    server.paths, server.models = [], (200, {"object": "list", "data": [{"id": "base", "object": "model"}]})  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _url(server: ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_unreachable_server_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, err = bench_cli(capsys, "--url", f"http://127.0.0.1:{port}", "--num-requests", "2")
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: --url http://127.0.0.1:{port}: ConnectError: ")
+
+
+@pytest.mark.parametrize("url, why", [("ftp://host", "expected http://HOST:PORT or https://HOST:PORT"), ("localhost:8000", "expected http://"),
+                                      ("http://[::1", "Invalid IPv6 URL")])  # fmt: skip
+def test_malformed_url_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], url: str, why: str) -> None:
+    rc, err = bench_cli(capsys, "--url", url, "--num-requests", "2")
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: --url {url}: {why}")
+
+
+@pytest.mark.parametrize("status, want", [
+    (401, "HTTP 401 Unauthorized: {\"detail\": \"bad key\"} (the server wants a key: pass --api-key)"),
+    (404, "HTTP 404 Not Found: {\"detail\": \"bad key\"} (is this a lorafleet/OpenAI-compatible server?)"),
+])  # fmt: skip
+def test_model_list_refused_is_one_line_exit_2(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], status: int, want: str) -> None:
+    stub.models = (status, {"detail": "bad key"})  # type: ignore[attr-defined]
+    rc, err = bench_cli(capsys, "--url", _url(stub) + "/", "--num-requests", "2")
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --url {_url(stub)}/: GET {_url(stub)}/v1/models: {want}"
+    assert stub.paths == ["/v1/models"]  # the trailing slash is not doubled; nothing else is sent  # type: ignore[attr-defined]
+
+
+def test_not_a_model_list_is_one_line_exit_2(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    stub.models = (200, {"data": []})  # type: ignore[attr-defined]
+    rc, err = bench_cli(capsys, "--url", _url(stub), "--num-requests", "2")
+    assert rc == 2 and "not an OpenAI model list with at least one model" in one_error_line(err)
+
+
+def test_served_base_model_strips_the_trailing_slash(stub: ThreadingHTTPServer) -> None:
+    from runtime.bench.replay import served_base_model
+
+    assert served_base_model(_url(stub) + "/") == "base"
+    assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+
+
+def test_failed_requests_exit_1_and_say_why(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    rc, err = bench_cli(capsys, "--url", _url(stub), "--num-requests", "4", "--rate", "0", "--popularity", "identical", "--json", str(out))
+    assert rc == 1
+    lines = [line for line in err.splitlines() if line.startswith(("lorafleet bench:", "  "))]
+    assert lines[0] == "lorafleet bench: 4 of 4 requests failed; the distinct errors:"
+    assert lines[1].startswith("  HTTP 404: ") and "The model `lora-0000` does not exist." in lines[1] and lines[1].endswith("(4 requests)")
+    assert json.loads(out.read_text())["summary"]["requests_failed"] == 4
+    assert stub.paths.count("/v1/completions") == 4  # type: ignore[attr-defined]
+
+
+def test_failures_show_at_most_three_distinct_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.bench.replay import RequestRecord
+
+    records = [RequestRecord(i, None, 0.0, error=f"error {i % 5}") for i in range(10)] + [RequestRecord(10, None, 0.0)]
+    bench._report_failures(records)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["lorafleet bench: 10 of 11 requests failed; the first 3 of 5 distinct errors:",
+                   "  error 0 (2 requests)", "  error 1 (2 requests)", "  error 2 (2 requests)"]  # fmt: skip
+
+
+def test_missing_httpx_is_a_clear_error(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)  # import httpx -> ImportError
+    rc, err = bench_cli(capsys, "--url", "http://127.0.0.1:9", "--num-requests", "2")
+    assert rc == 2 and one_error_line(err).startswith("lorafleet bench: --url: needs the httpx package")
+
+
+def test_httpx_is_a_main_dependency() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "httpx" for d in deps), deps
+
+
+# ---- --json ---------------------------------------------------------------------------------
+
+
+def test_json_folder_is_checked_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "w"
+    missing = tmp_path / "no" / "s.json"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--json", str(missing))
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {missing}: folder {missing.parent} does not exist"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--json", str(tmp_path))
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {tmp_path}: is a folder; give a file path"
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a read-only folder (root may write anywhere)
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--json", str(tmp_path / "s.json"))
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {tmp_path / 's.json'}: folder {tmp_path} is not writable"
+    assert not work.exists()
+
+
+def test_json_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "s.json"
+    path.write_text("old")
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(bench.json, "dumps", broken)
+    with pytest.raises(RuntimeError):
+        bench._write_json(path, {"a": 1})
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]  # no half-written file, no temp left
+
+
+def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "summary.json"
+    rc, err = bench_cli(capsys, "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "0",
+                        "--input-len", "2,3", "--output-len", "2,3", "--json", str(out))  # fmt: skip
+    assert rc == 0, err
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests_ok"] == 4 and data["summary"]["requests_failed"] == 0
+    assert data["workload"]["spec"]["num_requests"] == 4
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open() makes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "w"]
+    assert "requests failed" not in err
+
+
+# ---- help ------------------------------------------------------------------------------------
+
+
+def test_every_flag_has_help_with_its_default_and_the_exit_codes_are_documented() -> None:
+    p = argparse.ArgumentParser(prog="lorafleet bench")
+    bench.add_arguments(p)
+    for action in p._actions:
+        if action.dest != "help":
+            assert action.help and "(default: " in action.help, action.option_strings
+    text = p.format_help()
+    assert str(bench.DEFAULT_WORKDIR) in text and "(default: 8,16,32,64)" in text
+    assert "exit codes:\n  0  every request succeeded\n  1  the run finished but some requests failed" in text
+    assert "Exit codes: 0 every request succeeded; 1 the run finished but some requests failed" in bench.__doc__
+    assert "2  bad input or setup" in text and "2 bad input or setup" in bench.__doc__
