@@ -11,6 +11,7 @@ from typing import Any
 _LAZY = {
     "LLM": "runtime.llm",
     "CompletionResult": "runtime.llm",
+    "GenerationError": "runtime.llm",
     "SamplingParams": "runtime.request",
     "LLMEngine": "runtime.engine",
     "AsyncLLMEngine": "runtime.async_engine",

@@ -2,6 +2,14 @@
 
 Runs every prompt through one ``LLMEngine`` with continuous batching, so a mixed list
 of adapters is served in shared steps, and returns results in the order of the prompts.
+
+A request that fails in the engine (its adapter's files could not be read, non-finite
+logits) makes ``generate`` raise ``GenerationError`` once every prompt has finished; the
+error carries all results, so the good ones are not lost. ``raise_on_error=False`` returns
+the results instead, failures with ``finish_reason == "error"`` and ``error`` set.
+
+``LLM`` holds the model, the KV cache and a loader thread: ``close()`` (or ``with LLM(...)
+as llm:``) releases them at once instead of whenever the garbage collector runs.
 """
 from __future__ import annotations
 
@@ -25,23 +33,54 @@ class CompletionResult:
     error: Optional[str] = None
 
 
+class GenerationError(RuntimeError):
+    """Some requests of a ``generate`` call failed; ``results`` holds every prompt's result, in order."""
+
+    def __init__(self, results: list[CompletionResult]) -> None:
+        failed = [(i, r) for i, r in enumerate(results) if r.finish_reason == "error"]
+        lines = "; ".join(f"prompts[{i}] (adapter {r.adapter!r}): {r.error}" for i, r in failed[:3])
+        more = f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+        super().__init__(f"{len(failed)} of {len(results)} requests failed: {lines}{more} "
+                         "(generate(..., raise_on_error=False) returns the results instead)")  # fmt: skip
+        self.results = results
+
+
 class LLM:
-    """One base model plus named LoRA adapters, for batch generation in-process."""
+    """One base model plus named LoRA adapters, for batch generation in-process.
+
+    ``device``: "auto" (the default, as for ``lorafleet serve``) picks cuda, then npu, then cpu.
+    """
 
     def __init__(
         self,
         model: str,
         adapters: Optional[Mapping[str, str]] = None,
-        device: str = "cpu",
+        device: str = "auto",
         dtype: str = "float32",
         **engine_config: Any,
     ) -> None:
+        if adapters is not None and not isinstance(adapters, Mapping):
+            raise ValueError(f"adapters: expected a mapping of name -> adapter folder, got {type(adapters).__name__}")
         # from_dict rejects unknown keys with the list of known ones.
         config = EngineConfig.from_dict({"model": str(model), "device": device, "dtype": dtype, **engine_config})
         self.engine = LLMEngine(config)
-        for name, path in (adapters or {}).items():
-            self.engine.register_adapter(name, str(path))
+        try:
+            for name, path in (adapters or {}).items():
+                self.engine.register_adapter(name, str(path))
+        except BaseException:
+            self.engine.close()  # a half-built LLM must not keep the model and the loader thread alive
+            raise
         self._next_id = 0
+
+    def close(self) -> None:
+        """Release the engine (model weights, KV cache, adapter loader thread)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:
@@ -55,12 +94,17 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         adapter: Union[str, None, Sequence[Optional[str]]] = None,
+        raise_on_error: bool = True,
     ) -> list[CompletionResult]:
-        """Generate for every prompt; ``params`` and ``adapter`` are one value or one per prompt."""
+        """Generate for every prompt; ``params`` and ``adapter`` are one value or a list with one per prompt.
+
+        Raises ``GenerationError`` (holding every result) if any request failed, unless
+        ``raise_on_error`` is False.
+        """
         batch = _as_prompt_list(prompts)
         n = len(batch)
-        param_list = _broadcast(params if params is not None else SamplingParams(), n, "params", SamplingParams)
-        adapter_list = _broadcast(adapter, n, "adapter", (str, type(None)))
+        param_list = _broadcast(params if params is not None else SamplingParams(), n, "params", SamplingParams, "a SamplingParams")
+        adapter_list = _broadcast(adapter, n, "adapter", (str, type(None)), "an adapter name (str) or None")
         ids: list[str] = []
         try:
             for i, (prompt, p, a) in enumerate(zip(batch, param_list, adapter_list)):
@@ -88,7 +132,10 @@ class LLM:
                 self.engine.abort(request_id)
             self.engine.step()  # drains the abort outputs
             raise
-        return [results[r] for r in ids]
+        ordered = [results[r] for r in ids]
+        if raise_on_error and any(r.finish_reason == "error" for r in ordered):
+            raise GenerationError(ordered)
+        return ordered
 
 
 def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
@@ -103,13 +150,16 @@ def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
     return items
 
 
-def _broadcast(value: Any, n: int, name: str, kind: Any) -> list[Any]:
+def _broadcast(value: Any, n: int, name: str, kind: Any, what: str) -> list[Any]:
+    """One ``value`` for every prompt, or a list/tuple with one per prompt."""
     if isinstance(value, kind):
         return [value] * n
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: expected {what} or a list of them (one per prompt), got {type(value).__name__}")
     values = list(value)
     if len(values) != n:
         raise ValueError(f"{name}: got {len(values)} values for {n} prompts")
     for i, v in enumerate(values):
         if not isinstance(v, kind):
-            raise ValueError(f"{name}[{i}]: unexpected type {type(v).__name__}")
+            raise ValueError(f"{name}[{i}]: expected {what}, got {type(v).__name__}")
     return values

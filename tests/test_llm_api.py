@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from runtime import LLM, SamplingParams
+from runtime import LLM, GenerationError, SamplingParams
+from tests.engine_helpers import clone_adapter, copy_adapter
 
 
 def test_generate_mixed_adapters_matches_single_prompt_calls(tiny_llama_dir, tiny_adapters):
@@ -30,6 +31,47 @@ def test_generate_validates_arguments(tiny_llama_dir):
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="unknown config key"):
         LLM(str(tiny_llama_dir), not_a_key=1)
+    for bad, message in [(dict(adapter=3), r"adapter: expected an adapter name \(str\) or None or a list of them .* got int"),
+                         (dict(adapter={"a": 1, "b": 2}), "adapter: expected .* got dict"),
+                         (dict(adapter=[None, 3]), r"adapter\[1\]: expected an adapter name"),
+                         (dict(params={"max_tokens": 3}), "params: expected a SamplingParams or a list of them")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["a", "b"], **bad)
+    with pytest.raises(ValueError, match="adapters: expected a mapping"):
+        LLM(str(tiny_llama_dir), adapters=["/some/adapter"])
+    llm.close()
+
+
+def test_failed_requests_raise_with_every_result_unless_asked_not_to(tiny_llama_dir, tiny_adapters, tmp_path):
+    """An adapter whose files changed on disk before its first read fails its requests; the
+    base-model request in the same call still succeeds and is not lost."""
+    live = copy_adapter(tiny_adapters["a"], tmp_path / "live")
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4, max_loras=1, max_cpu_loras=1) as llm:
+        llm.register_adapter("live", str(live))
+        llm.register_adapter("other", str(tiny_adapters["b"]))  # the 1-entry host tier drops "live"
+        clone_adapter(tiny_adapters["a"], live, seed=5)  # "live" must be read again: its files changed
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        with pytest.raises(GenerationError, match=r"1 of 2 requests failed: prompts\[1\] \(adapter 'live'\): .*changed on disk") as exc:
+            llm.generate(["x", "y"], params, adapter=[None, "live"])
+        good, bad = exc.value.results
+        assert good.finish_reason == "length" and len(good.token_ids) == 3 and bad.finish_reason == "error"
+        kept = llm.generate(["x", "y"], params, adapter=[None, "live"], raise_on_error=False)
+        assert [r.finish_reason for r in kept] == ["length", "error"] and kept[0].token_ids == good.token_ids
+    assert not llm.engine.has_unfinished()
+
+
+def test_close_and_a_failed_constructor_release_the_engine(tiny_llama_dir, tiny_adapters, monkeypatch):
+    from runtime.engine import LLMEngine
+
+    closed = []
+    real_close = LLMEngine.close
+    monkeypatch.setattr(LLMEngine, "close", lambda self: (closed.append(self), real_close(self)))
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tiny_llama_dir), adapters={"good": str(tiny_adapters["a"]), "bad": "/no/such/adapter"}, num_kv_blocks=32, block_size=4)
+    assert len(closed) == 1
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4) as llm:
+        assert llm.engine.config.device == "auto" or llm.engine.backend.name == "cpu"
+    assert closed[-1] is llm.engine and len(closed) == 2
 
 
 def test_import_runtime_is_light():
