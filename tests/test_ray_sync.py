@@ -159,3 +159,36 @@ def test_admin_call_reports_a_replica_that_failed_to_apply_and_succeeds_once_it_
     hidden.rename(folders.v2)
     sync(replica)
     assert client.register("A", str(folders.v2)).version == v2
+
+
+# ---- 2: files are checked against the registered version before they are installed ----------------
+def spy_installs(rep: LoraReplica, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Versions the engine makes current (install_adapter calls), in order."""
+    installed: list[str] = []
+    real = rep.engine.engine.install_adapter
+
+    def install(adapter: Any, path: str) -> Any:
+        installed.append(adapter.version)
+        return real(adapter, path)
+
+    monkeypatch.setattr(rep.engine.engine, "install_adapter", install)
+    return installed
+
+
+def overwrite(folder: Path, source: Path) -> None:
+    """Replace the adapter files in ``folder`` by those of ``source`` (the files changed on disk)."""
+    for f in source.iterdir():
+        shutil.copy2(f, folder / f.name)
+
+
+def test_files_changed_after_validation_are_never_installed(replica, service, folders, monkeypatch) -> None:
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    record(replica, service, "A", folders.v2)  # the registry validated v2 ...
+    v3 = version_of(clone_adapter(folders.v1, folders.root / "v3", seed=11), replica)
+    overwrite(folders.v2, folders.root / "v3")  # ... then the files changed
+    installed = spy_installs(replica, monkeypatch)
+    sync(replica)
+    assert v3 not in installed, f"the unverified version {v3} became current (requests could bind to it)"
+    assert "A" not in held(replica), f"the registry names another version than {held(replica).get('A')}: A must be unavailable here"
+    assert any(e.startswith("A: ") and "now has version" in e for e in replica.apply_errors), replica.apply_errors

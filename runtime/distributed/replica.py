@@ -67,6 +67,19 @@ class AdapterLease:
     version: str
 
 
+def install_checked(engine: AsyncLLMEngine, adapter: Any, path: str) -> None:
+    """Make an adapter already read and checked (``LLMEngine.load_adapter_files``) current.
+
+    ``AsyncLLMEngine.register_adapter`` would read the files again, and install whatever it
+    finds there; it has no install-only call, so this does what its ``register_adapter``
+    does after the read: ``install_adapter`` under the engine lock, then refresh the
+    lock-free copy that ``adapters()`` returns.
+    """
+    with engine._lock:
+        engine.engine.install_adapter(adapter, str(path))
+        engine._adapter_infos = tuple(engine.engine.adapters())
+
+
 class LoraReplica:
     async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25) -> None:
         engine = AsyncLLMEngine(engine_config)
@@ -122,20 +135,25 @@ class LoraReplica:
         self._record_apply(state["revision"], failed)
 
     def _apply_entry(self, entry: dict[str, Any], held: Optional[AdapterInfo]) -> Optional[str]:
-        """Make ``entry`` current in the engine; returns why it could not (``"<name>: ..."``), else None."""
-        name = entry["name"]
+        """Make ``entry`` current in the engine; returns why it could not (``"<name>: ..."``), else None.
+
+        The files are read and hashed first, and installed only if they are the version the
+        registry validated: otherwise nothing is installed (requests never bind to unchecked
+        content), and the version held so far stays only if the registry still names it.
+        """
+        name, path, version = entry["name"], entry["path"], entry["version"]
         try:
-            ref = self.engine.register_adapter(name, entry["path"])
+            adapter = self.engine.engine.load_adapter_files(name, path)  # touches no engine state
         except (ValueError, OSError) as err:
             problem = str(err)
         else:
-            if ref.version == entry["version"]:
+            if adapter.version == version:
+                install_checked(self.engine, adapter, path)
                 return None
             # The files changed since the registry validated them: serving them would
             # give this replica different weights than the others under the same name.
-            self.engine.unregister_adapter(name)
-            problem = f"{entry['path']} now has version {ref.version}, registered {entry['version']}; load it again"
-        if held is not None and held.version != entry["version"] and name in {a.name for a in self.engine.adapters()}:
+            problem = f"{path} now has version {adapter.version}, registered {version}; load it again"
+        if held is not None and held.version != version:
             self.engine.unregister_adapter(name)  # never serve a version the registry no longer names
         return f"{name}: {problem}"
 
