@@ -192,3 +192,23 @@ def test_files_changed_after_validation_are_never_installed(replica, service, fo
     assert v3 not in installed, f"the unverified version {v3} became current (requests could bind to it)"
     assert "A" not in held(replica), f"the registry names another version than {held(replica).get('A')}: A must be unavailable here"
     assert any(e.startswith("A: ") and "now has version" in e for e in replica.apply_errors), replica.apply_errors
+
+
+# ---- 4: the same content registered at a new path moves the replica to that path ------------------
+def test_same_content_at_a_new_path_is_installed_from_the_new_path(replica, service, folders) -> None:
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    v1 = version_of(folders.v1, replica)
+    moved = Path(shutil.copytree(folders.v1, folders.root / "v1-moved"))
+    revision = record(replica, service, "A", moved)["revision"]
+    sync(replica)
+    assert held(replica) == {"A": (v1, str(moved))}, "the engine still reads A from the old folder (later reloads fail once it is removed)"
+    assert replica.applied_revision == revision
+    # The same version at yet another path whose files changed meanwhile: the held copy is
+    # still the registered version, so it keeps serving it (from where it was checked).
+    again = Path(shutil.copytree(folders.v1, folders.root / "v1-again"))
+    record(replica, service, "A", again)
+    overwrite(again, folders.v2)
+    sync(replica)
+    assert held(replica) == {"A": (v1, str(moved))}
+    assert any(e.startswith("A: ") and "now has version" in e for e in replica.apply_errors), replica.apply_errors

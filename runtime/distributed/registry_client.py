@@ -22,15 +22,17 @@ logger = logging.getLogger("lorafleet.registry")
 class ReplicasFailedToApply(APIError):
     """HTTP 503: live replica(s) could not apply the change (the files are not visible on their
     node yet, or changed on disk since they were validated). The change is recorded; those
-    replicas do not serve the name meanwhile and retry at every sync. Posting the same load
+    replicas retry at every sync, and meanwhile serve the name only if they already hold the
+    registered version. Posting the same load
     again waits for them once more and answers with how they stand then."""
 
     def __init__(self, what: str, name: str, failed: dict[str, list[str]]) -> None:
         detail = "; ".join(f"replica {rid}: {' | '.join(errs)}" for rid, errs in sorted(failed.items()))
         super().__init__(
             503,
-            f"{what}: recorded in the registry, but {len(failed)} replica(s) failed to apply it and do not serve {name!r} "
-            f"until they can (they retry at every sync; post the same request again to check): {detail}",
+            f"{what}: recorded in the registry, but {len(failed)} replica(s) failed to apply it; they retry at every sync, "
+            f"and meanwhile serve {name!r} only if they already hold the registered version (post the same request again "
+            f"to check): {detail}",
             code="replicas_failed_to_apply",
         )
         self.failed = failed

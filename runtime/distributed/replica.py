@@ -125,8 +125,8 @@ class LoraReplica:
         have = {a.name: a for a in self.engine.adapters()}
         failed: dict[str, str] = {}
         for name, entry in wanted.items():
-            if name in have and have[name].version == entry["version"]:
-                continue
+            if name in have and (have[name].version, have[name].path) == (entry["version"], entry["path"]):
+                continue  # same content from the same folder (another folder: re-read from there, as a single server does)
             error = self._apply_entry(entry, have.get(name))
             if error is not None:
                 failed[name] = error
