@@ -212,3 +212,86 @@ def test_same_content_at_a_new_path_is_installed_from_the_new_path(replica, serv
     sync(replica)
     assert held(replica) == {"A": (v1, str(moved))}
     assert any(e.startswith("A: ") and "now has version" in e for e in replica.apply_errors), replica.apply_errors
+
+
+# ---- 3: the sync loop outlives unexpected errors, and check_health reports a sync that stopped ------
+class FlakyRegistry:
+    """``service`` whose first ``failures`` heartbeats raise ``error``; ``calls`` counts heartbeats."""
+
+    def __init__(self, service: AdapterRegistryService, failures: int, error: Exception) -> None:
+        self.service, self.failures, self.error, self.calls = service, failures, error, 0
+
+    def heartbeat(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return self.service.heartbeat(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.service, name)
+
+
+async def run_sync_loop_until(rep: LoraReplica, done: Any) -> None:
+    """Run ``rep._sync_loop`` until ``done()`` holds; fail at once if the loop ends first."""
+    rep._sync_task = asyncio.create_task(rep._sync_loop())
+    for _ in range(20_000):  # a bound, not a clock: each turn yields to the loop once
+        if rep._sync_task.done():
+            raise AssertionError(f"the sync loop ended: {rep._sync_task.exception()!r}")
+        if done():
+            break
+        await asyncio.sleep(0.001)
+    rep._sync_task.cancel()
+    await asyncio.gather(rep._sync_task, return_exceptions=True)
+    rep._sync_task = None  # stopped here on purpose, not ended
+
+
+def test_sync_loop_keeps_syncing_after_unexpected_errors(replica, service, folders) -> None:
+    revision = record(replica, service, "A", folders.v1)["revision"]
+    flaky = FlakyRegistry(service, failures=3, error=KeyError("entries"))
+    replica.registry = LocalHandle(flaky)
+    asyncio.run(run_sync_loop_until(replica, lambda: replica.applied_revision == revision))
+    assert flaky.calls > 3 and "A" in held(replica)
+
+
+def test_check_health_fails_when_the_sync_task_ended(replica) -> None:
+    async def crash() -> None:
+        raise KeyError("entries")
+
+    async def ended() -> asyncio.Task:
+        task = asyncio.create_task(crash())
+        await asyncio.gather(task, return_exceptions=True)
+        return task
+
+    replica.check_health()
+    replica._sync_task = asyncio.run(ended())
+    with pytest.raises(RuntimeError, match="sync task ended"):
+        replica.check_health()
+
+
+def test_check_health_fails_when_syncs_keep_failing(replica, service) -> None:
+    now = [1000.0]
+    replica._clock = lambda: now[0]
+    sync(replica)  # a success at t=1000
+    replica.registry = LocalHandle(FlakyRegistry(service, failures=10**9, error=KeyError("entries")))
+    asyncio.run(run_sync_loop_until(replica, lambda: replica._sync_error is not None))
+    now[0] += replica.SYNC_STALE_AFTER_S - 1
+    replica.check_health()  # failing, but not for long
+    now[0] += 2
+    with pytest.raises(RuntimeError, match="no adapter sync succeeded .*KeyError"):
+        replica.check_health()
+    replica.registry = LocalHandle(service)
+    sync(replica)
+    replica.check_health()
+
+
+def test_check_health_tolerates_the_registry_being_away(replica, service) -> None:
+    """The registry restarts from its manifest; replicas keep serving meanwhile (restarting them would not help)."""
+    import ray
+
+    now = [1000.0]
+    replica._clock = lambda: now[0]
+    sync(replica)
+    replica.registry = LocalHandle(FlakyRegistry(service, failures=10**9, error=ray.exceptions.RayActorError()))
+    asyncio.run(run_sync_loop_until(replica, lambda: replica._sync_error is not None))
+    now[0] += 10 * replica.SYNC_STALE_AFTER_S
+    replica.check_health()

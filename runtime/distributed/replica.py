@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
@@ -81,6 +82,11 @@ def install_checked(engine: AsyncLLMEngine, adapter: Any, path: str) -> None:
 
 
 class LoraReplica:
+    # check_health fails once no adapter sync has succeeded for this long (other than while the
+    # registry actor is away: it restarts from its manifest, and restarting replicas would not
+    # help). Long enough for a slow apply (validating a large adapter on shared storage).
+    SYNC_STALE_AFTER_S = 60.0
+
     async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25) -> None:
         engine = AsyncLLMEngine(engine_config)
         engine.start()
@@ -108,6 +114,11 @@ class LoraReplica:
         self.apply_errors: tuple[str, ...] = ()
         self._unservable: dict[str, str] = {}  # registered names this replica cannot serve yet -> why
         self._sync_lock = asyncio.Lock()
+        self._sync_task: Optional[asyncio.Task] = None
+        self._clock = time.monotonic
+        self._last_sync_ok = self._clock()  # when the last sync succeeded
+        self._sync_error: Optional[str] = None  # why the syncs since then failed
+        self._registry_away = False  # ... and whether that was the registry being unavailable
         self._metrics_lock = threading.Lock()
         self._finished: dict[str, Any] = {}
         self.engine.add_observer(self._observe)
@@ -182,17 +193,42 @@ class LoraReplica:
             for _ in range(2):  # the second heartbeat acknowledges what the first one delivered
                 state = await self._heartbeat()
                 if state is None or state["revision"] == attempted:
-                    return  # current, or this revision failed a moment ago: the next sync retries it
+                    break  # current, or this revision failed a moment ago: the next sync retries it
                 await asyncio.to_thread(self._apply, state)
                 attempted = state["revision"]
+            self._last_sync_ok, self._sync_error, self._registry_away = self._clock(), None, False
 
     async def _sync_loop(self) -> None:
+        """Sync every ``sync_interval_s`` until cancelled. A failed sync is logged and retried at
+        the next tick; ``check_health`` fails if that lasts (see ``SYNC_STALE_AFTER_S``)."""
         while True:
             try:
                 await self._sync_once()
             except ray.exceptions.RayActorError as err:  # the registry restarts from its manifest; keep serving
-                logger.warning("replica %s: registry unavailable (%s); retrying", self.replica_id, err)
+                self._sync_failed(f"registry unavailable: {err}", registry_away=True)
+            except Exception as err:  # noqa: BLE001 - whatever it is, a later tick may succeed
+                self._sync_failed(f"{type(err).__name__}: {err}", registry_away=False, exc=err)
             await asyncio.sleep(self.sync_interval_s)
+
+    def _sync_failed(self, error: str, registry_away: bool, exc: Optional[Exception] = None) -> None:
+        if error != self._sync_error:  # log changes, not every tick
+            if registry_away:
+                logger.warning("replica %s: %s; retrying", self.replica_id, error)
+            else:
+                logger.error("replica %s: adapter sync failed (%s); retrying", self.replica_id, error, exc_info=exc)
+        self._sync_error, self._registry_away = error, registry_away
+
+    def sync_problem(self) -> Optional[str]:
+        """Why this replica's adapter set may be frozen: the sync task ended, or no sync has
+        succeeded for ``SYNC_STALE_AFTER_S`` (the registry being away excepted); else None."""
+        task = self._sync_task
+        if task is not None and task.done():
+            why = "cancelled" if task.cancelled() else repr(task.exception())
+            return f"the adapter sync task ended ({why}); the adapter set would stay frozen"
+        stale_s = self._clock() - self._last_sync_ok
+        if stale_s > self.SYNC_STALE_AFTER_S and not self._registry_away:
+            return f"no adapter sync succeeded for {stale_s:.0f}s (last error: {self._sync_error or 'none, a sync has been running all along'})"
+        return None
 
     def report(self) -> dict[str, Any]:
         """The engine snapshot plus ``registered`` (name -> version), so the registry shows who holds what."""
@@ -263,9 +299,12 @@ class LoraReplica:
         return {"model_name": self.engine.model_name, "max_model_len": self.engine.max_model_len, "replica_id": self.replica_id}
 
     def check_health(self) -> None:
-        """Serve restarts a replica whose engine loop died."""
+        """Serve restarts a replica whose engine loop died, or whose adapter sync stopped (``sync_problem``)."""
         if self.engine.dead_error is not None:
             raise RuntimeError(f"replica {self.replica_id}: {self.engine.dead_error}")
+        problem = self.sync_problem()
+        if problem is not None:
+            raise RuntimeError(f"replica {self.replica_id}: {problem}")
 
     def __del__(self) -> None:
         task = getattr(self, "_sync_task", None)
