@@ -35,7 +35,8 @@ def build_router(state: Any) -> APIRouter:
         request_id = gen.new_id("chatcmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())
-        first, rest = await gen.open_stream(engine, request_id, prompt_ids, params, target.adapter)
+        # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
+        [(first, rest)] = await gen.until_disconnected(request, gen.open_streams(engine, request_id, [prompt_ids], [params], target.adapter))
 
         def payload(obj: str, choice: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice] if choice else []}
