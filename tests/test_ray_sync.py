@@ -291,7 +291,17 @@ def test_check_health_tolerates_the_registry_being_away(replica, service) -> Non
     now = [1000.0]
     replica._clock = lambda: now[0]
     sync(replica)
-    replica.registry = LocalHandle(FlakyRegistry(service, failures=10**9, error=ray.exceptions.RayActorError()))
+    away = FlakyRegistry(service, failures=10**9, error=ray.exceptions.RayActorError())
+    replica.registry = LocalHandle(away)
     asyncio.run(run_sync_loop_until(replica, lambda: replica._sync_error is not None))
-    now[0] += 10 * replica.SYNC_STALE_AFTER_S
+    now[0] += 10 * replica.SYNC_STALE_AFTER_S  # away for long, still trying
+    tries = away.calls
+    asyncio.run(run_sync_loop_until(replica, lambda: away.calls > tries))
     replica.check_health()
+    # Back, but syncs fail for another reason: that is counted from then on, not from before the outage.
+    replica.registry = LocalHandle(FlakyRegistry(service, failures=10**9, error=KeyError("entries")))
+    asyncio.run(run_sync_loop_until(replica, lambda: "KeyError" in (replica._sync_error or "")))
+    replica.check_health()
+    now[0] += replica.SYNC_STALE_AFTER_S + 1
+    with pytest.raises(RuntimeError, match="no adapter sync succeeded"):
+        replica.check_health()

@@ -116,9 +116,8 @@ class LoraReplica:
         self._sync_lock = asyncio.Lock()
         self._sync_task: Optional[asyncio.Task] = None
         self._clock = time.monotonic
-        self._last_sync_ok = self._clock()  # when the last sync succeeded
-        self._sync_error: Optional[str] = None  # why the syncs since then failed
-        self._registry_away = False  # ... and whether that was the registry being unavailable
+        self._sync_fine_at = self._clock()  # when the last sync succeeded, or failed only because the registry was away
+        self._sync_error: Optional[str] = None  # why the last sync failed (None: it succeeded)
         self._metrics_lock = threading.Lock()
         self._finished: dict[str, Any] = {}
         self.engine.add_observer(self._observe)
@@ -196,7 +195,7 @@ class LoraReplica:
                     break  # current, or this revision failed a moment ago: the next sync retries it
                 await asyncio.to_thread(self._apply, state)
                 attempted = state["revision"]
-            self._last_sync_ok, self._sync_error, self._registry_away = self._clock(), None, False
+            self._sync_fine_at, self._sync_error = self._clock(), None
 
     async def _sync_loop(self) -> None:
         """Sync every ``sync_interval_s`` until cancelled. A failed sync is logged and retried at
@@ -216,17 +215,19 @@ class LoraReplica:
                 logger.warning("replica %s: %s; retrying", self.replica_id, error)
             else:
                 logger.error("replica %s: adapter sync failed (%s); retrying", self.replica_id, error, exc_info=exc)
-        self._sync_error, self._registry_away = error, registry_away
+        self._sync_error = error
+        if registry_away:  # not this replica's fault, and a restart would not help
+            self._sync_fine_at = self._clock()
 
     def sync_problem(self) -> Optional[str]:
         """Why this replica's adapter set may be frozen: the sync task ended, or no sync has
-        succeeded for ``SYNC_STALE_AFTER_S`` (the registry being away excepted); else None."""
+        succeeded for ``SYNC_STALE_AFTER_S`` (time the registry was away excepted); else None."""
         task = self._sync_task
         if task is not None and task.done():
             why = "cancelled" if task.cancelled() else repr(task.exception())
             return f"the adapter sync task ended ({why}); the adapter set would stay frozen"
-        stale_s = self._clock() - self._last_sync_ok
-        if stale_s > self.SYNC_STALE_AFTER_S and not self._registry_away:
+        stale_s = self._clock() - self._sync_fine_at
+        if stale_s > self.SYNC_STALE_AFTER_S:
             return f"no adapter sync succeeded for {stale_s:.0f}s (last error: {self._sync_error or 'none, a sync has been running all along'})"
         return None
 
