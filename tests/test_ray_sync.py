@@ -8,6 +8,7 @@ tests drive ``_sync_once`` / ``_apply`` / ``generate`` themselves, so nothing wa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import shutil
 from pathlib import Path
@@ -26,7 +27,7 @@ from runtime.distributed.registry_client import RegistryClient, ReplicasFailedTo
 from runtime.distributed.registry_service import AdapterRegistryService  # noqa: E402
 from runtime.distributed.replica import LoraReplica  # noqa: E402
 from runtime.distributed.replica_set import replica_error  # noqa: E402
-from runtime.request import SamplingParams  # noqa: E402
+from runtime.request import AdapterRef, SamplingParams  # noqa: E402
 from runtime.server.errors import APIError  # noqa: E402
 from tests.engine_helpers import clone_adapter  # noqa: E402
 
@@ -305,3 +306,85 @@ def test_check_health_tolerates_the_registry_being_away(replica, service) -> Non
     now[0] += replica.SYNC_STALE_AFTER_S + 1
     with pytest.raises(RuntimeError, match="no adapter sync succeeded"):
         replica.check_health()
+
+
+# ---- 5: a greedy replay after a replica died runs on the version the request started on, or not at all --
+def hot_updated(rep: LoraReplica, service: AdapterRegistryService, folders: SimpleNamespace) -> tuple[str, str]:
+    """Register A at v1, then hot-update it to v2 on ``rep``; returns (v1, v2)."""
+    record(rep, service, "A", folders.v1)
+    sync(rep)
+    record(rep, service, "A", folders.v2)
+    sync(rep)
+    v1, v2 = version_of(folders.v1, rep), version_of(folders.v2, rep)
+    assert held(rep)["A"][0] == v2
+    return v1, v2
+
+
+def test_replica_refuses_a_replay_pinned_to_another_version(replica, service, folders) -> None:
+    v1, v2 = hot_updated(replica, service, folders)
+    refused = items(replica, "A", pinned_version=v1)
+    assert [i[:2] for i in refused] == [("error", "adapter_unavailable")], refused
+    assert v1 in refused[0][2] and v2 in refused[0][2], refused[0][2]
+    served = items(replica, "A", pinned_version=v2)
+    assert served[-1][0] == "out" and served[-1][1].adapter.version == v2, served
+
+
+class Stream:
+    """A replica's response stream as the ingress sees it: async-iterable, with ``cancel``."""
+
+    def __init__(self, items: Any) -> None:
+        self.items = items
+
+    def __aiter__(self) -> Any:
+        return self.items
+
+    def cancel(self) -> None:
+        pass
+
+
+class ScriptedReplicas:
+    """The replica deployment handle, as ReplicaSetEngine calls it: the n-th ``generate`` call
+    answers with ``scripts[n](*args)``; ``calls`` keeps the arguments."""
+
+    def __init__(self, *scripts: Any) -> None:
+        self.scripts, self.calls = list(scripts), []
+        self.generate = SimpleNamespace(remote=self._generate)
+
+    def options(self, **options: Any) -> "ScriptedReplicas":
+        return self
+
+    def _generate(self, *args: Any) -> Stream:
+        self.calls.append(args)
+        return Stream(self.scripts[len(self.calls) - 1](*args))
+
+
+def test_greedy_replay_is_refused_on_a_replica_holding_another_version(replica, service, folders, tiny_llama_dir) -> None:
+    """The replica that died had served A@v1; the only live one holds A@v2 and reproduces the
+    tokens sent so far. Continuing there would append v2 tokens to a v1 prefix."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine, ReplicaUnavailable
+
+    v1, v2 = hot_updated(replica, service, folders)
+    on_v2 = [i[1] for i in items(replica, "A", max_tokens=6)]
+    sent_on_v1 = [dataclasses.replace(out, adapter=AdapterRef("A", v1)) for out in on_v2[:2]]
+
+    async def died_after_two_tokens(*args: Any) -> Any:
+        for out in sent_on_v1:
+            yield ("out", out, None)
+        raise ray.exceptions.RayActorError()
+
+    replicas = ScriptedReplicas(died_after_two_tokens, replica.generate)
+    ingress = ReplicaSetEngine(replicas, None, str(tiny_llama_dir), "tiny", 64)
+
+    async def run() -> list[Any]:
+        got: list[Any] = []
+        with pytest.raises(ReplicaUnavailable) as refused:
+            async for delta in ingress.generate("req", "hello there", SamplingParams(max_tokens=6, ignore_eos=True), "A"):
+                got.append(delta)
+        assert refused.value.status == 503 and "retry" in refused.value.message, refused.value.message
+        return got
+
+    got = asyncio.run(run())
+    assert [d.adapter for d in got] == [AdapterRef("A", v1)] * 2, f"tokens of another version were passed on: {got}"
+    assert len(replicas.calls) == 2

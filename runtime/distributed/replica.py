@@ -60,6 +60,11 @@ def error_item(err: Exception) -> tuple[str, str, str]:
     raise err
 
 
+def _pin_mismatch(adapter: Optional[str], here: Optional[str], pinned: str) -> str:
+    holds = f"holds version {here}" if here is not None else "does not hold it"
+    return f"adapter {adapter!r}: the request started on version {pinned}, and this replica {holds}"
+
+
 @dataclass(frozen=True)
 class AdapterLease:
     """What Serve's multiplexing cache holds for an adapter: its name and the version seen."""
@@ -265,17 +270,27 @@ class LoraReplica:
         with self._metrics_lock:
             self._finished[metrics.request_id] = metrics
 
-    async def generate(self, request_id: str, prompt: Any, params: Optional[SamplingParams], adapter: Optional[str]) -> AsyncIterator[tuple]:
+    async def generate(
+        self, request_id: str, prompt: Any, params: Optional[SamplingParams], adapter: Optional[str], pinned_version: Optional[str] = None
+    ) -> AsyncIterator[tuple]:
+        """Stream one request (wire format: the module docstring).
+
+        ``pinned_version``: the request is a replay of one that already streamed tokens of
+        that version of ``adapter`` on a replica that died; it runs only on that version
+        (else an ``adapter_unavailable`` error), so its output never mixes two versions.
+        """
         if adapter is not None:
-            try:
-                await self.load_adapter(adapter)
-                self._raise_if_unservable(adapter)  # Serve's cache may still hold a lease on it
-            except (UnknownAdapterError, AdapterUnavailable) as err:
-                yield error_item(err)
+            refusal = await self._refusal(adapter, pinned_version)
+            if refusal is not None:
+                yield refusal
                 return
         stream = self.engine.generate(request_id, prompt, params, adapter)
         try:
             async for out in stream:
+                if pinned_version is not None and (out.adapter is None or out.adapter.version != pinned_version):
+                    # A hot update landed between the check above and the admission.
+                    yield error_item(AdapterUnavailable(_pin_mismatch(adapter, out.adapter.version if out.adapter else None, pinned_version)))
+                    return
                 metrics = None
                 if out.finished:
                     with self._metrics_lock:
@@ -287,6 +302,18 @@ class LoraReplica:
             await stream.aclose()  # aborts the engine request if the caller went away
             with self._metrics_lock:
                 self._finished.pop(request_id, None)
+
+    async def _refusal(self, adapter: str, pinned_version: Optional[str]) -> Optional[tuple]:
+        """The error item refusing a request for ``adapter`` here, or None to admit it."""
+        try:
+            await self.load_adapter(adapter)
+            self._raise_if_unservable(adapter)  # Serve's cache may still hold a lease on it
+            held = self._held(adapter)
+            if pinned_version is not None and (held is None or held.version != pinned_version):
+                raise AdapterUnavailable(_pin_mismatch(adapter, held.version if held else None, pinned_version))
+        except (UnknownAdapterError, AdapterUnavailable) as err:
+            return error_item(err)
+        return None
 
     async def validate_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Read and validate adapter files against this replica's model; engine state is untouched."""

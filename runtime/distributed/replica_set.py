@@ -13,8 +13,10 @@ Replica failure: if the replica dies before the request produced output, the req
 sent once more (Serve routes it to a live replica). If it dies after output was already
 passed on, a greedy request is replayed on another replica and only the tokens not yet
 passed on are emitted (greedy decoding is deterministic, and the replay is checked to
-reproduce the emitted prefix); any other request fails with HTTP 503 and a message to
-retry. Nothing waits forever on a dead replica: Ray fails the stream when its actor dies.
+reproduce the emitted prefix). The replay is pinned to the adapter version the emitted
+tokens came from: a replica holding another version (a hot update happened meanwhile)
+refuses it, and the request fails with HTTP 503 rather than continue a v1 prefix on v2.
+Any other request fails with HTTP 503 and a message to retry. Nothing waits forever on a dead replica: Ray fails the stream when its actor dies.
 """
 from __future__ import annotations
 
@@ -122,11 +124,11 @@ class ReplicaSetEngine:
         self._observers.append(callback)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def _stream(self, request_id: str, prompt: Any, params: SamplingParams, adapter: Optional[str]) -> Any:
+    def _stream(self, request_id: str, prompt: Any, params: SamplingParams, adapter: Optional[str], pinned_version: Optional[str]) -> Any:
         options: dict[str, Any] = {"stream": True}
         if self.routing == "affinity" and adapter is not None:
             options["multiplexed_model_id"] = adapter
-        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter)
+        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version)
 
     async def generate(
         self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None
@@ -134,13 +136,16 @@ class ReplicaSetEngine:
         params = params or SamplingParams()
         emitted_ids: tuple[int, ...] = ()
         emitted_text = ""
+        pinned: Optional[str] = None  # the adapter version the tokens passed on came from
         attempt = 0
         while True:
-            stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter)
+            stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter, pinned)
             finished = False
             try:
                 async for item in stream:
                     if item[0] == "error":
+                        if emitted_ids:  # a replay after output was passed on: the client retries the whole request
+                            raise ReplicaUnavailable(request_id, f"the replay on another replica was refused: {item[2]}")
                         raise replica_error(item[1], item[2])
                     out, metrics = item[1], item[2]
                     if metrics is not None:
@@ -148,12 +153,14 @@ class ReplicaSetEngine:
                             observer(metrics)
                     if len(out.token_ids) < len(emitted_ids) or (len(out.token_ids) == len(emitted_ids) and not out.finished):
                         continue  # replaying what was already passed on
+                    if emitted_ids and _version(out) != pinned:
+                        raise ReplicaUnavailable(request_id, f"the replay on another replica ran on adapter version {_version(out)}, not {pinned}")
                     if out.token_ids[: len(emitted_ids)] != emitted_ids or not out.text.startswith(emitted_text):
                         raise ReplicaUnavailable(request_id, "the replay on another replica diverged from the tokens already sent")
                     delta = dataclasses.replace(
                         out, request_id=request_id, new_token_ids=out.token_ids[len(emitted_ids):], new_text=out.text[len(emitted_text):]
                     )
-                    emitted_ids, emitted_text = out.token_ids, out.text
+                    emitted_ids, emitted_text, pinned = out.token_ids, out.text, _version(out)
                     finished = out.finished
                     yield delta
                 return
@@ -166,6 +173,10 @@ class ReplicaSetEngine:
             finally:
                 if not finished:
                     stream.cancel()  # propagates to the replica, whose engine aborts the request
+
+
+def _version(out: RequestOutput) -> Optional[str]:
+    return out.adapter.version if out.adapter is not None else None
 
 
 def _add_into(total: dict[str, Any], snap: dict[str, Any]) -> None:
