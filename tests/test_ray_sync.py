@@ -388,3 +388,40 @@ def test_greedy_replay_is_refused_on_a_replica_holding_another_version(replica, 
     got = asyncio.run(run())
     assert [d.adapter for d in got] == [AdapterRef("A", v1)] * 2, f"tokens of another version were passed on: {got}"
     assert len(replicas.calls) == 2
+
+
+# ---- 6: a replica behind the ingress's revision syncs before it serves an adapter ------------------
+def test_replica_behind_the_ingress_syncs_before_serving_a_name_it_already_holds(replica, service, folders) -> None:
+    """After an admin call returned, a replica that was not live then still holds A@v1 and Serve's
+    multiplexed cache still holds its lease on A, so the loader (``_lease``) is not called."""
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    revision = record(replica, service, "A", folders.v2)["revision"]
+
+    async def cached_lease(name: str) -> Any:  # what Serve's cache answers for a name it holds
+        return SimpleNamespace(name=name)
+
+    replica.load_adapter = cached_lease
+    served = items(replica, "A", min_revision=revision)
+    assert served[-1][0] == "out", served
+    assert served[-1][1].adapter.version == version_of(folders.v2, replica), "served the version the registry replaced"
+    assert replica.applied_revision == revision
+
+
+def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    async def nothing(*args: Any) -> Any:
+        return
+        yield
+
+    replicas = ScriptedReplicas(nothing)
+    ingress = ReplicaSetEngine(replicas, None, str(tiny_llama_dir), "tiny", 64)
+    ingress._take({"revision": 7, "entries": [], "replicas": {}})
+
+    async def run() -> None:
+        async for _ in ingress.generate("req", "hello", SamplingParams(max_tokens=2), "A"):
+            pass
+
+    asyncio.run(run())
+    assert replicas.calls[0][-1] == 7, replicas.calls

@@ -190,9 +190,12 @@ class LoraReplica:
             self.replica_id, self.applied_revision, self.report(), self.apply_errors, self.attempted_revision
         )
 
-    async def _sync_once(self) -> None:
-        """Heartbeat, and apply the registry's state when this replica is behind it."""
+    async def _sync_once(self, unless_tried: Optional[int] = None) -> None:
+        """Heartbeat, and apply the registry's state when this replica is behind it (skipped when
+        revision ``unless_tried`` was tried meanwhile, by a sync this one waited for)."""
         async with self._sync_lock:
+            if unless_tried is not None and self.attempted_revision >= unless_tried:
+                return
             attempted = None
             for _ in range(2):  # the second heartbeat acknowledges what the first one delivered
                 state = await self._heartbeat()
@@ -271,15 +274,26 @@ class LoraReplica:
             self._finished[metrics.request_id] = metrics
 
     async def generate(
-        self, request_id: str, prompt: Any, params: Optional[SamplingParams], adapter: Optional[str], pinned_version: Optional[str] = None
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Optional[SamplingParams],
+        adapter: Optional[str],
+        pinned_version: Optional[str] = None,
+        min_revision: int = -1,
     ) -> AsyncIterator[tuple]:
         """Stream one request (wire format: the module docstring).
+
+        ``min_revision``: the registry revision the ingress knows; a replica that has not yet
+        tried it syncs before resolving ``adapter`` (Serve's multiplexed cache does not call
+        the loader for a name it holds, so this is where a lagging replica catches up).
 
         ``pinned_version``: the request is a replay of one that already streamed tokens of
         that version of ``adapter`` on a replica that died; it runs only on that version
         (else an ``adapter_unavailable`` error), so its output never mixes two versions.
         """
         if adapter is not None:
+            await self._catch_up(min_revision)
             refusal = await self._refusal(adapter, pinned_version)
             if refusal is not None:
                 yield refusal
@@ -302,6 +316,16 @@ class LoraReplica:
             await stream.aclose()  # aborts the engine request if the caller went away
             with self._metrics_lock:
                 self._finished.pop(request_id, None)
+
+    async def _catch_up(self, revision: int) -> None:
+        """Sync now if this replica has not tried ``revision`` yet; if that fails, serve what it
+        holds (the sync loop retries, and check_health reports it if it lasts)."""
+        if self.attempted_revision >= revision:
+            return
+        try:
+            await self._sync_once(unless_tried=revision)
+        except Exception as err:  # noqa: BLE001 - the request is still served, from the current set
+            logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapter set it holds", self.replica_id, type(err).__name__, err)
 
     async def _refusal(self, adapter: str, pinned_version: Optional[str]) -> Optional[tuple]:
         """The error item refusing a request for ``adapter`` here, or None to admit it."""

@@ -128,7 +128,8 @@ class ReplicaSetEngine:
         options: dict[str, Any] = {"stream": True}
         if self.routing == "affinity" and adapter is not None:
             options["multiplexed_model_id"] = adapter
-        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version)
+        # The registry revision this ingress knows: a replica behind it syncs before serving.
+        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version, self._view["revision"])
 
     async def generate(
         self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None
