@@ -10,7 +10,11 @@ replica with free room when none does). The capacity equals the engine's host ti
 Registry: every replica registers the application's whole adapter set in its engine
 (registration is metadata + one validation read; weights then live in the engine's
 host/device LRU only while used). A background task heartbeats the registry actor,
-applies newer revisions, and reports the engine snapshot for /metrics.
+applies newer revisions, and reports the engine snapshot for /metrics. An entry is
+installed only once its files hash to the registered version; one that cannot be
+applied keeps the revision unapplied (retried at every heartbeat), and the name is not
+served meanwhile unless the replica already holds the registered version. A request
+carries the registry revision the ingress knows, and a replica behind it syncs first.
 
 Wire format of ``generate``: a stream of tuples, so that admission errors cross the
 process boundary as data, not as pickled exception classes:
