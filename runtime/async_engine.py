@@ -247,7 +247,14 @@ class AsyncLLMEngine:
     def register_adapter(self, name: str, path: str) -> AdapterRef:
         # Reading and validating the files happens outside the lock (steps keep running), in a
         # single-threaded helper (see runtime/torch_threads.py).
-        adapter = self._files.submit(self.engine.load_adapter_files, name, path).result()
+        return self.install_adapter(self.load_adapter_files(name, path), path)
+
+    def load_adapter_files(self, name: str, path: str) -> Any:
+        """Read and validate an adapter folder without the lock (``LLMEngine.load_adapter_files``)."""
+        return self._files.submit(self.engine.load_adapter_files, name, path).result()
+
+    def install_adapter(self, adapter: Any, path: str) -> AdapterRef:
+        """Make an adapter already read and checked current (``LLMEngine.install_adapter``), under the lock."""
         with self._lock:
             ref = self.engine.install_adapter(adapter, str(path))
             self._adapter_infos = tuple(self.engine.adapters())

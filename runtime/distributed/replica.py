@@ -78,16 +78,9 @@ class AdapterLease:
 
 
 def install_checked(engine: AsyncLLMEngine, adapter: Any, path: str) -> None:
-    """Make an adapter already read and checked (``LLMEngine.load_adapter_files``) current.
-
-    ``AsyncLLMEngine.register_adapter`` would read the files again, and install whatever it
-    finds there; it has no install-only call, so this does what its ``register_adapter``
-    does after the read: ``install_adapter`` under the engine lock, then refresh the
-    lock-free copy that ``adapters()`` returns.
-    """
-    with engine._lock:
-        engine.engine.install_adapter(adapter, str(path))
-        engine._adapter_infos = tuple(engine.engine.adapters())
+    """Make an adapter already read and checked (``load_adapter_files``) current, without reading
+    the files again (``register_adapter`` would install whatever it finds there now)."""
+    engine.install_adapter(adapter, str(path))
 
 
 class LoraReplica:
@@ -162,7 +155,7 @@ class LoraReplica:
         """
         name, path, version = entry["name"], entry["path"], entry["version"]
         try:
-            adapter = self.engine.engine.load_adapter_files(name, path)  # touches no engine state
+            adapter = self.engine.load_adapter_files(name, path)  # outside the engine lock; touches no engine state
         except (ValueError, OSError) as err:
             problem = str(err)
         else:
@@ -346,7 +339,7 @@ class LoraReplica:
     async def validate_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Read and validate adapter files against this replica's model; engine state is untouched."""
         try:
-            adapter = await asyncio.to_thread(self.engine.engine.load_adapter_files, name, path)
+            adapter = await asyncio.to_thread(self.engine.load_adapter_files, name, path)
         except (ValueError, OSError) as err:
             return {"error": str(err)}
         return {"version": adapter.version, "max_rank": adapter.max_rank}
