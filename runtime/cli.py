@@ -19,8 +19,19 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed package's version (``pip install -e .`` included); "unknown" when run from a bare tree."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("lorafleet")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet", description="Serve many LoRA adapters over one base model.")
+    parser.add_argument("--version", action="version", version=f"lorafleet {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
@@ -30,13 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        if argv and argv[0] not in ("-h", "--help"):
-            parser.print_usage(sys.stderr)
-            print(f"lorafleet: unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
-            return 2
-        parser.print_help()
-        return 0
+    if not argv:  # no command is a usage error (exit 2), like an unknown one
+        parser.print_help(sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "--version"):
+        parser.parse_args(argv[:1])  # prints help or the version and exits 0
+    if argv[0] not in COMMANDS:
+        parser.print_usage(sys.stderr)
+        print(f"lorafleet: unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(f"runtime.commands.{name}")
     sub = argparse.ArgumentParser(prog=f"lorafleet {name}", description=COMMANDS[name])

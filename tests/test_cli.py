@@ -1,0 +1,30 @@
+"""The `lorafleet` entry point: help, version, and usage errors."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.cli import COMMANDS, main, version
+
+
+def test_no_command_prints_help_to_stderr_and_exits_2(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and all(name in captured.err for name in COMMANDS)
+
+
+def test_help_and_version_exit_0(capsys):
+    for flag in ("-h", "--help"):
+        with pytest.raises(SystemExit) as exc:
+            main([flag])
+        out = capsys.readouterr().out
+        assert exc.value.code == 0 and all(name in out for name in COMMANDS)
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"lorafleet {version()}"
+    assert version() != "unknown"  # the test environment installs the package (pip install -e .)
+
+
+def test_unknown_command_names_the_choices(capsys):
+    assert main(["serv"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'serv'" in err and "serve" in err
