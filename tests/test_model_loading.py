@@ -13,7 +13,7 @@ from backends import get_backend
 from runtime.config import ConfigError, EngineConfig
 from runtime.lora.adapter import load_adapter
 from runtime.model_runner import ModelRunner, SeqStep
-from runtime.models.hf_config import ModelConfigError, load_model_config
+from runtime.models.hf_config import ModelConfigError, RopeScaling, load_model_config
 from runtime.models.loader import CheckpointError, load_weights
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -80,6 +80,42 @@ def test_legacy_rope_scaling_layout(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     parsed = load_model_config(path)
     assert parsed.rope_theta == 5000.0 and parsed.rope_scaling.rope_type == "linear" and parsed.rope_scaling.factor == 2.0
+
+
+def test_rope_parameters_without_theta_inside_matches_transformers(tmp_path):
+    """rope_parameters carries the scaling but rope_theta sits at the top level (or nowhere):
+    the scaling must still apply, with theta from the top level, else transformers' default 10000."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 32}
+    cfg.update(rope_theta=5000, rope_parameters=dict(scaling))
+    (path / "config.json").write_text(json.dumps(cfg))
+    parsed = load_model_config(path)
+    assert parsed.rope_theta == 5000.0
+    assert parsed.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    ids = prompt()
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+    cfg.pop("rope_theta")
+    (path / "config.json").write_text(json.dumps(cfg))
+    parsed = load_model_config(path)
+    assert parsed.rope_theta == 10000.0 and parsed.rope_scaling.rope_type == "llama3"
+
+
+def test_conflicting_rope_parameters_and_rope_scaling_is_an_error(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=2)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(rope_parameters={"rope_type": "linear", "factor": 2.0}, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"config\.json: rope_parameters and rope_scaling disagree"):
+        load_model_config(path)
+    cfg["rope_scaling"] = {"type": "linear", "factor": 2.0}  # the same scaling in both layouts is fine
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope_scaling == RopeScaling("linear", 2.0)
+    cfg.update(rope_parameters=[1, 2], rope_scaling=None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"config\.json: rope_parameters must be an object or null"):
+        load_model_config(path)
 
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])

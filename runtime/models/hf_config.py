@@ -4,8 +4,10 @@ Supported ``model_type``: llama, qwen2, mistral. Everything the decoder cannot h
 is a ``ModelConfigError`` naming the file and the field; nothing is silently ignored.
 
 Rope: both layouts are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and
-transformers 5.x (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the
-scaling fields). Supported rope types: default, ``linear``, ``llama3``.
+transformers 5.x (``rope_parameters`` holding ``rope_type``, the scaling fields and
+usually ``rope_theta``; a ``rope_theta`` missing there is taken from the top level, else
+10000, as transformers does). When both layouts are present they must agree. Supported
+rope types: default, ``linear``, ``llama3``.
 
 Sliding window (mistral, qwen2 with ``use_sliding_window``): the decoder runs full
 causal attention, which equals sliding-window attention as long as a sequence is no
@@ -21,6 +23,7 @@ from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta (llama, qwen2, mistral)
 
 
 class ModelConfigError(ValueError):
@@ -163,41 +166,58 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str, path: Path) -> int 
 
 def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling | None]:
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        scaling_src: Mapping[str, Any] | None = params
-        theta = params["rope_theta"]
-        field = "rope_parameters"
-    else:
-        theta = raw.get("rope_theta", 10000.0)
-        scaling_src = raw.get("rope_scaling")
-        field = "rope_scaling"
-    if not isinstance(theta, (int, float)) or theta <= 0:
+    legacy = raw.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise ModelConfigError(f"{path}: rope_parameters must be an object or null, got {params!r}")
+    if isinstance(params, dict):
+        nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+        if nested:
+            raise ModelConfigError(f"{path}: rope_parameters per layer type ({', '.join(nested)}) is not supported")
+        # transformers 5.x layout. rope_theta may also sit at the top level next to it: transformers
+        # then copies it in (rope_parameters.setdefault("rope_theta", rope_theta)), else its default.
+        theta = params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+        scaling = _rope_scaling(params, "rope_parameters", path)
+        if legacy is not None and _rope_scaling(legacy, "rope_scaling", path) != scaling:
+            raise ModelConfigError(
+                f"{path}: rope_parameters and rope_scaling disagree ({params!r} vs {legacy!r}); keep one of them"
+            )
+    else:  # transformers 4.x layout
+        theta = raw.get("rope_theta", DEFAULT_ROPE_THETA)
+        scaling = _rope_scaling(legacy, "rope_scaling", path)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelConfigError(f"{path}: rope_theta={theta!r} must be a positive number")
-    if raw.get("partial_rotary_factor", 1.0) != 1.0 or (scaling_src or {}).get("partial_rotary_factor", 1.0) != 1.0:
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelConfigError(f"{path}: partial_rotary_factor other than 1.0 is not supported")
+    return float(theta), scaling
+
+
+def _rope_scaling(scaling_src: Any, field: str, path: Path) -> RopeScaling | None:
+    """The scaling described by ``rope_parameters`` or ``rope_scaling`` (``field``); None = plain rope."""
     if scaling_src is None:
-        return float(theta), None
+        return None
     if not isinstance(scaling_src, dict):
         raise ModelConfigError(f"{path}: {field} must be an object or null, got {scaling_src!r}")
+    if scaling_src.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelConfigError(f"{path}: {field}.partial_rotary_factor other than 1.0 is not supported")
     rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"{path}: {field}.rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
-        return float(theta), None
+        return None
     factor = scaling_src.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
         raise ModelConfigError(f"{path}: {field}.factor={factor!r} must be a positive number for rope_type {rope_type!r}")
     if rope_type == "linear":
-        return float(theta), RopeScaling("linear", float(factor))
+        return RopeScaling("linear", float(factor))
     needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in needed if not isinstance(scaling_src.get(k), (int, float))]
     if missing:
         raise ModelConfigError(f"{path}: {field} of rope_type 'llama3' needs {', '.join(missing)}")
     if scaling_src["high_freq_factor"] <= scaling_src["low_freq_factor"]:
         raise ModelConfigError(f"{path}: {field}.high_freq_factor must exceed low_freq_factor")
-    return float(theta), RopeScaling(
+    return RopeScaling(
         "llama3",
         float(factor),
         float(scaling_src["low_freq_factor"]),
