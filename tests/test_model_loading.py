@@ -154,6 +154,30 @@ def test_sliding_window_caps_max_model_len(tmp_path):
         runner_for(path, max_model_len=128)
 
 
+@pytest.mark.parametrize(
+    "model_type, change, window",
+    [
+        ("mistral", {}, 4096),  # no sliding_window key: transformers' MistralConfig default
+        ("mistral", {"sliding_window": None}, None),  # explicit null: full attention
+        ("qwen2", {"use_sliding_window": True}, 4096),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": None}, None),
+        ("qwen2", {"use_sliding_window": False}, None),
+        ("llama", {}, None),  # LlamaConfig has no sliding window at all
+    ],
+)
+def test_sliding_window_default_follows_transformers(tmp_path, model_type, change, window):
+    from transformers import AutoConfig
+
+    path = build_tiny_model(tmp_path / "m", model_type, seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("sliding_window", None)
+    cfg.update(change, max_position_embeddings=8192)
+    (path / "config.json").write_text(json.dumps(cfg))
+    parsed = load_model_config(path)
+    assert parsed.sliding_window == window == getattr(AutoConfig.from_pretrained(str(path)), "sliding_window", None)
+    assert parsed.max_model_len == (window or 8192)
+
+
 def test_sharded_checkpoint_loads(tmp_path, tiny_llama_dir):
     sharded = build_tiny_model(tmp_path / "sharded", "llama", seed=0, max_shard_size="30KB")
     index = json.loads((sharded / "model.safetensors.index.json").read_text())

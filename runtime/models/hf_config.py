@@ -12,7 +12,9 @@ rope types: default, ``linear``, ``llama3``.
 Sliding window (mistral, qwen2 with ``use_sliding_window``): the decoder runs full
 causal attention, which equals sliding-window attention as long as a sequence is no
 longer than the window. So ``max_model_len`` is capped to the window instead of
-ignoring it; ``ModelConfig.max_model_len`` is that cap.
+ignoring it; ``ModelConfig.max_model_len`` is that cap. As in transformers, a mistral or
+qwen2 config.json without a ``sliding_window`` key gets the default window of 4096; only
+``"sliding_window": null`` means full attention.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' default sliding_window of MistralConfig and Qwen2Config (checked with
+# transformers 5.24.0), used when their config.json has no sliding_window key.
+DEFAULT_SLIDING_WINDOW = 4096
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta (llama, qwen2, mistral)
 
 
@@ -154,9 +159,13 @@ def eos_ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
 
 
 def _sliding_window(raw: Mapping[str, Any], model_type: str, path: Path) -> int | None:
-    window = raw.get("sliding_window")
     if model_type == "qwen2" and not raw.get("use_sliding_window", False):
         return None  # qwen2 stores a window but only uses it with use_sliding_window
+    # For mistral and qwen2 a missing key is not "no window": transformers' MistralConfig and
+    # Qwen2Config then use their default window; only an explicit null means full attention.
+    # (LlamaConfig has no window: a missing key is none.)
+    default = DEFAULT_SLIDING_WINDOW if model_type in ("mistral", "qwen2") else None
+    window = raw.get("sliding_window", default)
     if window is None:
         return None
     if not isinstance(window, int) or window <= 0:
