@@ -6,22 +6,28 @@ Sources, in the checkpoint folder:
   ``add_eos_token``, ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects.
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
 
-``eos_token_ids`` is the union of all eos ids found (tokenizer_config first, then
-generation_config, then config), in that order without duplicates.
+``eos_token_ids``: tokenizer_config's eos, then generation_config's, in that order without
+duplicates; config.json's only when generation_config.json gives none. generation_config
+overrides config.json, as in transformers' ``generate`` and vLLM: a config.json eos that the
+generation config dropped must not stop generation.
 
 ``encode(text, add_special_tokens=True)`` runs the tokenizer's post-processor; when
 ``add_bos_token`` is true and the post-processor did not already put bos first, bos is
 prepended (older Llama tokenizer.json files leave that to the Python class). Likewise
 ``add_eos_token`` appends eos.
 
-``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox.
-Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
+``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
+like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``, a
+``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
+``raise_exception``; ``bos_token``, ``eos_token`` and ``pad_token`` as variables), so a template
+renders the same prompt text as under transformers. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
 """
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -63,8 +69,8 @@ class Tokenizer:
         tok_eos = self._id_of(self.eos_token, root / "tokenizer_config.json", "eos_token")
         if tok_eos is not None:
             eos.append(tok_eos)
-        for name in ("generation_config.json", "config.json"):
-            eos.extend(_eos_ids(_read_json(root / name).get("eos_token_id"), root / name))
+        generation_eos = _eos_ids(_read_json(root / "generation_config.json").get("eos_token_id"), root / "generation_config.json")
+        eos.extend(generation_eos or _eos_ids(_read_json(root / "config.json").get("eos_token_id"), root / "config.json"))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         if self.bos_token_id is None:
             self.bos_token_id = _first_int(_read_json(root / "config.json").get("bos_token_id"))
@@ -106,8 +112,15 @@ class Tokenizer:
         def raise_exception(message: str) -> None:
             raise TokenizerError(f"chat_template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
+        def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         try:
             template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
             return template.render(
@@ -115,6 +128,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
             )
         except jinja2.TemplateError as err:
             raise TokenizerError(f"chat_template: cannot render: {err}") from err

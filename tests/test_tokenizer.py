@@ -42,14 +42,21 @@ def test_special_tokens_and_eos(tiny_llama_dir):
     assert tok.is_special(tok.bos_token_id) and not tok.is_special(tok.encode("a", add_special_tokens=False)[0])
 
 
-def test_eos_ids_gathered_from_all_configs(model_copy):
+def test_eos_ids_from_tokenizer_and_generation_config_which_overrides_config(model_copy):
+    """generation_config's eos replaces config.json's (as in transformers' generate and vLLM); the
+    tokenizer's eos stays first; config.json's counts only when generation_config gives none."""
     gen = json.loads((model_copy / "generation_config.json").read_text())
     gen["eos_token_id"] = [257, 12]
     (model_copy / "generation_config.json").write_text(json.dumps(gen))
     cfg = json.loads((model_copy / "config.json").read_text())
     cfg["eos_token_id"] = 13
     (model_copy / "config.json").write_text(json.dumps(cfg))
-    assert Tokenizer(model_copy).eos_token_ids == (257, 12, 13)
+    assert Tokenizer(model_copy).eos_token_ids == (257, 12)
+    del gen["eos_token_id"]
+    (model_copy / "generation_config.json").write_text(json.dumps(gen))
+    assert Tokenizer(model_copy).eos_token_ids == (257, 13)
+    (model_copy / "generation_config.json").unlink()
+    assert Tokenizer(model_copy).eos_token_ids == (257, 13)
 
 
 def test_add_bos_token_without_post_processor(model_copy):
@@ -74,6 +81,26 @@ def test_chat_template_matches_transformers(tiny_llama_dir):
         assert Tokenizer(tiny_llama_dir).apply_chat_template(messages, add_generation_prompt=gen) == ref.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=gen
         )
+
+
+def test_template_features_render_as_in_transformers(model_copy):
+    """{% break %}, tojson (key order kept, no HTML escaping, non-ASCII kept), strftime_now and
+    pad_token: real templates (Llama-3.x, Qwen2.5) use them."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ bos_token }}[{{ strftime_now('%Y') }}]{% for m in messages %}{% if m['role'] == 'stop' %}{% break %}{% endif %}"
+        "<{{ m['role'] }}>{{ m | tojson }}{{ eos_token }}{% endfor %}{{ pad_token }}"
+    )
+    cfg["pad_token"] = cfg.get("pad_token") or cfg["eos_token"]
+    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    messages = [{"role": "user", "content": "a <b> & c, café"}, {"role": "assistant", "content": "ok"},
+                {"role": "stop", "content": "x"}, {"role": "user", "content": "never shown"}]  # fmt: skip
+    ours = Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False)
+    ref = AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert ours == ref
+    assert '{"role": "user", "content": "a <b> & c, café"}' in ours and "never shown" not in ours
 
 
 def test_default_chat_template_when_checkpoint_has_none(model_copy):
