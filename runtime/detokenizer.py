@@ -10,6 +10,16 @@ token list are kept, ``prefix`` <= ``read``:
     delta       = full_text[len(prefix_text):]  unless full_text ends in U+FFFD
                                                  (an incomplete UTF-8 sequence: wait)
 
+Prompt context: the last ``PROMPT_CONTEXT_TOKENS`` prompt ids start the token list, with
+``prefix = 0`` and ``read`` just after them, so the first output tokens are decoded to the
+right of the prompt's text (as vLLM does). SentencePiece / Metaspace decoders drop the
+leading space of the first token of a decode call: without context the completion " Paris"
+after "The capital of France is" would come back as "Paris". With context the text is
+``decode(prompt + output)[len(decode(prompt)):]``, the standard definition. Exception: a
+context whose text ends in U+FFFD (the prompt ends inside a multi-byte character) is not
+used, as its partial character would swallow the output's first character. Byte-level BPE
+decoding concatenates bytes, so its text is the same with or without context.
+
 Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
 previous text, so a stop string split over two deltas is found. The text is cut right
 before the first stop string. While running, the last ``len(longest stop) - 1``
@@ -21,44 +31,58 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
 
 
 class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas; finds stop strings."""
+    """Turns a growing token list into text deltas; finds stop strings.
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    ``add_tokens`` / ``finish_pending`` take the output ids only; the prompt's tail, given
+    here as ``prompt_ids``, is kept in front of them as decoding context.
+    """
+
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), prompt_ids: Sequence[int] = ()
+    ) -> None:
         self._decode = decode
         self._stop = tuple(stop)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        if context and decode(context).endswith(REPLACEMENT_CHAR):
+            context = []
+        self._context = context
+        # Offsets index context + output ids.
         self._prefix = 0
-        self._read = 0
+        self._read = len(context)
         self.text = ""  # all text decoded so far (cut at a stop string once found)
         self._emitted = 0  # characters of ``text`` already handed out
         self.stopped = False
 
     def add_tokens(self, ids: Sequence[int]) -> None:
         """Decode ``ids`` (the full output list, of which the new part is beyond the read offset)."""
-        if self.stopped or len(ids) <= self._read:
-            return
-        prefix_text = self._decode(ids[self._prefix : self._read])
-        full_text = self._decode(ids[self._prefix :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
-            return
-        before = len(self.text)
-        self.text += full_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(ids)
-        self._find_stop(before)
+        self._advance(ids, finishing=False)
 
     def finish_pending(self, ids: Sequence[int]) -> None:
         """At finish: emit trailing tokens even if they end in an incomplete character."""
-        if self.stopped or len(ids) <= self._read:
+        self._advance(ids, finishing=True)
+
+    def _advance(self, ids: Sequence[int], finishing: bool) -> None:
+        end = len(self._context) + len(ids)
+        if self.stopped or end <= self._read:
             return
-        prefix_text = self._decode(ids[self._prefix : self._read])
-        full_text = self._decode(ids[self._prefix :])
+        prefix_text = self._decode(self._window(ids, self._prefix, self._read))
+        full_text = self._decode(self._window(ids, self._prefix, end))
+        if not finishing and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR)):
+            return
         before = len(self.text)
         self.text += full_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(ids)
+        self._prefix, self._read = self._read, end
         self._find_stop(before)
+
+    def _window(self, ids: Sequence[int], start: int, end: int) -> list[int]:
+        """(context + ids)[start:end] without copying the whole output list."""
+        skip = len(self._context)
+        return self._context[start:end] + list(ids[max(start - skip, 0) : end - skip])
 
     def _find_stop(self, before: int) -> None:
         for_start = max(0, before - self._hold)

@@ -203,7 +203,7 @@ class LLMEngine:
                 self._awaiting_adapter.add(seq)
         self.sampler.add(request_id, params)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop))
+        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids))
         self.scheduler.add(seq)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
