@@ -76,6 +76,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self._eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.runner.model_config.eos_token_ids)
         self._vocab_size = self.runner.model_config.vocab_size
+        self._warn_tokenizer_vocab()
         self._targets = self.runner.lora_targets()
         self._num_layers = self.runner.model_config.num_hidden_layers
         prefix_cache = PrefixCache(self.model_name) if config.enable_prefix_caching else None
@@ -206,9 +207,37 @@ class LLMEngine:
         self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids))
         self.scheduler.add(seq)
 
+    def _warn_tokenizer_vocab(self) -> None:
+        """Warn (one line) when the tokenizer has more tokens, added ones included, than the
+        model's ``vocab_size``.
+
+        A warning, not a refusal: the mismatch breaks nothing by itself. The model never samples
+        an id beyond its vocab, and a prompt is refused (``_prompt_ids``) only if it encodes to
+        such an id, so checkpoints that ship unused extra added tokens still serve every other
+        prompt.
+        """
+        size = self.tokenizer.vocab_size
+        if size > self._vocab_size:
+            logger.warning(
+                "%s: the tokenizer has %d tokens (added tokens included) but the model's vocab_size is %d; "
+                "prompts that encode to ids >= %d will be refused",
+                self.model_name, size, self._vocab_size, self._vocab_size,
+            )
+
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        """The prompt's token ids; every id, given or encoded, must be in [0, vocab_size).
+
+        Encoded ids are checked too: an added token beyond the model's vocab would otherwise
+        reach the model runner, raise inside ``step()`` and fail every request in flight.
+        """
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
+            bad = sorted({t for t in ids if not 0 <= t < self._vocab_size})
+            if bad:
+                raise ValueError(
+                    f"prompt: encodes to token ids {bad[:4]} outside the model's vocab [0, {self._vocab_size}): "
+                    f"the checkpoint's tokenizer and model disagree on the vocabulary"
+                )
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size]
