@@ -3,6 +3,9 @@ mistral, sharded checkpoints, dtypes, KV sizing, and the errors for what we cann
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -236,6 +239,77 @@ def test_pickled_checkpoint_is_refused(tmp_path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match=r"pytorch_model\.bin.*never unpickled"):
         runner_for(path)
+
+
+def sharded(tmp_path: Path) -> tuple[Path, Path, dict]:
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0, max_shard_size="30KB")
+    index_file = path / "model.safetensors.index.json"
+    return path, index_file, json.loads(index_file.read_text())
+
+
+def load(path: Path) -> dict:
+    return load_weights(load_model_config(path), path, torch.float32, torch.device("cpu"))
+
+
+UP = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "entry, why",
+    [
+        ("../outside.safetensors", "points outside the checkpoint folder"),
+        ("sub/../../outside.safetensors", "points outside the checkpoint folder"),
+        ("ABSOLUTE", "points outside the checkpoint folder"),
+        (3, "must be a shard file name"),
+    ],
+)
+def test_index_entry_outside_the_checkpoint_is_refused(tmp_path, entry, why):
+    path, index_file, index = sharded(tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(path / index["weight_map"][UP], outside)  # a real shard there: only the path check can refuse it
+    (path / "sub").mkdir()
+    entry = str(outside) if entry == "ABSOLUTE" else entry
+    index["weight_map"][UP] = entry
+    index_file.write_text(json.dumps(index))
+    pattern = rf"{re.escape(str(index_file))}: weight_map\['{re.escape(UP)}'\] = {re.escape(repr(entry))}: {why}"
+    with pytest.raises(CheckpointError, match=pattern):
+        load(path)
+
+
+def test_index_shards_in_a_subfolder_or_symlinked_elsewhere_load(tmp_path, tiny_llama_dir):
+    """Inside the folder means the index's path, not where a symlink points: the HF hub cache
+    keeps snapshots/<rev>/<shard> as a link to ../../blobs/<sha>."""
+    path, index_file, index = sharded(tmp_path)
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    (path / "sub").mkdir()
+    (path / first).rename(path / "sub" / first)
+    index["weight_map"] = {n: f"sub/{s}" if s == first else s for n, s in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (path / second).rename(blobs / second)
+    (path / second).symlink_to(Path("..") / "blobs" / second)
+    weights, single = load(path), load(tiny_llama_dir)
+    assert weights.keys() == single.keys() and all(torch.equal(weights[k], single[k]) for k in single)
+
+
+@pytest.mark.parametrize("keep", [0.5, 5])
+def test_corrupt_shard_is_named(tmp_path, keep):
+    path, _, index = sharded(tmp_path)
+    shard = path / index["weight_map"][UP]
+    os.truncate(shard, int(shard.stat().st_size * keep) if keep < 1 else keep)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(shard))}: not a readable safetensors file"):
+        load(path)
+
+
+def test_index_naming_the_wrong_shard_is_named(tmp_path):
+    path, index_file, index = sharded(tmp_path)
+    wrong = next(s for s in index["weight_map"].values() if s != index["weight_map"][UP])
+    index["weight_map"][UP] = wrong
+    index_file.write_text(json.dumps(index))
+    pattern = rf"{re.escape(str(path / wrong))}: tensor {re.escape(UP)} is not in this shard \(model\.safetensors\.index\.json names it\)"
+    with pytest.raises(CheckpointError, match=pattern):
+        load(path)
 
 
 @pytest.mark.parametrize(

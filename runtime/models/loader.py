@@ -1,7 +1,10 @@
 """Load a HF checkpoint's weights from safetensors: single file or sharded index.
 
 Accepted layouts: ``model.safetensors``, or ``model.safetensors.index.json`` whose
-``weight_map`` names the shard of every tensor. Pickled weights (``*.bin``, ``*.pt``,
+``weight_map`` names the shard of every tensor; a shard entry must be a relative path
+inside the checkpoint folder (no absolute path, no ``..``; where a symlink points does not
+matter, as in the HF hub cache), and a shard that is not a readable safetensors file is a
+``CheckpointError`` naming it. Pickled weights (``*.bin``, ``*.pt``,
 ``*.pth``) are refused and never opened. Every expected tensor must be present with
 the shape ``ModelConfig`` implies; a missing, misshapen or unexpected tensor is a
 ``CheckpointError`` naming the tensor and the file. Weights are cast to the compute
@@ -20,7 +23,7 @@ uses the embedding matrix then, and so do we).
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Iterable
 
 import torch
@@ -109,7 +112,7 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
             raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {err}") from err
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
-        files = {name: root / shard for name, shard in weight_map.items()}
+        files = {name: _shard_path(root, index, name, shard) for name, shard in weight_map.items()}
         for name, shard in files.items():
             if not shard.is_file():
                 raise CheckpointError(f"{index}: tensor {name!r} lives in shard {shard.name}, which is missing")
@@ -123,6 +126,21 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
             "Convert the checkpoint to safetensors (model.safetensors)."
         )
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+
+def _shard_path(root: Path, index: Path, name: str, shard: object) -> Path:
+    """``root / shard`` for one ``weight_map`` entry; refused if the entry leaves the checkpoint folder.
+
+    Judged on the entry as written (absolute, or any ``..`` part), not on where a symlink
+    points: the HF hub cache keeps every shard as a link into a blobs folder outside.
+    """
+    entry = f"{index}: weight_map[{name!r}] = {shard!r}"
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{entry}: must be a shard file name (a non-empty string)")
+    rel = PurePath(shard)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise CheckpointError(f"{entry}: points outside the checkpoint folder {root}; shards must lie inside it")
+    return root / rel
 
 
 def _keys(path: Path) -> list[str]:
@@ -153,7 +171,17 @@ def load_weights(
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor(s) {', '.join(sorted(unexpected)[:8])} for a {cfg.model_type} of this config")
     raw: dict[str, Tensor] = {}
     for path, names in _by_file(files, shapes).items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as err:  # SafetensorError and friends: a truncated or garbled file (size is checked at open)
+            raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
+        with handle as f:
+            held = set(f.keys())
+            absent = [n for n in names if n not in held]
+            if absent:  # only an index can claim a tensor for a file that lacks it
+                raise CheckpointError(
+                    f"{path}: tensor {absent[0]} is not in this shard (model.safetensors.index.json names it)"
+                )
             for name in names:
                 got = tuple(f.get_slice(name).get_shape())
                 if got != shapes[name]:
