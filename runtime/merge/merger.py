@@ -147,7 +147,11 @@ def _read_float(files: dict[str, Path], names: list[str], quantized: bool) -> It
     for n in names:
         by_file.setdefault(files[n], []).append(n)
     for path, group in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as err:  # SafetensorError and friends: a truncated or garbled shard; name the file
+            raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
+        with handle as f:
             for name in group:
                 t = f.get_tensor(name)
                 if quantized and is_quantized_projection(name):
