@@ -121,3 +121,15 @@ def test_quantize_force_keeps_foreign_folders(tiny_llama_dir, tmp_path, capsys):
     (out / "notes.txt").write_text("important")
     assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(out), "--force"]) == 2
     assert "holds files that lorafleet did not write" in capsys.readouterr().err and (out / "notes.txt").read_text() == "important"
+
+
+def test_truncated_base_shard_is_an_input_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    shard = base / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    out = tmp_path / "m"
+    assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 2
+    err = capsys.readouterr().err
+    assert "not a readable safetensors file" in err and str(shard) in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
