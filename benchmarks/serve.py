@@ -77,6 +77,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations of lorafleet and of the PEFT baseline (default float32; bfloat16 on a GPU)")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -126,7 +128,7 @@ def main() -> int:
             log(f"note: {a.workload} holds other requests than its spec generates; the sweeps regenerate from the spec")
     else:
         loaded, spec = None, spec_from_args(a)
-    setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, max_loras=a.max_loras,
+    setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, a.dtype, max_loras=a.max_loras,
                        max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, max(spec.ranks)),
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     workload = loaded if loaded is not None else generate(spec)
@@ -165,7 +167,7 @@ def main() -> int:
                      lambda: run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset")))  # fmt: skip
     if "peft" in baselines:
         runs.append(("(c) transformers+peft", f"(c) transformers + PEFT mixed-adapter generate, static batches of {a.peft_batch}",
-                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device)))  # fmt: skip
+                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device, a.dtype)))  # fmt: skip
     # PEFT gets an untimed warm-up in its process; so does lorafleet: the first engine run of a
     # process pays one-off initialisation (allocator, thread pools) and would bias round 1.
     log("warm-up: one untimed lorafleet run on the first 4 requests")

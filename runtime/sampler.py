@@ -90,7 +90,9 @@ def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample_row(z: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    probs = torch.softmax(filtered_logits(z, params), dim=-1)
+    """One draw with the request's own generator, on the CPU: the generators are CPU ones (a
+    CUDA or NPU ``multinomial`` refuses them), and one row of probabilities is cheap to move."""
+    probs = torch.softmax(filtered_logits(z.cpu(), params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

@@ -394,6 +394,13 @@ def greedy_tokens(runner_mod, model_dir, adapters: dict, backend, dtype: str, ne
     """Greedy continuations of a mixed batch (adapters and base rows) through ModelRunner:
     one prefill step for all sequences (segment kernels), then batched decode steps
     (per-token kernels)."""
+    return greedy_trace(runner_mod, model_dir, adapters, backend, dtype, new_tokens)[0]
+
+
+def greedy_trace(runner_mod, model_dir, adapters: dict, backend, dtype: str, new_tokens: int = 8,
+                 forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:  # fmt: skip
+    """``greedy_tokens`` plus each step's float32 logits on the CPU; with ``forced``, row i is fed
+    ``forced[i]`` (teacher forcing) instead of its own argmax, and the argmaxes are returned."""
     from runtime.config import EngineConfig
     from runtime.lora.adapter import load_adapter
 
@@ -413,27 +420,32 @@ def greedy_tokens(runner_mod, model_dir, adapters: dict, backend, dtype: str, ne
     per_seq = -(-(max(map(len, prompts)) + new_tokens) // runner.block_size)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     outs: list[list[int]] = [[] for _ in prompts]
+    step_logits: list[torch.Tensor] = []
     steps = [runner_mod.SeqStep(p, 0, t, s, True) for p, t, s in zip(prompts, tables, seq_slots)]
-    for _ in range(new_tokens):
+    for k in range(new_tokens):
         logits = runner.execute(steps)
+        step_logits.append(logits.float().cpu())
         nxt = logits.argmax(dim=-1).tolist()
         for i, tok in enumerate(nxt):
             outs[i].append(int(tok))
+        fed = [forced[i][k] if forced is not None else outs[i][-1] for i in range(len(prompts))]
         steps = [
-            runner_mod.SeqStep([outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], seq_slots[i], True)
+            runner_mod.SeqStep([fed[i]], len(prompts[i]) + len(outs[i]) - 1, tables[i], seq_slots[i], True)
             for i in range(len(prompts))
         ]
-    return outs
+    return outs, step_logits
 
 
 @on_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_whole_model_greedy_matches_cpu_backend(tmp_path, dtype: str) -> None:
-    """Greedy tokens of a mixed-adapter batch on the cuda backend equal the cpu backend's:
-    exactly in fp32; in bf16 the first 4 tokens of every row (documented tolerance: bf16
-    rounding differs between the kernels and torch's CPU matmuls, and a near-tie can
-    flip a later token)."""
+    """Greedy tokens of a mixed-adapter batch on the cuda backend equal the cpu backend's,
+    exactly in fp32. In bf16 the GPU is fed the CPU's tokens (teacher forcing), its logits must
+    be within bf16 tolerance of the CPU's, and its argmax must equal the CPU's token wherever the
+    CPU's top two logits are more than 4 bf16 rounding steps apart: bf16 rounding differs between
+    the kernels and torch's CPU matmuls, so a near-tie (the tiny model has gaps of one step) can
+    legitimately go either way."""
     runner_mod = pytest.importorskip("runtime.model_runner", reason="runtime/model_runner.py (ModelRunner) is not there yet")
     from tests.fixtures.tiny_models import build_standard_adapters, build_tiny_model
 
@@ -441,9 +453,19 @@ def test_whole_model_greedy_matches_cpu_backend(tmp_path, dtype: str) -> None:
     adapters = build_standard_adapters(model_dir, tmp_path / "adapters")
     from backends import get_backend
 
-    cpu = greedy_tokens(runner_mod, model_dir, adapters, get_backend("cpu"), dtype)
-    gpu = greedy_tokens(runner_mod, model_dir, adapters, get_backend("cuda"), dtype)
+    cpu, cpu_logits = greedy_trace(runner_mod, model_dir, adapters, get_backend("cpu"), dtype)
     if dtype == "float32":
-        assert gpu == cpu
-    else:
-        assert [g[:4] for g in gpu] == [c[:4] for c in cpu]
+        assert greedy_tokens(runner_mod, model_dir, adapters, get_backend("cuda"), dtype) == cpu
+        return
+    gpu, gpu_logits = greedy_trace(runner_mod, model_dir, adapters, get_backend("cuda"), dtype, forced=cpu)
+    decided = 0
+    for k, (c, g) in enumerate(zip(cpu_logits, gpu_logits)):
+        # CPU bf16 against CPU fp32 on this model differs by up to 0.10 (logits up to ~4): allow twice that.
+        torch.testing.assert_close(g, c, rtol=0.0, atol=0.2, msg=lambda m: f"step {k}: {m}")
+        top2 = c.topk(2, dim=-1).values
+        step = 2.0 ** (torch.floor(torch.log2(top2[:, 0].abs().clamp_min(1e-6))) - 7)  # one bf16 rounding step at that size
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * step
+        for i in torch.nonzero(clear).flatten().tolist():
+            assert gpu[i][k] == cpu[i][k], f"row {i}, step {k}: gpu {gpu[i][k]} vs cpu {cpu[i][k]} with a clear margin"
+        decided += int(clear.sum())
+    assert decided >= len(cpu) * len(cpu[0]) // 2, "too few positions with a clear margin to mean anything"

@@ -20,8 +20,13 @@ import torch
 from runtime.bench.replay import ReplayResult, RequestRecord
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8, label: str = "transformers+peft",
-             device: str = "cpu") -> ReplayResult:  # fmt: skip
+             device: str = "cpu", dtype: str = "float32") -> ReplayResult:  # fmt: skip
+    """transformers + PEFT mixed-adapter ``generate`` in static batches of ``batch_size``, in ``dtype``
+    (the same as the engine it is compared with)."""
     try:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,7 +34,9 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
         raise RuntimeError(f"the PEFT baseline needs transformers and peft (pip install 'lorafleet[test]'): {err}") from err
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).to(device)
     used = sorted({r.adapter for r in requests if r.adapter is not None})
     model: Any = base
     if used:
@@ -67,9 +74,9 @@ def run_peft(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequ
 
 
 def run_peft_in_subprocess(model_dir: str | Path, adapters: Mapping[str, Path], requests: Sequence[Any], batch_size: int = 8,
-                           label: str = "transformers+peft", device: str = "cpu") -> ReplayResult:  # fmt: skip
+                           label: str = "transformers+peft", device: str = "cpu", dtype: str = "float32") -> ReplayResult:  # fmt: skip
     """``run_peft`` in a freshly spawned process, so transformers' allocations and threads
     do not stay in the benchmark's process: engine runs after an in-process PEFT run were
     measured up to ~25% slower than before it (docs/benchmarks.md, "Serving benchmark")."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(run_peft, (str(model_dir), dict(adapters), list(requests), batch_size, label, device))
+        return pool.apply(run_peft, (str(model_dir), dict(adapters), list(requests), batch_size, label, device, dtype))
