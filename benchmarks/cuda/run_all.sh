@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# GPU verification in one go (< 10 minutes on an H200): the `cuda`-marked tests, the
-# capability probe, the LoRA op benchmark, and the serving benchmark (lorafleet vs the same
-# engine without adapters vs transformers+PEFT on the GPU). Every result lands in OUTDIR as JSON:
+# GPU verification in one go, inside a time budget (default 540 s, RUN_ALL_BUDGET_S): the
+# capability probe first (one real launch of every kernel: the quickest sign of a broken
+# device), the `cuda`-marked tests, the LoRA op benchmark, and the serving benchmark
+# (lorafleet vs the same engine without adapters vs transformers+PEFT, bf16).
 #
-#   OUTDIR/pytest_cuda.xml   junit of `pytest -m cuda`      OUTDIR/pytest_cuda.json  its summary
+# OUTDIR gets at most 7 files, none in subfolders, so a remote runner that returns only a few
+# files gets all of them; status.json and results.tar.gz are rewritten after every step, so a
+# run killed midway still leaves what finished:
+#
+#   OUTDIR/status.json       exit code, seconds and time limit of each step so far
 #   OUTDIR/probe.json        `lorafleet probe --device cuda --json`
+#   OUTDIR/pytest_cuda.json  summary of `pytest -m cuda` (per test: outcome, seconds, message)
 #   OUTDIR/lora_ops.json     `benchmarks/lora_ops.py --device cuda --json`
-#   OUTDIR/serve/            `benchmarks/serve.py --device cuda` (summary.json and plots)
-#   OUTDIR/status.json       exit code and seconds of each step (a failed step does not stop the rest)
-#   OUTDIR/*.log             their console output
+#   OUTDIR/serve_summary.json  `benchmarks/serve.py --device cuda` summary.json
+#   OUTDIR/results.tar.gz    every log, the junit XML, and serve's records, workload and plots
 #
 # Usage: benchmarks/cuda/run_all.sh OUTDIR      (PYTHON=... to pick the interpreter)
-# Runs real kernels: TRITON_INTERPRET is removed from the environment, never set.
+# Work files (synthetic weights, about 2 GB; logs) go to WORKDIR (default /tmp/lorafleet-cuda-run),
+# never to OUTDIR. Runs real kernels: TRITON_INTERPRET is removed from the environment, never set.
 # Needs torch, triton, transformers, peft, pytest (the GPU image has them); no server modules.
 set -u -o pipefail
 
@@ -22,30 +28,69 @@ fi
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
+WORK=${WORKDIR:-/tmp/lorafleet-cuda-run}
+BUDGET=${RUN_ALL_BUDGET_S:-540}
+DEADLINE=$((SECONDS + BUDGET))
+mkdir -p "$WORK/logs"
 unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 
 STEPS=()
-step() {  # step NAME TIMEOUT_S COMMAND...: run, log, record rc and duration
+write_status() {  # status.json and results.tar.gz as of now
+  {
+    echo "{"
+    echo "  \"budget_s\": $BUDGET,"
+    echo "  \"elapsed_s\": $SECONDS,"
+    echo "  \"steps\": {"
+    for i in "${!STEPS[@]}"; do
+      sep=","; [ "$i" -eq $((${#STEPS[@]} - 1)) ] && sep=""
+      echo "    ${STEPS[$i]}$sep"
+    done
+    echo "  }"
+    echo "}"
+  } > "$OUT/status.json"
+  local parts=(logs)
+  [ -d "$WORK/serve" ] && parts+=(serve)
+  tar -czf "$OUT/results.tar.gz" -C "$WORK" "${parts[@]}"
+}
+
+step() {  # step NAME LIMIT_S COMMAND...: run within min(LIMIT, time left), log, record rc and duration
   local name=$1 limit=$2
   shift 2
+  local left=$((DEADLINE - SECONDS - 15))
+  if [ "$left" -lt 20 ]; then
+    STEPS+=("\"$name\": {\"rc\": null, \"skipped\": \"budget spent\"}")
+    echo "== $name: skipped, budget spent" >&2
+    write_status
+    return
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   local start=$SECONDS
-  echo "== $name: $*" >&2
-  timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+  echo "== $name (limit ${limit}s): $*" >&2
+  timeout -k 10 "$limit" "$@" > >(tee "$WORK/logs/$name.log") 2>&1
   local rc=$?
   STEPS+=("\"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - start)), \"timeout_s\": $limit}")
   echo "== $name: rc=$rc in $((SECONDS - start)) s" >&2
+  write_status
 }
 
-step pytest_cuda 240 "$PY" -m pytest -m cuda -o addopts="" -q -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml="$OUT/pytest_cuda.xml" tests
-"$PY" - "$OUT/pytest_cuda.xml" "$OUT/pytest_cuda.json" <<'PYEOF'
+# `lorafleet` may not be on PATH when the project is not pip-installed; the module is the same CLI.
+step probe 90 bash -c "\"$PY\" -m runtime.cli probe --device cuda --json > \"$OUT/probe.json\""
+
+# Only the files that hold cuda tests: collecting tests/ whole would fail on the server modules,
+# which the GPU image lacks. A per-test timeout where pytest-timeout is installed.
+PER_TEST=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=120)
+step pytest_cuda 240 "$PY" -m pytest -m cuda -o addopts="" -o faulthandler_timeout=60 -v -rA -p no:cacheprovider \
+  "${PER_TEST[@]}" --junitxml="$WORK/logs/pytest_cuda.xml" tests/test_cuda_kernels.py tests/test_capabilities.py
+"$PY" - "$WORK/logs/pytest_cuda.xml" "$OUT/pytest_cuda.json" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 if not src.is_file():
-    dst.write_text(json.dumps({"error": f"{src} was not written"}))
+    dst.write_text(json.dumps({"error": f"{src} was not written (killed? see results.tar.gz: logs/pytest_cuda.log)"}))
     sys.exit(0)
 cases = []
 for case in ET.parse(src).getroot().iter("testcase"):
@@ -64,22 +109,13 @@ counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed",
 dst.write_text(json.dumps({"counts": counts, "cases": cases}, indent=2))
 PYEOF
 
-# `lorafleet` may not be on PATH when the project is not pip-installed; the module is the same CLI.
-step probe 90 bash -c "\"$PY\" -m runtime.cli probe --device cuda --json > \"$OUT/probe.json\""
-
-step lora_ops 300 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
+step lora_ops 200 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
 
 # Never run yet (no GPU was lent to the sessions that wrote it): sizes are a guess for one H200.
-step serve 300 "$PY" benchmarks/serve.py --out "$OUT/serve" --device cuda --num-requests 96 --adapters 16 --popularity zipf \
-  --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 --hidden 2048 --layers 8 --max-loras 16 --repeats 2 \
-  --baselines no-adapter,peft --sweep-adapters 16,500 --sweep-rates ''
-
-{
-  echo "{"
-  for i in "${!STEPS[@]}"; do
-    sep=","; [ "$i" -eq $((${#STEPS[@]} - 1)) ] && sep=""
-    echo "  ${STEPS[$i]}$sep"
-  done
-  echo "}"
-} > "$OUT/status.json"
+# The 16 -> 500 adapter sweep builds only the adapters its requests use (about 60 of 500).
+step serve 300 "$PY" benchmarks/serve.py --out "$WORK/serve" --workdir "$WORK/weights" --device cuda --dtype bfloat16 \
+  --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 \
+  --hidden 2048 --layers 8 --max-loras 16 --repeats 1 --baselines no-adapter,peft --sweep-adapters 16,500 --sweep-rates ''
+[ -f "$WORK/serve/summary.json" ] && cp "$WORK/serve/summary.json" "$OUT/serve_summary.json"
+write_status
 cat "$OUT/status.json"
