@@ -42,7 +42,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -480,41 +480,55 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     result: dict = {"device": args.device, "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
                     "host": platform.node(), "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+    failed: list[str] = []
+
+    def write_json() -> None:
+        """The results so far, replaced atomically: a run killed or failing later keeps what finished."""
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            partial = args.json.with_name(args.json.name + ".partial")
+            partial.write_text(json.dumps(result, indent=2))
+            partial.replace(args.json)
+
+    def section(key: str, measure: Callable[[], Any]) -> None:
+        """``result[key] = measure()``; an exception is recorded there (and printed), never swallowed, and the rest still runs."""
+        try:
+            result[key] = measure()
+        except Exception as err:
+            result[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            failed.append(key)
+            print(f"{key}: FAILED: {result[key]['error']}", file=sys.stderr)
+        write_json()
+
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name(0)
-        result["ceilings"] = ceilings(backend.device, timer)
-    result["ops"] = [row for c in cases(args.device) for row in bench_case(c, backend, dtype, timer)]
+        section("ceilings", lambda: ceilings(backend.device, timer))
+    section("ops", lambda: [row for c in cases(args.device) for row in bench_case(c, backend, dtype, timer)])
     small = args.device == "cpu"
     shape = StackShape(1024, 2816, 256, 2) if small else StackShape(4096, 11008, 1024, 4)
-    result["tax_stack"] = bench_tax(backend, dtype, timer, shape)
+    section("tax_stack", lambda: bench_tax(backend, dtype, timer, shape))
     if args.device in MODEL_TAX and not args.skip_model:
-        try:
-            result["tax_model"] = whole_model_tax(backend, timer, **MODEL_TAX[args.device])
-        except Exception as err:  # reported in the JSON and on stdout, never swallowed
-            result["tax_model"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        section("tax_model", lambda: whole_model_tax(backend, timer, **MODEL_TAX[args.device]))
 
     print(f"device={args.device} dtype={result['dtype']} torch={result['torch']} threads={result['threads']}")
-    if "ceilings" in result:
+    if "ceilings" in result and "ceilings" not in failed:
         c = result["ceilings"]
         print(f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPps']:.0f} TFLOP/s")
-    print(table(result["ops"], args.device == "cuda"))
-    for t in result["tax_stack"]:
+    if "ops" not in failed:
+        print(table(result["ops"], args.device == "cuda"))
+    for t in result["tax_stack"] if "tax_stack" not in failed else []:
         print(f"LoRA tax ({t['path']}), {t['shape']['layers']}-layer stack hidden {t['shape']['hidden']}, rank {t['rank']}, "
               f"{t['rows']} rows / {t['adapters']} adapters: base {t['base_s'] * 1e3:.2f} ms, with LoRA {t['lora_s'] * 1e3:.2f} ms, "
               f"tax {t['tax'] * 100:.1f}%")
-    if "tax_model" in result:
+    if "tax_model" in result and "tax_model" not in failed:
         m = result["tax_model"]
-        if "error" in m:
-            print(f"whole-model tax: FAILED: {m['error']}")
-        else:
-            d = m["model"]
-            print(f"whole-model tax (Llama hidden {d['hidden_size']} x {d['num_hidden_layers']} layers, vocab {d['vocab_size']}, {m['dtype']}, "
-                  f"{m['adapters']} adapters, rank {m['rank']}, {m['rows']} decode rows, context {m['context']}): "
-                  f"base {m['base_s'] * 1e3:.2f} ms, with LoRA {m['lora_s'] * 1e3:.2f} ms, tax {m['tax'] * 100:.1f}%")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
+        d = m["model"]
+        print(f"whole-model tax (Llama hidden {d['hidden_size']} x {d['num_hidden_layers']} layers, vocab {d['vocab_size']}, {m['dtype']}, "
+              f"{m['adapters']} adapters, rank {m['rank']}, {m['rows']} decode rows, context {m['context']}): "
+              f"base {m['base_s'] * 1e3:.2f} ms, with LoRA {m['lora_s'] * 1e3:.2f} ms, tax {m['tax'] * 100:.1f}%")
+    if failed:
+        print(f"lora_ops: {len(failed)} section(s) failed: {', '.join(failed)} (errors and tracebacks in the JSON)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
