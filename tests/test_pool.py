@@ -239,6 +239,21 @@ def test_retired_version_wanted_by_a_waiting_request_survives_an_in_place_update
     assert v1 not in pool.host_refs() and pool.slot_of(v1) is None
 
 
+def test_registering_again_into_a_full_host_tier_keeps_the_queued_read():
+    """Re-registering a version whose disk read is queued, while every host entry is wanted, caches
+    nothing; the queued read must stay, or its waiting request would never run."""
+    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=1, pool_rows=32)
+    a, b = new_ref(adapters, "a", 0, 8), new_ref(adapters, "b", 0, 8)
+    assert pool.insert_host(a, adapters[a])
+    pool.demand(a)  # a: wanted, holds the only host entry
+    assert pool.demand(b) == "disk" and pool.snapshot()["loads_queued"] == 1
+    assert not pool.insert_host(b, adapters[b])  # no room: nothing cached
+    assert pool.loads_pending and pool.snapshot()["loads_queued"] == 1
+    pool.undemand(a)  # a's request ends: room for b's read
+    pool.poll()
+    assert pool.weights_ready(b) and pool.demand_of(b) == 1
+
+
 def test_a_late_failed_read_of_a_version_already_in_place_fails_nobody():
     """A request's disk read is in flight; the same content is registered again from another
     folder (insert_host) and the request runs; the old folder is gone, so the read fails. That

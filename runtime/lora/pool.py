@@ -181,10 +181,10 @@ class AdapterPool:
         if ref in self._host:
             self._host.move_to_end(ref)
             return True
+        if not self._make_host_room():
+            return False  # a queued disk read of it stays queued: its waiting requests still need one
         if ref in self._load_queue:  # a queued disk read of the same version is not needed any more
             self._load_queue.remove(ref)
-        if not self._make_host_room():
-            return False
         self._host[ref] = adapter
         self._counters(ref).loads += 1
         return True
@@ -234,7 +234,7 @@ class AdapterPool:
             self._free_version(ref)
 
     def weights_ready(self, ref: AdapterRef) -> bool:
-        """The adapter's weights are in place to run: on the host, or still resident on the device."""
+        """The adapter's weights are in place to run (on the host, which holds every device resident)."""
         return ref in self._host or ref in self._slot_of
 
     def poll(self) -> list[PoolFailure]:
