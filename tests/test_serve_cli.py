@@ -99,6 +99,17 @@ def test_ray_deployment_checks_declared_base_names_before_starting(tiny_llama_di
     assert "base_model_name 'some-other-model'" in capsys.readouterr().err
 
 
+def test_ray_deployment_refuses_an_adapter_named_like_the_checkpoint(tiny_llama_dir: Path, tiny_adapters, capsys) -> None:
+    pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+    from runtime.models.hf_config import load_model_config
+
+    base = load_model_config(tiny_llama_dir).name
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", f"{base}={tiny_adapters['a']}", "--ray"))
+    assert run_ray(settings) == 2  # no --served-model-name, no base_model_name: the checkpoint's name is read here
+    assert f"adapter {base!r} has the served base model's name" in capsys.readouterr().err
+
+
 def test_ray_key_must_be_boolean_and_one_replica_needs_no_ray(tmp_path: Path, tiny_llama_dir: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: {tiny_llama_dir}\nray: 'false'\n")

@@ -28,9 +28,11 @@ def run_ray(settings: Any) -> int:
     from runtime.models.hf_config import load_model_config
     from runtime.server.serve_config import check_base_model_names
 
-    if any(m.base_model_name for m in settings.lora_modules):
-        # The replicas register name and path only: check declared base names here, as a single
-        # server does (only then is the model's config read on this machine).
+    from runtime.distributed.registry_client import ReplicasFailedToApply
+
+    if settings.lora_modules and (settings.server.served_model_name is None or any(m.base_model_name for m in settings.lora_modules)):
+        # The replicas register name and path only: check adapter and declared base names here, as
+        # a single server does (reading the model's config.json when the served name is not given).
         try:
             model_name = load_model_config(settings.engine.model).name
             check_base_model_names(settings.lora_modules, settings.server.served_model_name, model_name)
@@ -54,6 +56,9 @@ def run_ray(settings: Any) -> int:
             deploy(cfg)
         except (ManifestError, ValueError) as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
+        except ReplicasFailedToApply as err:  # an initial --lora-modules entry no replica could load
+            print(f"lorafleet serve: the initial adapters could not be applied: {err.message}", file=sys.stderr)
             return 2
         print(
             f"lorafleet serving on http://{settings.server.host}:{settings.server.port} "

@@ -77,12 +77,6 @@ class AdapterLease:
     version: str
 
 
-def install_checked(engine: AsyncLLMEngine, adapter: Any, path: str) -> None:
-    """Make an adapter already read and checked (``load_adapter_files``) current, without reading
-    the files again (``register_adapter`` would install whatever it finds there now)."""
-    engine.install_adapter(adapter, str(path))
-
-
 class LoraReplica:
     # check_health fails once no adapter sync has succeeded for this long (other than while the
     # registry actor is away: it restarts from its manifest, and restarting replicas would not
@@ -160,7 +154,7 @@ class LoraReplica:
             problem = str(err)
         else:
             if adapter.version == version:
-                install_checked(self.engine, adapter, path)
+                self.engine.install_adapter(adapter, path)  # what was checked, not a second read of the files
                 return None
             # The files changed since the registry validated them: serving them would
             # give this replica different weights than the others under the same name.
@@ -183,9 +177,8 @@ class LoraReplica:
 
     async def _heartbeat(self) -> Optional[dict[str, Any]]:
         """Report progress to the registry; returns its state when this replica is behind."""
-        return await self.registry.heartbeat.remote(
-            self.replica_id, self.applied_revision, self.report(), self.apply_errors, self.attempted_revision
-        )
+        report = await asyncio.to_thread(self.report)  # snapshot() takes the engine lock: never on the event loop
+        return await self.registry.heartbeat.remote(self.replica_id, self.applied_revision, report, self.apply_errors, self.attempted_revision)
 
     async def _sync_once(self, unless_tried: Optional[int] = None) -> None:
         """Heartbeat, and apply the registry's state when this replica is behind it (skipped when
