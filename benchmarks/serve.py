@@ -293,8 +293,9 @@ def main() -> int:
         rpoints = []
         for rate in (float(x) for x in a.sweep_rates.split(",")):
             w = generate(dataclasses.replace(spec, rate=rate))
+            _, rate_adapters = prepare(w, setup)  # its requests may use adapters the main workload does not (a --workload file)
             log(f"sweep: rate {rate}/s, online")
-            s = summarized(run_lorafleet(w, setup, model_dir, adapters, f"rate {rate}"))
+            s = summarized(run_lorafleet(w, setup, model_dir, rate_adapters, f"rate {rate}"))
             rpoints.append((rate, s["ttft_p99_s"] or 0.0, s["tpot_p99_s"] or 0.0))
         plots.p99_vs_rate(rpoints, out / "p99_vs_rate.png")
         results["sweep_rates"] = [{"rate": r, "ttft_p99_s": t, "tpot_p99_s": q} for r, t, q in rpoints]

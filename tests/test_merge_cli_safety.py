@@ -133,3 +133,30 @@ def test_truncated_base_shard_is_an_input_error(tiny_llama_dir, tiny_adapters, t
     err = capsys.readouterr().err
     assert "not a readable safetensors file" in err and str(shard) in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
+def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_is_in_place(tmp_path, monkeypatch):
+    from runtime.merge import staging
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "lorafleet_merge.json").write_text("{}")  # an earlier output, replaced with --force
+    real_rename = os.rename
+    renames = []
+
+    def rename_then_signal(src, dst):  # SIGTERM arrives right after the old output was moved aside
+        real_rename(src, dst)
+        renames.append(dst)
+        if len(renames) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # were it not held back, the handler would run here, between the renames
+
+    monkeypatch.setattr(staging.os, "rename", rename_then_signal)
+    staged = StagedOutput(check_output(out, [], force=True), force=True)
+    with pytest.raises(SystemExit) as exc:
+        with staged as tmp:
+            (tmp / "model.safetensors").write_bytes(b"new")
+            staged.publish()
+    assert exc.value.code == 128 + signal.SIGTERM and len(renames) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # the previous output is gone, no staging left

@@ -80,6 +80,8 @@ class StagedOutput:
         self.path: Path | None = None
         self.published = False
         self._previous_handlers: dict[int, Any] = {}
+        self._renaming = False
+        self._held_signal: int | None = None
 
     def __enter__(self) -> Path:
         leftovers = leftover_scratch(self.out)
@@ -93,12 +95,35 @@ class StagedOutput:
             self.path = path
         except OSError as err:
             raise OutputPathError(f"{self.out}: cannot write into {self.out.parent}: {err.strerror or err}") from err
-        self._previous_handlers = _raise_on_termination()
+        self._previous_handlers = _install_termination_handler(self._on_termination)
         return self.path
 
+    def _on_termination(self, signum: int, frame: Any) -> None:
+        """SIGTERM/SIGHUP: ``SystemExit(128 + signum)`` so the cleanup runs, held while ``publish`` renames."""
+        if self._renaming:
+            self._held_signal = signum
+            return
+        raise SystemExit(128 + signum)
+
     def publish(self) -> None:
-        """Move the staging folder to ``out``; with --force the previous ``out`` is replaced."""
+        """Move the staging folder to ``out``; with --force the previous ``out`` is replaced.
+
+        SIGTERM and SIGHUP are held back during the two renames (and acted on right after), so a
+        signal cannot land between them and leave neither the old nor the new output in place."""
         assert self.path is not None, "publish() outside the with-block"
+        self._renaming = True
+        try:
+            old = self._swap_in()
+        finally:
+            self._renaming = False
+        if old is not None:
+            shutil.rmtree(old)
+        if self._held_signal is not None:
+            raise SystemExit(128 + self._held_signal)  # now that the new output is in place
+
+    def _swap_in(self) -> Path | None:
+        """Rename staging -> out (the previous out moved aside first); returns where the previous out went."""
+        assert self.path is not None
         old: Path | None = None
         if self.out.exists():
             if not self.force:  # appeared while we were writing
@@ -113,8 +138,7 @@ class StagedOutput:
                 old.rmdir()
             raise OutputPathError(f"{self.out}: cannot move the finished output into place: {err.strerror or err}") from err
         self.published = True
-        if old is not None:
-            shutil.rmtree(old)
+        return old
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         try:
@@ -134,15 +158,8 @@ def leftover_scratch(out: Path) -> list[Path]:
     return sorted(p for p in out.parent.iterdir() if p.is_dir() and p.name.startswith(prefixes))
 
 
-def _raise_on_termination() -> dict[int, Any]:
-    """SIGTERM/SIGHUP -> ``SystemExit(128 + signum)`` (main thread only), so cleanup code runs; returns the old handlers."""
+def _install_termination_handler(handler: Any) -> dict[int, Any]:
+    """``handler`` for SIGTERM and SIGHUP (main thread only: Python runs signal handlers there); returns the old handlers."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {}
-    for signum in TERMINATING_SIGNALS:
-        previous[signum] = signal.signal(signum, stop)
-    return previous
+    return {signum: signal.signal(signum, handler) for signum in TERMINATING_SIGNALS}
