@@ -36,7 +36,7 @@ def build_router(state: Any) -> APIRouter:
         gen.log_request(request_id, body, target)
         created = int(time.time())
         # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
-        [(first, rest)] = await gen.until_disconnected(request, gen.open_streams(engine, request_id, [prompt_ids], [params], target.adapter))
+        [(first, rest)] = await gen.until_disconnected(request, gen.open_streams(engine, request_id, [prompt_ids], [params], target.adapter), release=gen.close_streams)
 
         def payload(obj: str, choice: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice] if choice else []}

@@ -68,7 +68,7 @@ def build_router(state: Any) -> APIRouter:
         gen.log_request(request_id, body, target)
         created = int(time.time())
         # Every prompt is admitted at once; a client that goes away meanwhile aborts them all.
-        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, prompts, params, target.adapter))
+        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, prompts, params, target.adapter), release=gen.close_streams)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": body.model, "choices": choices}

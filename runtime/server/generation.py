@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from runtime.async_engine import EngineDeadError
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
@@ -190,8 +190,14 @@ def finish_reason(output: Any) -> str | None:
 
 
 
-async def until_disconnected(request: Any, awaitable: Any, poll_s: float = 0.25) -> Any:
-    """Await ``awaitable``; if the HTTP client goes away first, cancel it (aborting the engine request)."""
+async def until_disconnected(
+    request: Any, awaitable: Any, poll_s: float = 0.25, release: Optional[Callable[[Any], Awaitable[None]]] = None
+) -> Any:
+    """Await ``awaitable``; if the HTTP client goes away first, cancel it (aborting the engine request).
+
+    ``release``: what to do with a result nobody will read, when ``awaitable`` finished just as
+    the disconnect was noticed (e.g. ``close_streams`` for ``open_streams``' streams, so their
+    requests are aborted now rather than whenever the garbage collector finalises them)."""
     task = asyncio.ensure_future(awaitable)
     try:
         while True:
@@ -199,8 +205,16 @@ async def until_disconnected(request: Any, awaitable: Any, poll_s: float = 0.25)
             if done:
                 return task.result()
             if await request.is_disconnected():
+                if release is not None and task.done() and not task.cancelled() and task.exception() is None:
+                    await release(task.result())  # it finished while the disconnect was being checked
                 raise APIError(499, "client disconnected", code="client_closed_request")
     finally:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def close_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> None:
+    """Close ``open_streams``' streams, aborting their engine requests."""
+    for _, rest in streams:
+        await rest.aclose()

@@ -1,0 +1,47 @@
+"""A client noticed gone just as admission finished: the opened streams are closed at once."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.server import generation as gen
+from runtime.server.errors import APIError
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _GoneWhileChecking:
+    """``is_disconnected`` finds the client gone, but only after the awaited work has finished."""
+
+    def __init__(self, work_done: asyncio.Event) -> None:
+        self.work_done = work_done
+
+    async def is_disconnected(self) -> bool:
+        await self.work_done.wait()
+        await asyncio.sleep(0)
+        return True
+
+
+def test_result_finished_during_the_disconnect_check_is_released():
+    async def scenario() -> list[_Stream]:
+        done = asyncio.Event()
+        streams = [_Stream(), _Stream()]
+
+        async def admission():
+            await asyncio.sleep(0.01)
+            done.set()
+            return [(None, s) for s in streams]
+
+        with pytest.raises(APIError) as exc:
+            await gen.until_disconnected(_GoneWhileChecking(done), admission(), poll_s=0.001, release=gen.close_streams)
+        assert exc.value.status == 499
+        return streams
+
+    assert all(s.closed for s in asyncio.run(scenario()))
