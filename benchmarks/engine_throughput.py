@@ -112,6 +112,7 @@ def main() -> None:
             per_round = [rd[name] for rd in rounds]
             results[name] = {**median_round(per_round, "tokens_per_s"), "tokens_per_s_rounds": [x["tokens_per_s"] for x in per_round]}
         results["zipf_200_distinct_adapters_used"] = len(set(zipf200))
+        results["zipf_8_distinct_adapters_used"] = len(set(zipf8))
         # The two headline pairs again, both engines stepped in turn in one process (see ``alternating``).
         pairs = {"multi_lora_vs_base": ("mixed_8_rank16_uniform", "base_only"), "200_vs_8_zipf": ("zipf_200_adapters", "zipf_8_adapters")}
         paired: dict[str, list] = {key: [] for key in pairs}

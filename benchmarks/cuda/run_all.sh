@@ -4,7 +4,7 @@
 # device), the `cuda`-marked tests, the LoRA op benchmark, and the serving benchmark
 # (lorafleet vs the same engine without adapters vs transformers+PEFT, bf16).
 #
-# OUTDIR gets at most 7 files, none in subfolders, so a remote runner that returns only a few
+# OUTDIR gets at most 6 files, none in subfolders, so a remote runner that returns only a few
 # files gets all of them; status.json and results.tar.gz are rewritten after every step, so a
 # run killed midway still leaves what finished:
 #

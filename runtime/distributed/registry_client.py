@@ -69,6 +69,7 @@ class RegistryClient:
             raise ReplicasFailedToApply(what, name, failed)
         if report["lagging"]:
             # Recorded durably; lagging replicas apply it on their next heartbeat. A request
-            # reaching one before that carries the ingress's revision (refreshed right after
-            # this call), and the replica syncs first (LoraReplica._catch_up). Say so instead of failing.
+            # reaching one before that carries the ingress's revision (refreshed right after a
+            # successful call, else by the ingress's 0.5 s refresh loop), and the replica syncs
+            # first (LoraReplica._catch_up). Say so instead of failing.
             logger.warning("%s: replicas %s had not applied revision %d after %.0fs", what, report["lagging"], revision, self.apply_timeout_s)

@@ -69,7 +69,7 @@ class AdapterCounters:
     """Per-adapter-name pool counters (summed over versions)."""
 
     loads: int = 0  # disk -> host (the read at registration included)
-    load_time_s: float = 0.0
+    load_time_s: float = 0.0  # of the pool's own disk reads only (registration reads are not timed here)
     device_loads: int = 0  # host -> device
     host_evictions: int = 0
     device_evictions: int = 0

@@ -98,7 +98,8 @@ async def open_streams(
 ) -> list[tuple[Any, AsyncIterator[Any]]]:
     """``open_stream`` for every prompt at once (request ids ``<request_id>-<i>``), then wait for all.
 
-    If one fails, the first failure in prompt order is raised; then, or when this is cancelled
+    If one fails, the first failure in prompt order among the admissions done by then is raised
+    (later ones are cancelled); then, or when this is cancelled
     (the client went away), every stream already opened is closed and every admission still
     pending is cancelled, which aborts their engine requests.
     """
