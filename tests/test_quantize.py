@@ -48,7 +48,26 @@ def test_quantize_int8_matches_the_float64_definition(seed: int) -> None:
     assert (err <= qw.scale.double()[:, None] / 2 * (1 + 1e-6)).all()  # round-to-nearest bound, per row
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_linear_in_range_with_outlier_activations_and_small_scales(dtype: torch.dtype) -> None:
+    """An outlier activation (1500) against a small-std weight, and rows with tiny scales: y stays
+    finite and close to the float64 reference in every dtype (float16's x @ q^T would be ~1/s
+    times larger than y: inf here, and a scale of ~1e-6 flushes to zero in float16)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(8, 512, generator=g) * 0.01
+    w[6] *= 1e-2  # amax ~ 3e-4: scale ~ 2.5e-6
+    w[7] *= 1e-1
+    x = torch.randn(4, 512, generator=g)
+    x[:, 3] = 1500.0
+    qw = quantize_int8(w)
+    ref = x.double() @ dequantize_int8(qw.q, qw.scale).double().T
+    y = int8_linear(x.to(dtype), qw).double()
+    assert torch.isfinite(y).all()
+    rel = (y - ref).abs().amax(0) / ref.abs().amax(0)  # per output channel, so tiny rows count as much as big ones
+    assert float(rel.max()) < (1e-5 if dtype == torch.float32 else 3e-2), rel
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 def test_int8_linear_equals_x_times_dequantized_weight(dtype: torch.dtype, tol: float) -> None:
     g = torch.Generator().manual_seed(7)
     w, x, b = _weight(3), torch.randn(9, 40, generator=g), torch.randn(48, generator=g)

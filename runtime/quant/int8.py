@@ -122,7 +122,14 @@ def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
 
 
 def int8_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Tensor:
-    """``y = (x @ q^T) * s (+ b)``: q is cast to x's dtype for this matmul only; it stays int8 in memory."""
+    """``y = (x @ q^T) * s (+ b)``: q is cast to x's dtype for this matmul only; it stays int8 in memory.
+
+    float16 instead computes ``x @ (q * s)^T``, the weight dequantized first: ``x @ q^T`` is about
+    ``1 / s`` (often 100-1000x) larger than ``y`` and overflows float16's 65504 on an outlier
+    activation, and a small ``s`` flushes to zero in float16. float32 and bfloat16 have the range.
+    """
+    if x.dtype == torch.float16:
+        return F.linear(x, weight.dequantize(torch.float16), bias)
     y = F.linear(x, weight.q.to(x.dtype)) * weight.scale.to(x.dtype)
     return y if bias is None else y + bias
 
