@@ -182,6 +182,26 @@ def test_int8_checkpoint_missing_a_scale_names_the_tensor(int8_dirs: tuple[Path,
         _runner(broken)
 
 
+@pytest.mark.parametrize("damage, message", [("nan_scale", "holds a scale that is not a finite positive number"), ("zero_scale", "holds a scale that is not a finite positive number"),
+                                             ("code_-128", "holds code -128")])  # fmt: skip
+def test_int8_checkpoint_with_bad_contents_names_the_tensor(int8_dirs: tuple[Path, Path], tmp_path: Path, damage: str, message: str) -> None:
+    q8, _ = int8_dirs
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in q8.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(q8 / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    if damage == "code_-128":
+        tensors[name][0, 0] = -128
+    else:
+        tensors[name + "_scale"][2] = float("nan") if damage == "nan_scale" else 0.0
+        name += "_scale"
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor {name.replace('.', '[.]')} {message}"):
+        _runner(broken)
+
+
 def test_quantize_cli_errors(int8_dirs: tuple[Path, Path], tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     q8, _ = int8_dirs
     assert _quantize(q8, tmp_path / "again") == 2

@@ -211,6 +211,11 @@ def _check_quantized_dtype(name: str, tensor: Tensor, path: Path) -> None:
         return
     if tensor.dtype != want:
         raise CheckpointError(f"{path}: tensor {name} is {tensor.dtype}; the int8 weight-only format stores it as {want}")
+    # Contents too: a hand-edited or corrupted file would otherwise give NaN or zeroed rows silently.
+    if want == torch.int8 and bool((tensor == -128).any()):
+        raise CheckpointError(f"{path}: tensor {name} holds code -128; the int8 weight-only format uses -127..127")
+    if want == torch.float32 and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
+        raise CheckpointError(f"{path}: tensor {name} holds a scale that is not a finite positive number")
 
 
 def _tolerated(name: str, cfg: ModelConfig) -> bool:
