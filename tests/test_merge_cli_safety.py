@@ -160,3 +160,19 @@ def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_
     assert exc.value.code == 128 + signal.SIGTERM and len(renames) == 2
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # the previous output is gone, no staging left
+
+
+def test_merged_values_beyond_the_output_dtype_are_refused(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    """A float16 output cannot hold 1e5: merging must not write inf."""
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    tensors = load_file(str(base / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name][0, 0] = 1e5
+    save_file(tensors, str(base / "model.safetensors"))
+    out = tmp_path / "m"
+    assert _merge(base, tiny_adapters["a"], out, "--no-verify", "--dtype", "float16") == 2
+    err = capsys.readouterr().err
+    assert f"tensor {name} does not fit float16" in err and not out.exists()

@@ -175,7 +175,11 @@ def _encode(name: str, tensor: Tensor, spec: MergeSpec) -> list[tuple[str, Tenso
     if spec.quantize_output and is_quantized_projection(name):
         qw = quantize_int8(tensor)
         return [(name, qw.q), (scale_name(name), qw.scale)]
-    return [(name, tensor.to(spec.dtype).contiguous())]
+    out = tensor.to(spec.dtype).contiguous()
+    if not torch.isfinite(out).all():  # e.g. a merged value beyond float16's 65504
+        raise MergeError(f"{spec.model_dir}: tensor {name} does not fit {DTYPE_NAMES[spec.dtype]} after merging (values up to "
+                         f"{float(tensor.abs().max()):.4g}); choose another --dtype")  # fmt: skip
+    return [(name, out)]
 
 
 def _save(shard: dict[str, Tensor], path: Path) -> None:
