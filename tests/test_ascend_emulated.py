@@ -22,6 +22,7 @@ from backends import availability as registry_availability
 from backends import get_backend
 from backends.ascend.backend import AscendBackend
 from backends.ascend.import_guard import TorchNpuImportError
+from backends.ascend.soc import SocFamily, classify
 from backends.reference import ReferenceLoRAOps
 from runtime.backend_api import apply_lora
 from runtime.lora.batch_meta import LoRABatchMeta
@@ -41,7 +42,9 @@ def seeded(*key) -> torch.Generator:
 
 
 def emulated_backend(soc: str = A2) -> tuple[AscendBackend, EmulatedTorchNpuOps]:
-    ops = EmulatedTorchNpuOps()
+    """The backend over an emulation enforcing the limits of ``soc``'s product line."""
+    family = classify(soc)
+    ops = EmulatedTorchNpuOps(chip=family.value if family is not SocFamily.OTHER else "atlas_a2")
     return AscendBackend(device="cpu", npu_ops=ops, soc_name=soc), ops
 
 
@@ -202,6 +205,20 @@ def test_emulated_310p_prefill_falls_back_where_n_is_not_a_multiple_of_16():
     # shrink: rank 8 (N=8) falls back, rank 16 runs; expand: N=48 runs for both buckets.
     assert ops.calls["npu_grouped_matmul"] == 3
     assert backend.fallbacks.counts == {"prefill:n-multiple-16": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_emulated_310p_prefill_in_other_dtypes_takes_the_torch_path(dtype):
+    """310P's grouped matmul takes fp16 only: the emulation refuses other dtypes, and the backend never sends them."""
+    gen = torch.Generator().manual_seed(7)
+    backend, ops = emulated_backend(soc="Ascend310P3")
+    with pytest.raises(NpuOpError, match="Atlas 310P"):
+        ops.npu_grouped_matmul([torch.randn(4, 32, dtype=dtype)], [torch.randn(1, 32, 16, dtype=dtype)], split_item=2,
+                               group_type=0, group_list=torch.tensor([4]))  # fmt: skip
+    weights = make_weights([(32, 48)], [[16, 16]], dtype, "cpu", gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, [0, 1, 1, -1, 0], decode_only=False, dtype=dtype, gen=gen)
+    assert_close(y_npu, y_ref, y64, dtype)
+    assert ops.calls["npu_grouped_matmul"] == 0 and set(backend.fallbacks.counts) == {"prefill:dtype"}
 
 
 def test_emulated_apply_lora_reaches_the_fused_op_and_split_calls_take_the_torch_path():

@@ -13,6 +13,7 @@ npu_grouped_matmul, non-quantised, Atlas A2 ("Atlas A2 训练系列产品/Atlas 
     type 0: non-negative, non-decreasing cumsum, last == M; type 1: non-negative counts,
     length != 1, sum == M; x.dtype == weight.dtype in {fp16, bf16, fp32};
     last dims (K of x, N of weight) < 65536; output_dtype None (or x's dtype).
+    Atlas inference (310P) adds: fp16 only, and N % 16 == 0 (``chip="atlas_inference_310p"``).
 
 npu_batch_gather_matmul(_): fp16, input [B, y_col], x [B, H1] (H1 % 16 == 0),
     weight_a [W, L, R, H1], weight_b [W, L, H2, R] (H2 % 16 == 0, H2 < y_col),
@@ -41,7 +42,11 @@ class NpuOpError(RuntimeError):
 class EmulatedTorchNpuOps:
     """``npu_grouped_matmul`` and ``npu_batch_gather_matmul(_)`` on CPU tensors, with call counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, chip: str = "atlas_a2") -> None:
+        """``chip``: the product line whose documented limits are enforced ("atlas_a2" or "atlas_inference_310p")."""
+        if chip not in ("atlas_a2", "atlas_inference_310p"):
+            raise ValueError(f"chip: the emulation knows atlas_a2 and atlas_inference_310p, got {chip!r}")
+        self.chip = chip
         self.calls: Counter[str] = Counter()
         self.groups_per_call: list[int] = []
 
@@ -97,6 +102,8 @@ class EmulatedTorchNpuOps:
             raise NpuOpError(f"inner dims must be < {INNER_LIMIT}: K={k}, N={n}")
         if m == 0 or g == 0:
             raise NpuOpError("empty tensors are not supported")
+        if self.chip == "atlas_inference_310p" and (xs.dtype != torch.float16 or n % 16):
+            raise NpuOpError(f"Atlas 310P: fp16 only and N % 16 == 0, got {xs.dtype}, N={n}")
         sizes = self._group_sizes(group_list, group_list_type, g, m)
         self.calls["npu_grouped_matmul"] += 1
         self.groups_per_call.append(g)
