@@ -27,7 +27,7 @@ from backends.reference import ReferenceLoRAOps
 from runtime.backend_api import apply_lora
 from runtime.lora.batch_meta import LoRABatchMeta
 from tests.emulation.lora_grid import POPULARITY, TOLERANCE, expected_float64, make_weights, token_slots
-from tests.emulation.whole_model import greedy_tokens
+from tests.emulation.whole_model import greedy_tokens, greedy_trace
 from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps, NpuOpError
 
 pytestmark = pytest.mark.emulated
@@ -265,6 +265,26 @@ def test_emulated_whole_model_greedy_matches_cpu_backend(tiny_llama_dir, tiny_ad
     ours = greedy_tokens(tiny_llama_dir, tiny_adapters, "cpu", backend)
     assert torch.equal(ours, greedy_tokens(tiny_llama_dir, tiny_adapters, "cpu", get_backend("cpu")))
     assert ops.calls["npu_grouped_matmul"] > 0
+
+
+@pytest.mark.parametrize("dtype, mantissa_bits, atol", [("float16", 10, 0.05), ("bfloat16", 7, 0.2)])
+def test_emulated_whole_model_in_half_precision_stays_close_to_the_cpu_backend(tiny_llama_dir, tiny_adapters, dtype, mantissa_bits, atol):
+    """fp16 (fused decode op, grouped prefill) and bf16 (grouped prefill, torch decode), fed the
+    cpu backend's tokens: logits within the dtype's rounding (cpu bf16 vs fp32 differs by ~0.1 on
+    this model), and the same argmax wherever the cpu's top two logits are more than 4 rounding
+    steps apart (near-ties may go either way: the ops round at other points than torch's)."""
+    backend, ops = emulated_backend()
+    cpu_tokens, cpu_logits = greedy_trace(tiny_llama_dir, tiny_adapters, "cpu", get_backend("cpu"), dtype)
+    ours, our_logits = greedy_trace(tiny_llama_dir, tiny_adapters, "cpu", backend, dtype, forced=cpu_tokens)
+    torch.testing.assert_close(our_logits, cpu_logits, rtol=0.0, atol=atol)
+    top2 = cpu_logits.topk(2, dim=-1).values
+    step = 2.0 ** (torch.floor(torch.log2(top2[..., 0].abs().clamp_min(1e-6))) - mantissa_bits)
+    clear = (top2[..., 0] - top2[..., 1]) > 4 * step
+    assert int(clear.sum()) >= clear.numel() // 2
+    assert torch.equal(ours[clear], cpu_tokens[clear])
+    assert ops.calls["npu_grouped_matmul"] > 0
+    if dtype == "float16":
+        assert ops.calls["npu_batch_gather_matmul"] > 0  # the fused decode op ran inside the model
 
 
 # ------------------------------------------------------------------ the emulation itself

@@ -20,6 +20,13 @@ BLOCK, BLOCKS_PER_SEQ, PROMPT_LEN, NEW_TOKENS, MAX_RANK = 8, 6, 11, 16, 16
 
 def greedy_tokens(model_dir: Path, adapters: dict[str, Path], device: str, backend: Any, dtype: str = "float32") -> torch.Tensor:
     """One prefill step, then NEW_TOKENS - 1 decode steps, argmax each time: [len(ORDER), NEW_TOKENS] (cpu)."""
+    return greedy_trace(model_dir, adapters, device, backend, dtype)[0]
+
+
+def greedy_trace(model_dir: Path, adapters: dict[str, Path], device: str, backend: Any, dtype: str = "float32",
+                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``greedy_tokens`` and every step's float32 logits [len(ORDER), NEW_TOKENS, vocab] (cpu); with
+    ``forced`` ([len(ORDER), NEW_TOKENS]) each step is fed those tokens instead of its own argmax."""
     config = EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_loras=8, max_lora_rank=MAX_RANK,
                           num_kv_blocks=len(ORDER) * BLOCKS_PER_SEQ, block_size=BLOCK, max_num_batched_tokens=256)  # fmt: skip
     runner = ModelRunner(config, backend)
@@ -33,8 +40,12 @@ def greedy_tokens(model_dir: Path, adapters: dict[str, Path], device: str, backe
     table = [list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(ORDER))]
     prompts = torch.randint(0, 256, (len(ORDER), PROMPT_LEN), generator=torch.Generator().manual_seed(2))
     logits = runner.execute([SeqStep(prompts[i].tolist(), 0, table[i], lora[i]) for i in range(len(ORDER))])
+    all_logits = [logits.float().cpu()]
     tokens = [logits.argmax(-1).cpu()]
     for step in range(NEW_TOKENS - 1):
-        steps = [SeqStep([int(tokens[-1][i])], PROMPT_LEN + step, table[i], lora[i]) for i in range(len(ORDER))]
-        tokens.append(runner.execute(steps).argmax(-1).cpu())
-    return torch.stack(tokens, dim=1)
+        fed = forced[:, step] if forced is not None else tokens[-1]
+        steps = [SeqStep([int(fed[i])], PROMPT_LEN + step, table[i], lora[i]) for i in range(len(ORDER))]
+        logits = runner.execute(steps)
+        all_logits.append(logits.float().cpu())
+        tokens.append(logits.argmax(-1).cpu())
+    return torch.stack(tokens, dim=1), torch.stack(all_logits, dim=1)
