@@ -169,15 +169,20 @@ def test_unknown_quantization_method_is_refused(tiny_llama_dir: Path, tmp_path: 
         _runner(bad)
 
 
-def test_int8_checkpoint_missing_a_scale_names_the_tensor(int8_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    q8, _ = int8_dirs
+def _broken_copy(q8: Path, tmp_path: Path, damage) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of the int8 checkpoint whose tensors ``damage(tensors)`` edited in place."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in q8.iterdir():
         (broken / f.name).write_bytes(f.read_bytes())
     tensors = load_file(str(q8 / "model.safetensors"))
-    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    damage(tensors)
     save_file(tensors, str(broken / "model.safetensors"))
+    return broken
+
+
+def test_int8_checkpoint_missing_a_scale_names_the_tensor(int8_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    broken = _broken_copy(int8_dirs[0], tmp_path, lambda t: t.pop("model.layers.1.mlp.down_proj.weight_scale"))
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.down_proj\.weight_scale"):
         _runner(broken)
 
@@ -185,19 +190,16 @@ def test_int8_checkpoint_missing_a_scale_names_the_tensor(int8_dirs: tuple[Path,
 @pytest.mark.parametrize("damage, message", [("nan_scale", "holds a scale that is not a finite positive number"), ("zero_scale", "holds a scale that is not a finite positive number"),
                                              ("code_-128", "holds code -128")])  # fmt: skip
 def test_int8_checkpoint_with_bad_contents_names_the_tensor(int8_dirs: tuple[Path, Path], tmp_path: Path, damage: str, message: str) -> None:
-    q8, _ = int8_dirs
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in q8.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(q8 / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
-    if damage == "code_-128":
-        tensors[name][0, 0] = -128
-    else:
-        tensors[name + "_scale"][2] = float("nan") if damage == "nan_scale" else 0.0
-        name += "_scale"
-    save_file(tensors, str(broken / "model.safetensors"))
+
+    def edit(tensors: dict) -> None:
+        if damage == "code_-128":
+            tensors[name][0, 0] = -128
+        else:
+            tensors[name + "_scale"][2] = float("nan") if damage == "nan_scale" else 0.0
+
+    broken = _broken_copy(int8_dirs[0], tmp_path, edit)
+    name += "" if damage == "code_-128" else "_scale"
     with pytest.raises(CheckpointError, match=rf"tensor {name.replace('.', '[.]')} {message}"):
         _runner(broken)
 
