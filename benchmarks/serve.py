@@ -78,7 +78,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations of lorafleet and of the PEFT baseline (default float32; bfloat16 on a GPU)")
+                   help="weights and activations of lorafleet and of the PEFT baseline (default float32 on every device; pass bfloat16 on a GPU, as benchmarks/cuda/run_all.sh does)")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--max-num-seqs", type=int, default=32)

@@ -28,7 +28,7 @@ class EngineConfig:
                             still fits many low-rank adapters.
     max_num_seqs:           running sequences per step
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes)
-    max_model_len:          longest prompt + output; None = the model's max_position_embeddings
+    max_model_len:          longest prompt + output; None = the model's limit (max_position_embeddings, capped to its sliding window if it has one)
     block_size:             tokens per KV block
     num_kv_blocks:          KV blocks in the pool; None = enough for max_num_seqs full-length sequences, capped by kv_cache_mb
     kv_cache_mb:            cap on KV memory when num_kv_blocks is None

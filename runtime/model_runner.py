@@ -102,8 +102,9 @@ class ModelRunner:
         if wanted is None:
             return limit
         if wanted > limit:
-            why = "sliding_window" if self.model_config.sliding_window == limit else "max_position_embeddings"
-            raise ConfigError(f"max_model_len: {wanted} exceeds the model's limit {limit} ({why} in {self.model_config.path}/config.json)")
+            why = ("the sliding window (config.json's sliding_window, or transformers' default 4096 when the key is absent)"
+                   if self.model_config.sliding_window == limit else "max_position_embeddings in config.json")
+            raise ConfigError(f"max_model_len: {wanted} exceeds the model's limit {limit} ({why}, {self.model_config.path})")
         return wanted
 
     def kv_bytes_per_block(self) -> int:

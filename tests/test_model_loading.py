@@ -153,7 +153,7 @@ def test_sliding_window_caps_max_model_len(tmp_path):
     assert runner.max_model_len == 64
     with pytest.raises(ValueError, match="max_model_len=64"):
         runner.execute([SeqStep([1], 64, list(range(8)))])
-    with pytest.raises(ConfigError, match=r"max_model_len: 128 exceeds the model's limit 64 \(sliding_window"):
+    with pytest.raises(ConfigError, match=r"max_model_len: 128 exceeds the model's limit 64 \(the sliding window"):
         runner_for(path, max_model_len=128)
 
 

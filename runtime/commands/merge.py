@@ -1,8 +1,8 @@
 """`lorafleet merge`: bake one LoRA adapter into the base weights, verify against the dynamic path.
 
     lorafleet merge --model BASE --adapter ADAPTER --out MERGED [--dtype D] [--force]
-                    [--no-verify] [--verify-threshold X] [--adapter-name NAME]
-                    [--requantize | --no-requantize]
+                    [--no-verify] [--verify-threshold X] [--verify-tokens N] [--device D]
+                    [--adapter-name NAME] [--requantize | --no-requantize]
 
 The merged folder is a plain HF checkpoint (loads with transformers and with
 `lorafleet serve --model MERGED`), plus ``lorafleet_merge.json`` (sources, hashes,
@@ -10,7 +10,8 @@ scales, dtype, time, verification figures). A merged model serves ONE adapter: e
 request gets that adapter's behaviour, so other adapters' requests must not be sent to it.
 
 Exit status: 0 merged (and verified); 1 verification below the threshold (nothing
-written); 2 bad input (missing/mismatched adapter, DoRA, existing or unwritable output,
+written); 2 bad input (missing/mismatched adapter, DoRA, existing or unwritable output, a merged
+value that does not fit --dtype,
 no tokenizer to verify with, --verify-tokens too long for the model); 3 an unexpected
 error (with its traceback; nothing written); 130 interrupted by Ctrl-C, 143 / 129 by
 SIGTERM / SIGHUP (nothing written: the staging folder is removed).
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged checkpoint; must not exist (see --force)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="dtype of the written float tensors (default: the base's dtype; float32 for an int8 base). The merge itself is float32")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out folder (never an input folder, nor one inside/around an input)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out folder, only if it is empty or an earlier lorafleet merge/quantize output (never an input, nor one inside/around an input)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the comparison with the dynamic path (base + adapter)")
     parser.add_argument("--verify-threshold", type=float, default=None, metavar="X",

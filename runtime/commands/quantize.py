@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="float HF checkpoint folder")
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the int8 checkpoint; must not exist (see --force)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="dtype of the tensors that stay float (default: the base's dtype)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out folder (never the input)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out folder, only if it is empty or an earlier lorafleet merge/quantize output (never the input)")
 
 
 def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: bool = False, progress: bool = True,

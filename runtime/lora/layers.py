@@ -10,7 +10,7 @@ The second line is ``runtime.backend_api.apply_lora`` (grouped shrink, then expa
 through the backend's ops), driven by the step's ``LoRABatchMeta``.
 
 The base weight is either a float tensor or an ``Int8Weight`` (int8 weight-only base,
-``runtime/quant/int8.py``): then the base GEMM is ``(x @ q^T) * s`` and the LoRA delta
+``runtime/quant/int8.py``): then the base GEMM is ``(x @ q^T) * s`` (float16: ``x @ (q * s)^T``) and the LoRA delta
 stays float on top; the integer codes are never modified.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ For every layer, with RMSNorm(x) = w * x / sqrt(mean(x^2) + eps) computed in flo
 logits = RMSNorm_final(h) @ Wlm^T     (Wlm = embedding matrix when tie_word_embeddings)
 
 A projection weight W may be an ``Int8Weight`` (int8 weight-only base): then
-``x @ W^T`` is computed as ``(x @ q^T) * s`` by ``LoRALinear``; LoRA stays float.
+``x @ W^T`` is computed as ``(x @ q^T) * s`` (float16: ``x @ (q * s)^T``) by ``LoRALinear``; LoRA stays float.
 
 Rows of a step are the concatenated new tokens of several sequences; the per-step
 ``AttentionMeta`` and ``LoRABatchMeta`` are built once and shared by every layer.

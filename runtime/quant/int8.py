@@ -10,6 +10,7 @@ For a linear weight ``W [out, in]`` (float32 math):
 The runtime keeps ``q`` int8 in memory and computes, per matmul,
 
     y = (x @ q^T) * s (+ b)                     q cast to x's dtype for that one matmul
+                                                (float16: x @ (q * s)^T, see int8_linear)
 
 which equals ``x @ W~^T`` up to float rounding; LoRA deltas stay float on top.
 

@@ -44,7 +44,7 @@ class _SamplingFields(BaseModel):
 
     model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
     max_tokens: Optional[StrictInt] = Field(None, ge=1, description=MAX_TOKENS_HELP)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="0 means greedy decoding.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="Below 1e-5 (0 included) means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
     seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
