@@ -1,6 +1,7 @@
 """CI smoke test of the serving benchmark: schema and internal consistency, never timings."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -269,6 +270,26 @@ def test_serve_benchmark_replays_a_saved_workload(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
     assert Workload.load(out / "workload.jsonl") == Workload.load(saved)  # the very same requests, not a regenerated set
     assert json.loads((out / "summary.json").read_text())["online"]["requests_ok"] == 4
+
+
+def test_rate_sweep_of_a_saved_workload_builds_the_adapters_its_own_requests_use(tmp_path: Path) -> None:
+    """A saved file whose requests use other adapters than its spec generates: the rate sweep
+    regenerates from the spec, so it must build the adapters those requests use too."""
+    spec = WorkloadSpec(num_requests=4, num_adapters=4, ranks=(8,), input_len=(2, 3), output_len=(2, 3), rate=0, seed=9)
+    generated = generate(spec)
+    used = {r.adapter for r in generated.requests}
+    unused = sorted(set(generated.adapter_ranks) - used)
+    assert unused and None not in used
+    others = tuple(dataclasses.replace(r, adapter=unused[i % len(unused)]) for i, r in enumerate(generated.requests))
+    saved = tmp_path / "w.jsonl"
+    dataclasses.replace(generated, requests=others).save(saved)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
+           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", "50"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((out / "summary.json").read_text())
+    assert res["online"]["requests_ok"] == 4 and [p["rate"] for p in res["sweep_rates"]] == [50.0]
 
 
 def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: Path) -> None:
