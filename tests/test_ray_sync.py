@@ -425,3 +425,34 @@ def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
 
     asyncio.run(run())
     assert replicas.calls[0][-1] == 7, replicas.calls
+
+
+def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:
+    """The heartbeat's snapshot takes the engine lock, which a step holds for its whole length:
+    it must wait in a worker thread, not on the replica's event loop (which streams tokens)."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with replica.engine._lock:  # noqa: SLF001 - what the step thread does for a whole step
+            held.set()
+            release.wait(5.0)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+
+    async def run() -> bool:
+        beat = asyncio.ensure_future(replica._heartbeat())
+        await asyncio.sleep(0.05)  # the loop runs on while the heartbeat waits for the lock
+        ran_meanwhile = not beat.done()
+        release.set()
+        await beat
+        return ran_meanwhile
+
+    try:
+        assert asyncio.run(run()), "the heartbeat finished while the lock was held?"
+    finally:
+        release.set()
+        holder.join(10)
