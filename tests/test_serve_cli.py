@@ -185,3 +185,23 @@ def test_help_states_the_registry_dir_default() -> None:
     serve.add_arguments(p)
     action = next(a for a in p._actions if "--registry-dir" in a.option_strings)  # noqa: SLF001
     assert f"default: ./{DEFAULT_REGISTRY_DIR}" in action.help
+
+
+def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_llama_dir: Path, tiny_adapters, capsys, monkeypatch) -> None:
+    ray = pytest.importorskip("ray")
+    from runtime.distributed import application
+    from runtime.distributed.launcher import run_ray
+    from runtime.distributed.registry_client import ReplicasFailedToApply
+
+    def deploy(cfg):  # type: ignore[no-untyped-def]
+        raise ReplicasFailedToApply("load 'a'", "a", {"replica-1": ["a: /x: adapter folder does not exist"]})
+
+    monkeypatch.setattr(application, "deploy", deploy)
+    monkeypatch.setattr(application, "stop", lambda cfg: None)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules",
+                                         f"a={tiny_adapters['a']}", "--ray"))  # fmt: skip
+    assert run_ray(settings) == 2
+    err = capsys.readouterr().err
+    assert "the initial adapters could not be applied" in err and "replica replica-1" in err and "Traceback" not in err
