@@ -81,6 +81,18 @@ def test_errors_mid_write_leave_nothing_and_have_their_own_exit_code(tiny_llama_
     assert says in capsys.readouterr().err and _siblings(out) == []
 
 
+def test_ctrl_c_inside_the_staging_block_cleans_up(tmp_path):
+    out = check_output(tmp_path / "m", [], force=False)
+    with pytest.raises(KeyboardInterrupt):
+        with StagedOutput(out, force=False) as staging:
+            (staging / "model.safetensors").write_bytes(b"partial")
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                time.sleep(0.001)
+            raise AssertionError("SIGINT did not stop the block")
+    assert _siblings(out) == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_sigterm_inside_the_staging_block_cleans_up_and_restores_the_handler(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     out = check_output(tmp_path / "m", [], force=False)
@@ -135,7 +147,8 @@ def test_truncated_base_shard_is_an_input_error(tiny_llama_dir, tiny_adapters, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
 
 
-def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_is_in_place(tmp_path, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_is_in_place(tmp_path, monkeypatch, capsys, signum):
     from runtime.merge import staging
 
     out = tmp_path / "m"
@@ -148,16 +161,15 @@ def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_
         real_rename(src, dst)
         renames.append(dst)
         if len(renames) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
             time.sleep(0.05)  # were it not held back, the handler would run here, between the renames
 
     monkeypatch.setattr(staging.os, "rename", rename_then_signal)
     staged = StagedOutput(check_output(out, [], force=True), force=True)
-    with pytest.raises(SystemExit) as exc:
-        with staged as tmp:
-            (tmp / "model.safetensors").write_bytes(b"new")
-            staged.publish()
-    assert exc.value.code == 128 + signal.SIGTERM and len(renames) == 2
+    with staged as tmp:  # the run finishes: the signal came after the point of no return
+        (tmp / "model.safetensors").write_bytes(b"new")
+        staged.publish()
+    assert len(renames) == 2 and f"{signal.Signals(signum).name} arrived while the output was being moved into place" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # the previous output is gone, no staging left
 

@@ -205,3 +205,25 @@ def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_
     assert run_ray(settings) == 2
     err = capsys.readouterr().err
     assert "the initial adapters could not be applied" in err and "replica replica-1" in err and "Traceback" not in err
+
+
+def test_ray_name_check_is_skipped_when_the_model_is_not_readable_here(tmp_path: Path, tiny_adapters, monkeypatch) -> None:
+    """With a remote cluster the model path may exist only on the workers: without a declared
+    base_model_name the adapter-name check cannot run here, and start-up goes on to deploy."""
+    ray = pytest.importorskip("ray")
+    from runtime.distributed import application
+    from runtime.distributed.launcher import run_ray
+
+    deployed = []
+
+    def deploy(cfg):  # type: ignore[no-untyped-def]
+        deployed.append(cfg)
+        raise ValueError("stop here")  # the test ends start-up at deploy
+
+    monkeypatch.setattr(application, "deploy", deploy)
+    monkeypatch.setattr(application, "stop", lambda cfg: None)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    settings = serve.load_settings(parse("--model", str(tmp_path / "only-on-the-workers"), "--lora-modules", f"a={tiny_adapters['a']}",
+                                         "--ray", "--ray-address", "ray://head:10001"))  # fmt: skip
+    assert run_ray(settings) == 2 and len(deployed) == 1  # reached deploy (which the test makes fail)

@@ -14,7 +14,9 @@ written); 2 bad input (missing/mismatched adapter, DoRA, existing or unwritable 
 value that does not fit --dtype,
 no tokenizer to verify with, --verify-tokens too long for the model); 3 an unexpected
 error (with its traceback; nothing written); 130 interrupted by Ctrl-C, 143 / 129 by
-SIGTERM / SIGHUP (nothing written: the staging folder is removed).
+SIGTERM / SIGHUP (nothing written: the staging folder is removed). A signal that arrives
+while the finished output is being renamed into place is held; the run completes (exit 0)
+and says so on stderr.
 """
 from __future__ import annotations
 

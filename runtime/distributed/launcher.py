@@ -30,15 +30,23 @@ def run_ray(settings: Any) -> int:
 
     from runtime.distributed.registry_client import ReplicasFailedToApply
 
-    if settings.lora_modules and (settings.server.served_model_name is None or any(m.base_model_name for m in settings.lora_modules)):
+    declared = any(m.base_model_name for m in settings.lora_modules)
+    if settings.lora_modules and (settings.server.served_model_name is None or declared):
         # The replicas register name and path only: check adapter and declared base names here, as
         # a single server does (reading the model's config.json when the served name is not given).
         try:
-            model_name = load_model_config(settings.engine.model).name
-            check_base_model_names(settings.lora_modules, settings.server.served_model_name, model_name)
+            model_name: str | None = load_model_config(settings.engine.model).name
         except (ConfigError, ValueError, OSError) as err:
-            print(f"lorafleet serve: {err}", file=sys.stderr)
-            return 2
+            if declared:  # a declared base_model_name cannot be checked without it
+                print(f"lorafleet serve: {err}", file=sys.stderr)
+                return 2
+            model_name = None  # not readable here (a remote cluster): only the replicas read the model
+        if model_name is not None:
+            try:
+                check_base_model_names(settings.lora_modules, settings.server.served_model_name, model_name)
+            except (ConfigError, ValueError) as err:
+                print(f"lorafleet serve: {err}", file=sys.stderr)
+                return 2
 
     registry_dir = str(Path(settings.registry_dir or DEFAULT_REGISTRY_DIR).expanduser().resolve())
     cfg = ScaleOutConfig(
@@ -58,7 +66,9 @@ def run_ray(settings: Any) -> int:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
         except ReplicasFailedToApply as err:  # an initial --lora-modules entry no replica could load
-            print(f"lorafleet serve: the initial adapters could not be applied: {err.message}", file=sys.stderr)
+            detail = "; ".join(f"replica {rid}: {' | '.join(errs)}" for rid, errs in sorted(err.failed.items()))
+            print(f"lorafleet serve: the initial adapters could not be applied ({detail}). They stay recorded in the "
+                  f"registry at {registry_dir}: fix the files, or start with another --registry-dir", file=sys.stderr)  # fmt: skip
             return 2
         print(
             f"lorafleet serving on http://{settings.server.host}:{settings.server.port} "

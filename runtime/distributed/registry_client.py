@@ -3,9 +3,9 @@
 ``register``: a replica reads and validates the files against the served model (the
 same checks and content hash as a single server), the registry records name -> (path,
 version) durably and bumps its revision, then we wait until every live replica applied
-that revision (or ``apply_timeout_s`` passes); if a live replica reports that it could not
-apply it, the call ends at once with ``ReplicasFailedToApply`` (HTTP 503) and the change stays
-recorded. Blocking; call it from a worker thread (the admin routes already do).
+that revision (or ``apply_timeout_s`` passes); once every live replica has tried it, a replica
+that reports it could not apply it makes the call end with ``ReplicasFailedToApply`` (HTTP 503),
+and the change stays recorded. Blocking; call it from a worker thread (the admin routes already do).
 """
 from __future__ import annotations
 

@@ -15,8 +15,10 @@ The staging folder is a hidden sibling of ``out`` (same filesystem, so the final
 atomic). If anything raises before ``publish``, the staging folder is deleted: a failed run
 leaves nothing behind and the old ``out`` (with --force) is untouched. That includes SIGTERM
 and SIGHUP while the block runs (in the main thread they raise ``SystemExit(128 + signal)``,
-so the cleanup runs) and Ctrl-C. Only SIGKILL or a crash can leave a staging folder; the next
-run into the same ``out`` lists such leftovers on stderr.
+so the cleanup runs) and Ctrl-C (``KeyboardInterrupt``). While ``publish`` swaps the folders,
+all three are held: a signal that arrives then finds the new output in place, so the run
+finishes normally and says on stderr that the signal came too late to stop it. Only SIGKILL
+or a crash can leave a staging folder; the next run into the same ``out`` lists such leftovers.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Any, Iterable
 
 from runtime.merge.manifest import MERGE_MANIFEST, QUANTIZE_MANIFEST
 
-TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 class OutputPathError(ValueError):
@@ -99,27 +101,33 @@ class StagedOutput:
         return self.path
 
     def _on_termination(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGHUP: ``SystemExit(128 + signum)`` so the cleanup runs, held while ``publish`` renames."""
+        """SIGTERM/SIGHUP: ``SystemExit(128 + signum)``, SIGINT: ``KeyboardInterrupt``, so the cleanup
+        runs; held (noted, not raised) while ``publish`` renames."""
         if self._renaming:
             self._held_signal = signum
             return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
     def publish(self) -> None:
         """Move the staging folder to ``out``; with --force the previous ``out`` is replaced.
 
-        SIGTERM and SIGHUP are held back during the two renames (and acted on right after), so a
-        signal cannot land between them and leave neither the old nor the new output in place."""
+        SIGTERM, SIGHUP and SIGINT are held during the two renames, so none can land between them and
+        leave neither the old nor the new output in place. One that arrived meanwhile is reported on
+        stderr: the output is complete and in place, so the run ends normally."""
         assert self.path is not None, "publish() outside the with-block"
         self._renaming = True
         try:
             old = self._swap_in()
         finally:
             self._renaming = False
+            if self._held_signal is not None:
+                name = signal.Signals(self._held_signal).name
+                state = f"the new output is in place in {self.out}" if self.published else f"{self.out} was not replaced"
+                print(f"note: {name} arrived while the output was being moved into place; {state}", file=sys.stderr)
         if old is not None:
             shutil.rmtree(old)
-        if self._held_signal is not None:
-            raise SystemExit(128 + self._held_signal)  # now that the new output is in place
 
     def _swap_in(self) -> Path | None:
         """Rename staging -> out (the previous out moved aside first); returns where the previous out went."""

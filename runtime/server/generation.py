@@ -200,22 +200,26 @@ async def until_disconnected(
     the disconnect was noticed (e.g. ``close_streams`` for ``open_streams``' streams, so their
     requests are aborted now rather than whenever the garbage collector finalises them)."""
     task = asyncio.ensure_future(awaitable)
+    handed_over = False
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
             if done:
+                handed_over = True
                 return task.result()
             if await request.is_disconnected():
-                if release is not None and task.done() and not task.cancelled() and task.exception() is None:
-                    await release(task.result())  # it finished while the disconnect was being checked
                 raise APIError(499, "client disconnected", code="client_closed_request")
     finally:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        elif not handed_over and release is not None and not task.cancelled() and task.exception() is None:
+            await release(task.result())  # it finished, but the caller is leaving without it (disconnect, cancellation)
 
 
 async def close_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> None:
-    """Close ``open_streams``' streams, aborting their engine requests."""
-    for _, rest in streams:
-        await rest.aclose()
+    """Close every one of ``open_streams``' streams (aborting their engine requests), even if one fails to close."""
+    results = await asyncio.gather(*(rest.aclose() for _, rest in streams), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
