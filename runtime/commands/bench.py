@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from runtime.file_mode import new_file_mode
+
 EXIT_OK, EXIT_REQUESTS_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_WORKDIR = Path.home() / ".cache" / "lorafleet-bench"
 SHOWN_ERRORS = 3  # distinct request errors printed when some requests fail
@@ -122,10 +124,8 @@ def _check_json_path(path_text: str) -> Path:
 def _write_json(path: Path, data: Any) -> None:
     """Write via a temporary file in the same folder and a rename: never a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
     try:
-        os.fchmod(fd, 0o666 & ~umask)  # as a plain open() would create it (mkstemp: 0600)
+        os.fchmod(fd, new_file_mode())  # as a plain open() would create it (mkstemp: 0600)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(data, indent=2, default=str))
         os.replace(tmp, path)

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from runtime.file_mode import new_file_mode
 from runtime.lora.adapter import LoRAAdapter
 from runtime.models.loader import CheckpointError, checkpoint_quantization, weight_files
 from runtime.quant.int8 import QUANTIZATION_CONFIG, dequantize_int8, is_quantized_projection, quantize_int8, scale_name
@@ -186,9 +187,7 @@ def _save(shard: dict[str, Tensor], path: Path) -> None:
     """``save_file``, then the mode any new file gets under the umask (safetensors writes 0600,
     which would keep another account, e.g. the one running the server, from reading the weights)."""
     save_file(shard, str(path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, new_file_mode())
 
 
 def _save_shards(shards: list[dict[str, Tensor]], out_dir: Path) -> list[str]:
