@@ -30,7 +30,7 @@ def build_router(state: Any) -> APIRouter:
         prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
         prompt_len = len(prompt_ids)
         # Default: whatever room the context (and the KV pool: max_seq_tokens) has left, as vLLM does for chat.
-        max_tokens = body.max_tokens or max(1, state.max_seq_tokens - prompt_len)
+        max_tokens = body.max_tokens if body.max_tokens is not None else gen.default_max_tokens(state.max_seq_tokens, prompt_len, state.max_seq_tokens)
         params = gen.sampling_params(body, max_tokens)
         request_id = gen.new_id("chatcmpl")
         gen.log_request(request_id, body, target)
