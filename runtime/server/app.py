@@ -101,15 +101,23 @@ def create_app(
         body = await asyncio.to_thread(metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_cards() -> list[dict[str, Any]]:
+        """The base model's card, then each adapter's (vLLM's fields: ``root``, ``parent``, ``max_model_len``)."""
+        # engine.adapters() takes no lock (see runtime/async_engine.py): this never waits for a step.
+        card = {"object": "model", "created": state.started, "owned_by": "lorafleet", "max_model_len": state.max_model_len}
+        base = {"id": base_name, **card, "root": base_name, "parent": None}
+        return [base, *({"id": a.name, **card, "root": str(a.path), "parent": base_name, "version": a.version} for a in engine.adapters())]
+
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> Any:
-        # engine.adapters() takes no lock (see runtime/async_engine.py): this never waits for a step.
-        base = {"id": base_name, "object": "model", "created": state.started, "owned_by": "lorafleet", "root": base_name, "parent": None}
-        adapters = [
-            {"id": a.name, "object": "model", "created": state.started, "owned_by": "lorafleet", "root": str(a.path), "parent": base_name, "version": a.version}
-            for a in engine.adapters()
-        ]
-        return JSONResponse({"object": "list", "data": [base, *adapters]})
+        return JSONResponse({"object": "list", "data": model_cards()})
+
+    @app.get("/v1/models/{model_id:path}", tags=["openai"])
+    async def retrieve_model(model_id: str) -> Any:
+        for card in model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        return error_response(404, f"model {model_id!r} does not exist; GET /v1/models lists the served ones", param="model", code="model_not_found")
 
     app.include_router(completions.build_router(state))
     app.include_router(chat.build_router(state))

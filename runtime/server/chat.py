@@ -20,7 +20,7 @@ def build_router(state: Any) -> APIRouter:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         engine = state.engine
         target = gen.resolve_model(engine, state.base_name, body.model)
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.template_fields() for m in body.messages]
         try:
             prompt = state.tokenizer.apply_chat_template(messages)
         except ValueError as err:  # the template refused these messages (raise_exception), or a sandbox violation
@@ -36,7 +36,7 @@ def build_router(state: Any) -> APIRouter:
         gen.log_request(request_id, body, target)
         created = int(time.time())
         # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
-        [(first, rest)] = await gen.until_disconnected(request, gen.open_streams(engine, request_id, [prompt_ids], [params], target.adapter), release=gen.close_streams)
+        [(first, rest)] = await gen.until_disconnected(request, gen.open_streams(engine, request_id, [prompt_ids], [params], target.adapter, prompt_param="messages"), release=gen.close_streams)
 
         def payload(obj: str, choice: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice] if choice else []}
@@ -55,20 +55,23 @@ def build_router(state: Any) -> APIRouter:
             async def events() -> AsyncIterator[str]:
                 yield event(payload("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
                 last = None
-                async for _, out in gen.merge_streams([(first, rest)]):
-                    if out.finish_reason == "error":
-                        yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
-                        break
-                    if out.new_text or out.finished or (continuous and out.new_token_ids):
-                        delta = {"content": out.new_text} if out.new_text else {}
-                        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(out)}
-                        if out.finished and body.return_token_ids:
-                            choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
-                        yield event(payload("chat.completion.chunk", choice, usage(out) if continuous else None))
-                    last = out
-                else:
-                    if include_usage and last is not None:
-                        yield event(payload("chat.completion.chunk", {}, usage(last)))
+                try:
+                    async for _, out in gen.merge_streams([(first, rest)]):
+                        if out.finish_reason == "error":
+                            yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
+                            break
+                        if out.new_text or out.finished or (continuous and out.new_token_ids):
+                            delta = {"content": out.new_text} if out.new_text else {}
+                            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(out)}
+                            if out.finished and body.return_token_ids:
+                                choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
+                            yield event(payload("chat.completion.chunk", choice, usage(out) if continuous else None))
+                        last = out
+                    else:
+                        if include_usage and last is not None:
+                            yield event(payload("chat.completion.chunk", {}, usage(last)))
+                except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
+                    yield event(gen.failure_event_body(err, request_id))
                 yield DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -82,18 +82,21 @@ def build_router(state: Any) -> APIRouter:
 
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
-                async for index, out in gen.merge_streams(streams):
-                    if out.finish_reason == "error":
-                        yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
-                        break
-                    if out.new_text or out.finished or (continuous and out.new_token_ids):
-                        choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text)
-                        yield event(chunk([choice], _usage([out]) if continuous else None))
-                    if out.finished:
-                        finals[index] = out
-                else:
-                    if include_usage:
-                        yield event(chunk([], _usage(list(finals.values()))))
+                try:
+                    async for index, out in gen.merge_streams(streams):
+                        if out.finish_reason == "error":
+                            yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
+                            break
+                        if out.new_text or out.finished or (continuous and out.new_token_ids):
+                            choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text)
+                            yield event(chunk([choice], _usage([out]) if continuous else None))
+                        if out.finished:
+                            finals[index] = out
+                    else:
+                        if include_usage:
+                            yield event(chunk([], _usage(list(finals.values()))))
+                except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
+                    yield event(gen.failure_event_body(err, request_id))
                 yield DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")

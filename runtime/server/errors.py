@@ -13,9 +13,25 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "invalid_request_error",
     500: "internal_server_error",
+    503: "service_unavailable",
+}
+# ``error.code`` when a handler names none: always a string, as in OpenAI's errors (clients
+# that type it as a string fail to parse a number).
+DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    499: "client_closed_request",
+    500: "internal_error",
     503: "service_unavailable",
 }
 log = logging.getLogger("lorafleet.server")
@@ -30,7 +46,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code or status}}
+    code = code or DEFAULT_CODES.get(status, "error")
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"), "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -47,6 +64,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
+            where = first.get("loc", ("body", "?"))[-1]
+            detail = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return error_response(400, f"the request body is not valid JSON (at position {where}: {detail})", code="invalid_json")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from runtime.async_engine import EngineDeadError
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
-from runtime.server.errors import APIError
+from runtime.server.errors import APIError, error_body
 from runtime.server.protocol import _SamplingFields
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -72,10 +72,14 @@ def log_request(request_id: str, body: _SamplingFields, target: Target) -> None:
     log.info("%s model=%s adapter=%s user=%s stream=%s", request_id, body.model, target.adapter or "-", body.user or "-", body.stream)
 
 
-async def open_stream(engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None) -> tuple[Any, AsyncIterator[Any]]:
+async def open_stream(
+    engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None, prompt_param: str = "prompt"
+) -> tuple[Any, AsyncIterator[Any]]:
     """Start a request and wait for its first output, so admission errors become HTTP errors.
 
-    Returns (first_output, the rest of the stream).
+    ``prompt_param``: the request field an error about the prompt names (``prompt``,
+    ``prompt.3`` for one of several, ``messages`` for chat); an error the engine words as being
+    about max_tokens names ``max_tokens``. Returns (first_output, the rest of the stream).
     """
     stream = engine.generate(request_id, prompt, params, adapter)
     try:
@@ -83,18 +87,29 @@ async def open_stream(engine: Any, request_id: str, prompt: str | list[int], par
     except UnknownAdapterError as err:
         raise APIError(404, str(err), param="model", code="model_not_found") from err
     except (PromptTooLongError, RequestRejected) as err:
-        raise APIError(400, str(err), param="prompt", code="context_length_exceeded") from err
+        raise APIError(400, str(err), param=_param_of(str(err), prompt_param), code="context_length_exceeded") from err
     except EngineDeadError as err:  # a RuntimeError: the engine died or is shutting down
         raise APIError(503, str(err), code="engine_unavailable") from err
     except ValueError as err:
-        raise APIError(400, str(err), code="invalid_parameter") from err
+        raise APIError(400, str(err), param=_param_of(str(err), prompt_param, other=None), code="invalid_parameter") from err
     except StopAsyncIteration as err:
         raise APIError(500, f"request {request_id} ended without output") from err
     return first, stream
 
 
+def _param_of(message: str, prompt_param: str, other: Optional[str] = "prompt") -> Optional[str]:
+    """The field an engine error message is about: its ``max_tokens:`` / ``prompt:`` prefix,
+    else ``other`` (the prompt for a context-length error, nothing for other ones)."""
+    if message.startswith("max_tokens:"):
+        return "max_tokens"
+    if message.startswith("prompt:") or other == "prompt":
+        return prompt_param
+    return other
+
+
 async def open_streams(
-    engine: Any, request_id: str, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], adapter: str | None
+    engine: Any, request_id: str, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], adapter: str | None,
+    prompt_param: str = "prompt",
 ) -> list[tuple[Any, AsyncIterator[Any]]]:
     """``open_stream`` for every prompt at once (request ids ``<request_id>-<i>``), then wait for all.
 
@@ -103,12 +118,18 @@ async def open_streams(
     (the client went away), every stream already opened is closed and every admission still
     pending is cancelled, which aborts their engine requests.
     """
-    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{i}", p, ps, adapter)) for i, (p, ps) in enumerate(zip(prompts, params))]
+    def param(i: int) -> str:
+        return f"{prompt_param}.{i}" if len(prompts) > 1 else prompt_param
+
+    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{i}", p, ps, adapter, param(i))) for i, (p, ps) in enumerate(zip(prompts, params))]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        failed = [(i, t.exception()) for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
-            raise failed[0]
+            index, err = failed[0]
+            if len(prompts) > 1 and isinstance(err, APIError) and err.status == 400:  # say which prompt
+                raise APIError(err.status, f"prompt {index} (of {len(prompts)}): {err.message}", err.param, err.code) from err
+            raise err
         return [t.result() for t in tasks]
     except BaseException:
         await _close_opened(tasks)
@@ -177,6 +198,17 @@ async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> As
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in (r for _, r in streams):
             await stream.aclose()
+
+
+def failure_event_body(err: Exception, request_id: str) -> dict[str, Any]:
+    """The SSE error event for an exception raised while a stream was being sent (the 200 and
+    earlier chunks are already out, so it can no longer be an HTTP error): an ``APIError``
+    (e.g. a Ray replica that died: 503, retry) keeps its status, message and code; anything
+    else is logged with its traceback and sent as a 500."""
+    if isinstance(err, APIError):
+        return error_body(err.status, err.message, err.param, err.code)
+    log.error("%s failed while streaming: %s: %s", request_id, type(err).__name__, err, exc_info=err)
+    return error_body(500, f"internal server error ({type(err).__name__}); the server log has the details", code="internal_error")
 
 
 def raise_if_failed(output: Any) -> None:

@@ -4,7 +4,9 @@ Every accepted field is honoured. OpenAI fields lorafleet does not implement are
 declared with their only supported value (e.g. ``n`` must be 1, ``logprobs`` must be
 null) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
 boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
-ids take integers only, and float fields take integers or floats.
+ids take integers only, and float fields take integers or floats. A JSON ``null`` in a field
+OpenAI documents as nullable (temperature, top_p, n, the penalties, stream, echo, ...) means
+that field's default, as in OpenAI's API and vLLM's.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
 MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
 MAX_PROMPTS = 256  # prompts in one completions request: each is its own engine request
+# Fields where an explicit null means the default (OpenAI marks them nullable; clients such as
+# LangChain send ``"temperature": null`` for "not set").
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "stream", "echo",
+                                "ignore_eos", "return_token_ids", "stop", "stop_token_ids", "seed", "user", "max_tokens",
+                                "max_completion_tokens", "stream_options", "logprobs"})
 MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
                    "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400.")
 
@@ -57,6 +64,13 @@ class _SamplingFields(BaseModel):
     presence_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
     frequency_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
     user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
 
     @field_validator("n", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -108,16 +122,75 @@ class CompletionRequest(_SamplingFields):
         raise ValueError("expected a string, a list of strings, a list of token ids (integers), or a list of token-id lists")
 
 
-class ChatMessage(BaseModel):
+class TextPart(BaseModel):
+    """One part of a message's content array; only text parts are supported."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message. ``content`` is a string or an array of text parts (joined with no
+    separator, as vLLM does for text); ``developer`` (OpenAI's newer name for the system role)
+    reaches the chat template as ``system``, which is the role templates know; ``name`` is
+    passed to the template, which may use it or not. Only an assistant message may have null
+    content (an earlier turn with no text), which the template sees as ``""``."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Optional[Union[str, list[TextPart]]]
+    name: Optional[str] = Field(None, max_length=256)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_form(cls, value: Any) -> Any:
+        """One clear message per wrong form (the union would report one per branch)."""
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"part {i}: content parts of type {kind!r} are not supported; only \"text\" parts are")
+            return value
+        raise ValueError("expected a string, an array of text parts, or null (assistant messages only)")
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content")
+        return self
+
+    def template_fields(self) -> dict[str, str]:
+        """What the chat template sees: role, content as one string, and name when given."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
+        fields = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="OpenAI's current name for max_tokens in chat; "
+                                                       "give one of the two (both only if equal).")
     return_token_ids: bool = False
     logprobs: Optional[Literal[False]] = Field(None, description="logprobs are not supported.")
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_token_limit(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and other != value:
+            raise ValueError(f"max_completion_tokens ({value}) and max_tokens ({other}) disagree; send one of them")
+        return value
+
+    @model_validator(mode="after")
+    def _max_completion_tokens_is_max_tokens(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class LoadAdapterRequest(BaseModel):
