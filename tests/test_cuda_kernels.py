@@ -275,6 +275,12 @@ def test_launchers_reject_bad_arguments() -> None:
         bgmv_expand(h.half(), weights, meta, torch.zeros(3, 40).half(), [0, 16])
     with pytest.raises(ValueError, match=r"bgmv_expand: slice_offsets must be >= 0"):
         bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0, -1])
+    # Overlapping columns: the expand kernels' load-add-store would race on a GPU (the
+    # interpreter runs programs one by one, so it would not show there). Shrink ignores offsets.
+    from backends.cuda.sgmv_expand import sgmv_expand
+    for expand in (bgmv_expand, sgmv_expand):
+        with pytest.raises(ValueError, match=rf"{expand.__name__}: the slices' columns overlap in y \(offsets \(0, 8\)\)"):
+            expand(h, weights, meta, torch.zeros(3, 40).half(), [0, 8])
     mixed = [weights[0], dataclasses.replace(weights[1], a_rows=weights[1].a_rows.float())]
     with pytest.raises(ValueError, match=r"sgmv_shrink: weights\[1\].a_rows is torch.float32, weights\[0\].a_rows is torch.float16"):
         sgmv_shrink(x, mixed, meta, torch.zeros(2, 3, 64))
@@ -316,6 +322,10 @@ def test_cuda_backend_reports_availability() -> None:
         assert reason == "cuda: torch.cuda.is_available() is False"
         with pytest.raises(RuntimeError, match="cuda: torch.cuda.is_available"):
             CudaBackend()
+    elif not INTERPRETING:  # Triton launches on the current device only: another index is refused
+        other = (torch.cuda.current_device() + 1) % max(2, torch.cuda.device_count())
+        with pytest.raises(ValueError, match="is not the current CUDA device"):
+            CudaBackend(f"cuda:{other}")
 
 
 # ---------------------------------------------------------------- real GPU

@@ -6,9 +6,14 @@ otherwise. Both launch ONE kernel per op for all slices of a layer (q/k/v, gate/
 through a per-slice pointer table cached per slice group (see ``slice_table``), so a
 steady-state forward does no host->device copies and reads no device data on the host.
 
-CUDA graphs: safe to capture after one warm-up forward (which builds the tables and
-compiles the kernels). The per-token grids depend only on the batch size and the
-slices' widths; replaying with other adapters in the rows stays correct.
+CUDA graphs (the engine does not capture any; ``runtime/verifiers/cuda_graph.py`` checks
+capture and replay): capture after one warm-up forward (which builds the tables and
+compiles the kernels). The per-token grids depend only on the batch size and the slices'
+widths, so a replay with other adapters in the rows stays correct, with one condition:
+the launchers decide on the host whether to launch at all (no kernel when no row has an
+adapter, or when no slot of a slice group holds one), so a graph captured in such a state
+holds no LoRA kernel and a replay after adapters are loaded would skip LoRA. Capture with
+an adapter resident in every slice group and at least one adapter row.
 """
 from __future__ import annotations
 
@@ -65,6 +70,12 @@ class CudaBackend:
         ok, reason = self.availability()
         if not ok:
             raise RuntimeError(reason)
+        # Triton launches on the current device, not on the tensors' one: a tensor on another
+        # GPU would be read through a pointer that is not valid there.
+        current = torch.cuda.current_device()
+        if self.device.index is not None and self.device.index != current:
+            raise ValueError(f"CudaBackend: {self.device} is not the current CUDA device (cuda:{current}); the kernels launch on the "
+                             f"current one. Select the GPU with CUDA_VISIBLE_DEVICES or torch.cuda.set_device({self.device.index}) first")
         self.lora = CudaLoRAOps()
         self.attention = ReferenceAttention()
 
@@ -74,7 +85,7 @@ class CudaBackend:
             return False, "cuda: triton is not installed (pip install 'lorafleet[cuda]')"
         if not torch.cuda.is_available():
             return False, "cuda: torch.cuda.is_available() is False"
-        return True, f"cuda: {torch.cuda.get_device_name(0)}"
+        return True, f"cuda: {torch.cuda.get_device_name(torch.cuda.current_device())}"
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -86,6 +86,8 @@ def check_expand(h: Tensor, table: "SliceTable", meta: LoRABatchMeta, y: Tensor,
         _fail(op, f"y is {y.dtype} on {y.device}, the weights are {table.dtype} on {table.device}")
     if y.shape[1] < table.y_width:
         _fail(op, f"the slices at offsets {table.offsets} need {table.y_width} columns, y has {y.shape[1]}")
+    if not table.disjoint:  # the kernels' load-add-store of shared columns would race on a GPU
+        _fail(op, f"the slices' columns overlap in y (offsets {table.offsets}); each slice needs its own columns")
     check_meta(op, meta, y.shape[0], table)
     if h.dtype != torch.float32 or h.dim() != 3 or h.device != y.device or h.stride(2) != 1:
         _fail(op, f"h must be a 3-D float32 tensor on {y.device} with unit last stride, got {h.dtype} {tuple(h.shape)} on {h.device}")

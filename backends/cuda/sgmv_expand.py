@@ -11,7 +11,11 @@ slice x column block); a column block past its slice's width returns at once.
 The rank (the reduction) is walked in ``BLOCK_R`` tiles masked to the slot's own
 rank, so entries of ``h`` past it are never read. On a GPU, fp16/bf16 runs cast the
 fp32 ``h`` tile to the weights' dtype for a tensor-core dot (as vLLM does); fp32 runs
-(and bf16 in the interpreter) dot in fp32 with ``input_precision="ieee"``.
+(and bf16 in the interpreter) dot in fp32 with ``input_precision="ieee"``. The cast is a
+known limit: in fp16 an ``|h|`` above 65504 (an adapter whose A has a very large norm)
+becomes inf here while the per-token kernel, which keeps ``h`` in fp32, stays finite; in
+bf16 it costs ``h`` about 2^-9 relative precision. Not changed without a GPU to measure the
+fp32-operand alternative (TF32 dot) on.
 """
 from __future__ import annotations
 

@@ -33,6 +33,11 @@ TABLE_WIDTH = tl.constexpr(8)
 COL_A, COL_B, COL_START, COL_RANK, COL_SCALE, COL_OUT, COL_OFFSET = (tl.constexpr(i) for i in range(7))
 
 
+def _disjoint(ranges: Sequence[tuple[int, int]]) -> bool:
+    ordered = sorted(ranges)
+    return all(end <= next_start for (_, end), (next_start, _) in zip(ordered, ordered[1:]))
+
+
 def _addresses(weights: Sequence[LoRASliceWeights]) -> tuple[int, ...]:
     return tuple(
         t.data_ptr() for w in weights for t in (w.a_rows, w.b_rows, w.slot_start, w.slot_rank, w.slot_scale)
@@ -53,6 +58,7 @@ class SliceTable:
     device: torch.device
     in_features: int
     max_slots: int  # the fewest slots of any slice
+    disjoint: bool  # no two slices' y columns [offset, offset + out) overlap (expand requires it)
 
     @classmethod
     def build(cls, weights: Sequence[LoRASliceWeights], slice_offsets: Sequence[int], op: str = "slice table") -> "SliceTable":
@@ -78,6 +84,7 @@ class SliceTable:
             dtype=weights[0].a_rows.dtype,
             device=device,
             in_features=weights[0].in_features,
+            disjoint=_disjoint([(int(o), int(o) + w.out_features) for w, o in zip(weights, slice_offsets)]),
             max_slots=min(w.max_slots for w in weights),
         )
 
