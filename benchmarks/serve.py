@@ -10,7 +10,7 @@ Runs, in this order and in one process (so the ratios are side by side):
   2. online replay at --rate (Poisson, or --cv for burstiness): TTFT/TPOT p50/p99,
      SLO attainment, per-adapter latency, TTFT by where the adapter was on arrival,
      adapter swaps and cache hit rates, memory split;
-  3. sweeps: offline throughput vs number of adapters (zipf), with the steps each run took
+  3. sweeps: offline throughput vs number of adapters (zipf; --sweep-requests requests per run), with the steps each run took
      against the fewest that any schedule needs under --max-loras (runtime.bench.slot_bound),
      the most against the fewest adapters also stepped in turn, and p99 latency vs rate.
 Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables.
@@ -88,6 +88,9 @@ def main() -> int:
                    help="PEFT's static batch size (default: --max-num-seqs, the engine's batch cap, so both systems may batch "
                         "as many requests)")  # fmt: skip
     p.add_argument("--sweep-adapters", default="16,100,500", help="adapter counts for the throughput sweep ('' to skip)")
+    p.add_argument("--sweep-requests", type=int, default=None,
+                   help="requests per run of the adapter sweep (default: --num-requests). A short burst is mostly ramp-up and "
+                        "drain; with many more requests than slots the sweep measures a backlogged engine's steady state")
     p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates for the latency sweep ('' to skip)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the offline comparisons and the adapter sweep this many times in interleaved rounds; "
@@ -103,6 +106,8 @@ def main() -> int:
         p.error(str(err))
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.sweep_requests is not None and a.sweep_requests < 1:
+        p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
     if a.peft_batch is None:
         a.peft_batch = a.max_num_seqs
     if a.peft_batch < 1:
@@ -245,7 +250,7 @@ def main() -> int:
         counts = [int(x) for x in a.sweep_adapters.split(",")]
         prepared = {}
         for n in counts:
-            w = offline(generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf")))
+            w = offline(generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf", num_requests=a.sweep_requests or spec.num_requests)))
             prepared[n] = (w, *prepare(w, setup))
         sweep_rounds: list[dict[int, dict]] = []
         for r in range(a.repeats):
@@ -261,8 +266,8 @@ def main() -> int:
             points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"], s["engine_steps"], bound))
         base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
         plots.throughput_vs_adapters([(n, t) for n, t, *_ in points], base_tp, out / "throughput_vs_adapters.png")
-        results["sweep_adapters"] = [{"adapters": n, "tokens_per_s": t, "swaps": s, "steps": st, "slot_bound": b.as_dict()}
-                                     for n, t, s, st, b in points]
+        results["sweep_adapters"] = [{"adapters": n, "requests": len(prepared[n][0].requests), "tokens_per_s": t, "swaps": s, "steps": st,
+                                      "slot_bound": b.as_dict()} for n, t, s, st, b in points]
         results["sweep_rounds_tokens_per_s"] = {str(n): [rd[n]["throughput_tokens_per_s"] for rd in sweep_rounds] for n in counts}
         if len(counts) > 1:  # the largest count against the smallest, per round
             lo, hi = min(counts), max(counts)

@@ -69,7 +69,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--num-requests", "8", "--adapters", "3",
            "--hidden", "64", "--layers", "1", "--input-len", "2,4", "--output-len", "2,5", "--rate", "20", "--loop-requests", "3",
-           "--baselines", "no-adapter,loop,peft", "--sweep-adapters", "2,3", "--sweep-rates", "20", "--repeats", "2"]
+           "--baselines", "no-adapter,loop,peft", "--sweep-adapters", "2,3", "--sweep-requests", "12", "--sweep-rates", "20", "--repeats", "2"]
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True)
     res = json.loads((out / "summary.json").read_text())
     workload = Workload.load(out / "workload.jsonl")
@@ -82,10 +82,18 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
         runs.setdefault((rec["label"], rec["round"]), []).append(rec)
     peft = "(c) transformers+peft"
 
+    # The adapter sweep's runs replay --sweep-requests requests of the same spec (zipf over 2 or 3 adapters).
+    sweep_out = {f"{n} adapters": {r.index: (r.adapter, r.output_tokens) for r in
+                                   generate(dataclasses.replace(workload.spec, num_requests=12, num_adapters=n, popularity="zipf")).requests}
+                 for n in (2, 3)}
+
     # Every request of every run, on its own: timings in a possible order, exactly its output length.
     for (label, _), recs in runs.items():
         for r in recs:
-            assert r["error"] is None and r["output_tokens"] == want_out[r["index"]], (label, r)
+            if label in sweep_out:
+                assert r["error"] is None and (r["adapter"], r["output_tokens"]) == sweep_out[label][r["index"]], (label, r)
+            else:
+                assert r["error"] is None and r["output_tokens"] == want_out[r["index"]], (label, r)
             if label == peft:  # batch latency only; no streamed timings, no engine
                 assert r["ttft"] is None and r["engine_ttft"] is None and r["latency"] > 0
                 continue
@@ -190,7 +198,8 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
         assert lower <= bound["packed_steps"] and bound["packed_exact"]
         assert p["steps"] >= lower > 0
     assert offline["(a) no adapters"]["engine_steps"] >= max(want_out.values()) and offline[peft]["engine_steps"] is None
-    assert all(len(runs[(f"{n} adapters", rnd)]) == 8 for n in (2, 3) for rnd in (1, 2))
+    assert all(len(runs[(f"{n} adapters", rnd)]) == 12 for n in (2, 3) for rnd in (1, 2))  # --sweep-requests, not --num-requests
+    assert [p["requests"] for p in res["sweep_adapters"]] == [12, 12]
     sweep_rounds = res["sweep_rounds_tokens_per_s"]
     assert list(sweep_rounds) == ["2", "3"] and all(len(v) == 2 for v in sweep_rounds.values())
     for p in res["sweep_adapters"]:  # each point is its median round
