@@ -227,3 +227,91 @@ def test_ray_name_check_is_skipped_when_the_model_is_not_readable_here(tmp_path:
     settings = serve.load_settings(parse("--model", str(tmp_path / "only-on-the-workers"), "--lora-modules", f"a={tiny_adapters['a']}",
                                          "--ray", "--ray-address", "ray://head:10001"))  # fmt: skip
     assert run_ray(settings) == 2 and len(deployed) == 1  # reached deploy (which the test makes fail)
+
+
+def test_busy_port_or_bad_host_is_one_line_before_the_model_loads(tiny_llama_dir: Path, capsys, monkeypatch) -> None:
+    """The socket is bound before the engine is built: a busy port costs no model load and
+    gives one line with exit 2 (it used to log "serving on", load everything, then exit 3)."""
+    import socket
+
+    built = []
+    monkeypatch.setattr(serve, "build_engine", lambda settings: built.append(settings) or pytest.fail("engine built"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve.run(parse("--model", str(tiny_llama_dir), "--port", str(port))) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and "Traceback" not in err
+    assert serve.run(parse("--model", str(tiny_llama_dir), "--host", "256.1.1.1", "--port", "0")) == 2
+    assert "cannot listen on 256.1.1.1:0" in capsys.readouterr().err
+    assert built == []
+
+
+def test_engine_errors_after_binding_release_the_port(tiny_llama_dir: Path, capsys, monkeypatch) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def fail(settings):  # type: ignore[no-untyped-def]
+        raise ValueError("no such adapter")
+
+    monkeypatch.setattr(serve, "build_engine", fail)
+    assert serve.run(parse("--model", str(tiny_llama_dir), "--port", str(port))) == 2
+    assert "no such adapter" in capsys.readouterr().err
+    with socket.socket() as again:  # released: binding it again works
+        again.bind(("127.0.0.1", port))
+
+
+def test_unreachable_ray_cluster_is_one_line(tiny_llama_dir: Path, capsys, monkeypatch) -> None:
+    ray = pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+
+    def init(**kw):  # type: ignore[no-untyped-def]
+        raise ConnectionError("ray client connection timeout")
+
+    monkeypatch.setattr(ray, "init", init)
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--ray-address", "ray://nohost:10001"))
+    assert run_ray(settings) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "lorafleet serve: --ray-address ray://nohost:10001: ray client connection timeout"
+
+
+def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path) -> None:
+    """The real CLI end to end: `--port 0` picks a free port and the log names it; a request
+    is answered; SIGTERM stops the HTTP server, shuts the engine down and exits 0."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", "0"], stdout=log, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"serving on (http://127\.0\.0\.1:\d+)", log_path.read_text())
+            url = found.group(1) if found else time.sleep(0.2)
+        assert url is not None, log_path.read_text()
+        for _ in range(100):  # the log line comes just before uvicorn starts listening
+            try:
+                reply = httpx.post(f"{url}/v1/completions", json={"model": "upper", "prompt": "hello world =>", "max_tokens": 16,
+                                                                  "temperature": 0}, timeout=30)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == " HELLO WORLD", reply.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "shutting down the engine" in log_path.read_text()

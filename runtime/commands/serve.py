@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -134,26 +135,56 @@ def run(args: argparse.Namespace) -> int:
 
     from runtime.server.app import create_app
 
+    # Bind first: a busy port or a bad --host is found in a moment, not after the model has loaded.
+    try:
+        sock = bind_socket(settings.server.host, settings.server.port)
+    except OSError as err:
+        print(f"lorafleet serve: cannot listen on {settings.server.host}:{settings.server.port}: {err.strerror or err}", file=sys.stderr)
+        return 2
     try:
         engine = build_engine(settings)
     except (ConfigError, ValueError, RuntimeError) as err:
+        sock.close()
         print(f"lorafleet serve: {err}", file=sys.stderr)
         return 2
     previous = {sig: signal.signal(sig, _exit_after_drain) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         app = create_app(engine, settings.server)
-        log.info("lorafleet serving on http://%s:%d\n%s", settings.server.host, settings.server.port, summary(settings, engine))
-        uvicorn.run(app, host=settings.server.host, port=settings.server.port, log_level=settings.log_level,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        host, port = sock.getsockname()[:2]  # the real port when --port 0 asked for any free one
+        log.info("lorafleet serving on %s\n%s", _url(host, port), summary(settings, engine))
+        config = uvicorn.Config(app, host=settings.server.host, port=port, log_level=settings.log_level,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        uvicorn.Server(config).run(sockets=[sock])
     except SystemExit as stop:
         if stop.code != 0:
             raise
     finally:
+        sock.close()
         log.info("lorafleet serve: HTTP server stopped; shutting down the engine")
         engine.shutdown(timeout=ENGINE_SHUTDOWN_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet; uvicorn listens on it), as
+    uvicorn binds: SO_REUSEADDR, IPv6 when the host has a colon. Raises OSError (busy port,
+    an address this machine does not have, a name that does not resolve)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _exit_after_drain(signum: int, frame: Any) -> None:

@@ -57,7 +57,12 @@ def run_ray(settings: Any) -> int:
         initial_adapters=tuple((m.name, m.path) for m in settings.lora_modules),
     )
     started_here = settings.ray_address is None
-    ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
+    try:
+        ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
+    except (ConnectionError, TimeoutError, ValueError) as err:  # no cluster there (or it did not answer), or a malformed address
+        where = f"--ray-address {settings.ray_address}" if settings.ray_address else "starting a local Ray cluster"
+        print(f"lorafleet serve: {where}: {err}", file=sys.stderr)
+        return 2
     stopped = threading.Event()
     try:
         try:
