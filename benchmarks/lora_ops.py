@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from backends import get_backend  # noqa: E402
+from backends import BackendUnavailable, get_backend  # noqa: E402
 from runtime.backend_api import apply_lora  # noqa: E402
 from runtime.lora.batch_meta import LoRABatchMeta, adapter_order  # noqa: E402
 from runtime.lora.slice_weights import LoRASliceWeights  # noqa: E402
@@ -474,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    backend = get_backend(args.device)
+    try:
+        backend = get_backend(args.device)
+    except BackendUnavailable as err:  # one line, not a traceback
+        parser.error(str(err))
     dtype = DTYPES[args.device]
     timer = Timer(backend.device)
     torch.manual_seed(0)

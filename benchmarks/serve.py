@@ -34,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backends import availability, resolve_name  # noqa: E402
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, replay_http, served_base_model  # noqa: E402
@@ -76,7 +77,7 @@ def main() -> int:
     p.add_argument("--workdir", default=None, help="synthetic weights folder (default OUT/weights)")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu", "auto"), help="backend for the in-process runs (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations of lorafleet and of the PEFT baseline (default float32 on every device; pass bfloat16 on a GPU, as benchmarks/cuda/run_all.sh does)")
     p.add_argument("--max-loras", type=int, default=8)
@@ -104,6 +105,9 @@ def main() -> int:
         max_cpu_loras = host_tier_size(a.max_loras, a.max_cpu_loras)
     except ValueError as err:
         p.error(str(err))
+    ok, reason = availability(resolve_name(a.device))
+    if not ok:
+        p.error(reason)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.sweep_requests is not None and a.sweep_requests < 1:

@@ -14,11 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cuda" / "run_all.sh"
 
 
-def _fake_python(tmp_path: Path, work: Path) -> Path:
-    """Records its arguments; runs inline scripts (`-`) with the real interpreter; serve.py writes a summary."""
+def _fake_python(tmp_path: Path, work: Path, failing_step: str = "") -> Path:
+    """Records its arguments; runs inline scripts (`-`) with the real interpreter; serve.py writes a summary;
+    exits 1 when called with ``failing_step`` among its arguments."""
     fake = tmp_path / "fakepy"
     fake.write_text(f"""#!/bin/bash
 echo "$@" >> {tmp_path}/calls
+for a in "$@"; do [ -n "{failing_step}" ] && [ "$a" = "{failing_step}" ] && exit 1; done
 if [ "$1" = "-" ]; then exec {sys.executable} "$@"; fi
 if [ "$1" = "-c" ]; then exit 1; fi
 for a in "$@"; do [ "$a" = benchmarks/serve.py ] && mkdir -p {work}/serve && echo '{{"ok": 1}}' > {work}/serve/summary.json; done
@@ -28,11 +30,12 @@ sleep 1
     return fake
 
 
-def _run(tmp_path: Path, budget: int) -> tuple[Path, Path]:
+def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "") -> tuple[Path, Path]:
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, work)), "WORKDIR": str(work), "RUN_ALL_BUDGET_S": str(budget)}
+    env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, work, failing_step)), "WORKDIR": str(work), "RUN_ALL_BUDGET_S": str(budget)}
     env.pop("TRITON_INTERPRET", None)
-    subprocess.run(["bash", str(SCRIPT), str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=120)
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == want_rc, done.stderr
     return out, work
 
 
@@ -54,9 +57,15 @@ def test_every_step_runs_and_outdir_stays_small_and_flat(tmp_path: Path):
 
 
 def test_steps_past_the_budget_are_skipped_and_recorded(tmp_path: Path):
-    out, _ = _run(tmp_path, budget=37)
+    out, _ = _run(tmp_path, budget=37, want_rc=1)  # an incomplete run is not a success
     steps = json.loads((out / "status.json").read_text())["steps"]
     ran = [name for name, s in steps.items() if s.get("rc") == 0]
     skipped = [name for name, s in steps.items() if s.get("skipped") == "budget spent"]
     assert ran and skipped and ran + skipped == ["probe", "pytest_cuda", "lora_ops", "serve"]
     assert all(s["timeout_s"] <= 37 - 15 for name, s in steps.items() if name in ran)
+
+
+def test_a_failed_step_makes_the_run_fail_but_the_others_still_run(tmp_path: Path):
+    out, _ = _run(tmp_path, budget=540, want_rc=1, failing_step="benchmarks/lora_ops.py")
+    steps = json.loads((out / "status.json").read_text())["steps"]
+    assert steps["lora_ops"]["rc"] == 1 and steps["serve"]["rc"] == 0 and steps["probe"]["rc"] == 0

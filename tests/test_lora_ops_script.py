@@ -5,6 +5,9 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -31,3 +34,16 @@ def test_a_failing_section_is_recorded_and_the_rest_is_kept(tmp_path, monkeypatc
     assert result["tax_stack"]["error"] == "RuntimeError: illegal memory access (simulated)" and "Traceback" in result["tax_stack"]["traceback"]
     assert "tax_stack: FAILED" in capsys.readouterr().err
     assert not (tmp_path / "lo.json.partial").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_an_unavailable_device_is_one_line_with_exit_2(capsys) -> None:
+    import subprocess
+
+    with pytest.raises(SystemExit) as stop:
+        lora_ops.main(["--device", "cuda"])
+    assert stop.value.code == 2 and "cuda: torch.cuda.is_available() is False" in capsys.readouterr().err
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", "unused", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().endswith("serve.py: error: cuda: torch.cuda.is_available() is False")
+    assert "Traceback" not in done.stderr and not Path("unused").exists()

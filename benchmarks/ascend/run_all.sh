@@ -16,7 +16,8 @@ set -u -o pipefail
 
 OUT=${1:?usage: benchmarks/ascend/run_all.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-PY=${PYTHON:-python}
+# PYTHON=..., else the .venv `make` builds, else python3 (an Ascend image's own interpreter)
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"

@@ -15,7 +15,9 @@
 #   OUTDIR/serve_summary.json  `benchmarks/serve.py --device cuda` summary.json
 #   OUTDIR/results.tar.gz    every log, the junit XML, and serve's records, workload and plots
 #
-# Usage: benchmarks/cuda/run_all.sh OUTDIR      (PYTHON=... to pick the interpreter)
+# Usage: benchmarks/cuda/run_all.sh OUTDIR      (PYTHON=... to pick the interpreter; default .venv/bin/python
+# when `make` built one, else python3, e.g. a GPU image's own). Exit status: 0 when every step ran
+# and passed, 1 when one failed or was skipped (status.json says which), 2 for a usage error.
 # Work files (synthetic weights, about 2 GB; logs) go to WORKDIR (default /tmp/lorafleet-cuda-run),
 # never to OUTDIR. Runs real kernels: TRITON_INTERPRET is removed from the environment, never set.
 # Needs torch, triton, transformers, peft, pytest (the GPU image has them); no server modules.
@@ -27,7 +29,13 @@ if [ $# -ne 1 ]; then
 fi
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-PY=${PYTHON:-python3}
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+  PY=$ROOT/.venv/bin/python
+else
+  PY=python3
+fi
 WORK=${WORKDIR:-/tmp/lorafleet-cuda-run}
 BUDGET=${RUN_ALL_BUDGET_S:-540}
 DEADLINE=$((SECONDS + BUDGET))
@@ -38,6 +46,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 
 STEPS=()
+INCOMPLETE=()  # steps that failed or were skipped
 write_status() {  # status.json and results.tar.gz as of now
   {
     echo "{"
@@ -62,6 +71,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run within min(LIMIT, time left), log,
   local left=$((DEADLINE - SECONDS - 15))
   if [ "$left" -lt 20 ]; then
     STEPS+=("\"$name\": {\"rc\": null, \"skipped\": \"budget spent\"}")
+    INCOMPLETE+=("$name (skipped)")
     echo "== $name: skipped, budget spent" >&2
     write_status
     return
@@ -71,6 +81,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run within min(LIMIT, time left), log,
   echo "== $name (limit ${limit}s): $*" >&2
   timeout -k 10 "$limit" "$@" > >(tee "$WORK/logs/$name.log") 2>&1
   local rc=$?
+  [ "$rc" -ne 0 ] && INCOMPLETE+=("$name (rc $rc)")
   STEPS+=("\"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - start)), \"timeout_s\": $limit}")
   echo "== $name: rc=$rc in $((SECONDS - start)) s" >&2
   write_status
@@ -119,3 +130,7 @@ step serve 300 "$PY" benchmarks/serve.py --out "$WORK/serve" --workdir "$WORK/we
 [ -f "$WORK/serve/summary.json" ] && cp "$WORK/serve/summary.json" "$OUT/serve_summary.json"
 write_status
 cat "$OUT/status.json"
+if [ ${#INCOMPLETE[@]} -gt 0 ]; then
+  echo "run_all.sh: not every step passed: ${INCOMPLETE[*]} (logs in $OUT/results.tar.gz)" >&2
+  exit 1
+fi
