@@ -1,14 +1,17 @@
 # lorafleet: `make run` serves the bundled demo, `make test` runs the test suite.
 # Both create .venv when it is missing. torch is installed first, pinned (TORCH_PIN),
 # through pip's own configuration unless TORCH_INDEX names a wheel index, e.g.
-#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu   (CPU build from plain PyPI;
-#   there the default Linux torch wheel is a CUDA build)
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu   (PyTorch's CPU-only wheels; on
+#   plain PyPI the default Linux torch wheel is a CUDA build)
+#   make run PORT=8001   (the demo server's port; HOST likewise)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.lorafleet-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: run test venv clean
 
@@ -24,7 +27,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/lorafleet serve --host 127.0.0.1 --port 8000
+	$(BIN)/lorafleet serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider
