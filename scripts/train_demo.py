@@ -5,8 +5,14 @@ Prompt ``"<text> =>"``, continuation ``" <task(text)><eos>"``. The base learns t
 (echo); each adapter, trained on the frozen base, learns its own transformation
 (``runtime.demo.TASKS``). Training is teacher-forced with the loss only on continuation tokens.
 
-    python scripts/train_demo.py                 # full run, writes runtime/demo_assets
-    python scripts/train_demo.py --quick --out /tmp/demo   # smoke run (~1 min, low accuracy)
+    python scripts/train_demo.py --out runtime/demo_assets   # full run: rebuilds the bundled demo
+    python scripts/train_demo.py --quick --out /tmp/demo      # smoke run (~1 min, low accuracy)
+
+``--out`` has no default: the bundled demo (runtime/demo_assets) is replaced only when it is
+named. An existing non-empty ``--out`` that does not look like an earlier output of this
+script (a ``base/`` folder, plus at most ``adapters/`` and a README.md) is refused unless
+``--force`` is given. A run writes ``base/`` and ``adapters/<task>/`` there, replacing files of
+the same names and leaving anything else alone.
 
 Deterministic for a given --seed, thread count and torch build. Uses 2 threads by default
 because the reference machine has 2 CPU cores.
@@ -195,9 +201,27 @@ def fix_adapter_config(folder: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+# What a folder this script wrote holds at its top level (README.md: the bundled demo's hand-written notes).
+OUTPUT_ENTRIES = {"base", "adapters", "README.md"}
+
+
+def is_previous_output(out: Path) -> bool:
+    """True if ``out`` looks like an earlier output of this script: a ``base/`` folder, and nothing at the top
+    level but ``base/``, ``adapters/`` and README.md."""
+    names = {p.name for p in out.iterdir()}
+    return (out / "base").is_dir() and names <= OUTPUT_ENTRIES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a refused invocation exits 2 with a one-line error, before any work."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "runtime" / "demo_assets", help="output folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (required; no default, so a run never replaces the bundled demo by accident: "
+                             "pass --out runtime/demo_assets to rebuild it). It gets base/ and adapters/<task>/, "
+                             "overwriting files of the same names")  # fmt: skip
+    parser.add_argument("--force", action="store_true",
+                        help="write into an existing non-empty --out even if it does not look like an earlier output of "
+                             "this script (base/, adapters/, README.md only)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: few steps, low accuracy")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -208,6 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the base checkpoint in this folder instead of training one (it is copied to OUT/base)")
     parser.add_argument("--eval-count", type=int, default=100, help="held-out strings per task for the end check")
     args = parser.parse_args(argv)
+    if args.out is None:
+        hint = " (a smoke run: use a scratch folder such as /tmp/demo)" if args.quick else " (runtime/demo_assets to rebuild the bundled demo)"
+        parser.error(f"--out is required{hint}")
+    if args.out.exists():
+        if not args.out.is_dir():
+            parser.error(f"--out {args.out}: exists and is not a folder")
+        if not args.force and any(args.out.iterdir()) and not is_previous_output(args.out):
+            parser.error(f"--out {args.out}: a non-empty folder that train_demo.py did not write (a run writes base/ and "
+                         f"adapters/ there, replacing files of the same names); choose another folder or pass --force")  # fmt: skip
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
