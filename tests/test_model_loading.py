@@ -362,3 +362,17 @@ def test_write_adapter_sets_per_slice_ranks_and_clear(tiny_llama_dir, tiny_adapt
     assert not torch.allclose(with_lora, chunked_logits(runner, ids, slot=-1))
     with pytest.raises(ValueError, match=r"slot 2 is out of range 0\.\.1"):
         runner.write_adapter(2, adapter, 0)
+
+
+def test_model_path_mistakes_get_a_hint(tmp_path: Path, tiny_llama_dir: Path, tiny_adapters) -> None:
+    """A file instead of the folder, a folder that does not exist, and an adapter folder given as the model."""
+    with pytest.raises(ModelConfigError, match=rf"config\.json: is a file; give the checkpoint folder that holds config\.json \({tiny_llama_dir}\)"):
+        load_model_config(tiny_llama_dir / "config.json")
+    with pytest.raises(ModelConfigError, match="nope: no such folder"):
+        load_model_config(tmp_path / "nope")
+    with pytest.raises(ModelConfigError, match="this is a LoRA adapter; serve it with --lora-modules"):
+        load_model_config(tiny_adapters["a"])
+    from runtime.lora.adapter import AdapterError
+
+    with pytest.raises(AdapterError, match=r"adapter_config\.json: is a file; give the adapter folder"):
+        load_adapter(tiny_adapters["a"] / "adapter_config.json", "a", {}, num_layers=1, max_lora_rank=8)

@@ -101,6 +101,8 @@ def load_adapter(
     ``num_layers`` and ``max_lora_rank`` are keyword-only so they cannot be swapped.
     """
     root = Path(path)
+    if root.is_file():
+        raise AdapterError(f"{root}: is a file; give the adapter folder that holds {CONFIG_FILE} ({root.parent})")
     if not root.is_dir():
         raise AdapterError(f"{root}: adapter folder does not exist")
     config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE

@@ -88,9 +88,16 @@ class ModelConfig:
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read ``model_dir/config.json``; errors name the file and field."""
-    path = Path(model_dir) / "config.json"
+    folder = Path(model_dir)
+    if folder.is_file():
+        raise ModelConfigError(f"{folder}: is a file; give the checkpoint folder that holds config.json ({folder.parent})")
+    if not folder.is_dir():
+        raise ModelConfigError(f"{folder}: no such folder (a HF checkpoint folder with config.json)")
+    path = folder / "config.json"
     if not path.is_file():
-        raise ModelConfigError(f"{path}: missing (a HF checkpoint folder needs config.json)")
+        hint = " It holds adapter_config.json: this is a LoRA adapter; serve it with --lora-modules NAME=PATH over its base model" \
+            if (folder / "adapter_config.json").is_file() else ""
+        raise ModelConfigError(f"{path}: missing (a HF checkpoint folder needs config.json).{hint}")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
