@@ -20,7 +20,8 @@ ENGINE_SHUTDOWN_S = 5.0  # then the engine fails whatever is still in flight
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # Every default is None so that only flags actually given override the --config file.
-    p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it")
+    p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it; relative paths in it "
+                                     "are taken from the current directory")
     p.add_argument("--model", help="HF checkpoint folder; default: the bundled demo model and its adapters")
     p.add_argument("--lora-modules", nargs="+", metavar="SPEC", help='adapters to serve: name=path, or JSON {"name":..., "path":..., "base_model_name":...}')
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="auto picks cuda, then npu, then cpu (default auto)")
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
     p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
+                                      "api_key in --config keeps it out of `ps`)")
     p.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     p.add_argument("--ray", action="store_const", const=True, help="run as a Ray Serve application (needs the 'ray' extra)")

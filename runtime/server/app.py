@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from runtime.server import admin, chat, completions
-from runtime.server.errors import error_response, install_error_handlers
+from runtime.server.errors import error_response, install_error_handlers, install_openapi_errors
 from runtime.server.metrics import ServerMetrics
 from runtime.server.options import ServerOptions
 from runtime.server.security import GuardMiddleware
@@ -123,4 +123,5 @@ def create_app(
     app.include_router(chat.build_router(state))
     if options.enable_adapter_admin:
         app.include_router(admin.build_router(state))
+    install_openapi_errors(app)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -86,3 +87,36 @@ def install_error_handlers(app: FastAPI) -> None:
         """
         log.error("%s %s failed: %s: %s", request.method, request.url.path, type(err).__name__, err, exc_info=err)
         return error_response(500, f"internal server error ({type(err).__name__}); the server log has the details", code="internal_error")
+
+
+ERROR_SCHEMA = {
+    "title": "ErrorResponse",
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}},
+}
+
+
+def install_openapi_errors(app: FastAPI) -> None:
+    """/openapi.json as the server answers: a request that fails validation gets a 400 in
+    OpenAI's error shape (``ErrorResponse``), not FastAPI's default 422 ``HTTPValidationError``."""
+
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for operations in spec.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = {"description": "Invalid request: the error names the field in `param`",
+                                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            schemas["ErrorResponse"] = ERROR_SCHEMA
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]

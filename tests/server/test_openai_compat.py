@@ -185,3 +185,13 @@ async def test_error_after_the_stream_started_is_an_event_then_done(demo_engine,
             break
         await anyio.sleep(0.05)
     assert not demo_engine.engine.has_unfinished()
+
+
+async def test_openapi_declares_the_400_the_server_sends(app) -> None:
+    async with client_for(app) as c:
+        spec = (await c.get("/openapi.json")).json()
+        refused = await c.post("/v1/completions", json={"model": 1})
+    assert "422" not in str(list(spec["paths"]["/v1/completions"]["post"]["responses"]))
+    declared = spec["paths"]["/v1/completions"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+    assert declared == "#/components/schemas/ErrorResponse" and "HTTPValidationError" not in spec["components"]["schemas"]
+    assert refused.status_code == 400 and set(refused.json()["error"]) == set(spec["components"]["schemas"]["ErrorResponse"]["properties"]["error"]["required"])
