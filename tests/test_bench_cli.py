@@ -297,6 +297,7 @@ def test_served_base_model_strips_the_trailing_slash(stub: ThreadingHTTPServer) 
 
 def test_failed_requests_exit_1_and_say_why(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "summary.json"
+    stub.models = (200, {"object": "list", "data": [{"id": "base", "object": "model"}, {"id": "lora-0000", "object": "model"}]})  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", _url(stub), "--num-requests", "4", "--rate", "0", "--popularity", "identical", "--json", str(out))
     assert rc == 1
     lines = [line for line in err.splitlines() if line.startswith(("lorafleet bench:", "  "))]

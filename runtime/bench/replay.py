@@ -116,12 +116,13 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
     return ReplayResult(label, records, wall, snapshot=engine.snapshot())
 
 
-def served_base_model(base_url: str, api_key: Optional[str] = None) -> str:
-    """The base model's name as a running server lists it (the first entry of /v1/models).
+def served_models(base_url: str, api_key: Optional[str] = None) -> list[dict[str, Any]]:
+    """The model cards a running server lists (GET /v1/models ``data``), in its order.
 
     A reply other than 200 is an ``httpx.HTTPStatusError`` whose one-line message gives the
     status and the start of the body (a wrong or missing key: 401; not a lorafleet server: 404);
-    a 200 that is not a model list is a ``ValueError``. ``base_url`` may end with a slash."""
+    a 200 that is not a model list with at least one card carrying a string ``id`` is a
+    ``ValueError``. ``base_url`` may end with a slash."""
     import httpx
 
     url = f"{base_url.rstrip('/')}/v1/models"
@@ -134,9 +135,24 @@ def served_base_model(base_url: str, api_key: Optional[str] = None) -> str:
         raise httpx.HTTPStatusError(f"GET {url}: HTTP {resp.status_code} {resp.reason_phrase}" + (f": {body}" if body else ""),
                                     request=err.request, response=err.response) from None  # fmt: skip
     try:
-        return str(resp.json()["data"][0]["id"])
+        cards = resp.json()["data"]
+        if not isinstance(cards, list) or not cards or not all(isinstance(c, dict) and isinstance(c["id"], str) for c in cards):
+            raise ValueError
     except (ValueError, KeyError, IndexError, TypeError):
         raise ValueError(f"GET {url}: not an OpenAI model list with at least one model: {' '.join(resp.text.split())[:200]!r}") from None
+    return cards
+
+
+def base_model_of(cards: Sequence[dict[str, Any]]) -> str:
+    """The base model among ``served_models``' cards: the first whose ``parent`` is null (lorafleet
+    and vLLM list adapters with ``parent: <base>``); the first card when none says."""
+    return str(next((c["id"] for c in cards if "parent" in c and c["parent"] is None), cards[0]["id"]))
+
+
+def served_base_model(base_url: str, api_key: Optional[str] = None) -> str:
+    """The base model's name as a running server lists it (``base_model_of(served_models(...))``);
+    raises as ``served_models``."""
+    return base_model_of(served_models(base_url, api_key))
 
 
 async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], label: str, api_key: Optional[str] = None,

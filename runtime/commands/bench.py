@@ -2,16 +2,26 @@
 
 In-process by default: a random Llama and random PEFT adapters are written to
 --workdir (reused across runs). With --url it streams the workload from a running
-`lorafleet serve` instead; the server must have adapters named like the workload's
-(lora-0000, lora-0001, ...), or use --base-fraction 1 so every request names the base.
+`lorafleet serve` (or another OpenAI-compatible server) instead. The workload names its
+adapters lora-0000, lora-0001, ...; the server must serve adapters of those names, or
+--adapter-names maps them onto the names it does serve (the adapter with the most requests
+onto the first name, and so on), or --base-fraction 1 sends every request to the base.
 Over HTTP the adapter pool counters (swaps, cache hits) are not measured: read them from
 the server's /metrics.
 benchmarks/serve.py runs the full suite with baselines and plots.
 
 Everything that can be checked before the run is (flags, the workload file, the engine
-configuration, the backend and its capability limits, the server's model list, --json's
-folder), before any synthetic weights are written. A flag the chosen mode would ignore is an
-error, not a no-op.
+configuration, the backend and its capability limits, --json's folder), before any synthetic
+weights are written. With --url the server's model list (GET /v1/models) is read before any
+request is sent, and the run is refused when a model name a request would use (each adapter,
+after --adapter-names; the base; --base-model) is not served, or when a request may not fit
+its model card's max_model_len. The server's tokenizer is unknown here, so a prompt is counted
+as at most one token per UTF-8 byte plus PROMPT_SPECIAL_TOKENS (2: a BOS and a leading word
+marker): an upper bound for character-level, byte-level BPE and SentencePiece tokenizers, one
+token over the demo's character-level one (a token per character plus BOS), and about three
+times a subword tokenizer's count of the workload's random words; --no-length-check skips the
+check for a server whose tokenizer packs several characters per token. A card without
+max_model_len is not checked. A flag the chosen mode would ignore is an error, not a no-op.
 
 Exit codes: 0 every request succeeded; 1 the run finished but some requests failed (the
 first distinct errors are printed to stderr); 2 bad input or setup (an invalid or ignored
@@ -28,6 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from runtime.bench.workload import given_flags
 from runtime.file_mode import new_file_mode
 
 EXIT_OK, EXIT_REQUESTS_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -39,12 +50,27 @@ exit codes:
   0  every request succeeded
   1  the run finished but some requests failed (the first distinct errors go to stderr)
   2  bad input or setup: an invalid flag, a flag the chosen mode ignores, an unreadable
-     workload file, an unavailable device, a server that cannot be reached
+     workload file, an unavailable device, a server that cannot be reached, a server that
+     does not serve a model the workload names, a request that may not fit the server's
+     max_model_len; no request is sent to the server (only GET /v1/models)
+
+with --url: GET URL/v1/models must list every model the workload sends to. The generated
+workload names its adapters lora-0000, lora-0001, ...: serve adapters of those names, or map
+them onto the served ones with --adapter-names (e.g. against `lorafleet serve`'s demo:
+--adapter-names upper,reverse,rot13), or send every request to the base with --base-fraction 1.
+Every request's prompt + output must fit the card's max_model_len; prompts are counted as one
+token per byte plus 2 (an upper bound; --no-length-check skips this).
 """
 
 # Flags that only the in-process engine uses: with --url the server's own settings apply.
 ENGINE_FLAGS = ("--device", "--dtype", "--hidden", "--layers", "--max-loras", "--max-cpu-loras", "--workdir")
-URL_ONLY_FLAGS = ("--base-model", "--api-key")
+URL_ONLY_FLAGS = ("--base-model", "--api-key", "--adapter-names", "--no-length-check")
+# Prompt tokens are counted as at most one per UTF-8 byte plus this many (a BOS and SentencePiece's
+# leading word marker): the server's tokenizer is not known to the client (see the module docstring).
+PROMPT_SPECIAL_TOKENS = 2
+# A generated prompt's words are 2 to 6 lowercase letters joined by single spaces (runtime/bench/workload.py):
+# W words take at most 7 * W - 1 bytes. Used only to suggest an --input-len that fits.
+MAX_WORD_BYTES = 7
 
 
 class SetupError(Exception):
@@ -54,8 +80,19 @@ class SetupError(Exception):
         super().__init__(reason if reason.startswith((f"{where} ", f"{where}:")) else f"{where}: {reason}")
 
 
+def parse_names(text: str) -> tuple[str, ...]:
+    """``--adapter-names``: comma-separated, distinct, non-empty names."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise ValueError(f"expected comma-separated adapter names like upper,reverse,rot13, got {text!r}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"each name at most once (one served adapter per workload adapter); repeated: {', '.join(repeated)}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from runtime.bench.workload import Given, add_spec_arguments
+    from runtime.bench.workload import Given, _arg_type, add_spec_arguments
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's lines
     p.epilog = EPILOG
@@ -75,9 +112,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", metavar="FILE",
                    help="replay this JSONL workload (python -m runtime.bench.workload --out FILE) instead of generating one; "
                         "the workload flags above are then refused (default: generate from them)")  # fmt: skip
-    p.add_argument("--url", help="benchmark a running `lorafleet serve` at this URL instead of an in-process engine (default: in-process)")
-    p.add_argument("--base-model", action=Given, help="with --url: the served base model's name (default: the first entry of /v1/models)")
+    p.add_argument("--url", help="benchmark a running `lorafleet serve` (or another OpenAI-compatible server) at this URL instead of an "
+                                 "in-process engine. Before any request is sent, GET URL/v1/models must list every model the workload "
+                                 "uses: the base, and its adapters lora-0000, lora-0001, ... (or the --adapter-names they map onto); "
+                                 "and each request's prompt + output must fit the card's max_model_len. Otherwise exit 2 "
+                                 "(default: in-process)")  # fmt: skip
+    p.add_argument("--base-model", action=Given, help="with --url: the served base model's name (default: the /v1/models entry with "
+                                                      "parent null, else the first entry)")  # fmt: skip
     p.add_argument("--api-key", action=Given, help="with --url: the server's bearer key (default: none)")
+    p.add_argument("--adapter-names", type=_arg_type(parse_names), metavar="NAME,NAME,...", action=Given,
+                   help="with --url: send the workload's adapters as these served adapters, one name per adapter: the adapter "
+                        "with the most requests goes to the first name, the next to the second, and so on (ties: lora-0000 "
+                        "first). Sets --adapters to the number of names (giving another --adapters, or a --workload with "
+                        "another number of adapters, is an error). E.g. --adapter-names upper,reverse,rot13 for the demo "
+                        "server (default: the workload's own names, lora-0000, ...)")  # fmt: skip
+    p.add_argument("--no-length-check", action="store_true",
+                   help="with --url: do not refuse requests that may exceed the server's max_model_len. The check counts one "
+                        f"token per prompt byte plus {PROMPT_SPECIAL_TOKENS}: an upper bound, one over the demo's character-level "
+                        "tokenizer but several times a subword one's count (default: checked)")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on time to first token, seconds (default: %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="SLO on time per output token, seconds (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the workload spec and the full summary as JSON here (default: not written)")
@@ -93,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ignored_flags(args: argparse.Namespace) -> list[str]:
     """One line per typed flag that this combination of flags would ignore."""
-    from runtime.bench.workload import SPEC_FLAGS, given_flags
+    from runtime.bench.workload import SPEC_FLAGS
 
     given = given_flags(args)
     problems = []
@@ -105,7 +157,11 @@ def _ignored_flags(args: argparse.Namespace) -> list[str]:
     if args.url:
         problems += [f"{f}: not used with --url (the server's own settings apply)" for f in ENGINE_FLAGS if f in given]
     else:
-        problems += [f"{f}: only used with --url" for f in URL_ONLY_FLAGS if f in given]
+        problems += [f"{f}: only used with --url" for f in URL_ONLY_FLAGS if f in given or (f == "--no-length-check" and args.no_length_check)]
+    if args.url and args.adapter_names and not args.workload:
+        if "--adapters" in given and args.adapters != len(args.adapter_names):
+            problems.append(f"--adapter-names: gives {len(args.adapter_names)} names but --adapters is {args.adapters}; give one name "
+                            "per adapter, or drop --adapters (it defaults to the number of names)")  # fmt: skip
     return problems
 
 
@@ -207,8 +263,8 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
     return setup
 
 
-def _check_url(args: argparse.Namespace) -> str:
-    """The base model's name, once the server answered its model list."""
+def _check_url(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    """The base model's name and the server's model cards, once the server answered its model list."""
     from urllib.parse import urlsplit
 
     try:
@@ -221,10 +277,10 @@ def _check_url(args: argparse.Namespace) -> str:
         import httpx
     except ImportError as err:
         raise SetupError("--url", f"needs the httpx package, which failed to import ({err}); pip install httpx") from None
-    from runtime.bench.replay import served_base_model
+    from runtime.bench.replay import base_model_of, served_models
 
     try:
-        served = served_base_model(args.url, args.api_key)
+        cards = served_models(args.url, args.api_key)
     except httpx.HTTPStatusError as err:
         hint = {401: " (check --api-key)" if args.api_key else " (the server wants a key: pass --api-key)",
                 404: " (is this a lorafleet/OpenAI-compatible server?)"}.get(err.response.status_code, "")  # fmt: skip
@@ -233,7 +289,105 @@ def _check_url(args: argparse.Namespace) -> str:
         raise SetupError(f"--url {args.url}", f"{type(err).__name__}: {err or 'no detail'}") from None
     except (httpx.InvalidURL, ValueError) as err:
         raise SetupError(f"--url {args.url}", str(err)) from None
-    return args.base_model or served
+    return args.base_model or base_model_of(cards), cards
+
+
+def _adapter_mapping(args: argparse.Namespace, workload: Any) -> dict[str, str]:
+    """--adapter-names as workload adapter -> served name: by request count, most first; ties in
+    the workload's order (lora-0000 first). Refuses a count other than the workload's adapters,
+    and a workload in which no request names an adapter (the flag would do nothing)."""
+    names = args.adapter_names
+    adapters = list(workload.adapter_ranks)
+    if len(names) != len(adapters):  # a generated workload has len(names) adapters unless --adapters said otherwise (refused earlier)
+        raise SetupError("--adapter-names", f"gives {len(names)} names but --workload {args.workload} has {len(adapters)} adapters "
+                                            f"({', '.join(adapters[:4])}{', ...' if len(adapters) > 4 else ''}); give one name per adapter")  # fmt: skip
+    counts = {a: 0 for a in adapters}
+    for r in workload.requests:
+        if r.adapter is not None:
+            counts[r.adapter] += 1
+    if not any(counts.values()):
+        why = f"--base-fraction {args.base_fraction:g}" if not args.workload else f"--workload {args.workload}"
+        raise SetupError("--adapter-names", f"not used: every request names the base model ({why})")
+    by_popularity = sorted(adapters, key=lambda a: (-counts[a], adapters.index(a)))
+    return dict(zip(by_popularity, names))
+
+
+def _models_text(cards: list[dict[str, Any]]) -> str:
+    from runtime.bench.replay import base_model_of
+
+    base = base_model_of(cards)
+    ids = [str(c["id"]) for c in cards]
+    shown = [f"{i} (base)" if i == base else i for i in ids[:8]]
+    return ", ".join(shown) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
+
+
+def _check_served(args: argparse.Namespace, workload: Any, mapping: dict[str, str], base: str, cards: list[dict[str, Any]]) -> list[Any]:
+    """The requests as they will be sent (adapters renamed by ``mapping``), once every model name
+    they use is served and each fits its card's max_model_len (see PROMPT_SPECIAL_TOKENS)."""
+    from dataclasses import replace
+
+    served = {str(c["id"]): c for c in cards}
+    where_url = f"--url {args.url}"
+    if args.base_model and args.base_model not in served:
+        raise SetupError(f"--base-model {args.base_model}", f"not served by {args.url} (GET /v1/models lists: {_models_text(cards)})")
+    unserved_names = [n for n in (args.adapter_names or ()) if n not in served]
+    if unserved_names:
+        raise SetupError("--adapter-names", f"{', '.join(unserved_names)}: not served by {args.url} (GET /v1/models lists: "
+                                            f"{_models_text(cards)})")  # fmt: skip
+    if args.adapter_names and base in args.adapter_names:
+        raise SetupError("--adapter-names", f"{base} is the base model, not an adapter; name served adapters only")
+    requests = [replace(r, adapter=mapping.get(r.adapter, r.adapter)) if r.adapter is not None else r for r in workload.requests]
+    used: list[str] = []
+    for r in requests:
+        if r.adapter is not None and r.adapter not in used:
+            used.append(r.adapter)
+    missing = sorted(a for a in used if a not in served)
+    if missing:
+        offered = [str(c["id"]) for c in cards if c["id"] != base and c.get("parent", base) is not None]
+        n = len(workload.adapter_ranks)
+        if not offered:
+            fix = "the server lists no adapters: load some, or pass --base-fraction 1 to send every request to the base"
+        elif args.workload:
+            fix = (f"map them onto served adapters with --adapter-names {','.join(offered[:n])}" if len(offered) >= n else
+                   f"it has {len(offered)} adapters for the workload's {n}: write a workload with --adapters {len(offered)} and pass "
+                   f"--adapter-names {','.join(offered)}")  # fmt: skip
+        elif len(offered) >= n:
+            fix = f"map them onto served adapters with --adapter-names {','.join(offered[:n])}, or pass --base-fraction 1"
+        else:
+            fix = f"map them onto served adapters with --adapters {len(offered)} --adapter-names {','.join(offered)}, or pass --base-fraction 1"
+        raise SetupError(where_url, f"does not serve the adapter{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}"
+                                    f"{', ...' if len(missing) > 4 else ''} that the workload's requests name (GET /v1/models lists: "
+                                    f"{_models_text(cards)}); {fix}")  # fmt: skip
+    if not args.no_length_check:
+        _check_lengths(args, requests, base, served)
+    return requests
+
+
+def _check_lengths(args: argparse.Namespace, requests: list[Any], base: str, served: dict[str, dict[str, Any]]) -> None:
+    too_long = []  # (tokens over the limit, request, prompt bound, limit, model)
+    for r in requests:
+        model = r.adapter or base
+        limit = served[model].get("max_model_len")
+        if type(limit) is not int or limit < 1:  # a card without one (an OpenAI-style server): not checked
+            continue
+        prompt = len(r.prompt.encode()) + PROMPT_SPECIAL_TOKENS
+        if prompt + r.output_tokens > limit:
+            too_long.append((prompt + r.output_tokens - limit, r, prompt, limit, model))
+    if not too_long:
+        return
+    _, r, prompt, limit, model = max(too_long, key=lambda t: (t[0], -t[1].index))
+    if args.workload:
+        fix = "write a workload with shorter prompts or outputs (python -m runtime.bench.workload --input-len / --output-len)"
+    else:
+        (in_lo, _), (_, out_hi) = args.input_len, args.output_len  # parsed: the workload was generated from them
+        words = (limit - PROMPT_SPECIAL_TOKENS + 1 - out_hi) // MAX_WORD_BYTES  # most words that always fit
+        fix = (f"lower --input-len (prompt words) or --output-len; e.g. --input-len {min(in_lo, words)},{words} always fits with "
+               f"--output-len up to {out_hi}" if words >= 1 else f"lower --output-len (its maximum {out_hi} leaves no room for a prompt)")  # fmt: skip
+    raise SetupError(f"--workload {args.workload}" if args.workload else "--input-len/--output-len",
+                     f"{len(too_long)} of {len(requests)} requests may not fit the server's max_model_len (prompt + output); the "
+                     f"furthest over, request {r.index}, has a {prompt - PROMPT_SPECIAL_TOKENS}-byte prompt (counted as up to {prompt} "
+                     f"tokens) + {r.output_tokens} output tokens > {limit} for {model}: {fix}, or pass --no-length-check if the "
+                     "server's tokenizer packs several characters per token")  # fmt: skip
 
 
 def _report_failures(records: Any) -> None:
@@ -264,9 +418,13 @@ def _run(args: argparse.Namespace) -> int:
         if not 0 < value < float("inf"):
             raise SetupError(flag, f"must be a positive number of seconds, got {value}")
     json_path = _check_json_path(args.json) if args.json else None
+    if args.url and args.adapter_names and not args.workload and "--adapters" not in given_flags(args):
+        args.adapters = len(args.adapter_names)  # one adapter per name (a different --adapters was refused above)
     workload = _load_workload(args)
     if args.url:
-        base = _check_url(args)
+        mapping = _adapter_mapping(args, workload) if args.adapter_names else {}
+        base, cards = _check_url(args)
+        requests = _check_served(args, workload, mapping, base, cards)
         setup = None
     else:
         setup = _check_engine(args, workload)
@@ -282,7 +440,7 @@ def _run(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if setup is None:
-            result = asyncio.run(replay_http(args.url, base, workload.requests, "lorafleet-http", args.api_key, progress=bar.update))
+            result = asyncio.run(replay_http(args.url, base, requests, "lorafleet-http", args.api_key, progress=bar.update))
         else:
             bar.set_description("preparing synthetic weights")
             # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
@@ -301,7 +459,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.url:
         print("adapter swaps and cache hits: not measured over HTTP (see the server's /metrics)")
     if json_path is not None:
-        _write_json(json_path, {"workload": {"spec": workload.spec.__dict__}, "summary": summary})
+        spec = {"spec": workload.spec.__dict__, **({"adapter_names": mapping} if args.url and mapping else {})}
+        _write_json(json_path, {"workload": spec, "summary": summary})
         print(f"wrote {json_path}")
     _report_failures(result.records)
     return EXIT_OK if summary["requests_failed"] == 0 else EXIT_REQUESTS_FAILED

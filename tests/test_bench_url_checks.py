@@ -1,0 +1,296 @@
+"""`lorafleet bench --url`: what the server's model list (GET /v1/models) must allow before any
+request is sent, and --adapter-names, which maps the workload's adapters onto served ones.
+
+A stub HTTP server checks that a refused run sends nothing but GET /v1/models; the bundled demo
+server (in this process, on a free port) shows the user's case end to end: the workload's
+lora-0000... names are refused, too-long prompts are refused, and --adapter-names
+upper,reverse,rot13 with prompts that fit runs with no failures."""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from runtime.bench.replay import base_model_of
+from runtime.bench.workload import WorkloadSpec, generate
+from runtime.cli import main
+from runtime.commands import bench
+
+
+def bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    try:
+        rc = main(["bench", *argv])
+    except SystemExit as stop:
+        rc = int(stop.code or 0)
+    return rc, capsys.readouterr().err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def card(name: str, parent: str | None = "base", **extra: Any) -> dict[str, Any]:
+    return {"id": name, "object": "model", "parent": parent, **extra}
+
+
+class _Stub(BaseHTTPRequestHandler):
+    """/v1/models answers ``server.cards``; each completion is recorded (its body's model) and fails
+    with 500, so a run that sends any exits 1."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        self._reply(200, {"object": "list", "data": self.server.cards})  # type: ignore[attr-defined]
+
+    def do_POST(self) -> None:
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        self.server.models.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))["model"])  # type: ignore[attr-defined]
+        self._reply(500, {"error": {"message": "stub", "code": "stub"}})
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 128  # a whole workload connects at once (--rate 0); the default backlog of 5 could refuse some
+
+
+@pytest.fixture
+def stub() -> Iterator[ThreadingHTTPServer]:
+    server = _Server(("127.0.0.1", 0), _Stub)
+    server.paths, server.models = [], []  # type: ignore[attr-defined]
+    server.cards = [card("base", None, max_model_len=4096), *(card(n, max_model_len=4096) for n in ("upper", "reverse", "rot13"))]  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def url(server: ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+SMALL = ["--num-requests", "6", "--rate", "0", "--output-len", "4,8"]
+
+
+# ---- adapter names ------------------------------------------------------------------------------
+
+
+def test_unserved_workload_adapters_are_refused_before_any_request(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapters", "3", "--popularity", "distinct")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith(f"lorafleet bench: --url {url(stub)}: does not serve the adapters lora-0000, lora-0001, lora-0002 that")
+    assert "lists: base (base), upper, reverse, rot13" in line and "--adapter-names upper,reverse,rot13" in line
+    assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+
+
+def test_the_fix_names_adapters_to_drop_to_when_the_server_has_fewer(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapters", "5", "--popularity", "distinct")
+    assert rc == 2 and "--adapters 3 --adapter-names upper,reverse,rot13" in one_error_line(err)
+    stub.cards = [card("base", None)]  # type: ignore[attr-defined]
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL)
+    assert rc == 2 and "the server lists no adapters: load some, or pass --base-fraction 1" in one_error_line(err)
+    assert "/v1/completions" not in stub.paths  # type: ignore[attr-defined]
+
+
+def test_unserved_base_model_is_refused(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--base-model", "nope")
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: --base-model nope: not served by {url(stub)} (GET /v1/models lists: base (base),")
+    assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+
+
+def test_the_base_is_the_card_without_a_parent() -> None:
+    assert base_model_of([card("upper"), card("base", None)]) == "base"
+    assert base_model_of([{"id": "first"}, {"id": "second"}]) == "first"  # an OpenAI-style list: no parent fields
+
+
+# ---- --adapter-names ----------------------------------------------------------------------------
+
+
+def test_adapter_names_map_the_most_requested_adapter_to_the_first_name(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--num-requests", "30", "--rate", "0", "--output-len", "2,2", "--popularity", "uniform", "--seed", "3"]
+    workload = generate(WorkloadSpec(num_requests=30, num_adapters=3, popularity="uniform", rate=0, output_len=(2, 2), seed=3))
+    counts = {a: sum(r.adapter == a for r in workload.requests) for a in workload.adapter_ranks}
+    assert sorted(counts.values(), reverse=True) != list(counts.values())  # lora-0000 is not the most requested: the order matters
+    rc, _ = bench_cli(capsys, "--url", url(stub), *argv, "--adapter-names", "upper,reverse,rot13")
+    assert rc == 1 and len(stub.models) == 30  # sent (the stub fails every completion); requests run concurrently: compare counts  # type: ignore[attr-defined]
+    by_popularity = sorted(counts, key=lambda a: (-counts[a], a))
+    want = dict(zip(by_popularity, ["upper", "reverse", "rot13"]))
+    sent = {name: stub.models.count(name) for name in ("upper", "reverse", "rot13")}  # type: ignore[attr-defined]
+    assert sent == {want[a]: counts[a] for a in counts} and sent["upper"] >= sent["reverse"] >= sent["rot13"]
+
+
+def test_adapter_names_ties_keep_the_workload_order() -> None:
+    workload = generate(WorkloadSpec(num_requests=6, num_adapters=3, popularity="distinct", rate=0))
+    args = argparse.Namespace(adapter_names=("c", "b", "a"), workload=None)
+    assert bench._adapter_mapping(args, workload) == {"lora-0000": "c", "lora-0001": "b", "lora-0002": "a"}
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--adapters", "4", "--adapter-names", "upper,reverse,rot13"],
+     "lorafleet bench: --adapter-names: gives 3 names but --adapters is 4; give one name per adapter, or drop --adapters"),
+    (["--base-fraction", "1", "--adapter-names", "upper,reverse,rot13"],
+     "lorafleet bench: --adapter-names: not used: every request names the base model (--base-fraction 1)"),
+])  # fmt: skip
+def test_contradictory_adapter_names_are_refused_before_the_model_list(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str],
+                                                                        argv: list[str], want: str) -> None:  # fmt: skip
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, *argv)
+    assert rc == 2 and one_error_line(err).startswith(want)
+    assert stub.paths == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("names, want", [
+    ("upper,nope", "lorafleet bench: --adapter-names: nope: not served by {url} (GET /v1/models lists: base (base), upper, reverse, rot13)"),
+    ("upper,base", "lorafleet bench: --adapter-names: base is the base model, not an adapter"),
+])  # fmt: skip
+def test_unserved_adapter_names_are_refused(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], names: str, want: str) -> None:
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapter-names", names)
+    assert rc == 2 and one_error_line(err).startswith(want.format(url=url(stub)))
+    assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+
+
+def test_adapter_names_must_match_a_workload_files_adapters(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    generate(WorkloadSpec(num_requests=4, num_adapters=2, rate=0, input_len=(2, 3), output_len=(2, 3))).save(path)
+    rc, err = bench_cli(capsys, "--url", url(stub), "--workload", str(path), "--adapter-names", "upper,reverse,rot13")
+    assert rc == 2 and one_error_line(err) == (f"lorafleet bench: --adapter-names: gives 3 names but --workload {path} has 2 adapters "
+                                               "(lora-0000, lora-0001); give one name per adapter")  # fmt: skip
+    assert stub.paths == []  # type: ignore[attr-defined]
+    rc, err = bench_cli(capsys, "--url", url(stub), "--workload", str(path))  # the file's own names: refused, with the fix
+    assert rc == 2 and one_error_line(err).endswith("map them onto served adapters with --adapter-names upper,reverse")
+    rc, _ = bench_cli(capsys, "--url", url(stub), "--workload", str(path), "--adapter-names", "upper,reverse")
+    assert rc == 1 and set(stub.models) <= {"upper", "reverse"} and len(stub.models) == 4  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--adapter-names", "a,b,a"], "argument --adapter-names: each name at most once (one served adapter per workload adapter); repeated: a"),
+    (["--adapter-names", "a,,b"], "argument --adapter-names: expected comma-separated adapter names"),
+])  # fmt: skip
+def test_malformed_adapter_names(capsys: pytest.CaptureFixture[str], argv: list[str], want: str) -> None:
+    rc, err = bench_cli(capsys, "--url", "http://127.0.0.1:9", *argv)
+    assert rc == 2 and want in err
+
+
+@pytest.mark.parametrize("argv", [["--adapter-names", "upper"], ["--no-length-check"]])
+def test_url_only_flags_are_refused_without_url(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), "--hidden", "64", "--layers", "1", *argv)
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: {argv[0]}: only used with --url"
+    assert not work.exists()
+
+
+# ---- max_model_len --------------------------------------------------------------------------
+
+
+def test_requests_that_may_not_fit_max_model_len_are_refused(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    stub.cards = [card("base", None, max_model_len=128), *(card(n, max_model_len=128) for n in ("upper", "reverse", "rot13"))]  # type: ignore[attr-defined]
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "30,30")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith("lorafleet bench: --input-len/--output-len: ") and "may not fit the server's max_model_len" in line
+    assert "> 128 for base" in line and "e.g. --input-len 17,17 always fits with --output-len up to 8" in line and "--no-length-check" in line
+    assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+    # the suggestion fits; --no-length-check sends the long ones anyway
+    rc, _ = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "17,17")
+    assert rc == 1 and len(stub.models) == 6  # type: ignore[attr-defined]
+    rc, _ = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "30,30", "--no-length-check")
+    assert rc == 1 and len(stub.models) == 12  # type: ignore[attr-defined]
+
+
+def test_the_length_check_uses_each_models_card(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    stub.cards = [card("base", None, max_model_len=4096), card("upper", max_model_len=40)]  # type: ignore[attr-defined]
+    path = tmp_path / "w.jsonl"
+    generate(WorkloadSpec(num_requests=4, num_adapters=1, rate=0, input_len=(8, 8), output_len=(4, 4))).save(path)
+    rc, err = bench_cli(capsys, "--url", url(stub), "--workload", str(path), "--adapter-names", "upper")
+    line = one_error_line(err)
+    assert rc == 2 and line.startswith(f"lorafleet bench: --workload {path}: ") and "> 40 for upper" in line
+    assert "python -m runtime.bench.workload" in line and stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+
+
+def test_a_card_without_max_model_len_is_not_checked(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+    stub.cards = [card("base", None)]  # type: ignore[attr-defined]
+    rc, _ = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "500,500")
+    assert rc == 1 and len(stub.models) == 6  # type: ignore[attr-defined]
+
+
+def test_the_prompt_bound_holds_for_the_demo_tokenizer_and_the_suggested_input_len() -> None:
+    """The documented count (bytes + PROMPT_SPECIAL_TOKENS) is never below the demo tokenizer's, and
+    MAX_WORD_BYTES bounds a generated prompt, so the suggested --input-len always fits."""
+    from runtime.demo import demo_model_dir
+    from runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(demo_model_dir())
+    workload = generate(WorkloadSpec(num_requests=200, rate=0, input_len=(1, 40), seed=7))
+    for r in workload.requests:
+        n = len(tok.encode(r.prompt))
+        assert n <= len(r.prompt.encode()) + bench.PROMPT_SPECIAL_TOKENS, r
+        assert len(r.prompt.encode()) <= bench.MAX_WORD_BYTES * r.input_words - 1, r
+
+
+# ---- help ------------------------------------------------------------------------------------
+
+
+def test_help_says_what_url_requires() -> None:
+    p = argparse.ArgumentParser(prog="lorafleet bench")
+    bench.add_arguments(p)
+    url_help = next(a.help for a in p._actions if "--url" in a.option_strings)
+    assert "/v1/models" in url_help and "lora-0000" in url_help and "--adapter-names" in url_help and "max_model_len" in url_help
+    assert "--adapter-names upper,reverse,rot13" in p.format_help()
+
+
+# ---- the bundled demo server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_url() -> Iterator[str]:
+    from runtime.commands import serve
+    from runtime.server.app import create_app
+    from tests.server_harness import running_server
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    settings = serve.load_settings(parser.parse_args(["--device", "cpu"]))  # no --model: the bundled demo
+    engine = serve.build_engine(settings)
+    try:
+        with running_server(create_app(engine, settings.server)) as served:
+            yield served
+    finally:
+        engine.shutdown()
+
+
+def test_demo_server_refuses_the_workloads_names_and_runs_with_adapter_names(demo_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    argv = ["--url", demo_url, "--num-requests", "6", "--rate", "0", "--output-len", "4,8"]
+    rc, err = bench_cli(capsys, *argv, "--adapters", "3")  # the user's command
+    assert rc == 2 and "does not serve the adapters lora-0000" in one_error_line(err) and "--adapter-names reverse,rot13,upper" in err
+    rc, err = bench_cli(capsys, *argv, "--adapter-names", "upper,reverse,rot13")  # default --input-len 8,32: too long for 128
+    assert rc == 2 and "> 128 for " in one_error_line(err) and "e.g. --input-len 8,17 always fits" in err
+    out = tmp_path / "s.json"
+    rc, err = bench_cli(capsys, *argv, "--adapter-names", "upper,reverse,rot13", "--input-len", "8,17", "--json", str(out))
+    assert rc == 0, err
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests_ok"] == 6 and data["summary"]["requests_failed"] == 0
+    assert sorted(data["workload"]["adapter_names"].values()) == ["reverse", "rot13", "upper"]
+
+
+def test_demo_server_would_fail_what_the_length_check_refuses(demo_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--url", demo_url, "--num-requests", "6", "--rate", "0", "--output-len", "4,8", "--base-fraction", "1"]
+    rc, err = bench_cli(capsys, *argv)
+    assert rc == 2 and "1 of 6 requests may not fit" in one_error_line(err)
+    rc, err = bench_cli(capsys, *argv, "--no-length-check")
+    assert rc == 1 and "context_length_exceeded" in err and "1 of 6 requests failed" in err
