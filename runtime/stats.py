@@ -12,6 +12,9 @@ from typing import Optional
 
 from runtime.request import Sequence
 
+# The base model's label in per-adapter metrics; no adapter may take this name.
+BASE_LABEL = "__base__"
+
 
 @dataclass(frozen=True)
 class RequestMetrics:
@@ -24,7 +27,7 @@ class RequestMetrics:
     prompt_tokens: int
     output_tokens: int
     preemptions: int
-    adapter_location: str  # where the adapter was at arrival: "device" | "host" | "disk" | "none"
+    adapter_location: str  # where the adapter was at arrival: "device" | "host" | "disk" | "none"; "unknown" (Ray ingress, abandoned request)
     finish_reason: Optional[str]
     adapter_wait: Optional[float] = None  # arrival -> adapter on host/device (0 if it was); None: no adapter, or never loaded
 

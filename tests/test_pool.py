@@ -345,3 +345,24 @@ def test_wanted_idle_residents_are_evicted_last_and_never_by_prefetch():
     pool.demand(y)
     pool.prefetch([y])  # the only idle resident is Z, which a request wants: prefetch leaves it
     assert pool.slot_of(z) is not None and pool.slot_of(y) is None
+
+
+def test_retired_versions_are_counted_as_retired_not_as_evictions():
+    """A hot update with room to spare pushes nothing out: the old version's removal is a
+    retirement, counted once, when its last reader is done."""
+    pool, writer, adapters = make_pool(max_loras=2, max_cpu_loras=4)
+    v0 = new_ref(adapters, "a", 0, 8)
+    pool.insert_host(v0, adapters[v0])
+    pool.demand(v0)
+    pool.acquire_device(v0)  # a running request reads v0
+    v1 = new_ref(adapters, "a", 1, 8)
+    pool.insert_host(v1, adapters[v1])
+    pool.retire(v0)
+    counters = pool.counters["a"]
+    assert (counters.retired, counters.host_evictions, counters.device_evictions) == (0, 0, 0)  # still read
+    pool.release_device(v0)
+    pool.undemand(v0)
+    assert v0 not in pool.host_refs() and pool.slot_of(v0) is None
+    assert (counters.retired, counters.host_evictions, counters.device_evictions) == (1, 0, 0)
+    pool.retire(v1)  # unregister: nobody reads it, dropped at once
+    assert (counters.retired, counters.host_evictions, counters.device_evictions) == (2, 0, 0)

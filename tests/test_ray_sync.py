@@ -456,3 +456,43 @@ def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(
     finally:
         release.set()
         holder.join(10)
+
+
+def test_a_request_the_client_abandons_is_counted_as_an_abort_at_the_ingress(tiny_llama_dir) -> None:
+    """The replica's own record of the abort never travels back (its stream is cancelled), so
+    the ingress reports what it knows: the adapter, the prompt and the tokens passed on."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+    from runtime.request import RequestOutput
+    from runtime.server.metrics import ServerMetrics
+
+    def out(n: int) -> RequestOutput:
+        ids = tuple(range(10, 10 + n))
+        return RequestOutput("req", AdapterRef("A", "v1"), ids[-1:], "x", ids, "x" * n, False, None, None, (1, 2, 3, 4, 5))
+
+    async def endless(*args: Any) -> Any:
+        n = 0
+        while True:
+            n += 1
+            yield ("out", out(n), None)
+
+    ingress = ReplicaSetEngine(ScriptedReplicas(endless), None, str(tiny_llama_dir), "tiny", 64)
+    seen: list[Any] = []
+    ingress.add_observer(seen.append)
+    metrics = ServerMetrics(lambda: {})
+    ingress.add_observer(metrics.observe)
+
+    async def run() -> None:
+        stream = ingress.generate("req", "hello", SamplingParams(max_tokens=50), "A")
+        async for delta in stream:
+            if len(delta.token_ids) == 3:
+                break
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert len(seen) == 1
+    m = seen[0]
+    assert (m.finish_reason, m.adapter, m.adapter_version, m.prompt_tokens, m.output_tokens) == ("abort", "A", "v1", 5, 3)
+    assert m.ttft is None and m.queue_time is None
+    text = metrics.render().decode()
+    assert 'lorafleet_requests_total{adapter="A",finish_reason="abort"} 1.0' in text
+    assert 'lorafleet_prompt_tokens_total{adapter="A"} 5.0' in text and 'lorafleet_generation_tokens_total{adapter="A"} 3.0' in text

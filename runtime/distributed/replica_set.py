@@ -32,6 +32,7 @@ from runtime.distributed.replica import ERROR_KINDS
 from runtime.lora.registry import AdapterInfo
 from runtime.request import AdapterRef, RequestOutput, SamplingParams
 from runtime.server.errors import APIError
+from runtime.stats import RequestMetrics
 from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("lorafleet.replica_set")
@@ -138,6 +139,7 @@ class ReplicaSetEngine:
         emitted_ids: tuple[int, ...] = ()
         emitted_text = ""
         pinned: Optional[str] = None  # the adapter version the tokens passed on came from
+        prompt_ids: Sequence[int] = ()  # known once an output arrived
         attempt = 0
         while True:
             stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter, pinned)
@@ -161,10 +163,16 @@ class ReplicaSetEngine:
                     delta = dataclasses.replace(
                         out, request_id=request_id, new_token_ids=out.token_ids[len(emitted_ids):], new_text=out.text[len(emitted_text):]
                     )
-                    emitted_ids, emitted_text, pinned = out.token_ids, out.text, _version(out)
+                    emitted_ids, emitted_text, pinned, prompt_ids = out.token_ids, out.text, _version(out), out.prompt_token_ids
                     finished = out.finished
                     yield delta
                 return
+            except (GeneratorExit, asyncio.CancelledError):
+                if not finished:  # the client went away: the replica aborts, but its record of that never comes back here
+                    metrics = abandoned_request_metrics(request_id, adapter, pinned, prompt_ids, emitted_ids)
+                    for observer in self._observers:
+                        observer(metrics)
+                raise
             except ray.exceptions.RayActorError as err:
                 replayable = not emitted_ids or params.greedy
                 if attempt >= 1 or not replayable:
@@ -174,6 +182,18 @@ class ReplicaSetEngine:
             finally:
                 if not finished:
                     stream.cancel()  # propagates to the replica, whose engine aborts the request
+
+
+def abandoned_request_metrics(
+    request_id: str, adapter: Optional[str], version: Optional[str], prompt_ids: Sequence[int], output_ids: Sequence[int]
+) -> RequestMetrics:
+    """What the ingress knows of a request whose client went away: its adapter and the tokens
+    passed on (prompt tokens only once an output showed the prompt ran), no timings. The
+    replica's engine records the abort in full, but its stream is cancelled before that record
+    could travel back, so /metrics counts the abort from this."""
+    return RequestMetrics(request_id=request_id, adapter=adapter, adapter_version=version, queue_time=None, ttft=None, tpot=None,
+                          prompt_tokens=len(prompt_ids), output_tokens=len(output_ids), preemptions=0, adapter_location="unknown",
+                          finish_reason="abort")
 
 
 def _version(out: RequestOutput) -> Optional[str]:

@@ -71,8 +71,9 @@ class AdapterCounters:
     loads: int = 0  # disk -> host (the read at registration included)
     load_time_s: float = 0.0  # of the pool's own disk reads only (registration reads are not timed here)
     device_loads: int = 0  # host -> device
-    host_evictions: int = 0
+    host_evictions: int = 0  # dropped to make room (a retired version's removal is counted in retired instead)
     device_evictions: int = 0
+    retired: int = 0  # versions dropped from the pool after a hot update or unregister, once no request needed them
     host_hits: int = 0  # request arrived with the adapter already on the host (not on device)
     device_hits: int = 0  # request arrived with the adapter already on the device
     disk_misses: int = 0  # request arrived with the adapter on disk only
@@ -429,7 +430,7 @@ class AdapterPool:
         counters.loads += 1
         counters.load_time_s += seconds
         if self._demand.get(ref, 0) == 0 and ref in self._retired:
-            self._retired.discard(ref)  # aborted while loading and retired: nobody will read it
+            self._free_version(ref)  # aborted while loading and retired: nobody will read it
             return
         self._host[ref] = adapter
 
@@ -455,7 +456,7 @@ class AdapterPool:
         self._host.move_to_end(ref)
         self._counters(ref).device_loads += 1
 
-    def _evict_device(self, ref: AdapterRef) -> None:
+    def _evict_device(self, ref: AdapterRef, counted: bool = True) -> None:
         if self._device_refs.get(ref, 0) > 0:
             raise AssertionError(f"adapter {ref} is referenced by a running request and cannot be evicted")
         slot = self._slot_of.pop(ref)
@@ -463,26 +464,30 @@ class AdapterPool:
         self._device_lru.pop(ref, None)
         self._device_refs.pop(ref, None)
         self.writer.clear_slot(slot)
-        self._counters(ref).device_evictions += 1
+        if counted:
+            self._counters(ref).device_evictions += 1
         if self._demand.get(ref, 0) > 0 and ref not in self._host:
             self._queue_load(ref)  # its waiting requests need it back
 
-    def _evict_host(self, ref: AdapterRef) -> None:
+    def _evict_host(self, ref: AdapterRef, counted: bool = True) -> None:
         if self._demand.get(ref, 0) > 0:
             raise AssertionError(f"adapter {ref} is demanded by a request and cannot be evicted from the host")
         del self._host[ref]
-        self._counters(ref).host_evictions += 1
+        if counted:
+            self._counters(ref).host_evictions += 1
 
     def _free_version(self, ref: AdapterRef) -> None:
-        """Drop a retired version with no readers from both tiers."""
+        """Drop a retired version with no readers from both tiers (not counted as evictions:
+        nothing was pushed out for room; ``retired`` counts it once, when it is gone)."""
         if ref in self._slot_of and self._device_refs.get(ref, 0) == 0:
-            self._evict_device(ref)
+            self._evict_device(ref, counted=False)
         if ref in self._host:
-            self._evict_host(ref)
+            self._evict_host(ref, counted=False)
         if ref in self._load_queue:
             self._load_queue.remove(ref)
-        if ref not in self._slot_of and ref not in self._loading:
+        if ref not in self._slot_of and ref not in self._loading and ref in self._retired:
             self._retired.discard(ref)
+            self._counters(ref).retired += 1
 
 
 def _first_fit(used: Sequence[tuple[int, int]], rows: int, capacity: int) -> Optional[int]:

@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-BASE_LABEL = "__base__"
+from runtime.stats import BASE_LABEL  # the base model's adapter label
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -43,7 +44,7 @@ class ServerMetrics:
         """Engine observer: called once per finished request with its RequestMetrics."""
         adapter = m.adapter or BASE_LABEL
         self.requests.labels(adapter, m.finish_reason or "unknown").inc()
-        if m.queue_time is not None:  # aborted or failed while waiting: its prompt never ran
+        if m.queue_time is not None or m.output_tokens > 0:  # aborted or failed while waiting: its prompt never ran
             self.prompt_tokens.labels(adapter).inc(m.prompt_tokens)
         self.output_tokens.labels(adapter).inc(m.output_tokens)
         if m.ttft is not None:
@@ -94,8 +95,13 @@ class _SnapshotCollector:
         families = {
             "loads": CounterMetricFamily("lorafleet_adapter_loads", "Adapter loads from disk into the host tier", labels=["adapter"] + extra),
             "device_loads": CounterMetricFamily("lorafleet_adapter_device_loads", "Adapter copies from host to device", labels=["adapter"] + extra),
-            "host_evictions": CounterMetricFamily("lorafleet_adapter_host_evictions", "Adapter evictions from the host tier", labels=["adapter"] + extra),
-            "device_evictions": CounterMetricFamily("lorafleet_adapter_device_evictions", "Adapter evictions from device slots", labels=["adapter"] + extra),
+            "host_evictions": CounterMetricFamily("lorafleet_adapter_host_evictions", "Adapter evictions from the host tier to make room",
+                                                  labels=["adapter"] + extra),
+            "device_evictions": CounterMetricFamily("lorafleet_adapter_device_evictions", "Adapter evictions from device slots to make room",
+                                                    labels=["adapter"] + extra),
+            "retired": CounterMetricFamily("lorafleet_adapter_versions_retired", "Adapter versions dropped from the pool after a hot "
+                                           "update or unregister, once no request needed them (not counted as evictions)",
+                                           labels=["adapter"] + extra),
             "device_hits": CounterMetricFamily("lorafleet_adapter_device_hits", "Requests whose adapter was already on device", labels=["adapter"] + extra),
             "host_hits": CounterMetricFamily("lorafleet_adapter_host_hits", "Requests whose adapter was in the host tier", labels=["adapter"] + extra),
             "disk_misses": CounterMetricFamily("lorafleet_adapter_disk_misses", "Requests whose adapter had to be read from disk", labels=["adapter"] + extra),
@@ -107,6 +113,8 @@ class _SnapshotCollector:
             for key, gauge in refcounts.items():
                 gauge.add_metric(extra_values, float(snap.get("total_refcounts", {}).get(key, 0)))
             for name, counters in sorted(snap.get("adapters", {}).items()):
+                if not name:  # the base model's request counters: it has no adapter pool series
+                    continue
                 for key, family in families.items():
                     family.add_metric([name or BASE_LABEL] + extra_values, float(counters.get(key, 0)))
         yield from gauges.values()

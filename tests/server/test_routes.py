@@ -192,6 +192,14 @@ async def test_metrics_have_adapter_labels(app, engine) -> None:
     assert f'lorafleet_time_to_first_token_seconds_count{{adapter="{name}"}}' in text
     for gauge in ("lorafleet_kv_blocks_free", "lorafleet_requests_running", "lorafleet_adapter_pool_bytes_in_use"):
         assert gauge in text
+    base = engine.model_name
+    async with client_for(app) as c:
+        await c.post("/v1/completions", json=greedy(base, "the base model too"))
+        text = (await c.get("/metrics")).text
+    assert 'lorafleet_requests_total{adapter="__base__"' in text
+    assert 'adapter="__base__"' not in "".join(line for line in text.splitlines(True) if line.startswith("lorafleet_adapter_"))  # no pool series
+    with pytest.raises(ValueError, match="'__base__' is reserved"):  # the label could not tell the base from it
+        engine.register_adapter("__base__", str(engine.adapters()[0].path))
 
 
 async def test_openapi_describes_request_bodies(app) -> None:
