@@ -4,10 +4,17 @@ Each runs the backend's shrink/expand through the contract (``backend.lora``) on
 random problems (``lora_problem.py``) and compares with float64, for every declared
 dtype and over ranks the declared limits admit (smallest, largest, random others). A
 declared fallback is exercised too, over its own limits.
+
+Besides slices of different widths, every op verifier runs an equal-width case
+(``batched_expand_case``): the layout of real adapters on q/k/v without GQA or gate/up,
+one rank and one scale per adapter across its slices. On the CPU backend that is the
+one-``baddbmm_`` expand of ``apply_row_ranges``, and the verifier checks it ran.
 """
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from runtime.capabilities import Capability, CapabilityMatrix, Limits
 from runtime.verifiers.lora_problem import build_problem, check_lora_ops
@@ -16,6 +23,7 @@ from runtime.verifiers.sampling import declared_dtypes, fresh_seed, pick_ranks, 
 
 IN_FEATURES = 32
 QKV_OUTS = (32, 16, 48)  # three slices of different widths (q, k, v)
+EQUAL_OUTS = (16, 16, 16)  # three slices of one width (q/k/v without GQA; gate/up likewise)
 DEFAULT_SLOTS = 4
 
 
@@ -49,6 +57,9 @@ def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix
             p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
                               extra_rows=extra, untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(backend))
             runs.append((f"{label}{name}", check_lora_ops(backend, p, decode_only)))
+    for name in declared_dtypes(entry, matrix):
+        seed = fresh_seed()
+        runs.append((f"equal widths {name}", batched_expand_case(backend, name, pick_ranks(entry.limits, DEFAULT_SLOTS, seed), seed, decode_only)))
     groups = entry.limits.max_groups_per_call
     if groups is not None:  # one rank bucket with more groups than one call takes: the split must be right
         seed = fresh_seed()
@@ -63,6 +74,40 @@ def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix
 def interleaved_a(backend: Any) -> bool:
     """Whether the model would allocate fused projections' A rows interleaved for this backend."""
     return bool(getattr(backend.lora, "interleaved_a", False))
+
+
+def runs_batched_expand(backend: Any, dtype: torch.dtype) -> bool:
+    """Whether ``backend.lora`` declares the one-``baddbmm_`` expand for an equal-width problem in
+    ``dtype`` (backends/reference.py ``apply_row_ranges``: float32, interleaved A and B rows)."""
+    from backends.reference import ReferenceLoRAOps
+
+    return isinstance(backend.lora, ReferenceLoRAOps) and interleaved_a(backend) and dtype == torch.float32
+
+
+def batched_expand_case(backend: Any, name: str, ranks: list[int], seed: int, decode_only: bool) -> dict[str, Any]:
+    """Three slices of one width, their columns side by side, every adapter at one rank in all of
+    them (ranks differ across adapters), no-adapter rows; every slot but the last with one scale
+    across its slices (PEFT's alpha / r), the last with a scale per slice. Checked against float64
+    like every problem, and where the backend has the batched expand (``runs_batched_expand``) the
+    engine-order apply must have run it, one ``baddbmm_`` per one-scale adapter's segment: the
+    equal-width adapters real deployments load must not be left to a path no check reaches."""
+    if len(ranks) < 2:
+        raise VerificationFailure(f"equal-width case: need two adapters, the limits give ranks {ranks}")
+    shared = frozenset(range(len(ranks) - 1))
+    dtype = torch_dtype(name)
+    p = build_problem(backend.device, dtype, ranks, EQUAL_OUTS, IN_FEATURES, seed, gap=0, shared_scale=shared,
+                      interleaved=interleaved_a(backend))
+    metrics = check_lora_ops(backend, p, decode_only, observe=True)
+    if runs_batched_expand(backend, dtype):
+        ran = metrics["engine_order_calls"].get("baddbmm_", 0)
+        if ran < len(shared):
+            path = "per-token" if decode_only else "segment"
+            raise VerificationFailure(
+                f"equal-width case ({path} {name}, ranks {ranks}, seed {seed}): the batched expand (one baddbmm_ per "
+                f"adapter segment with one rank and scale) ran {ran} times for {len(shared)} such adapters; "
+                "apply_row_ranges took the per-slice path, so this check did not verify the path real adapters use"
+            )
+    return metrics
 
 
 @verifier("lora_ops_segment")
@@ -98,7 +143,8 @@ def verify_mixed_ranks(backend: Any, entry: Capability, matrix: CapabilityMatrix
 
 @verifier("multi_slice_expand")
 def verify_multi_slice_expand(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
-    """Three slices of different widths in one expand call, gaps between them, untargeted slices."""
+    """Three slices of different widths in one expand call, gaps between them, untargeted slices;
+    then three of one width side by side, one rank and scale per adapter (``batched_expand_case``)."""
     runs = []
     ops = matrix.entry(entry.backend, "lora_ops_segment").limits
     for name in declared_dtypes(entry, matrix):
@@ -108,5 +154,7 @@ def verify_multi_slice_expand(backend: Any, entry: Capability, matrix: Capabilit
             p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
                               untargeted=frozenset({(1, 0), (2, 2)}), interleaved=interleaved_a(backend))
             runs.append((f"{'per-token' if decode_only else 'segment'} {name}", check_lora_ops(backend, p, decode_only)))
+            runs.append((f"{'per-token' if decode_only else 'segment'} equal widths {name}",
+                         batched_expand_case(backend, name, ranks, seed, decode_only)))
     detail, metrics = _summarise(runs)
-    return VerifierResult("pass", f"{len(QKV_OUTS)} slices; " + detail, metrics)
+    return VerifierResult("pass", f"{len(QKV_OUTS)} slices of widths {QKV_OUTS} and of {EQUAL_OUTS}; " + detail, metrics)

@@ -8,6 +8,11 @@ several output slices with gaps between them, optionally a slot with rank 0 in a
 
     A_{i,s} ~ N(0, 1/in),  B_{i,s} ~ N(0, 1/r),  scale_{i,s} ~ U(0.5, 2),  x, y ~ N(0, 1)
 
+``shared_scale`` slots use one scale in every slice (their first slice's), as a PEFT adapter
+without ``alpha_pattern`` has; ``gap=0`` puts the slices' columns side by side, as a
+fused projection's output is laid out. With equal slice widths and interleaved storage
+both together are the shape of the CPU backend's one-``baddbmm_`` expand.
+
 Reference (float64, from the values as stored in the compute dtype):
 
     h[i, t, :r] = x[t] @ A_{i,s}^T ;   y[t, o_i:o_i+n_i] += scale_{i,s} * h[i, t, :r] @ B_{i,s}^T
@@ -19,6 +24,7 @@ end to end on the rows as drawn and again in engine order (grouped by slot, as
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -30,6 +36,7 @@ from runtime.backend_api import apply_lora
 from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta, adapter_order
 from runtime.lora.slice_weights import LoRASliceWeights
 from runtime.verifiers.numerics import compare, unchanged
+from runtime.verifiers.observe import CallCounter
 from runtime.verifiers.result import VerificationFailure
 
 POISON = 7777.0  # finite, so a stray read shows up as a large error rather than NaN noise
@@ -71,8 +78,11 @@ def build_problem(
     no_adapter_rows: int = 3,
     untargeted: frozenset[tuple[int, int]] = frozenset(),
     interleaved: bool = False,
+    gap: int = GAP,
+    shared_scale: frozenset[int] = frozenset(),
 ) -> LoRAProblem:
     """Slot s has rank ``slot_ranks[s]`` in every slice except (slice, slot) in ``untargeted``.
+    Slots in ``shared_scale`` have one scale across slices; ``gap`` columns lie between slices.
     ``interleaved``: the slices' A rows share one buffer (``allocate_projection(..., interleaved=True)``; the B rows
     too when the slices have one width), as the model allocates them for ops that set ``interleaved_a``."""
     g = torch.Generator().manual_seed(seed)
@@ -96,6 +106,8 @@ def build_problem(
             a = (torch.randn(r, in_features, generator=g, dtype=torch.float64) / in_features**0.5).to(dtype)
             b = (torch.randn(out_features, r, generator=g, dtype=torch.float64) / r**0.5).to(dtype)
             scale = float(0.5 + 1.5 * torch.rand((), generator=g, dtype=torch.float64))
+            if s in shared_scale:  # still drawn, so every other value stays as the seed gives it
+                scale = next((sc[s] for sc in scales if s in sc), scale)
             w.write_slot(s, starts[s], a.to(device), b.to(device), scale)
             a_i[s], b_i[s], sc_i[s] = a.double(), b.double(), scale
             r_i.append(r)
@@ -104,7 +116,7 @@ def build_problem(
     offsets, col = [], 1  # column 0 and the gaps belong to nobody
     for out_features in slice_outs:
         offsets.append(col)
-        col += out_features + GAP
+        col += out_features + gap
     x = torch.randn(len(token_slots), in_features, generator=g, dtype=torch.float64).to(dtype)
     return LoRAProblem(
         dtype, device, x.to(device), token_slots, tuple(weights), tuple(offsets), col,
@@ -146,8 +158,10 @@ def reference_expand(p: LoRAProblem, h: Tensor, y0: Tensor) -> tuple[Tensor, Ten
     return y, mask, mag
 
 
-def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool) -> dict[str, float]:
-    """Run shrink, expand and apply_lora on ``backend``; raise VerificationFailure on a mismatch."""
+def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: bool = False) -> dict[str, Any]:
+    """Run shrink, expand and apply_lora on ``backend``; raise VerificationFailure on a mismatch.
+    ``observe``: also return ``engine_order_calls``, the torch calls (name -> count) the
+    engine-order ``apply_lora`` ran (``observe.CallCounter``), for a verifier to check the path."""
     path = "per-token" if decode_only else "segment"
     tag = f"{path} {str(p.dtype).removeprefix('torch.')} ranks {sorted(set(r for rr in p.ranks for r in rr) - {0})} seed {p.seed}"
     meta = LoRABatchMeta.build(p.token_slots, p.device, decode_only=decode_only)
@@ -200,8 +214,11 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool) -> dict[str,
     perm = torch.tensor(order)
     y3 = y0[perm].clone().to(p.device)
     workspace.fill_(POISON)
-    apply_lora(backend.lora, p.x[perm.to(p.device)], y3, p.weights, grouped, p.slice_offsets, workspace)
-    backend.synchronize()
+    x3 = p.x[perm.to(p.device)]
+    calls = CallCounter()
+    with calls if observe else contextlib.nullcontext():
+        apply_lora(backend.lora, x3, y3, p.weights, grouped, p.slice_offsets, workspace)
+        backend.synchronize()
     err_grouped = compare(f"apply_lora, rows in engine order ({tag})", y3.cpu()[y_mask[perm]], y_ref[perm][y_mask[perm]], p.dtype,
                           scale=2.0, magnitude=apply_mag[perm][y_mask[perm]])  # fmt: skip
     unchanged(f"apply_lora, rows in engine order ({tag}): untouched entries", y3.cpu()[~y_mask[perm]], y0[perm][~y_mask[perm]])
@@ -212,4 +229,5 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool) -> dict[str,
         "tol_used": max(err_shrink["tol_used"], err_expand["tol_used"], err_apply["tol_used"], err_grouped["tol_used"]),
         "shrink_ms": shrink_ms,
         "expand_ms": expand_ms,
+        **({"engine_order_calls": dict(calls.counts)} if observe else {}),
     }
