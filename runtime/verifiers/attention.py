@@ -1,5 +1,12 @@
 """Verifiers for paged attention and prefix caching, through ``backend.attention``.
 
+paged_attention: one step mixing a full prefill, a prefill chunk after history and
+decode tokens of three sequences with different context lengths (so a padded decode
+group masks each row to its own length), then a step whose decodes must be cut into
+several groups: where the attention batches decodes under a byte budget (``group_bytes``,
+backends/reference.py ``ReferenceAttention``), a copy of it with a budget of two short
+sequences runs the step, and the verifier counts the SDPA calls to confirm the groups formed.
+
 prefix_caching: the engine's BlockManager + PrefixCache hand sequence B the blocks of
 A's cached prefix (same base, adapter name, version and tokens), and the backend's
 attention computes only B's suffix over them, reading K/V written by an earlier step.
@@ -8,6 +15,8 @@ left as A's step wrote them, and another adapter / version / no adapter reuses n
 """
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -16,34 +25,85 @@ from runtime.capabilities import Capability, CapabilityMatrix
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.request import AdapterRef
-from runtime.verifiers.attention_problem import BLOCK_SIZE, check_attention, random_cache, random_step
+from runtime.verifiers.attention_problem import BLOCK_SIZE, HEAD_DIM, HKV, check_attention, random_cache, random_step
+from runtime.verifiers.observe import CallCounter
 from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
 from runtime.verifiers.sampling import declared_dtypes, fresh_seed, torch_dtype
 
 NUM_BLOCKS = 16
 
 
+# (new tokens, context) per sequence: a full prefill, a chunk after history, and decode tokens
+# of three sequences with different contexts, which batch into one padded, masked group.
+MIXED_STEP = ((5, 5), (1, 9), (3, 7), (1, 4), (1, 13))
+# Decodes (contexts 3..14, 1..4 blocks) and one chunk; with a budget of two 12-position
+# sequences per group they form the groups [3, 6], [9, 11], [14]: masked groups of two.
+GROUPED_STEP = ((1, 9), (1, 3), (3, 6), (1, 14), (1, 6), (1, 11))
+GROUPED_BUDGET_POSITIONS = 2 * 12
+
+
+def _tables(context_lens: list[int], g: torch.Generator) -> list[list[int]]:
+    """Each sequence's block table, drawn from a shuffled pool (scattered, non-contiguous blocks)."""
+    blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, cursor = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // BLOCK_SIZE)
+        tables.append(blocks[cursor : cursor + n])
+        cursor += n
+    return tables
+
+
+def _run_step(backend: Any, attention: Any, shape: tuple[tuple[int, int], ...], dtype: torch.dtype,
+              g: torch.Generator, tag: str) -> tuple[float, int]:
+    """(max err vs dense float64, SDPA calls) for one step of ``shape`` through ``attention``."""
+    query_lens, context_lens = [q for q, _ in shape], [c for _, c in shape]
+    cache = random_cache(NUM_BLOCKS, dtype, backend.device, g)
+    step = random_step(query_lens, context_lens, _tables(context_lens, g), dtype, backend.device, g)
+    runner = SimpleNamespace(attention=attention, synchronize=backend.synchronize)
+    with CallCounter() as calls:
+        err = check_attention(runner, step, cache, dtype, tag)["max_abs_err"]
+    return err, calls["scaled_dot_product_attention"]
+
+
+def grouped_attention(attention: Any, dtype: torch.dtype) -> Any | None:
+    """A copy of ``attention`` whose decode groups hold at most ``GROUPED_BUDGET_POSITIONS`` positions
+    of K, or None when it does not cut decodes by a byte budget (no ``group_bytes``)."""
+    if not hasattr(attention, "group_bytes") or not hasattr(attention, "decode_groups"):
+        return None
+    small = copy.copy(attention)
+    small.group_bytes = GROUPED_BUDGET_POSITIONS * HKV * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    return small
+
+
 @verifier("paged_attention")
 def verify_paged_attention(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
-    """Mixed prefill / decode / chunk step, scattered blocks, GQA, vs dense float64, per declared dtype."""
-    errs = {}
+    """Prefill + chunk + decodes of different lengths in one step, scattered blocks, GQA, vs dense
+    float64, per declared dtype; then decodes cut into several groups under a small budget."""
+    errs, groups = {}, {}
     for name in declared_dtypes(entry, matrix):
         seed = fresh_seed()
         g = torch.Generator().manual_seed(seed)
-        blocks = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-        # (new tokens, context): a full prefill, one decode token after history, a chunk after history
-        query_lens, context_lens = [5, 1, 3], [5, 9, 7]
-        tables, cursor = [], 0
-        for ctx in context_lens:
-            n = -(-ctx // BLOCK_SIZE)
-            tables.append(blocks[cursor : cursor + n])
-            cursor += n
         dtype = torch_dtype(name)
-        cache = random_cache(NUM_BLOCKS, dtype, backend.device, g)
-        step = random_step(query_lens, context_lens, tables, dtype, backend.device, g)
-        errs[name] = check_attention(backend, step, cache, dtype, f"{name} seed {seed}")["max_abs_err"]
-    detail = "prefill+decode+chunk, GQA 4:2, scattered blocks; max err " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items())
-    return VerifierResult("pass", detail, {"max_err": errs})
+        err, _ = _run_step(backend, backend.attention, MIXED_STEP, dtype, g, f"{name} seed {seed}: prefill+chunk+3 decodes")
+        small = grouped_attention(backend.attention, dtype)
+        if small is not None:
+            tag = f"{name} seed {seed}: decodes in groups of {small.group_bytes} bytes"
+            grouped_err, sdpa = _run_step(backend, small, GROUPED_STEP, dtype, g, tag)
+            chunks = sum(q > 1 for q, _ in GROUPED_STEP)
+            decodes = len(GROUPED_STEP) - chunks
+            groups[name] = sdpa - chunks
+            if not 2 <= groups[name] < decodes:
+                raise VerificationFailure(
+                    f"paged_attention ({tag}): {decodes} decodes ran as {groups[name]} SDPA group(s); the check needs several "
+                    "groups, at least one of several sequences, so it did not verify the grouped decode path"
+                )
+            err = max(err, grouped_err)
+        errs[name] = err
+    detail = "prefill+chunk+3 decodes of different lengths in one step, GQA 4:2, scattered blocks"
+    if groups:
+        detail += f"; {sum(q == 1 for q, _ in GROUPED_STEP)} decodes cut into {min(groups.values())} groups under a small budget"
+    detail += "; max err " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items())
+    return VerifierResult("pass", detail, {"max_err": errs, "decode_groups": groups})
 
 
 @verifier("prefix_caching")
