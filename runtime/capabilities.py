@@ -331,6 +331,26 @@ def require(capability: str, backend_name: str, matrix: CapabilityMatrix | None 
     return entry
 
 
+def unsupported_quote(capability: str, matrix: CapabilityMatrix | None = None) -> str:
+    """The matrix entries that declare ``capability`` unsupported, quoted for a refusal raised where
+    the backend is not known (adapter parsing refuses DoRA for every backend): one quote naming
+    every such backend when their entries read the same, else one quote per backend. Never
+    raises: an unreadable matrix gives a pointer to the file and the entry instead."""
+    try:
+        m = matrix or load_matrix()
+        entries = [m.entry(b, capability) for b in m.backends if capability in m.sections[b]]
+    except CapabilityMatrixError as err:
+        return f"see {DEFAULT_MATRIX_PATH.name} [<backend>.{capability}] (unreadable here: {err})"
+    refused = [e for e in entries if not e.supported]
+    if not refused:
+        return f"{Path(m.path).name}: no backend declares {capability} unsupported"
+    bodies = {e.quote().split("]: ", 1)[1] for e in refused}
+    if len(bodies) == 1:
+        keys = ", ".join(e.key for e in refused)
+        return f"{refused[0].note} ({Path(refused[0].source).name} [{keys}]: {bodies.pop()})"
+    return "; ".join(f"{e.note} ({e.quote()})" for e in refused)
+
+
 def _apply(entry: Capability, violation: str | None, fallback_violation: str | None) -> Decision | None:
     """Primary limits met -> None; else the declared fallback, or an error quoting the entry."""
     if violation is None:

@@ -177,9 +177,13 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
     if peft_type != "LORA":
         raise AdapterError(f"{path}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
     for key in _REFUSED_IF_TRUTHY:
+        if key == "use_dora" and raw.get(key):
+            from runtime.capabilities import unsupported_quote  # the matrix is read only to word this refusal
+
+            raise AdapterError(f"{path}: use_dora={raw[key]!r} is not supported: DoRA changes the math lorafleet serves: "
+                               f"{unsupported_quote('dora')}")
         if raw.get(key):
-            what = "DoRA (use_dora)" if key == "use_dora" else key
-            raise AdapterError(f"{path}: {key}={raw[key]!r} is not supported: {what} changes the math lorafleet serves")
+            raise AdapterError(f"{path}: {key}={raw[key]!r} is not supported: {key} changes the math lorafleet serves")
     if raw.get("modules_to_save"):
         raise AdapterError(f"{path}: modules_to_save={raw['modules_to_save']!r} is not supported: full module copies cannot be served per request")
     bias = raw.get("bias", "none")
