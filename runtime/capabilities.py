@@ -28,7 +28,8 @@ BACKEND_SECTIONS = ("cpu", "cuda", "npu")
 # runtime/capability_matrix.yaml is a symlink to the repo-root file, so a checkout reads the
 # one source of truth and a wheel (which copies the link's content) still ships the matrix.
 DEFAULT_MATRIX_PATH = Path(__file__).with_name("capability_matrix.yaml")
-VERIFIED_HOW = ("hardware", "triton-interpreter", "emulated op semantics", "cpu", "unverified")
+# "not applicable": an unsupported capability nothing on the backend can ask for (probe: skipped).
+VERIFIED_HOW = ("hardware", "triton-interpreter", "emulated op semantics", "cpu", "unverified", "not applicable")
 ENTRY_KEYS = ("supported", "limits", "implementation", "fallback", "note", "verified_on")
 FALLBACK_KEYS = ("when", "implementation", "limits")
 VERIFIED_KEYS = ("how", "where", "date")
@@ -259,6 +260,8 @@ def _parse_entry(path: Path, backend: str, name: str, entry: Any, fail: Any) -> 
         raise fail(f"{key}.verified_on.date", f"expected YYYY-MM-DD, got {vo['date']!r}")
     if not entry["supported"] and fallback is not None:
         raise fail(f"{key}.fallback", "an unsupported capability cannot declare a fallback")
+    if entry["supported"] and vo["how"] == "not applicable":
+        raise fail(f"{key}.verified_on.how", "'not applicable' is only for a capability declared unsupported")
     return Capability(
         backend=backend,
         name=name,

@@ -46,6 +46,14 @@ def _matrix_copy(tmp_path: Path, edit) -> Path:
     return path
 
 
+def _verified(backend_name: str, capability: str, result) -> bool:
+    """Pass, or skipped as not applicable where the matrix says so (cuda_graph_safety off cuda)."""
+    entry = MATRIX.entry(backend_name, capability)
+    if result.status == "skipped" and result.metrics.get("not_applicable"):
+        return not entry.supported and entry.verified_on.how == "not applicable"
+    return result.status == "pass"
+
+
 def _adapter(name: str, ranks: dict[tuple[int, str], int], in_f: int = 8, out_f: int = 8) -> LoRAAdapter:
     modules = {k: LoRAModule(r, 2.0 / r, torch.randn(r, in_f), torch.randn(out_f, r)) for k, r in ranks.items()}
     top = max(ranks.values())
@@ -68,7 +76,7 @@ def test_capability_verifies(backend_name: str, capability: str) -> None:
     if not available:
         pytest.skip(reason)
     result = VERIFIERS[capability](backend_name, MATRIX)
-    assert result.status == "pass", f"{backend_name}.{capability}: {result.detail}"
+    assert _verified(backend_name, capability, result), f"{backend_name}.{capability}: {result.status}: {result.detail}"
 
 
 @pytest.mark.parametrize("backend_name", [b for b in MATRIX.backends if b != "cpu"])
@@ -90,7 +98,7 @@ def test_npu_row_verifies_on_emulated_torch_npu_ops(capability: str) -> None:
 
     backend = backends.backend_class("npu")(device="cpu", npu_ops=EmulatedTorchNpuOps(), soc_name="Ascend910B2")
     result = VERIFIERS[capability]("npu", MATRIX, backend)
-    assert result.status == "pass", result.detail
+    assert _verified("npu", capability, result), f"{result.status}: {result.detail}"
 
 
 @dataclass(frozen=True)
@@ -263,3 +271,153 @@ def test_malformed_matrix_is_refused_naming_the_key(tmp_path: Path, edit, key: s
     with pytest.raises(CapabilityMatrixError) as err:
         load_matrix(path)
     assert str(err.value).startswith(f"{path}: {key}:"), str(err.value)
+
+
+# ---- each check can fail: the bug it guards against, injected, makes it fail ----------------
+
+def _batched_views(monkeypatch: pytest.MonkeyPatch, edit) -> None:
+    """Patch backends/reference.py ``SlotViews.build`` so ``edit`` rewrites every slot's views."""
+    import backends.reference as ref
+
+    build = ref.SlotViews.build.__func__
+    monkeypatch.setattr(ref.SlotViews, "build", classmethod(lambda cls, weights, slot: edit(build(cls, weights, slot))))
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_equal_width_case_runs_the_batched_expand_on_cpu(decode_only: bool) -> None:
+    from runtime.verifiers.lora_ops import batched_expand_case
+
+    backend = backends.get_backend("cpu")
+    metrics = batched_expand_case(backend, "float32", [1, 256, 24, 7], seed=3, decode_only=decode_only)
+    assert metrics["engine_order_calls"]["baddbmm_"] == 3  # one per one-scale adapter; the last has a scale per slice
+    metrics = batched_expand_case(backend, "bfloat16", [1, 256, 24], seed=4, decode_only=decode_only)
+    assert metrics["engine_order_calls"].get("baddbmm_", 0) == 0  # float32 only: no path claim to check
+
+
+@pytest.mark.parametrize("capability", ["lora_ops_segment", "lora_ops_per_token", "multi_slice_expand"])
+def test_wrong_scale_in_the_batched_expand_fails_the_op_verifiers(monkeypatch: pytest.MonkeyPatch, capability: str) -> None:
+    import dataclasses
+
+    _batched_views(monkeypatch, lambda v: dataclasses.replace(v, b_scale=2 * v.b_scale) if v.b_block is not None else v)
+    result = VERIFIERS[capability]("cpu", MATRIX)
+    assert result.status == "fail" and "rows in engine order" in result.detail, result.detail
+
+
+def test_batched_expand_ignoring_per_slice_scales_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter whose slices have one rank but different scales must not take the one-scale expand."""
+    import dataclasses
+
+    import backends.reference as ref
+    from runtime.lora.slice_weights import interleaved_b
+
+    build = ref.SlotViews.build.__func__
+
+    def build_ignoring_scale(cls, weights, slot):
+        v = build(cls, weights, slot)
+        group = interleaved_b(weights)
+        if v.b_block is None and v.a_block is not None and group is not None and len(v.slices) == len(weights) \
+                and len({r for _, r, *_ in v.slices}) == 1:
+            start = weights[0].host_start[slot]
+            return dataclasses.replace(v, b_block=group[start : start + v.rank].transpose(0, 1), b_scale=v.slices[0][4])
+        return v
+
+    monkeypatch.setattr(ref.SlotViews, "build", classmethod(build_ignoring_scale))
+    result = VERIFIERS["multi_slice_expand"]("cpu", MATRIX)
+    assert result.status == "fail" and "rows in engine order" in result.detail, result.detail
+
+
+def test_batched_expand_not_taken_fails_even_when_the_numbers_are_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    _batched_views(monkeypatch, lambda v: dataclasses.replace(v, b_block=None))
+    result = VERIFIERS["multi_slice_expand"]("cpu", MATRIX)
+    assert result.status == "fail" and "batched expand" in result.detail and "ran 0 times" in result.detail, result.detail
+
+
+def test_paged_attention_checks_masked_decode_groups_and_several_groups() -> None:
+    result = VERIFIERS["paged_attention"]("cpu", MATRIX)
+    assert result.status == "pass", result.detail
+    assert set(result.metrics["decode_groups"]) == set(MATRIX.entry("cpu", "paged_attention").limits.dtypes)
+    assert all(n == 3 for n in result.metrics["decode_groups"].values())  # contexts [3, 6], [9, 11], [14]
+
+
+@pytest.mark.parametrize("bug", ["no_length_mask", "rows_swapped", "budget_ignored"])
+def test_decode_group_bugs_fail_paged_attention(monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
+    import dataclasses
+
+    import backends.reference as ref
+
+    if bug == "budget_ignored":
+        monkeypatch.setattr(ref.ReferenceAttention, "decode_groups", lambda self, seqs, *a, **k: [seqs] if seqs else [])
+    else:
+        plan = ref.ReferenceAttention._step_plan
+
+        def broken(self, device, kv_cache, meta):
+            groups, chunks = plan(self, device, kv_cache, meta)
+            edit = {"no_length_mask": lambda g: dataclasses.replace(g, mask=None),
+                    "rows_swapped": lambda g: dataclasses.replace(g, rows=g.rows.flip(0))}[bug]
+            return [edit(g) for g in groups], chunks
+
+        monkeypatch.setattr(ref.ReferenceAttention, "_step_plan", broken)
+    result = VERIFIERS["paged_attention"]("cpu", MATRIX)
+    assert result.status == "fail", result.detail
+    if bug == "budget_ignored":
+        assert "ran as 1 SDPA group" in result.detail
+
+
+def test_dora_folder_is_refused_by_the_real_loader_quoting_the_matrix(tmp_path: Path) -> None:
+    from runtime.lora.adapter import AdapterError, load_adapter
+    from runtime.verifiers.refusals import DORA_LAYERS, DORA_RANK, DORA_TARGETS, write_peft_adapter
+
+    folder = write_peft_adapter(tmp_path / "dora", use_dora=True)
+    with pytest.raises(AdapterError) as err:
+        load_adapter(folder, "dora", DORA_TARGETS, num_layers=DORA_LAYERS, max_lora_rank=DORA_RANK)
+    text = str(err.value)
+    assert "use_dora=True is not supported" in text and "DoRA" in text
+    assert "capability_matrix.yaml [cpu.dora, cuda.dora, npu.dora]" in text and MATRIX.entry("cuda", "dora").note in text
+    result = VERIFIERS["dora"]("cpu", MATRIX)
+    assert result.status == "pass" and "load_adapter" in result.detail and "[cpu.dora" in result.metrics["refusal"]
+
+
+@pytest.mark.parametrize("bug", ["not_refused", "silently_loaded", "message_without_matrix"])
+def test_dora_loader_bugs_fail_the_dora_verifier(monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
+    import runtime.capabilities as caps
+    import runtime.lora.adapter as ad
+
+    if bug in ("not_refused", "silently_loaded"):
+        monkeypatch.setattr(ad, "_REFUSED_IF_TRUTHY", tuple(k for k in ad._REFUSED_IF_TRUTHY if k != "use_dora"))
+    if bug == "silently_loaded":
+        check = ad._check_tensors
+        monkeypatch.setattr(ad, "_check_tensors", lambda header, *a: check({k: v for k, v in header.items() if "magnitude" not in k}, *a))
+    if bug == "message_without_matrix":
+        monkeypatch.setattr(caps, "unsupported_quote", lambda capability, matrix=None: "not implemented")
+    result = VERIFIERS["dora"]("cpu", MATRIX)
+    assert result.status == "fail", result.detail
+    expected = {"not_refused": "does not name DoRA", "silently_loaded": "loaded through", "message_without_matrix": "does not point to the matrix"}
+    assert expected[bug] in result.detail, result.detail
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "npu"])
+def test_cuda_graph_safety_is_not_applicable_off_cuda_not_a_pass(backend_name: str) -> None:
+    """No code path asks for cuda_graph_safety off cuda, so there is no refusal a pass could vouch for."""
+    entry = MATRIX.entry(backend_name, "cuda_graph_safety")
+    assert not entry.supported and entry.verified_on.how == "not applicable"
+    backend = None
+    if backend_name == "npu":
+        from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps
+
+        backend = backends.backend_class("npu")(device="cpu", npu_ops=EmulatedTorchNpuOps(), soc_name="Ascend910B2")
+    result = VERIFIERS["cuda_graph_safety"](backend_name, MATRIX, backend)
+    assert result.status == "skipped" and result.detail.startswith("not applicable") and entry.note in result.detail
+
+
+def test_cuda_graph_safety_claimed_verified_off_cuda_fails(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["cuda_graph_safety"]["verified_on"].update(how="cpu"))
+    result = VERIFIERS["cuda_graph_safety"]("cpu", load_matrix(path))
+    assert result.status == "fail" and "nothing to verify" in result.detail
+
+
+def test_not_applicable_is_only_for_unsupported_entries(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["dtypes"]["verified_on"].update(how="not applicable"))
+    with pytest.raises(CapabilityMatrixError, match=r"cpu\.dtypes\.verified_on\.how: 'not applicable' is only for"):
+        load_matrix(path)

@@ -4,6 +4,11 @@ A forward that reads device data on the host (``.item()``, ``.tolist()``, a sync
 be captured; one that bakes host values into the graph gives wrong results on replay.
 So: warm up on a side stream, capture ``apply_lora`` (segment and per-token metadata),
 copy fresh x / y into the captured buffers, replay, and compare with float64.
+
+On a backend that declares it unsupported the capability is not applicable, not refused:
+the engine never captures CUDA graphs and nothing in runtime/ or backends/ calls
+``require("cuda_graph_safety")``, so there is no gate whose refusal could be checked.
+The verifier reports skipped ("not applicable") there rather than a pass.
 """
 from __future__ import annotations
 
@@ -18,11 +23,11 @@ from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.verifiers.lora_ops import IN_FEATURES, QKV_OUTS
 from runtime.verifiers.lora_problem import build_problem, reference_expand, reference_shrink
 from runtime.verifiers.numerics import compare
-from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
+from runtime.verifiers.result import NOT_APPLICABLE, VerificationFailure, VerifierResult, verifier
 from runtime.verifiers.sampling import fresh_seed, pick_ranks, torch_dtype
 
 
-@verifier("cuda_graph_safety")
+@verifier("cuda_graph_safety", refusal=NOT_APPLICABLE)
 def verify_cuda_graph_safety(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
     if backend.device.type != "cuda":
         raise VerificationFailure(f"graph capture needs a cuda device; the backend runs on {backend.device}")

@@ -6,6 +6,10 @@ A verifier checks one capability of one backend on this machine:
     capability declared supported  -> the capability's real check (pass / fail)
     capability declared unsupported-> pass only if the runtime refuses it with a clear error
                                       quoting the matrix entry
+    ... and not applicable there   -> skipped, "not applicable": for a capability no code path
+      (``refusal=NOT_APPLICABLE``)    on that backend could ask for (cuda_graph_safety: nothing in
+                                      the runtime captures CUDA graphs), so there is no refusal to
+                                      check, and a "pass" would vouch for nothing
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class VerificationFailure(AssertionError):
 
 Body = Callable[[Any, Capability, CapabilityMatrix], VerifierResult]
 Refusal = Callable[[Capability, CapabilityMatrix], str]
+NOT_APPLICABLE = None  # ``verifier(..., refusal=NOT_APPLICABLE)``: declared unsupported -> skipped, not pass
 
 
 def refused_by_require(entry: Capability, matrix: CapabilityMatrix) -> str:
@@ -48,8 +53,10 @@ def refused_by_require(entry: Capability, matrix: CapabilityMatrix) -> str:
     raise VerificationFailure(f"declared unsupported, but require({entry.name!r}) did not refuse it")
 
 
-def verifier(capability: str, refusal: Refusal = refused_by_require) -> Callable[[Body], Callable[..., VerifierResult]]:
-    """Wrap ``body(backend, entry, matrix)`` into ``verify(backend_name, matrix=None)``."""
+def verifier(capability: str, refusal: Refusal | None = refused_by_require) -> Callable[[Body], Callable[..., VerifierResult]]:
+    """Wrap ``body(backend, entry, matrix)`` into ``verify(backend_name, matrix=None)``.
+    ``refusal``: how a backend that declares the capability unsupported must refuse it (its
+    ``how`` attribute, if any, is shown); ``NOT_APPLICABLE``: such a backend reports skipped."""
 
     def wrap(body: Body) -> Callable[..., VerifierResult]:
         @functools.wraps(body)
@@ -66,11 +73,18 @@ def verifier(capability: str, refusal: Refusal = refused_by_require) -> Callable
                 raise ValueError(f"verify {capability}: backend {backend.name!r} given for section {backend_name!r}")
             start = time.perf_counter()
             try:
-                if not entry.supported:
+                if not entry.supported and refusal is NOT_APPLICABLE:
+                    if entry.verified_on.how != "not applicable":
+                        raise VerificationFailure(f"nothing can ask for {entry.key} on this backend, so there is nothing to verify, "
+                                                  f"but the matrix says verified_on.how: {entry.verified_on.how} (use: not applicable)")
+                    result = VerifierResult("skipped", f"not applicable: declared unsupported ({entry.note}); nothing on this "
+                                            "backend can ask for it, so there is no refusal to check", {"not_applicable": True})
+                elif not entry.supported:
                     message = refusal(entry, m)
                     if entry.note not in message:
                         raise VerificationFailure(f"the refusal does not quote the matrix note {entry.note!r}: {message}")
-                    result = VerifierResult("pass", f"refused as declared, quoting the matrix: {entry.note}", {"refusal": message})
+                    how = getattr(refusal, "how", "by require()")
+                    result = VerifierResult("pass", f"refused as declared ({how}), quoting the matrix: {entry.note}", {"refusal": message})
                 else:
                     result = body(backend if backend is not None else backends.get_backend(backend_name), entry, m)
             except VerificationFailure as err:
