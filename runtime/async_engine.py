@@ -13,9 +13,14 @@ request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Cancelling a con
 When nothing can run until an adapter is read from disk, the step thread waits for the
 load without the lock.
 
-If a step raises, every request in flight is finished with finish_reason "error" and
-the message, and the engine refuses new requests (``dead_error`` says why) rather than
-hanging its consumers.
+Admission: ``generate`` queues its request and a helper thread takes the lock; whoever holds
+the lock next (that helper, another one, or the step thread before its next step) admits
+every queued request, so a burst joins the next step together.
+
+If a step (or anything else in the step loop) raises, every request in flight is finished
+with finish_reason "error" and the message, requests the failed step had already finished
+keep their real final output, and the engine refuses new requests (``dead_error`` says why)
+rather than hanging its consumers. A consumer whose event loop was closed is dropped.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, AsyncIterator, Optional, Sequence
 
@@ -88,6 +94,19 @@ class EngineDeadError(RuntimeError):
     """The engine's step loop failed or was shut down; no new requests are accepted."""
 
 
+@dataclass
+class _Admission:
+    """A request waiting to be added to the engine, and the future its ``generate`` awaits."""
+
+    request_id: str
+    prompt: Any
+    params: Optional[SamplingParams]
+    adapter: Optional[str]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    future: "Future[None]" = field(default_factory=Future)
+
+
 class AsyncLLMEngine:
     """See the module docstring. The LLMEngine is built *in* the step thread, so the
     model's torch work (load and steps) runs on one OpenMP thread team. Torch work on the
@@ -108,6 +127,9 @@ class AsyncLLMEngine:
         # The engine lock can be held for a whole step, so the event loop never takes it:
         # admissions and aborts run in these helper threads (one OpenMP team: see torch_threads).
         self._submit = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorafleet-submit", initializer=single_threaded_torch)
+        # Requests waiting to be admitted: whoever holds the lock next (a helper or the step thread)
+        # admits all of them, so a burst is in the next step, not 4 per step (one per helper).
+        self._admissions: deque[_Admission] = deque()
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
@@ -186,13 +208,14 @@ class AsyncLLMEngine:
         adapter: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Validation errors raise before the first output."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        admission = self._off_loop(self._admit, request_id, prompt, params, adapter, loop, queue)
+        ticket = _Admission(request_id, prompt, params, adapter, asyncio.get_running_loop(), asyncio.Queue())
+        queue = ticket.queue
+        self._admissions.append(ticket)
+        self._off_loop(self._admit_queued)
         try:
-            await asyncio.wrap_future(admission)
+            await asyncio.wrap_future(ticket.future)  # cancelling this cancels the ticket unless its admission began
         except asyncio.CancelledError:  # the request may still be admitted: then take it back out
-            admission.add_done_callback(lambda f: not f.cancelled() and f.exception() is None and self._off_loop(self._abort_and_forget, request_id))
+            ticket.future.add_done_callback(lambda f: not f.cancelled() and f.exception() is None and self._off_loop(self._abort_and_forget, request_id))
             raise
         finished = False
         try:
@@ -208,18 +231,40 @@ class AsyncLLMEngine:
                 # (anyio cancel scopes repeat theirs) must not cancel the queued abort and orphan the request.
                 await asyncio.shield(asyncio.wrap_future(self._off_loop(self._abort_and_forget, request_id)))
 
-    def _admit(self, request_id: str, prompt: Any, params: Optional[SamplingParams], adapter: Optional[str],
-               loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:  # fmt: skip
+    def _admit_queued(self) -> None:
+        """Helper thread: take the lock and admit every queued request (nothing to do if another
+        holder of the lock already did)."""
+        if not self._admissions:
+            return
         with self._lock:
-            if self.dead_error is not None or not self._accepting:
-                raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
-            with self._queues_lock:
-                if request_id in self._queues:
-                    raise ValueError(f"request_id: {request_id!r} is already in flight")
-            self.engine.add_request(request_id, prompt, params, adapter)
-            with self._queues_lock:
-                self._queues[request_id] = (loop, queue)
+            self._drain_admissions()
+
+    def _drain_admissions(self) -> None:
+        """Admit every queued request; the lock is held. Each ticket's future gets the outcome."""
+        admitted = False
+        while self._admissions:
+            ticket = self._admissions.popleft()
+            if not ticket.future.set_running_or_notify_cancel():  # its consumer left before admission began
+                continue
+            try:
+                self._admit(ticket)
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting generate()
+                ticket.future.set_exception(err)
+            else:
+                ticket.future.set_result(None)
+                admitted = True
+        if admitted:
             self._wake.notify_all()
+
+    def _admit(self, ticket: _Admission) -> None:
+        if self.dead_error is not None or not self._accepting:
+            raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
+        with self._queues_lock:
+            if ticket.request_id in self._queues:
+                raise ValueError(f"request_id: {ticket.request_id!r} is already in flight")
+        self.engine.add_request(ticket.request_id, ticket.prompt, ticket.params, ticket.adapter)
+        with self._queues_lock:
+            self._queues[ticket.request_id] = (ticket.loop, ticket.queue)
 
     def _off_loop(self, fn: Any, *args: Any) -> "Future[Any]":
         """Run ``fn`` in a submit thread; inline once the engine is shut down (no step holds the lock then)."""
@@ -234,9 +279,13 @@ class AsyncLLMEngine:
             return done
 
     def _abort_and_forget(self, request_id: str) -> None:
-        self.abort(request_id)
-        with self._queues_lock:
-            self._queues.pop(request_id, None)
+        """Abort for a consumer that has gone: no final output is queued (it would wait in the
+        engine's pending outputs and reach a new request that reuses the id)."""
+        with self._lock:
+            self.engine.abort(request_id, notify=False)
+            with self._queues_lock:
+                self._queues.pop(request_id, None)
+            self._wake.notify_all()
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -251,7 +300,11 @@ class AsyncLLMEngine:
 
     def load_adapter_files(self, name: str, path: str) -> Any:
         """Read and validate an adapter folder without the lock (``LLMEngine.load_adapter_files``)."""
-        return self._files.submit(self.engine.load_adapter_files, name, path).result()
+        try:
+            reading = self._files.submit(self.engine.load_adapter_files, name, path)
+        except RuntimeError as err:  # the file reader is shut down with the engine
+            raise EngineDeadError(self.dead_error or "engine was shut down") from err
+        return reading.result()
 
     def install_adapter(self, adapter: Any, path: str) -> AdapterRef:
         """Make an adapter already read and checked current (``LLMEngine.install_adapter``), under the lock."""
@@ -294,38 +347,66 @@ class AsyncLLMEngine:
             return
         self.engine = built  # set before anyone waits on _built, so the loop below can use it
         self._built.set_result(built)
-        while True:
-            with self._lock:
-                while not self._stopping and not self.engine.has_unfinished():
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                ran_before = self.engine.steps
-                try:
-                    outputs = self.engine.step(wait_for_loads=False)
-                except Exception as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
-                    logger.exception("engine step failed")
-                    self.dead_error = f"engine step failed: {type(err).__name__}: {err}"
-                    self._dispatch(self.engine.fail_all(self.dead_error))
-                    self._accepting = False
-                    return
-                self._dispatch(outputs)
-                stalled = self.engine.stalled_load_futures()
-                idle = self.engine.steps == ran_before and self.engine.has_unfinished() and not stalled
-            # Nothing can run until an adapter load finishes: wait for it without the lock, so
-            # requests, aborts and snapshots go through meanwhile; in short slices, so runnable work
-            # admitted meanwhile (e.g. a base-model request) waits at most ~5 ms.
-            if stalled:
-                wait(stalled, timeout=0.005, return_when=FIRST_COMPLETED)
-            elif idle:
-                time.sleep(0.002)
+        try:
+            while self._one_iteration():
+                pass
+        except BaseException as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
+            self._die(err)
+
+    def _one_iteration(self) -> bool:
+        """Wait for work, run one step and hand its outputs out; False once stopping."""
+        with self._lock:
+            self._drain_admissions()
+            while not self._stopping and not self.engine.has_unfinished():
+                self._wake.wait()
+                self._drain_admissions()
+            if self._stopping:
+                return False
+            ran_before = self.engine.steps
+            self._dispatch(self.engine.step(wait_for_loads=False))
+            stalled = self.engine.stalled_load_futures()
+            idle = self.engine.steps == ran_before and self.engine.has_unfinished() and not stalled
+        # Nothing can run until an adapter load finishes: wait for it without the lock, so
+        # requests, aborts and snapshots go through meanwhile; in short slices, so runnable work
+        # admitted meanwhile (e.g. a base-model request) waits at most ~5 ms.
+        if stalled:
+            wait(stalled, timeout=0.005, return_when=FIRST_COMPLETED)
+        elif idle:
+            time.sleep(0.002)
+        return True
+
+    def _die(self, err: BaseException) -> None:
+        """The step loop failed: refuse new requests and end every stream with the error. Outputs
+        the failed step had already made (requests it finished) are handed out first."""
+        logger.error("engine step failed: %s: %s", type(err).__name__, err, exc_info=err)
+        with self._lock:
+            self.dead_error = f"engine step failed: {type(err).__name__}: {err}"
+            self._accepting = False
+            try:
+                self._dispatch(self.engine.fail_all(self.dead_error))
+            except BaseException as again:  # noqa: BLE001 - the streams must still end
+                logger.error("failing the requests in flight failed too: %s: %s", type(again).__name__, again, exc_info=again)
+                self._end_streams(self.dead_error)
+            self._drain_admissions()  # queued requests get EngineDeadError now
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._queues_lock:
             targets = [self._queues.get(out.request_id) for out in outputs]
         for out, target in zip(outputs, targets):
-            if target is None:
-                continue
-            loop, queue = target
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+            if target is not None:
+                self._deliver(out.request_id, target, out)
+
+    def _deliver(self, request_id: str, target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], out: RequestOutput) -> None:
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:  # its event loop was closed (checking first would race with the close): nobody to tell
+            with self._queues_lock:
+                self._queues.pop(request_id, None)
+
+    def _end_streams(self, message: str) -> None:
+        """Last resort when fail_all itself failed: end every stream with an error output."""
+        with self._queues_lock:
+            targets = dict(self._queues)
+        for request_id, target in targets.items():
+            self._deliver(request_id, target, RequestOutput(request_id, None, (), "", (), "", True, "error", message, ()))

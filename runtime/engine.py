@@ -251,13 +251,16 @@ class LLMEngine:
             raise ValueError("prompt: empty (it must have at least one token)")
         return ids
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and release everything it holds; False if it is not in flight."""
+    def abort(self, request_id: str, notify: bool = True) -> bool:
+        """Stop a request and release everything it holds; False if it is not in flight.
+        ``notify``: the next step returns its final output (finish_reason "abort"); False when
+        nobody is listening any more."""
         live = self._live.get(request_id)
         if live is None:
             return False
         self._finish(live, "abort", None)
-        self._pending.append(self._output(live, [], finished=True))
+        if notify:
+            self._pending.append(self._output(live, [], finished=True))
         return True
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -282,8 +285,18 @@ class LLMEngine:
     def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
         """One engine step. When nothing can run until an adapter load finishes, it waits for
         one (up to 1 s) unless ``wait_for_loads`` is False: then ``stalled_load_futures`` tells
-        the caller what to wait on (AsyncLLMEngine waits without holding its lock)."""
+        the caller what to wait on (AsyncLLMEngine waits without holding its lock).
+
+        If the step raises, the outputs it had made (requests it finished, aborts before it)
+        are kept for the next ``step`` or ``fail_all``, so no finished request loses its end."""
         outputs, self._pending = self._pending, []
+        try:
+            return self._step(outputs, wait_for_loads)
+        except BaseException:
+            self._pending = outputs + self._pending
+            raise
+
+    def _step(self, outputs: list[RequestOutput], wait_for_loads: bool) -> list[RequestOutput]:
         for failure in self.pool.poll():
             for live in [l for l in self._live.values() if l.seq.adapter == failure.ref]:
                 self._finish(live, "error", failure.message)
@@ -381,7 +394,10 @@ class LLMEngine:
         key = seq.adapter.name if seq.adapter is not None else ""
         self._request_counters.setdefault(key, AdapterRequestCounters()).record(metrics)
         for observer in self._observers:
-            observer(metrics)
+            try:
+                observer(metrics)
+            except Exception:  # noqa: BLE001 - a metrics bug must not fail the request or the engine
+                logger.exception("request observer %r failed on %s", observer, seq.request_id)
 
     # ---- reporting -----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

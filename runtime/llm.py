@@ -13,6 +13,7 @@ as llm:``) releases them at once instead of whenever the garbage collector runs.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -49,6 +50,8 @@ class LLM:
     """One base model plus named LoRA adapters, for batch generation in-process.
 
     ``device``: "auto" (the default, as for ``lorafleet serve``) picks cuda, then npu, then cpu.
+    One call at a time: calls from several threads take turns (``close()`` waits for a running
+    ``generate()``); for concurrent serving use ``AsyncLLMEngine``.
     """
 
     def __init__(
@@ -71,10 +74,12 @@ class LLM:
             self.engine.close()  # a half-built LLM must not keep the model and the loader thread alive
             raise
         self._next_id = 0
+        self._turn = threading.Lock()  # one call into the engine at a time
 
     def close(self) -> None:
         """Release the engine (model weights, KV cache, adapter loader thread)."""
-        self.engine.close()
+        with self._turn:
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -87,7 +92,8 @@ class LLM:
         return self.engine.tokenizer
 
     def register_adapter(self, name: str, path: str) -> None:
-        self.engine.register_adapter(name, str(path))
+        with self._turn:
+            self.engine.register_adapter(name, str(path))
 
     def generate(
         self,
@@ -101,6 +107,16 @@ class LLM:
         Raises ``GenerationError`` (holding every result) if any request failed, unless
         ``raise_on_error`` is False.
         """
+        with self._turn:
+            return self._generate(prompts, params, adapter, raise_on_error)
+
+    def _generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None],
+        adapter: Union[str, None, Sequence[Optional[str]]],
+        raise_on_error: bool,
+    ) -> list[CompletionResult]:
         batch = _as_prompt_list(prompts)
         n = len(batch)
         param_list = _broadcast(params if params is not None else SamplingParams(), n, "params", SamplingParams, "a SamplingParams")
@@ -128,9 +144,8 @@ class LLM:
                             error=out.error,
                         )
         except BaseException:
-            for request_id in ids:  # leave the engine clean for the next call
-                self.engine.abort(request_id)
-            self.engine.step()  # drains the abort outputs
+            for request_id in ids:  # leave the engine clean for the next call (nobody reads their outputs)
+                self.engine.abort(request_id, notify=False)
             raise
         ordered = [results[r] for r in ids]
         if raise_on_error and any(r.finish_reason == "error" for r in ordered):

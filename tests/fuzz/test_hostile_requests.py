@@ -120,7 +120,7 @@ def test_body_limits_declared_and_chunked(engine) -> None:
 
 @pytest.mark.parametrize("extra, param", [
     ({"prompt": "y" * 500}, "prompt"),  # more tokens than max_model_len
-    ({"prompt": "ok", "max_tokens": 10_000}, "prompt"),
+    ({"prompt": "ok", "max_tokens": 10_000}, "max_tokens"),  # the engine words it as a max_tokens error
     ({"prompt": "ok", "stop_token_ids": list(range(257))}, "stop_token_ids"),
     ({"prompt": "ok", "stop": "s" * 1025}, "stop"),
     ({"prompt": "ok", "stop": ["s"] * 17}, "stop"),

@@ -1,0 +1,209 @@
+"""AsyncLLMEngine and LLMEngine under failures and races: a step that fails after finishing
+requests, an observer that raises, a consumer's event loop closed under the step thread, a
+request id reused right after an abort, a burst of admissions, and LLM/engine use after close."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from runtime.async_engine import AsyncLLMEngine, EngineDeadError
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.request import RequestOutput, SamplingParams
+
+
+def config(model: Path, **overrides) -> EngineConfig:
+    values = dict(model=str(model), device="cpu", dtype="float32", max_loras=2, max_lora_rank=16, max_cpu_loras=4,
+                  max_num_seqs=64, max_model_len=96, block_size=8, num_kv_blocks=256, max_num_batched_tokens=512)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_a_step_failing_after_it_finished_a_request_keeps_that_request_s_end(tiny_llama_dir: Path) -> None:
+    """The request the failed step finished gets its real final output ("length"); the others
+    get the error from fail_all. Before, the finished one got nothing: its stream hung."""
+    engine = LLMEngine(config(tiny_llama_dir))
+    finished: list[str] = []
+    engine.add_observer(lambda m: finished.append(m.request_id))
+    engine.add_request("short", [5, 6, 7], greedy(2))
+    engine.add_request("long", [5, 6, 7], greedy(40))
+    real_prefetch = engine.pool.prefetch
+
+    def prefetch(refs):  # type: ignore[no-untyped-def]
+        if "short" in finished:
+            engine.pool.prefetch = real_prefetch
+            raise RuntimeError("injected: a device copy failed")
+        return real_prefetch(refs)
+
+    engine.pool.prefetch = prefetch
+    seen: list[RequestOutput] = []
+    with pytest.raises(RuntimeError, match="injected"):
+        while True:
+            seen += engine.step()
+    ends = {o.request_id: o for o in engine.fail_all("engine step failed")}
+    assert ends["short"].finish_reason == "length" and len(ends["short"].token_ids) == 2
+    assert ends["long"].finish_reason == "error" and not engine.has_unfinished()
+    engine.close()
+
+
+def test_an_observer_that_raises_fails_neither_the_request_nor_the_engine(tiny_llama_dir: Path, caplog) -> None:
+    engine = LLMEngine(config(tiny_llama_dir))
+
+    def broken(metrics):  # type: ignore[no-untyped-def]
+        raise ValueError("a metrics bug")
+
+    engine.add_observer(broken)
+    engine.add_request("r", [5, 6, 7], greedy(3))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 3
+    assert "request observer" in caplog.text and "a metrics bug" in caplog.text
+    engine.close()
+
+
+def test_abort_without_notify_leaves_no_output_for_a_reused_id(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine(config(tiny_llama_dir))
+    engine.add_request("x", [5, 6, 7], greedy(5))
+    assert engine.abort("x", notify=False) and not engine.has_unfinished() and engine.step() == []
+    engine.add_request("x", [5, 6, 7], greedy(2))  # the same id again: its own outputs only
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.finish_reason for o in outputs if o.finished] == ["length"]
+    engine.close()
+
+
+def test_a_closed_consumer_loop_does_not_kill_the_step_thread(tiny_llama_dir: Path) -> None:
+    """A consumer's event loop can close between any check and the hand-over: the output is
+    dropped, the queue forgotten, and the step thread carries on serving the others."""
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    try:
+        closed = asyncio.new_event_loop()
+        closed.close()
+        with engine._queues_lock:
+            engine._queues["gone"] = (closed, asyncio.Queue())
+        out = RequestOutput("gone", None, (1,), "a", (1,), "a", False, None, None, (5,))
+        engine._dispatch([out])  # raised RuntimeError("Event loop is closed") in the step thread before
+        assert "gone" not in engine._queues
+
+        async def other() -> str:
+            outs = [o async for o in engine.generate("other", [5, 6, 7], greedy(3))]
+            return outs[-1].finish_reason
+
+        assert asyncio.run(asyncio.wait_for(other(), 30)) == "length"
+        assert engine.running and engine.dead_error is None
+    finally:
+        engine.shutdown()
+
+
+def test_a_step_failure_ends_every_stream(tiny_llama_dir: Path) -> None:
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    core = engine.engine
+    real_execute = core.runner.execute
+    calls = {"n": 0}
+
+    def execute(steps):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected: the device fell over")
+        return real_execute(steps)
+
+    core.runner.execute = execute
+
+    async def consume(rid: str, n: int) -> str:
+        outs = [o async for o in engine.generate(rid, [5, 6, 7], greedy(n))]
+        return outs[-1].finish_reason
+
+    async def run() -> list[str]:
+        return await asyncio.wait_for(asyncio.gather(consume("a", 2), consume("b", 30), consume("c", 30)), 30)
+
+    try:
+        reasons = asyncio.run(run())
+        assert reasons[1:] == ["error", "error"] and reasons[0] in ("length", "error")
+        assert engine.dead_error is not None and "injected" in engine.dead_error and not engine.accepting
+    finally:
+        engine.shutdown()
+
+
+def test_a_burst_is_admitted_within_a_step_not_four_per_step(tiny_llama_dir: Path) -> None:
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    admitted_at: list[int] = []
+    real_admit = engine._admit
+
+    def admit(ticket):  # type: ignore[no-untyped-def]
+        real_admit(ticket)
+        admitted_at.append(engine.engine.steps)
+
+    engine._admit = admit
+
+    async def drain(rid: str, n: int) -> None:
+        async for _ in engine.generate(rid, [5, 6, 7, 8], greedy(n)):
+            pass
+
+    async def run() -> None:
+        busy = [asyncio.create_task(drain(f"bg{i}", 60)) for i in range(4)]
+        while engine.engine.steps < 3:  # the engine is stepping
+            await asyncio.sleep(0.01)
+        first = len(admitted_at)
+        await asyncio.gather(*(drain(f"b{i}", 2) for i in range(32)))
+        burst = admitted_at[first:]
+        assert len(burst) == 32 and max(burst) - min(burst) <= 1, burst  # 4 per step before: 8 steps
+        await asyncio.gather(*busy)
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        engine.shutdown()
+
+
+def test_use_after_shutdown_is_an_engine_dead_error(tiny_llama_dir: Path, tiny_adapters) -> None:
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        engine.register_adapter("a", str(tiny_adapters["a"]))
+
+    async def late() -> None:
+        async for _ in engine.generate("late", [5], greedy(1)):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(late())
+
+
+def test_llm_close_from_another_thread_waits_for_generate(tiny_llama_dir: Path) -> None:
+    from runtime.llm import LLM
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=96, num_kv_blocks=64, block_size=8)
+    results: dict[str, object] = {}
+    started = threading.Event()
+    real_step = llm.engine.step
+
+    def step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started.set()
+        return real_step(*args, **kwargs)
+
+    llm.engine.step = step
+
+    def run() -> None:
+        try:
+            results["out"] = llm.generate([[5, 6, 7]] * 4, greedy(20))
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            results["err"] = err
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert started.wait(30)
+    llm.close()  # waits for the generate call: the engine is not pulled from under it
+    worker.join(30)
+    assert "err" not in results, results.get("err")
+    assert [len(r.token_ids) for r in results["out"]] == [20] * 4
+    with pytest.raises(Exception, match="released|closed"):
+        llm.generate("hello", greedy(1))
