@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +21,7 @@ import pytest
 from runtime.bench.workload import Workload, WorkloadSpec, generate, spec_from_args
 from runtime.cli import main
 from runtime.commands import bench
+from tests.json_stub import JsonHandler
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
@@ -211,20 +212,9 @@ def test_every_ignored_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None
 # ---- --url ------------------------------------------------------------------------------------
 
 
-class _Stub(BaseHTTPRequestHandler):
+class _Stub(JsonHandler):
     """A stand-in for `lorafleet serve`: /v1/models per ``server.models`` (status, body); every
     completion answers 404 (no such adapter). Records the paths asked for."""
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
         self.server.paths.append(self.path)  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,6 +20,7 @@ from runtime.bench.replay import base_model_of
 from runtime.bench.workload import WorkloadSpec, generate
 from runtime.cli import main
 from runtime.commands import bench
+from tests.json_stub import JsonHandler
 
 
 def bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -40,20 +41,9 @@ def card(name: str, parent: str | None = "base", **extra: Any) -> dict[str, Any]
     return {"id": name, "object": "model", "parent": parent, **extra}
 
 
-class _Stub(BaseHTTPRequestHandler):
+class _Stub(JsonHandler):
     """/v1/models answers ``server.cards``; each completion is recorded (its body's model) and fails
     with 500, so a run that sends any exits 1."""
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
         self.server.paths.append(self.path)  # type: ignore[attr-defined]

@@ -4,10 +4,23 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from runtime.config import EngineConfig
 
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The async tests (``pytest.mark.anyio``) run on asyncio."""
+    return "asyncio"
+
+
+def client_for(app, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
+    """An httpx client that calls the ASGI app in-process."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
 
 
 def make_engine_config(model_dir: Path, **overrides) -> EngineConfig:

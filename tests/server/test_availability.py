@@ -13,20 +13,10 @@ import pytest
 
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
-from tests.server.conftest import make_engine_config
+from tests.server.conftest import client_for, make_engine_config
 from tests.server_harness import wait_until
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def client_for(app: Any, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
-    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
 
 
 def completion(model: str) -> dict[str, Any]:

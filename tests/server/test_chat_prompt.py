@@ -13,11 +13,6 @@ pytestmark = pytest.mark.anyio
 DEMO_BASE = "runtime/demo_assets/base"  # its template starts with {{ bos_token }}, its tokenizer adds BOS too
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_chat_prompt_has_one_bos():
     from runtime.async_engine import AsyncLLMEngine
 

@@ -6,24 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
-from tests.server.conftest import make_engine_config
+from tests.server.conftest import client_for, make_engine_config
 
 pytestmark = pytest.mark.anyio
 SMALL_POOL = dict(max_model_len=96, block_size=8, num_kv_blocks=4)  # the pool holds 32 tokens, less than max_model_len
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def client_for(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 def prompt_of(engine: Any, min_tokens: int) -> tuple[str, int]:

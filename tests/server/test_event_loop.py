@@ -12,28 +12,19 @@ import contextlib
 import threading
 from typing import Any, Iterator
 
-import httpx
 import pytest
 
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
+from tests.server.conftest import client_for
 
 pytestmark = pytest.mark.anyio
 SAFETY_S = 5.0  # how long the lock is held at most, should the event loop be blocked on it
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def app(engine):
     return create_app(engine, ServerOptions())
-
-
-def client_for(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 @contextlib.contextmanager

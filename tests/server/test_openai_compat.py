@@ -7,25 +7,15 @@ import json
 from typing import Any, AsyncIterator
 
 import anyio
-import httpx
 import pytest
 
 from runtime.server.app import create_app
 from runtime.server.errors import APIError
 from runtime.server.options import ServerOptions
-from tests.server.conftest import make_engine_config
+from tests.server.conftest import client_for, make_engine_config
 
 pytestmark = pytest.mark.anyio
 DEMO_BASE = "runtime/demo_assets/base"  # has a chat template
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def client_for(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,9 @@ import pytest
 
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
+from tests.server.conftest import client_for
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def client_for(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 @pytest.fixture(scope="module")

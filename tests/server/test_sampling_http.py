@@ -11,6 +11,7 @@ import pytest
 
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
+from tests.server.conftest import client_for
 
 pytestmark = pytest.mark.anyio
 
@@ -18,18 +19,9 @@ MAX_TOKENS = 8
 PROMPT = "sample me"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def app(engine, adapter_root: Path):
     return create_app(engine, ServerOptions(adapter_roots=(adapter_root,)))
-
-
-def client_for(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 async def complete(c: httpx.AsyncClient, model: str, **fields) -> dict:
