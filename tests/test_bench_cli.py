@@ -19,27 +19,12 @@ from typing import Iterator
 import pytest
 
 from runtime.bench.workload import Workload, WorkloadSpec, generate, spec_from_args
-from runtime.cli import main
 from runtime.commands import bench
+from tests.bench_helpers import bench_cli, one_error_line
 from tests.json_stub import JsonHandler
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
-
-
-def bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    """(exit code, stderr) of `lorafleet bench ARGV`; an argparse error is its SystemExit code."""
-    try:
-        rc = main(["bench", *argv])
-    except SystemExit as stop:
-        rc = int(stop.code or 0)
-    return rc, capsys.readouterr().err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # ---- setup errors: exit 2, one line naming the flag, nothing written --------------------------

@@ -18,23 +18,9 @@ import pytest
 
 from runtime.bench.replay import base_model_of
 from runtime.bench.workload import WorkloadSpec, generate
-from runtime.cli import main
 from runtime.commands import bench
+from tests.bench_helpers import bench_cli, one_error_line
 from tests.json_stub import JsonHandler
-
-
-def bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    try:
-        rc = main(["bench", *argv])
-    except SystemExit as stop:
-        rc = int(stop.code or 0)
-    return rc, capsys.readouterr().err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def card(name: str, parent: str | None = "base", **extra: Any) -> dict[str, Any]:
