@@ -11,8 +11,6 @@ import json
 import os
 import socket
 import sys
-import threading
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +19,7 @@ import pytest
 from runtime.bench.workload import Workload, WorkloadSpec, generate, spec_from_args
 from runtime.commands import bench
 from tests.bench_helpers import bench_cli, one_error_line
-from tests.json_stub import JsonHandler
+from tests.json_stub import JsonHandler, StubServer, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
@@ -215,20 +213,13 @@ class _Stub(JsonHandler):
 
 
 @pytest.fixture
-def stub() -> Iterator[ThreadingHTTPServer]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
-    server.paths, server.models = [], (200, {"object": "list", "data": [{"id": "base", "object": "model"}]})  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+def stub() -> Iterator[StubServer]:
+    with serving(_Stub, paths=[], models=(200, {"object": "list", "data": [{"id": "base", "object": "model"}]})) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
-def _url(server: ThreadingHTTPServer) -> str:
-    return f"http://127.0.0.1:{server.server_address[1]}"
+def _url(server: StubServer) -> str:
+    return server.url
 
 
 def test_unreachable_server_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -250,27 +241,27 @@ def test_malformed_url_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], ur
     (401, "HTTP 401 Unauthorized: {\"detail\": \"bad key\"} (the server wants a key: pass --api-key)"),
     (404, "HTTP 404 Not Found: {\"detail\": \"bad key\"} (is this a lorafleet/OpenAI-compatible server?)"),
 ])  # fmt: skip
-def test_model_list_refused_is_one_line_exit_2(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], status: int, want: str) -> None:
+def test_model_list_refused_is_one_line_exit_2(stub: StubServer, capsys: pytest.CaptureFixture[str], status: int, want: str) -> None:
     stub.models = (status, {"detail": "bad key"})  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", _url(stub) + "/", "--num-requests", "2")
     assert rc == 2 and one_error_line(err) == f"lorafleet bench: --url {_url(stub)}/: GET {_url(stub)}/v1/models: {want}"
     assert stub.paths == ["/v1/models"]  # the trailing slash is not doubled; nothing else is sent  # type: ignore[attr-defined]
 
 
-def test_not_a_model_list_is_one_line_exit_2(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_not_a_model_list_is_one_line_exit_2(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     stub.models = (200, {"data": []})  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", _url(stub), "--num-requests", "2")
     assert rc == 2 and "not an OpenAI model list with at least one model" in one_error_line(err)
 
 
-def test_served_base_model_strips_the_trailing_slash(stub: ThreadingHTTPServer) -> None:
+def test_served_base_model_strips_the_trailing_slash(stub: StubServer) -> None:
     from runtime.bench.replay import served_base_model
 
     assert served_base_model(_url(stub) + "/") == "base"
     assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
 
 
-def test_failed_requests_exit_1_and_say_why(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_failed_requests_exit_1_and_say_why(stub: StubServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "summary.json"
     stub.models = (200, {"object": "list", "data": [{"id": "base", "object": "model"}, {"id": "lora-0000", "object": "model"}]})  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", _url(stub), "--num-requests", "4", "--rate", "0", "--popularity", "identical", "--json", str(out))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,7 +18,7 @@ from runtime.bench.replay import base_model_of
 from runtime.bench.workload import WorkloadSpec, generate
 from runtime.commands import bench
 from tests.bench_helpers import bench_cli, one_error_line
-from tests.json_stub import JsonHandler
+from tests.json_stub import JsonHandler, StubServer, serving
 
 
 def card(name: str, parent: str | None = "base", **extra: Any) -> dict[str, Any]:
@@ -41,26 +39,15 @@ class _Stub(JsonHandler):
         self._reply(500, {"error": {"message": "stub", "code": "stub"}})
 
 
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128  # a whole workload connects at once (--rate 0); the default backlog of 5 could refuse some
-
-
 @pytest.fixture
-def stub() -> Iterator[ThreadingHTTPServer]:
-    server = _Server(("127.0.0.1", 0), _Stub)
-    server.paths, server.models = [], []  # type: ignore[attr-defined]
-    server.cards = [card("base", None, max_model_len=4096), *(card(n, max_model_len=4096) for n in ("upper", "reverse", "rot13"))]  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+def stub() -> Iterator[StubServer]:
+    cards = [card("base", None, max_model_len=4096), *(card(n, max_model_len=4096) for n in ("upper", "reverse", "rot13"))]
+    with serving(_Stub, paths=[], models=[], cards=cards) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
-def url(server: ThreadingHTTPServer) -> str:
-    return f"http://127.0.0.1:{server.server_address[1]}"
+def url(server: StubServer) -> str:
+    return server.url
 
 
 SMALL = ["--num-requests", "6", "--rate", "0", "--output-len", "4,8"]
@@ -69,7 +56,7 @@ SMALL = ["--num-requests", "6", "--rate", "0", "--output-len", "4,8"]
 # ---- adapter names ------------------------------------------------------------------------------
 
 
-def test_unserved_workload_adapters_are_refused_before_any_request(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unserved_workload_adapters_are_refused_before_any_request(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapters", "3", "--popularity", "distinct")
     line = one_error_line(err)
     assert rc == 2 and line.startswith(f"lorafleet bench: --url {url(stub)}: does not serve the adapters lora-0000, lora-0001, lora-0002 that")
@@ -77,7 +64,7 @@ def test_unserved_workload_adapters_are_refused_before_any_request(stub: Threadi
     assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
 
 
-def test_the_fix_names_adapters_to_drop_to_when_the_server_has_fewer(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_fix_names_adapters_to_drop_to_when_the_server_has_fewer(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapters", "5", "--popularity", "distinct")
     assert rc == 2 and "--adapters 3 --adapter-names upper,reverse,rot13" in one_error_line(err)
     stub.cards = [card("base", None)]  # type: ignore[attr-defined]
@@ -86,7 +73,7 @@ def test_the_fix_names_adapters_to_drop_to_when_the_server_has_fewer(stub: Threa
     assert "/v1/completions" not in stub.paths  # type: ignore[attr-defined]
 
 
-def test_unserved_base_model_is_refused(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unserved_base_model_is_refused(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--base-model", "nope")
     assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: --base-model nope: not served by {url(stub)} (GET /v1/models lists: base (base),")
     assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
@@ -100,7 +87,7 @@ def test_the_base_is_the_card_without_a_parent() -> None:
 # ---- --adapter-names ----------------------------------------------------------------------------
 
 
-def test_adapter_names_map_the_most_requested_adapter_to_the_first_name(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_adapter_names_map_the_most_requested_adapter_to_the_first_name(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--num-requests", "30", "--rate", "0", "--output-len", "2,2", "--popularity", "uniform", "--seed", "3"]
     workload = generate(WorkloadSpec(num_requests=30, num_adapters=3, popularity="uniform", rate=0, output_len=(2, 2), seed=3))
     counts = {a: sum(r.adapter == a for r in workload.requests) for a in workload.adapter_ranks}
@@ -125,7 +112,7 @@ def test_adapter_names_ties_keep_the_workload_order() -> None:
     (["--base-fraction", "1", "--adapter-names", "upper,reverse,rot13"],
      "lorafleet bench: --adapter-names: not used: every request names the base model (--base-fraction 1)"),
 ])  # fmt: skip
-def test_contradictory_adapter_names_are_refused_before_the_model_list(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str],
+def test_contradictory_adapter_names_are_refused_before_the_model_list(stub: StubServer, capsys: pytest.CaptureFixture[str],
                                                                         argv: list[str], want: str) -> None:  # fmt: skip
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, *argv)
     assert rc == 2 and one_error_line(err).startswith(want)
@@ -136,13 +123,13 @@ def test_contradictory_adapter_names_are_refused_before_the_model_list(stub: Thr
     ("upper,nope", "lorafleet bench: --adapter-names: nope: not served by {url} (GET /v1/models lists: base (base), upper, reverse, rot13)"),
     ("upper,base", "lorafleet bench: --adapter-names: base is the base model, not an adapter"),
 ])  # fmt: skip
-def test_unserved_adapter_names_are_refused(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], names: str, want: str) -> None:
+def test_unserved_adapter_names_are_refused(stub: StubServer, capsys: pytest.CaptureFixture[str], names: str, want: str) -> None:
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapter-names", names)
     assert rc == 2 and one_error_line(err).startswith(want.format(url=url(stub)))
     assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
 
 
-def test_adapter_names_must_match_a_workload_files_adapters(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_adapter_names_must_match_a_workload_files_adapters(stub: StubServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
     generate(WorkloadSpec(num_requests=4, num_adapters=2, rate=0, input_len=(2, 3), output_len=(2, 3))).save(path)
     rc, err = bench_cli(capsys, "--url", url(stub), "--workload", str(path), "--adapter-names", "upper,reverse,rot13")
@@ -175,7 +162,7 @@ def test_url_only_flags_are_refused_without_url(tmp_path: Path, capsys: pytest.C
 # ---- max_model_len --------------------------------------------------------------------------
 
 
-def test_requests_that_may_not_fit_max_model_len_are_refused(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_requests_that_may_not_fit_max_model_len_are_refused(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     stub.cards = [card("base", None, max_model_len=128), *(card(n, max_model_len=128) for n in ("upper", "reverse", "rot13"))]  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "30,30")
     line = one_error_line(err)
@@ -189,7 +176,7 @@ def test_requests_that_may_not_fit_max_model_len_are_refused(stub: ThreadingHTTP
     assert rc == 1 and len(stub.models) == 12  # type: ignore[attr-defined]
 
 
-def test_the_length_check_uses_each_models_card(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_the_length_check_uses_each_models_card(stub: StubServer, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     stub.cards = [card("base", None, max_model_len=4096), card("upper", max_model_len=40)]  # type: ignore[attr-defined]
     path = tmp_path / "w.jsonl"
     generate(WorkloadSpec(num_requests=4, num_adapters=1, rate=0, input_len=(8, 8), output_len=(4, 4))).save(path)
@@ -199,7 +186,7 @@ def test_the_length_check_uses_each_models_card(stub: ThreadingHTTPServer, capsy
     assert "python -m runtime.bench.workload" in line and stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
 
 
-def test_a_card_without_max_model_len_is_not_checked(stub: ThreadingHTTPServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_card_without_max_model_len_is_not_checked(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     stub.cards = [card("base", None)]  # type: ignore[attr-defined]
     rc, _ = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "500,500")
     assert rc == 1 and len(stub.models) == 6  # type: ignore[attr-defined]
