@@ -81,7 +81,16 @@ def test_errors_mid_write_leave_nothing_and_have_their_own_exit_code(tiny_llama_
     assert says in capsys.readouterr().err and _siblings(out) == []
 
 
-def test_ctrl_c_inside_the_staging_block_cleans_up(tmp_path):
+@pytest.fixture
+def interactive_sigint():
+    """SIGINT as in a foreground process (a shell's background job, e.g. `make test &`, starts
+    with it ignored, which the staging block rightly leaves alone)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_inside_the_staging_block_cleans_up(tmp_path, interactive_sigint):
     out = check_output(tmp_path / "m", [], force=False)
     with pytest.raises(KeyboardInterrupt):
         with StagedOutput(out, force=False) as staging:
@@ -91,6 +100,21 @@ def test_ctrl_c_inside_the_staging_block_cleans_up(tmp_path):
                 time.sleep(0.001)
             raise AssertionError("SIGINT did not stop the block")
     assert _siblings(out) == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_signals_the_process_ignores_stay_ignored(tmp_path):
+    """`nohup lorafleet merge ... &`: the hangup when the terminal closes must not stop the run."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        out = check_output(tmp_path / "m", [], force=False)
+        with StagedOutput(out, force=False) as staging:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+            (staging / "model.safetensors").write_bytes(b"complete")
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_sigterm_inside_the_staging_block_cleans_up_and_restores_the_handler(tmp_path):

@@ -167,7 +167,9 @@ def leftover_scratch(out: Path) -> list[Path]:
 
 
 def _install_termination_handler(handler: Any) -> dict[int, Any]:
-    """``handler`` for SIGTERM and SIGHUP (main thread only: Python runs signal handlers there); returns the old handlers."""
+    """``handler`` for SIGTERM, SIGHUP and SIGINT (main thread only: Python runs signal handlers
+    there); returns the old handlers. A signal the process was started ignoring stays ignored:
+    under ``nohup`` SIGHUP, and in a shell's background job SIGINT, must not stop the run."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {signum: signal.signal(signum, handler) for signum in TERMINATING_SIGNALS}
+    return {signum: signal.signal(signum, handler) for signum in TERMINATING_SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN}
