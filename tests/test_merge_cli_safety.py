@@ -172,7 +172,7 @@ def test_truncated_base_shard_is_an_input_error(tiny_llama_dir, tiny_adapters, t
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_is_in_place(tmp_path, monkeypatch, capsys, signum):
+def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_is_in_place(tmp_path, monkeypatch, capsys, signum, interactive_sigint):
     from runtime.merge import staging
 
     out = tmp_path / "m"
