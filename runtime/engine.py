@@ -263,6 +263,12 @@ class LLMEngine:
             self._pending.append(self._output(live, [], finished=True))
         return True
 
+    def drop_pending(self, request_ids: Seq[str]) -> None:
+        """Forget outputs not yet returned for these requests (their caller stopped listening,
+        e.g. after a step failed with the requests' final outputs already made)."""
+        gone = set(request_ids)
+        self._pending = [o for o in self._pending if o.request_id not in gone]
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request in flight with finish_reason "error" (engine failure or shutdown)."""
         outputs, self._pending = self._pending, []

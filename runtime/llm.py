@@ -132,9 +132,10 @@ class LLM:
                     raise type(err)(f"prompts[{i}]: {err}") from err
                 ids.append(request_id)
             results: dict[str, CompletionResult] = {}
+            wanted = set(ids)
             while len(results) < n:
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = CompletionResult(
                             text=out.text,
                             token_ids=out.token_ids,
@@ -146,6 +147,7 @@ class LLM:
         except BaseException:
             for request_id in ids:  # leave the engine clean for the next call (nobody reads their outputs)
                 self.engine.abort(request_id, notify=False)
+            self.engine.drop_pending(ids)  # final outputs a failed step had already made
             raise
         ordered = [results[r] for r in ids]
         if raise_on_error and any(r.finish_reason == "error" for r in ordered):
