@@ -283,6 +283,7 @@ class AsyncLLMEngine:
         engine's pending outputs and reach a new request that reuses the id)."""
         with self._lock:
             self.engine.abort(request_id, notify=False)
+            self.engine.drop_pending([request_id])  # e.g. an abort() output not handed out yet
             with self._queues_lock:
                 self._queues.pop(request_id, None)
             self._wake.notify_all()
