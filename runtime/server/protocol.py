@@ -44,10 +44,19 @@ class StreamOptions(BaseModel):
         return self
 
 
+def _nullable_defaults(schema: dict[str, Any], model: Any = None) -> None:
+    """The JSON schema says what ``_null_means_default`` does: those fields also take null."""
+    for name, prop in list(schema.get("properties", {}).items()):
+        allows_null = prop.get("type") == "null" or any(alt.get("type") == "null" for alt in prop.get("anyOf", []))
+        if name in NULL_MEANS_DEFAULT and not allows_null:
+            kept = {key: prop.pop(key) for key in ("default", "description", "title") if key in prop}
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **kept}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_defaults)
 
     model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
     max_tokens: Optional[StrictInt] = Field(None, ge=1, description=MAX_TOKENS_HELP)

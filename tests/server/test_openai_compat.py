@@ -185,3 +185,7 @@ async def test_openapi_declares_the_400_the_server_sends(app) -> None:
     declared = spec["paths"]["/v1/completions"]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
     assert declared == "#/components/schemas/ErrorResponse" and "HTTPValidationError" not in spec["components"]["schemas"]
     assert refused.status_code == 400 and set(refused.json()["error"]) == set(spec["components"]["schemas"]["ErrorResponse"]["properties"]["error"]["required"])
+    for request in ("CompletionRequest", "ChatCompletionRequest"):  # the nullable fields say so
+        props = spec["components"]["schemas"][request]["properties"]
+        for field in ("temperature", "top_p", "n", "stream", "presence_penalty"):
+            assert {"type": "null"} in props[field]["anyOf"], (request, field, props[field])
