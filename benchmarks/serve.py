@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends import availability, resolve_name  # noqa: E402
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
-from runtime.bench.replay import ReplayResult, replay_http, served_base_model  # noqa: E402
+from runtime.bench.replay import ReplayResult, replay_http, served_base_model, served_models  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
@@ -141,6 +141,19 @@ def main() -> int:
                        max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, max(spec.ranks)),
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
     workload = loaded if loaded is not None else generate(spec)
+    if a.url:  # the online replay comes last: find out now, not after the offline runs, whether the server can take it
+        try:
+            cards = served_models(a.url)
+        except Exception as err:  # noqa: BLE001 - unreachable, not a server, wrong reply: one line either way
+            p.error(f"--url {a.url}: {type(err).__name__}: {err}")
+        served = {c["id"] for c in cards}
+        missing = sorted({r.adapter for r in workload.requests if r.adapter is not None} - served)
+        if a.base_model is not None and a.base_model not in served:
+            missing.insert(0, a.base_model)
+        if missing:
+            p.error(f"--url {a.url} does not serve {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (it serves "
+                    f"{', '.join(sorted(served))}); serve adapters named like the workload's, or use `lorafleet bench --url ... "
+                    f"--adapter-names` to map them onto the served ones")
     workload.save(out / "workload.jsonl")
     # A rerun into the same --out must not leave the last run's summary and plots next to new records.
     for stale in ("summary.json", "per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):

@@ -257,3 +257,17 @@ def test_demo_server_would_fail_what_the_length_check_refuses(demo_url: str, cap
     assert rc == 2 and "1 of 6 requests may not fit" in one_error_line(err)
     rc, err = bench_cli(capsys, *argv, "--no-length-check")
     assert rc == 1 and "context_length_exceeded" in err and "1 of 6 requests failed" in err
+
+
+def test_serve_benchmark_checks_the_servers_adapters_before_any_run(stub: StubServer, tmp_path: Path) -> None:
+    """benchmarks/serve.py runs its online HTTP replay last: a server without the workload's
+    adapters is refused at start-up, not after minutes of offline runs."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "serve.py"), "--out", str(tmp_path / "out"), "--url", stub.url,
+                           "--num-requests", "4", "--adapters", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"--url {stub.url} does not serve lora-0000, lora-0001 (it serves base, reverse, rot13, upper)" in done.stderr
+    assert stub.paths == ["/v1/models"] and not (tmp_path / "out" / "weights").exists()
