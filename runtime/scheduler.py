@@ -232,12 +232,17 @@ class Scheduler:
             seq = self.waiting[key][0]
             if key is not None and self.pool.acquire_device(key) is None:
                 ready.discard(key)
-                # In running order (oldest request first), not a set's: ties in the victim order below
-                # must not depend on string hashing, which differs between processes.
-                resident = list(dict.fromkeys(s.adapter for s in self.running if s.adapter is not None))
-                victims = [v for v in self._drains.get(key, []) if v in resident]
+                # Resident adapters in running order (oldest request first), not a set's order: ties in
+                # the victim order below must not depend on string hashing, which differs between
+                # processes. With each, at most how many more steps its running requests hold its slot.
+                frees_in: dict[AdapterRef, int] = {}
+                for running in self.running:
+                    if running.adapter is not None:
+                        left = running.num_uncomputed + running.params.max_tokens - len(running.output_token_ids)
+                        frees_in[running.adapter] = max(frees_in.get(running.adapter, 0), left)
+                victims = [v for v in self._drains.get(key, []) if v in frees_in]
                 if not victims:
-                    prefer = sorted(resident, key=lambda k: (bool(self.waiting.get(k)), -charged(k), self._steps_to_free(k)))
+                    prefer = sorted(frees_in, key=lambda k: (bool(self.waiting.get(k)), -charged(k), frees_in[k]))
                     victims = self.pool.device_blockers(key, prefer) or []
                 self._drains[key] = victims
                 for victim in victims:
@@ -268,11 +273,6 @@ class Scheduler:
             planned_tokens[key] = planned_tokens.get(key, 0) + n
             budget -= n
         return budget
-
-    def _steps_to_free(self, key: AdapterRef) -> int:
-        """At most how many more steps ``key``'s running requests hold its slot: their largest
-        remaining token count (prompt still to compute + outputs still allowed)."""
-        return max((s.num_uncomputed + s.params.max_tokens - len(s.output_token_ids) for s in self.running if s.adapter == key), default=0)
 
     def _advance_virtual_time(self, backlogged: set) -> None:
         if backlogged:
