@@ -51,6 +51,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"), "param": param, "code": code}}
 
 
+def internal_error_body(err: BaseException) -> dict:
+    """The 500 for an unexpected exception (logged by the caller): its type, never its text."""
+    return error_body(500, f"internal server error ({type(err).__name__}); the server log has the details", code="internal_error")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
@@ -86,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
         (uvicorn) logs it as well.
         """
         log.error("%s %s failed: %s: %s", request.method, request.url.path, type(err).__name__, err, exc_info=err)
-        return error_response(500, f"internal server error ({type(err).__name__}); the server log has the details", code="internal_error")
+        return JSONResponse(internal_error_body(err), status_code=500)
 
 
 ERROR_SCHEMA = {

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from runtime.async_engine import EngineDeadError
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
-from runtime.server.errors import APIError, error_body
+from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import _SamplingFields
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -87,24 +87,23 @@ async def open_stream(
     except UnknownAdapterError as err:
         raise APIError(404, str(err), param="model", code="model_not_found") from err
     except (PromptTooLongError, RequestRejected) as err:
-        raise APIError(400, str(err), param=_param_of(str(err), prompt_param), code="context_length_exceeded") from err
+        raise APIError(400, str(err), param=_param_of(str(err), prompt_param, prompt_param), code="context_length_exceeded") from err
     except EngineDeadError as err:  # a RuntimeError: the engine died or is shutting down
         raise APIError(503, str(err), code="engine_unavailable") from err
     except ValueError as err:
-        raise APIError(400, str(err), param=_param_of(str(err), prompt_param, other=None), code="invalid_parameter") from err
+        raise APIError(400, str(err), param=_param_of(str(err), prompt_param, None), code="invalid_parameter") from err
     except StopAsyncIteration as err:
         raise APIError(500, f"request {request_id} ended without output") from err
     return first, stream
 
 
-def _param_of(message: str, prompt_param: str, other: Optional[str] = "prompt") -> Optional[str]:
-    """The field an engine error message is about: its ``max_tokens:`` / ``prompt:`` prefix,
-    else ``other`` (the prompt for a context-length error, nothing for other ones)."""
+def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Optional[str]:
+    """The field an engine error message is about: its ``max_tokens:`` / ``prompt:`` prefix, else ``default``."""
     if message.startswith("max_tokens:"):
         return "max_tokens"
-    if message.startswith("prompt:") or other == "prompt":
+    if message.startswith("prompt:"):
         return prompt_param
-    return other
+    return default
 
 
 async def open_streams(
@@ -208,7 +207,7 @@ def failure_event_body(err: Exception, request_id: str) -> dict[str, Any]:
     if isinstance(err, APIError):
         return error_body(err.status, err.message, err.param, err.code)
     log.error("%s failed while streaming: %s: %s", request_id, type(err).__name__, err, exc_info=err)
-    return error_body(500, f"internal server error ({type(err).__name__}); the server log has the details", code="internal_error")
+    return internal_error_body(err)
 
 
 def raise_if_failed(output: Any) -> None:
