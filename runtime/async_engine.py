@@ -279,11 +279,11 @@ class AsyncLLMEngine:
             return done
 
     def _abort_and_forget(self, request_id: str) -> None:
-        """Abort for a consumer that has gone: no final output is queued (it would wait in the
-        engine's pending outputs and reach a new request that reuses the id)."""
+        """Abort for a consumer that has gone, and drop its pending outputs (left waiting, they
+        would reach a new request that reuses the id)."""
         with self._lock:
-            self.engine.abort(request_id, notify=False)
-            self.engine.drop_pending([request_id])  # e.g. an abort() output not handed out yet
+            self.engine.abort(request_id)
+            self.engine.drop_pending([request_id])
             with self._queues_lock:
                 self._queues.pop(request_id, None)
             self._wake.notify_all()

@@ -251,16 +251,15 @@ class LLMEngine:
             raise ValueError("prompt: empty (it must have at least one token)")
         return ids
 
-    def abort(self, request_id: str, notify: bool = True) -> bool:
-        """Stop a request and release everything it holds; False if it is not in flight.
-        ``notify``: the next step returns its final output (finish_reason "abort"); False when
-        nobody is listening any more."""
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release everything it holds; False if it is not in flight. The
+        next step returns its final output (finish_reason "abort"); ``drop_pending`` forgets it
+        when nobody is listening any more."""
         live = self._live.get(request_id)
         if live is None:
             return False
         self._finish(live, "abort", None)
-        if notify:
-            self._pending.append(self._output(live, [], finished=True))
+        self._pending.append(self._output(live, [], finished=True))
         return True
 
     def drop_pending(self, request_ids: Seq[str]) -> None:

@@ -146,8 +146,8 @@ class LLM:
                         )
         except BaseException:
             for request_id in ids:  # leave the engine clean for the next call (nobody reads their outputs)
-                self.engine.abort(request_id, notify=False)
-            self.engine.drop_pending(ids)  # final outputs a failed step had already made
+                self.engine.abort(request_id)
+            self.engine.drop_pending(ids)  # their abort outputs, and final outputs a failed step had already made
             raise
         ordered = [results[r] for r in ids]
         if raise_on_error and any(r.finish_reason == "error" for r in ordered):

@@ -70,10 +70,12 @@ def test_an_observer_that_raises_fails_neither_the_request_nor_the_engine(tiny_l
     engine.close()
 
 
-def test_abort_without_notify_leaves_no_output_for_a_reused_id(tiny_llama_dir: Path) -> None:
+def test_an_abort_whose_output_is_dropped_leaves_nothing_for_a_reused_id(tiny_llama_dir: Path) -> None:
     engine = LLMEngine(config(tiny_llama_dir))
     engine.add_request("x", [5, 6, 7], greedy(5))
-    assert engine.abort("x", notify=False) and not engine.has_unfinished() and engine.step() == []
+    assert engine.abort("x")
+    engine.drop_pending(["x"])
+    assert not engine.has_unfinished() and engine.step() == []
     engine.add_request("x", [5, 6, 7], greedy(2))  # the same id again: its own outputs only
     outputs = []
     while engine.has_unfinished():
