@@ -1,5 +1,6 @@
 # lorafleet: `make run` serves the bundled demo, `make test` runs the test suite.
-# Both create .venv when it is missing. torch is installed first, pinned (TORCH_PIN),
+# Both create .venv when it is missing; `make run` installs only what serving needs, `make test`
+# adds the test extra (transformers, peft, ray[serve], triton, ...). torch is installed first, pinned (TORCH_PIN),
 # through pip's own configuration unless TORCH_INDEX names a wheel index, e.g.
 #   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu   (PyTorch's CPU-only wheels; on
 #   plain PyPI the default Linux torch wheel is a CUDA build)
@@ -10,6 +11,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.lorafleet-installed
+TEST_STAMP := $(VENV)/.lorafleet-test-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -21,15 +23,19 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )"$(TORCH_PIN)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(TEST_STAMP)
+
+venv: $(TEST_STAMP)
 
 run: $(STAMP)
 	$(BIN)/lorafleet serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
