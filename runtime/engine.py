@@ -336,18 +336,23 @@ class LLMEngine:
         self.pool.fence(sorted(slots))
         logits = self.runner.execute(steps)
         sampled = [c.seq for c in sched.chunks if c.sample]
-        tokens = self.sampler.sample(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+        sampled_params = [s.params for s in sampled]
+        histories = [(s.prompt_token_ids, s.output_token_ids) for s in sampled] if any(p.penalized for p in sampled_params) else None
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampled], sampled_params, histories)
+        token_logprobs = self.sampler.logprobs(logits, tokens, sampled_params)
         for chunk in sched.chunks:
             chunk.seq.num_computed += chunk.num_tokens
             self.block_manager.commit(chunk.seq.request_id, chunk.seq.all_token_ids, chunk.seq.num_computed)
         now = time.monotonic()
-        for seq, token in zip(sampled, tokens):
+        for seq, token, token_lp in zip(sampled, tokens, token_logprobs):
             live = self._live[seq.request_id]
             if token is None:  # NaN or +inf logits for this row: nothing to sample from
                 self._finish(live, "error", "the model produced non-finite logits (NaN or inf) for this request")
                 outputs.append(self._output(live, [], finished=True))
                 continue
             seq.output_token_ids.append(token)
+            if token_lp is not None:
+                seq.output_logprobs.append(token_lp)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
@@ -381,6 +386,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason if finished else None,
             error=seq.error,
             prompt_token_ids=tuple(seq.prompt_token_ids),
+            logprobs=tuple(seq.output_logprobs) if seq.params.logprobs is not None else None,
         )
 
     def _finish(self, live: _Live, reason: str, error: Optional[str]) -> None:

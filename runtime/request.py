@@ -37,6 +37,8 @@ class AdapterRef:
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingParams.greedy)
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,17 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (finish_reason "stop").
     ignore_eos:  keep generating past the tokenizer's eos tokens.
     max_tokens:  most new tokens (finish_reason "length" when reached).
+    presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's); with c_j the count of token j
+                 among the tokens generated so far, the logits become
+                 ``z_j - frequency_penalty * c_j - presence_penalty * [c_j > 0]``.
+    repetition_penalty: > 0 (vLLM's and transformers'; 1 = off); for every token j in the
+                 prompt or the output so far, ``z_j / r`` where ``z_j > 0``, else ``z_j * r``.
+                 Applied before the two above; all penalties apply before temperature, top-k
+                 and top-p, and to greedy decoding too (the argmax of the penalised logits).
+    logprobs:    None = off; k in 0..20: each generated token comes with its log-probability
+                 under the model and the k most likely tokens with theirs
+                 (``RequestOutput.logprobs``), from ``log_softmax`` of the model's logits
+                 before penalties, temperature, top-k and top-p (vLLM's default).
     """
 
     max_tokens: int = 16
@@ -63,6 +76,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the object stays hashable and immutable.
@@ -94,10 +111,38 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or abs(value) > MAX_PENALTY:
+                raise ValueError(f"{name}: must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits (it needs the request's tokens so far)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the model, and the most likely tokens.
+
+    ``logprob = log_softmax(z)[token_id]`` for the step's float32 logits z (before penalties,
+    temperature, top-k and top-p); ``top``: the ``SamplingParams.logprobs`` largest entries of
+    ``log_softmax(z)`` as (token id, logprob), most likely first (it may or may not contain
+    ``token_id``; a sampled token need not be among them).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 def _is_number(value: object) -> bool:
@@ -124,6 +169,14 @@ class RequestOutput:
     finish_reason: Optional[FinishReason]
     error: Optional[str]
     prompt_token_ids: tuple[int, ...]
+    logprobs: Optional[tuple[TokenLogprobs, ...]] = None  # one per entry of token_ids; None unless asked for
+
+    @property
+    def new_logprobs(self) -> Optional[tuple[TokenLogprobs, ...]]:
+        """The entries of ``logprobs`` for ``new_token_ids`` (None unless asked for)."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs[len(self.token_ids) - len(self.new_token_ids) :]
 
 
 @dataclass(eq=False)
@@ -143,6 +196,7 @@ class Sequence:
     adapter: Optional[AdapterRef]
     arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with output_token_ids when params.logprobs is set
     num_computed: int = 0
     preemptions: int = 0
     first_scheduled_time: Optional[float] = None

@@ -2,6 +2,11 @@
 
 For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams``:
 
+    penalties (``SamplingParams.penalized``), first, on the request's tokens so far
+    (``penalized_logits``; c_j = count of token j among the generated tokens):
+                                r = repetition_penalty: z_j = z_j / r if z_j > 0 else z_j * r
+                                       for every j in the prompt or the output
+                                z_j -= frequency_penalty * c_j + presence_penalty * [c_j > 0]
     greedy (temperature < 1e-5, ``SamplingParams.greedy``):
                                 next = argmax_j z_j            (lowest index on ties)
     otherwise:                  z' = (z - max_j z_j) / temperature   (the shift leaves softmax
@@ -18,6 +23,9 @@ A row whose logits hold NaN or +inf, or are all -inf (a broken checkpoint or an 
 the model), has no distribution to draw from and no meaningful argmax: ``sample`` returns None for it and the
 engine ends that request with an error, leaving every other row and the engine running.
 
+Logprobs (``SamplingParams.logprobs`` = k): ``log_softmax(z)`` of the unpenalised, untempered
+row, the sampled token's entry and the k largest (``Sampler.logprobs``).
+
 Stop rules after a token is appended (the string-level ``stop`` rule lives in
 ``runtime.detokenizer``): eos (unless ignore_eos) or a ``stop_token_ids`` member gives
 "stop"; reaching ``max_tokens`` gives "length".
@@ -29,7 +37,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from runtime.request import FinishReason, SamplingParams
+from runtime.request import FinishReason, SamplingParams, TokenLogprobs
+
+History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, generated token ids) of one request
 
 
 class Sampler:
@@ -52,12 +62,26 @@ class Sampler:
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> list[Optional[int]]:
-        """One token per row of ``logits`` [n, vocab]; None for a row with NaN or +inf logits, or all -inf."""
+    def sample(
+        self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams], histories: Optional[Sequence[History]] = None
+    ) -> list[Optional[int]]:
+        """One token per row of ``logits`` [n, vocab]; None for a row with NaN or +inf logits, or all -inf.
+
+        ``histories``: each row's (prompt, generated) token ids, needed by rows whose params
+        have a penalty."""
         if logits.dim() != 2 or logits.shape[0] != len(request_ids) or len(params) != len(request_ids):
             raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(request_ids)} requests")
+        if histories is not None and len(histories) != len(request_ids):
+            raise ValueError(f"sample: {len(histories)} histories for {len(request_ids)} requests")
         logits = logits.float()
         broken = ((torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | torch.isneginf(logits).all(dim=-1)).tolist()
+        penalized = [i for i, p in enumerate(params) if p.penalized and not broken[i]]
+        if penalized:
+            if histories is None:
+                raise ValueError("sample: penalties need each request's token history (histories=...)")
+            logits = logits.clone()
+            for i in penalized:
+                logits[i] = penalized_logits(logits[i], params[i], *histories[i])
         out: list[Optional[int]] = [None] * len(request_ids)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy and not broken[i]]
         if greedy_rows:
@@ -68,6 +92,41 @@ class Sampler:
             if not p.greedy and not broken[i]:
                 out[i] = sample_row(logits[i], p, self._generators[request_ids[i]])
         return out
+
+    @staticmethod
+    def logprobs(logits: Tensor, tokens: Sequence[Optional[int]], params: Sequence[SamplingParams]) -> list[Optional[TokenLogprobs]]:
+        """For each row whose params ask for logprobs and that got a token: the token's
+        ``log_softmax`` entry and the ``params.logprobs`` largest ones, from the raw ``logits``
+        (before penalties and temperature); None for the other rows. One ``log_softmax`` and
+        one ``topk`` for all those rows."""
+        rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if tok is not None and p.logprobs is not None]
+        out: list[Optional[TokenLogprobs]] = [None] * len(tokens)
+        if not rows:
+            return out
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
+        k = min(max(params[i].logprobs for i in rows), lp.shape[-1])
+        values, ids = lp.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            keep = params[i].logprobs
+            out[i] = TokenLogprobs(int(tokens[i]), float(chosen[j]), tuple(zip(ids[j][:keep], values[j][:keep])))
+        return out
+
+
+def penalized_logits(z: Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Tensor:
+    """Repetition, then frequency and presence penalties applied to one row (see module docstring)."""
+    z = z.float().clone()
+    vocab = z.shape[-1]
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if 0 <= t < vocab}), dtype=torch.long, device=z.device)
+        if seen.numel():
+            picked = z[seen]
+            z[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long, device=z.device), minlength=vocab)[:vocab].float()
+        z = z - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return z
 
 
 def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:

@@ -1,0 +1,170 @@
+"""Logprobs and the presence / frequency / repetition penalties, engine and sampler.
+
+References: transformers + PEFT, independent of lorafleet's model code. Logprobs are compared
+with ``log_softmax`` (float64) of PEFT's logits at each generated position; the repetition
+penalty with PEFT's own ``generate(repetition_penalty=...)``; presence and frequency penalties
+(which transformers does not implement) with a greedy loop over PEFT's logits that applies
+OpenAI's formula in float64. Batches mix adapters of different ranks with base-model rows.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from runtime.request import MAX_LOGPROBS, SamplingParams
+from runtime.sampler import Sampler, penalized_logits
+from tests.engine_helpers import make_engine, random_prompt, run_to_completion
+from tests.test_peft_match import peft_model
+
+ADAPTERS = ["a", "b", None, "c", None]  # None: the base model
+PROMPT_LEN = 9
+NEW_TOKENS = 6
+
+
+def engine_with_adapters(model_dir, adapters):
+    engine = make_engine(model_dir, max_loras=4, max_cpu_loras=4, num_kv_blocks=128)
+    for name in sorted({n for n in ADAPTERS if n is not None}):
+        engine.register_adapter(name, str(adapters[name]))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, tiny_adapters):
+    return peft_model(tiny_llama_dir, {n: tiny_adapters[n] for n in ADAPTERS if n is not None})
+
+
+def peft_log_softmax(model, prompt: list[int], output: list[int], adapter) -> torch.Tensor:
+    """float64 log_softmax of PEFT's logits for each generated position: [len(output), vocab]."""
+    ids = torch.tensor([prompt + output[:-1]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, adapter_names=[adapter or "__base__"]).logits[0].double()
+    return torch.log_softmax(logits[len(prompt) - 1 :], dim=-1)
+
+
+def test_logprobs_match_peft_for_greedy_and_sampled_rows(tiny_llama_dir, tiny_adapters, reference):
+    rng = random.Random(5)
+    engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+    requests = {}
+    for i, adapter in enumerate(ADAPTERS):
+        # Sampled rows at temperature 0.7: logprobs are the model's, not the tempered distribution's.
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5, temperature=0.0 if i % 2 == 0 else 0.7, seed=i)
+        requests[f"r{i}"] = (random_prompt(rng, PROMPT_LEN), adapter, params)
+        engine.add_request(f"r{i}", requests[f"r{i}"][0], params, adapter)
+    finals = run_to_completion(engine)
+    for rid, (prompt, adapter, params) in requests.items():
+        out = finals[rid]
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == NEW_TOKENS
+        ref = peft_log_softmax(reference, prompt, list(out.token_ids), adapter)
+        for pos, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert lp.token_id == token
+            assert lp.logprob == pytest.approx(ref[pos, token].item(), abs=1e-4), (rid, pos)
+            top_ref = torch.topk(ref[pos], 5)
+            assert [t for t, _ in lp.top] == top_ref.indices.tolist(), (rid, pos)
+            assert [v for _, v in lp.top] == pytest.approx(top_ref.values.tolist(), abs=1e-4)
+            if params.greedy:
+                assert lp.top[0][0] == token
+
+
+def test_streamed_outputs_carry_the_new_tokens_logprobs(tiny_llama_dir, tiny_adapters):
+    engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+    engine.add_request("lp", random_prompt(random.Random(1), PROMPT_LEN), SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0), "a")
+    engine.add_request("plain", random_prompt(random.Random(2), PROMPT_LEN), SamplingParams(max_tokens=4, ignore_eos=True), "b")
+    seen = {"lp": [], "plain": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert all(o.logprobs is None and o.new_logprobs is None for o in seen["plain"])
+    streamed = [lp for o in seen["lp"] for lp in o.new_logprobs]
+    assert [lp.token_id for lp in streamed] == list(seen["lp"][-1].token_ids)
+    assert all(lp.top == () and lp.logprob <= 0 for lp in streamed)  # logprobs=0: the token only
+
+
+def greedy_with_openai_penalties(model, prompt, adapter, presence: float, frequency: float) -> list[int]:
+    out: list[int] = []
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            z = model(input_ids=torch.tensor([prompt + out]), adapter_names=[adapter or "__base__"]).logits[0, -1].double().tolist()
+        for token in set(out):
+            z[token] -= frequency * out.count(token) + presence
+        out.append(max(range(len(z)), key=lambda j: (z[j], -j)))
+    return out
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 2.0), (-1.0, 0.7)])
+def test_presence_and_frequency_penalties_match_openais_formula(tiny_llama_dir, tiny_adapters, reference, presence, frequency):
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, PROMPT_LEN) for _ in ADAPTERS]
+    engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, presence_penalty=presence,
+                                                           frequency_penalty=frequency), adapter)  # fmt: skip
+        engine.add_request(f"u{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), adapter)
+    finals = run_to_completion(engine)
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        assert list(finals[f"p{i}"].token_ids) == greedy_with_openai_penalties(reference, prompt, adapter, presence, frequency), i
+    # The penalties change something here, or this test could not fail.
+    assert any(finals[f"p{i}"].token_ids != finals[f"u{i}"].token_ids for i in range(len(ADAPTERS)))
+
+
+def test_repetition_penalty_matches_transformers_generate(tiny_llama_dir, tiny_adapters, reference):
+    rng = random.Random(13)
+    prompts = [random_prompt(rng, PROMPT_LEN) for _ in ADAPTERS]
+    engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.8), adapter)
+        engine.add_request(f"u{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), adapter)
+    finals = run_to_completion(engine)
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        ref = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=[a or "__base__" for a in ADAPTERS],
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    for i in range(len(ADAPTERS)):
+        assert list(finals[f"r{i}"].token_ids) == ref[i, PROMPT_LEN:].tolist(), i
+    assert any(finals[f"r{i}"].token_ids != finals[f"u{i}"].token_ids for i in range(len(ADAPTERS)))
+
+
+def test_penalized_logits_formula():
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(12, generator=gen) * 3
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=-0.3, repetition_penalty=1.7)
+    prompt, output = [1, 5, 5, 11], [5, 7, 7, 7, 0]
+    ours = penalized_logits(z, params, prompt, output).double()
+    expected = z.double().tolist()
+    for j in set(prompt) | set(output):
+        expected[j] = expected[j] / 1.7 if expected[j] > 0 else expected[j] * 1.7
+    for j in set(output):
+        expected[j] -= -0.3 * output.count(j) + 0.4
+    assert ours.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_sampler_logprobs_rows():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    logits[2] = float("nan")
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(logprobs=2), SamplingParams(logprobs=MAX_LOGPROBS)]
+    sampler = Sampler()
+    tokens = sampler.sample(logits, ["a", "b", "c", "d"], params)
+    assert tokens[2] is None
+    out = Sampler.logprobs(logits, tokens, params)
+    assert out[1] is None and out[2] is None  # not asked for; no token
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert out[0].logprob == pytest.approx(ref[0, tokens[0]].item(), abs=1e-6) and len(out[0].top) == 3
+    assert len(out[3].top) == 10  # at most the vocabulary
+    assert math.fsum(math.exp(v) for _, v in out[3].top) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_penalties_without_histories_are_refused():
+    with pytest.raises(ValueError, match="histories"):
+        Sampler().sample(torch.zeros(1, 4), ["a"], [SamplingParams(presence_penalty=1.0)])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", float("nan")), ("frequency_penalty", True),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
+    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 2.0),
+])  # fmt: skip
+def test_out_of_range_values_name_their_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
