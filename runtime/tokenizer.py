@@ -27,8 +27,10 @@ renders the same prompt text as under transformers. Without one it uses ``DEFAUL
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -37,6 +39,17 @@ DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token or '' }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+def _byte_level_alphabet() -> Mapping[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character each byte is written as -> the byte.
+    Bytes that are printable Latin-1 characters stand for themselves; the other 68 are ``chr(256 + n)`` in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return MappingProxyType({**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}})
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
 class TokenizerError(ValueError):
@@ -93,6 +106,27 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own as text, special tokens included (e.g. ``</s>``); a token that is
+        part of a multi-byte character decodes to U+FFFD here (see ``token_bytes``)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, also when they are only part of a UTF-8 character:
+        a byte-fallback piece ``<0xHH>`` is that byte, a byte-level BPE piece (GPT-2's
+        printable-character alphabet) maps back through that alphabet. None when neither applies
+        to a token that does not decode to whole characters."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._tok.id_to_token(token_id) or ""
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        if piece and all(ch in BYTE_LEVEL_ALPHABET for ch in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[ch] for ch in piece)
+        return None
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

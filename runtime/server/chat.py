@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
+from runtime.server.logprobs import chat_logprobs
 from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -31,7 +32,7 @@ def build_router(state: Any) -> APIRouter:
         prompt_len = len(prompt_ids)
         # Default: whatever room the context (and the KV pool: max_seq_tokens) has left, as vLLM does for chat.
         max_tokens = body.max_tokens if body.max_tokens is not None else gen.default_max_tokens(state.max_seq_tokens, prompt_len, state.max_seq_tokens)
-        params = gen.sampling_params(body, max_tokens)
+        params = gen.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = gen.new_id("chatcmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())
@@ -55,14 +56,18 @@ def build_router(state: Any) -> APIRouter:
             async def events() -> AsyncIterator[str]:
                 yield event(payload("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
                 last = None
+                pending: list[Any] = []  # with logprobs, tokens that added no text yet wait for the next chunk
                 try:
                     async for _, out in gen.merge_streams([(first, rest)]):
                         if out.finish_reason == "error":
                             yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                             break
+                        pending.extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
                             delta = {"content": out.new_text} if out.new_text else {}
-                            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": gen.finish_reason(out)}
+                            logprobs = chat_logprobs(state.tokenizer, pending) if body.logprobs else None
+                            pending = []
+                            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
                             if out.finished and body.return_token_ids:
                                 choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
                             yield event(payload("chat.completion.chunk", choice, usage(out) if continuous else None))
@@ -78,7 +83,8 @@ def build_router(state: Any) -> APIRouter:
 
         final = await gen.until_disconnected(request, gen.collect(first, rest))
         gen.raise_if_failed(final)
-        choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": None, "finish_reason": final.finish_reason}
+        logprobs = chat_logprobs(state.tokenizer, final.logprobs) if final.logprobs is not None else None
+        choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": logprobs, "finish_reason": final.finish_reason}
         if body.return_token_ids:
             choice["prompt_token_ids"], choice["token_ids"] = list(final.prompt_token_ids), list(final.token_ids)
         return JSONResponse(payload("chat.completion", choice, usage(final)))

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
+from runtime.server.logprobs import completion_logprobs
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -36,13 +37,13 @@ def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any
     """The prompt's SamplingParams: an explicit max_tokens as sent (the engine refuses one that
     does not fit), else the default 16 capped by the room the prompt leaves."""
     if body.max_tokens is not None:
-        return gen.sampling_params(body, body.max_tokens)
+        return gen.sampling_params(body, body.max_tokens, body.logprobs)
     prompt_len = len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))  # as the engine encodes it
-    return gen.sampling_params(body, gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens))
+    return gen.sampling_params(body, gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens), body.logprobs)
 
 
-def _choice(index: int, out: Any, with_ids: bool, text: str) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": gen.finish_reason(out)}
+def _choice(index: int, out: Any, with_ids: bool, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
     if with_ids:
         choice["prompt_token_ids"] = list(out.prompt_token_ids)
         choice["token_ids"] = list(out.token_ids)
@@ -82,13 +83,21 @@ def build_router(state: Any) -> APIRouter:
 
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
+                # With logprobs, a token that adds no text yet waits for the next chunk of its choice.
+                pending: dict[int, list[Any]] = {i: [] for i in range(len(prompts))}
+                offsets = dict.fromkeys(range(len(prompts)), 0)
                 try:
                     async for index, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
                             yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                             break
+                        pending[index].extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
-                            choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text)
+                            logprobs = None
+                            if body.logprobs is not None:
+                                logprobs, offsets[index] = completion_logprobs(state.tokenizer, pending[index], offsets[index])
+                                pending[index] = []
+                            choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
                             yield event(chunk([choice], _usage([out]) if continuous else None))
                         if out.finished:
                             finals[index] = out
@@ -111,7 +120,8 @@ def build_router(state: Any) -> APIRouter:
 
         finals = await gen.until_disconnected(request, drain())
         ordered = [finals[i] for i in range(len(prompts))]
-        choices = [_choice(i, o, body.return_token_ids, o.text) for i, o in enumerate(ordered)]
+        choices = [_choice(i, o, body.return_token_ids, o.text, completion_logprobs(state.tokenizer, o.logprobs)[0] if o.logprobs is not None else None)
+                   for i, o in enumerate(ordered)]  # fmt: skip
         return JSONResponse(chunk(choices, _usage(ordered)))
 
     return router

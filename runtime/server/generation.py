@@ -39,7 +39,9 @@ def resolve_model(engine: Any, base_name: str, model: str) -> Target:
     raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the base model and its adapters", param="model", code="model_not_found")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[int] = None) -> SamplingParams:
+    """The request's SamplingParams; ``logprobs``: alternatives per token (None: no logprobs), which
+    completions and chat spell differently."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -51,6 +53,10 @@ def sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
             stop=tuple(stops),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logprobs=logprobs,
         )
     except ValueError as err:
         raise APIError(400, str(err), code="invalid_parameter") from err

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), so /openapi.json describes them.
 
 Every accepted field is honoured. OpenAI fields lorafleet does not implement are
-declared with their only supported value (e.g. ``n`` must be 1, ``logprobs`` must be
-null) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
+declared with their only supported value (e.g. ``n`` must be 1, ``echo`` must be
+false) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
 boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
 ids take integers only, and float fields take integers or floats. A JSON ``null`` in a field
 OpenAI documents as nullable (temperature, top_p, n, the penalties, stream, echo, ...) means
@@ -14,15 +14,19 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
+from runtime.request import MAX_LOGPROBS, MAX_PENALTY
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
 MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
 MAX_PROMPTS = 256  # prompts in one completions request: each is its own engine request
 # Fields where an explicit null means the default (OpenAI marks them nullable; clients such as
 # LangChain send ``"temperature": null`` for "not set").
-NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "stream", "echo",
-                                "ignore_eos", "return_token_ids", "stop", "stop_token_ids", "seed", "user", "max_tokens",
-                                "max_completion_tokens", "stream_options", "logprobs"})
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                "stream", "echo", "ignore_eos", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
+                                "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
+LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before penalties, "
+                 "temperature, top_k and top_p), one entry per generated token.")
 MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
                    "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400.")
 
@@ -70,8 +74,13 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
     n: Literal[1] = Field(1, description="Only n=1 is supported.")
-    presence_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
-    frequency_penalty: Literal[0, 0.0] = Field(0.0, description="Penalties are not supported; only 0 is accepted.")
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True,
+                                    description="Subtracted from the logit of every token generated so far (at least once).")
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True,
+                                     description="Times the number of times a token was generated so far, subtracted from its logit.")
+    repetition_penalty: float = Field(1.0, gt=0.0, strict=True, allow_inf_nan=False,
+                                      description="vLLM's extension (1 = off): the logit z of every token of the prompt or the output "
+                                      "so far becomes z / r if z > 0, else z * r. Applied before the two penalties above.")
     user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
 
     @model_validator(mode="before")
@@ -81,7 +90,7 @@ class _SamplingFields(BaseModel):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
 
-    @field_validator("n", "presence_penalty", "frequency_penalty", mode="before")
+    @field_validator("n", mode="before")
     @classmethod
     def _not_a_boolean(cls, value: Any) -> Any:
         """A Literal matches ``true`` as 1 and ``false`` as 0 (pydantic cannot make a Literal strict)."""
@@ -115,7 +124,8 @@ class CompletionRequest(_SamplingFields):
     )
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
     echo: Literal[False] = Field(False, description="echo is not supported; only false is accepted.")
-    logprobs: Optional[Literal[None]] = Field(None, description="logprobs are not supported; only null is accepted.")
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_HELP + " The k most likely tokens per "
+                                          f"position, 0 to {MAX_LOGPROBS} (0: only the generated token's).")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -185,7 +195,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="OpenAI's current name for max_tokens in chat; "
                                                        "give one of the two (both only if equal).")
     return_token_ids: bool = False
-    logprobs: Optional[Literal[False]] = Field(None, description="logprobs are not supported.")
+    logprobs: bool = Field(False, description=LOGPROBS_HELP)
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description=f"With logprobs: true, the 0 to {MAX_LOGPROBS} most "
+                                              "likely tokens at each position (default 0).")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -64,6 +64,22 @@ def test_openai_client_completion_chat_stream(live, engine) -> None:
         c.completions.create(model="missing", prompt="x", max_tokens=2)
 
 
+def test_openai_client_parses_logprobs_and_takes_penalties(live, engine) -> None:
+    c = client(live)
+    name = engine.adapters()[0].name
+    comp = c.completions.create(model=name, prompt="hello there", max_tokens=5, temperature=0, logprobs=2, presence_penalty=0.5,
+                                frequency_penalty=0.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.2})  # fmt: skip
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens == 5
+    assert "".join(lp.tokens) == comp.choices[0].text
+    chat = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hey"}], max_tokens=4, temperature=0,
+                                     logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+    assert bytes(b for t in content for b in t.bytes).decode(errors="replace") == chat.choices[0].message.content
+
+
 def test_concurrent_mixed_adapters_match_offline(live, engine) -> None:
     names = [a.name for a in engine.adapters()] + [None]
     prompts = [f"prompt number {i} says" for i in range(12)]

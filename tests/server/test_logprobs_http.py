@@ -1,0 +1,142 @@
+"""logprobs and penalties over HTTP (in-process, a real engine on the tiny llama).
+
+The values themselves are checked against transformers + PEFT in tests/test_logprobs_penalties.py;
+here: the OpenAI shapes, one entry per generated token, streamed chunks adding up to the
+whole reply, bytes that rebuild the text, and the penalties reaching the engine.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from runtime.request import SamplingParams
+from runtime.server.app import create_app
+from runtime.server.options import ServerOptions
+from tests.server.conftest import client_for
+
+pytestmark = pytest.mark.anyio
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def app(engine, adapter_root: Path):
+    return create_app(engine, ServerOptions(adapter_roots=(adapter_root,)))
+
+
+def models(engine) -> list[str]:
+    return [engine.model_name, engine.adapters()[0].name]
+
+
+async def post(c: httpx.AsyncClient, route: str, body: dict) -> dict:
+    r = await c.post(route, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def stream(c: httpx.AsyncClient, route: str, body: dict) -> list[dict]:
+    chunks = []
+    async with c.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def completion_body(model: str, **fields) -> dict:
+    return {"model": model, "prompt": "tell me", "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True, **fields}
+
+
+def chat_body(model: str, **fields) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "tell me"}], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "return_token_ids": True, **fields}
+
+
+async def test_completion_logprobs_shape_and_consistency(app, engine) -> None:
+    async with client_for(app) as c:
+        for model in models(engine):
+            choice = (await post(c, "/v1/completions", completion_body(model, logprobs=3, temperature=0)))["choices"][0]
+            lp = choice["logprobs"]
+            n = len(choice["token_ids"])
+            assert n == MAX_TOKENS and all(len(lp[k]) == n for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"))
+            assert "".join(lp["tokens"]) == choice["text"]
+            assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n)]
+            for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+                assert value <= 0 and 1 <= len(top) <= 3
+                best = max(top, key=top.get)  # greedy: the generated token is the most likely one
+                assert best == token and top[best] == pytest.approx(value)
+                assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-6
+            plain = (await post(c, "/v1/completions", completion_body(model, temperature=0)))["choices"][0]
+            assert plain["logprobs"] is None and plain["token_ids"] == choice["token_ids"]  # asking for logprobs changes no token
+
+
+async def test_streamed_completion_logprobs_add_up_to_the_whole(app, engine) -> None:
+    model = engine.adapters()[1].name
+    async with client_for(app) as c:
+        whole = (await post(c, "/v1/completions", completion_body(model, logprobs=2, temperature=0, stop=["zz"])))["choices"][0]
+        chunks = await stream(c, "/v1/completions", completion_body(model, logprobs=2, temperature=0, stop=["zz"]))
+    parts = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in p[key]] == pytest.approx(whole["logprobs"][key]) if key == "token_logprobs" else \
+            [x for p in parts for x in p[key]] == whole["logprobs"][key]
+
+
+async def test_chat_logprobs_bytes_rebuild_the_reply(app, engine) -> None:
+    async with client_for(app) as c:
+        for model in models(engine):
+            choice = (await post(c, "/v1/chat/completions", chat_body(model, logprobs=True, top_logprobs=2, temperature=0)))["choices"][0]
+            content = choice["logprobs"]["content"]
+            assert len(content) == len(choice["token_ids"]) == MAX_TOKENS and choice["logprobs"]["refusal"] is None
+            assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8", errors="replace") == choice["message"]["content"]
+            for entry in content:
+                assert [set(t) for t in entry["top_logprobs"]] == [{"token", "logprob", "bytes"}] * 2
+                assert entry["top_logprobs"][0]["token"] == entry["token"] and entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+            bare = (await post(c, "/v1/chat/completions", chat_body(model, logprobs=True, temperature=0)))["choices"][0]
+            assert [e["top_logprobs"] for e in bare["logprobs"]["content"]] == [[]] * MAX_TOKENS  # top_logprobs defaults to 0
+
+
+async def test_streamed_chat_logprobs_add_up_to_the_whole(app, engine) -> None:
+    model = engine.adapters()[0].name
+    body = chat_body(model, logprobs=True, top_logprobs=1, temperature=0)
+    async with client_for(app) as c:
+        whole = (await post(c, "/v1/chat/completions", body))["choices"][0]["logprobs"]["content"]
+        chunks = await stream(c, "/v1/chat/completions", body)
+    streamed = [e for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"] for e in ch["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in whole])
+
+
+async def test_penalties_reach_the_engine(app, engine) -> None:
+    model = engine.adapters()[0].name
+    fields = dict(presence_penalty=-2.0, frequency_penalty=-1.0, repetition_penalty=0.5)  # pull towards repeats: they change the reply
+    async with client_for(app) as c:
+        penalized = (await post(c, "/v1/completions", completion_body(model, temperature=0, **fields)))["choices"][0]
+        plain = (await post(c, "/v1/completions", completion_body(model, temperature=0)))["choices"][0]
+    direct = None
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+    async for out in engine.generate("direct-penalties", penalized["prompt_token_ids"], params, model):
+        direct = out
+    assert penalized["token_ids"] == list(direct.token_ids)
+    assert penalized["token_ids"] != plain["token_ids"]
+
+
+@pytest.mark.parametrize("route, fields, param", [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+])  # fmt: skip
+async def test_out_of_range_fields_are_400s_naming_them(app, engine, route, fields, param) -> None:
+    body = (chat_body if "chat" in route else completion_body)(engine.model_name, **fields)
+    async with client_for(app) as c:
+        r = await c.post(route, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
