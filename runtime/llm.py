@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
-from runtime.request import SamplingParams
+from runtime.request import SamplingParams, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
 
@@ -32,6 +32,7 @@ class CompletionResult:
     adapter: Optional[str]
     prompt_token_ids: tuple[int, ...] = ()
     error: Optional[str] = None
+    logprobs: Optional[tuple[TokenLogprobs, ...]] = None  # one per token id, with SamplingParams(logprobs=k)
 
 
 class GenerationError(RuntimeError):
@@ -143,6 +144,7 @@ class LLM:
                             adapter=out.adapter.name if out.adapter is not None else None,
                             prompt_token_ids=out.prompt_token_ids,
                             error=out.error,
+                            logprobs=out.logprobs,
                         )
         except BaseException:
             for request_id in ids:  # leave the engine clean for the next call (nobody reads their outputs)

@@ -37,56 +37,73 @@ def build_router(state: Any) -> APIRouter:
         gen.log_request(request_id, body, target)
         created = int(time.time())
         # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
-        [(first, rest)] = await gen.until_disconnected(request, gen.open_streams(engine, request_id, [prompt_ids], [params], target.adapter, prompt_param="messages"), release=gen.close_streams)
+        choices_in, choice_params = gen.choices_of([prompt_ids], [params], body.n)
+        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, choices_in, choice_params, target.adapter,
+                                                                          prompt_param="messages", copies=body.n), release=gen.close_streams)  # fmt: skip
 
-        def payload(obj: str, choice: dict[str, Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice] if choice else []}
+        def payload(obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": choices}
             if usage is not None:
                 out["usage"] = usage
             return out
 
-        def usage(out: Any) -> dict[str, int]:
-            p, c = len(out.prompt_token_ids), len(out.token_ids)
+        def usage(finals: list[Any]) -> dict[str, int]:
+            """The prompt counts once however many choices share it (OpenAI's rule)."""
+            p, c = (len(finals[0].prompt_token_ids) if finals else 0), sum(len(o.token_ids) for o in finals)
             return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+        def with_ids(choice: dict[str, Any], out: Any) -> dict[str, Any]:
+            if body.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
+            return choice
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
             async def events() -> AsyncIterator[str]:
-                yield event(payload("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}))
-                last = None
-                pending: list[Any] = []  # with logprobs, tokens that added no text yet wait for the next chunk
+                for k in range(body.n):
+                    yield event(payload("chat.completion.chunk", [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+                last: dict[int, Any] = {}
+                pending: dict[int, list[Any]] = {k: [] for k in range(body.n)}  # with logprobs, tokens that added no text yet wait for the next chunk
                 try:
-                    async for _, out in gen.merge_streams([(first, rest)]):
+                    async for k, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
                             yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                             break
-                        pending.extend(out.new_logprobs or ())
+                        pending[k].extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
                             delta = {"content": out.new_text} if out.new_text else {}
-                            logprobs = chat_logprobs(state.tokenizer, pending) if body.logprobs else None
-                            pending = []
-                            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
-                            if out.finished and body.return_token_ids:
-                                choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(out.token_ids)
-                            yield event(payload("chat.completion.chunk", choice, usage(out) if continuous else None))
-                        last = out
+                            logprobs = chat_logprobs(state.tokenizer, pending[k]) if body.logprobs else None
+                            pending[k] = []
+                            choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
+                            if out.finished:
+                                with_ids(choice, out)
+                            yield event(payload("chat.completion.chunk", [choice], usage([out]) if continuous else None))
+                        last[k] = out
                     else:
-                        if include_usage and last is not None:
-                            yield event(payload("chat.completion.chunk", {}, usage(last)))
+                        if include_usage and last:
+                            yield event(payload("chat.completion.chunk", [], usage(list(last.values()))))
                 except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
                     yield event(gen.failure_event_body(err, request_id))
                 yield DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        final = await gen.until_disconnected(request, gen.collect(first, rest))
-        gen.raise_if_failed(final)
-        logprobs = chat_logprobs(state.tokenizer, final.logprobs) if final.logprobs is not None else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": logprobs, "finish_reason": final.finish_reason}
-        if body.return_token_ids:
-            choice["prompt_token_ids"], choice["token_ids"] = list(final.prompt_token_ids), list(final.token_ids)
-        return JSONResponse(payload("chat.completion", choice, usage(final)))
+        async def drain() -> list[Any]:
+            finals: dict[int, Any] = {}
+            async for k, out in gen.merge_streams(streams):
+                if out.finished:
+                    gen.raise_if_failed(out)
+                    finals[k] = out
+            return [finals[k] for k in range(body.n)]
+
+        finals = await gen.until_disconnected(request, drain())
+        choices = []
+        for k, final in enumerate(finals):
+            logprobs = chat_logprobs(state.tokenizer, final.logprobs) if final.logprobs is not None else None
+            choices.append(with_ids({"index": k, "message": {"role": "assistant", "content": final.text}, "logprobs": logprobs,
+                                     "finish_reason": final.finish_reason}, final))  # fmt: skip
+        return JSONResponse(payload("chat.completion", choices, usage(finals)))
 
     return router

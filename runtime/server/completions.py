@@ -50,9 +50,10 @@ def _choice(index: int, out: Any, with_ids: bool, text: str, logprobs: dict[str,
     return choice
 
 
-def _usage(finals: list[Any]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.token_ids) for o in finals)
+def _usage(finals: dict[int, Any], n: int = 1) -> dict[str, int]:
+    """Usage of finished choices by index; a prompt's tokens count once however many choices it has (OpenAI's rule)."""
+    prompt = sum(len(o.prompt_token_ids) for k, o in finals.items() if k % n == 0)
+    completion = sum(len(o.token_ids) for o in finals.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -64,12 +65,16 @@ def build_router(state: Any) -> APIRouter:
         engine = state.engine
         target = gen.resolve_model(engine, state.base_name, body.model)
         prompts = _prompts(body)
-        params = [_params(body, prompt, state) for prompt in prompts]
+        if len(prompts) * body.n > MAX_PROMPTS:
+            raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} is more than {MAX_PROMPTS} choices per request; send several requests",
+                           param="n", code="invalid_parameter")  # fmt: skip
+        choices_in, params = gen.choices_of(prompts, [_params(body, prompt, state) for prompt in prompts], body.n)
         request_id = gen.new_id("cmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())
-        # Every prompt is admitted at once; a client that goes away meanwhile aborts them all.
-        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, prompts, params, target.adapter), release=gen.close_streams)
+        # Every choice is admitted at once; a client that goes away meanwhile aborts them all.
+        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, choices_in, params, target.adapter, copies=body.n),
+                                               release=gen.close_streams)  # fmt: skip
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": body.model, "choices": choices}
@@ -84,8 +89,8 @@ def build_router(state: Any) -> APIRouter:
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
                 # With logprobs, a token that adds no text yet waits for the next chunk of its choice.
-                pending: dict[int, list[Any]] = {i: [] for i in range(len(prompts))}
-                offsets = dict.fromkeys(range(len(prompts)), 0)
+                pending: dict[int, list[Any]] = {i: [] for i in range(len(choices_in))}
+                offsets = dict.fromkeys(range(len(choices_in)), 0)
                 try:
                     async for index, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
@@ -98,12 +103,12 @@ def build_router(state: Any) -> APIRouter:
                                 logprobs, offsets[index] = completion_logprobs(state.tokenizer, pending[index], offsets[index])
                                 pending[index] = []
                             choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
-                            yield event(chunk([choice], _usage([out]) if continuous else None))
+                            yield event(chunk([choice], _usage({0: out}) if continuous else None))
                         if out.finished:
                             finals[index] = out
                     else:
                         if include_usage:
-                            yield event(chunk([], _usage(list(finals.values()))))
+                            yield event(chunk([], _usage(finals, body.n)))
                 except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
                     yield event(gen.failure_event_body(err, request_id))
                 yield DONE
@@ -119,9 +124,8 @@ def build_router(state: Any) -> APIRouter:
             return finals
 
         finals = await gen.until_disconnected(request, drain())
-        ordered = [finals[i] for i in range(len(prompts))]
-        choices = [_choice(i, o, body.return_token_ids, o.text, completion_logprobs(state.tokenizer, o.logprobs)[0] if o.logprobs is not None else None)
-                   for i, o in enumerate(ordered)]  # fmt: skip
-        return JSONResponse(chunk(choices, _usage(ordered)))
+        choices = [_choice(k, o, body.return_token_ids, o.text, completion_logprobs(state.tokenizer, o.logprobs)[0] if o.logprobs is not None else None)
+                   for k, o in sorted(finals.items())]  # fmt: skip
+        return JSONResponse(chunk(choices, _usage(finals, body.n)))
 
     return router

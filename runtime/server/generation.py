@@ -8,6 +8,7 @@ and one or more prompts to merged output streams. A consumer that goes away
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -112,28 +113,42 @@ def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Option
     return default
 
 
+def choices_of(prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], n: int) -> tuple[list[str | list[int]], list[SamplingParams]]:
+    """Each prompt ``n`` times, as choices ``i * n + j`` (OpenAI's order). Sample j of a seeded
+    request gets seed ``seed + j`` (mod 2**63), so the n samples differ and the request stays
+    reproducible; unseeded samples draw their own seeds; greedy ones are all alike."""
+    def seeded(p: SamplingParams, j: int) -> SamplingParams:
+        return p if j == 0 or p.seed is None else dataclasses.replace(p, seed=(p.seed + j) % 2**63)
+
+    return [p for p in prompts for _ in range(n)], [seeded(p, j) for p in params for j in range(n)]
+
+
 async def open_streams(
     engine: Any, request_id: str, prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], adapter: str | None,
-    prompt_param: str = "prompt",
+    prompt_param: str = "prompt", copies: int = 1,
 ) -> list[tuple[Any, AsyncIterator[Any]]]:
     """``open_stream`` for every prompt at once (request ids ``<request_id>-<i>``), then wait for all.
 
+    ``copies``: each prompt of the request appears that many times in a row (``n`` choices per
+    prompt, ``choices_of``); errors then name the request's prompt, ``k // copies``.
     If one fails, the first failure in prompt order among the admissions done by then is raised
     (later ones are cancelled); then, or when this is cancelled
     (the client went away), every stream already opened is closed and every admission still
     pending is cancelled, which aborts their engine requests.
     """
-    def param(i: int) -> str:
-        return f"{prompt_param}.{i}" if len(prompts) > 1 else prompt_param
+    distinct = len(prompts) // copies
 
-    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{i}", p, ps, adapter, param(i))) for i, (p, ps) in enumerate(zip(prompts, params))]
+    def param(k: int) -> str:
+        return f"{prompt_param}.{k // copies}" if distinct > 1 else prompt_param
+
+    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{k}", p, ps, adapter, param(k))) for k, (p, ps) in enumerate(zip(prompts, params))]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [(i, t.exception()) for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
+        failed = [(k, t.exception()) for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             index, err = failed[0]
-            if len(prompts) > 1 and isinstance(err, APIError) and err.status == 400:  # say which prompt
-                raise APIError(err.status, f"prompt {index} (of {len(prompts)}): {err.message}", err.param, err.code) from err
+            if distinct > 1 and isinstance(err, APIError) and err.status == 400:  # say which prompt
+                raise APIError(err.status, f"prompt {index // copies} (of {distinct}): {err.message}", err.param, err.code) from err
             raise err
         return [t.result() for t in tasks]
     except BaseException:
@@ -155,17 +170,6 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
-
-
-async def collect(first: Any, rest: AsyncIterator[Any]) -> Any:
-    """Drain a stream and return its final output; closing early aborts the request."""
-    last = first
-    try:
-        async for item in rest:
-            last = item
-    finally:
-        await rest.aclose()
-    return last
 
 
 async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> AsyncIterator[tuple[int, Any]]:

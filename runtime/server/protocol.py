@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (pydantic), so /openapi.json describes them.
 
 Every accepted field is honoured. OpenAI fields lorafleet does not implement are
-declared with their only supported value (e.g. ``n`` must be 1, ``echo`` must be
+declared with their only supported value (e.g. ``echo`` must be
 false) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
 boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
 ids take integers only, and float fields take integers or floats. A JSON ``null`` in a field
@@ -19,7 +19,8 @@ from runtime.request import MAX_LOGPROBS, MAX_PENALTY
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
 MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
-MAX_PROMPTS = 256  # prompts in one completions request: each is its own engine request
+MAX_PROMPTS = 256  # engine requests one HTTP request may make: prompts x n
+MAX_CHOICES = 64  # n
 # Fields where an explicit null means the default (OpenAI marks them nullable; clients such as
 # LangChain send ``"temperature": null`` for "not set").
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -73,7 +74,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
-    n: Literal[1] = Field(1, description="Only n=1 is supported.")
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt, 1 to {MAX_CHOICES} (each is its own engine request; "
+                         "with a seed, choice j samples with seed + j). Prompts times n is at most " + str(MAX_PROMPTS) + ".")
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True,
                                     description="Subtracted from the logit of every token generated so far (at least once).")
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True,
@@ -89,14 +91,6 @@ class _SamplingFields(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _not_a_boolean(cls, value: Any) -> Any:
-        """A Literal matches ``true`` as 1 and ``false`` as 0 (pydantic cannot make a Literal strict)."""
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {str(value).lower()}")
-        return value
 
     @field_validator("stop")
     @classmethod

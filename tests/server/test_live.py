@@ -78,6 +78,9 @@ def test_openai_client_parses_logprobs_and_takes_penalties(live, engine) -> None
     assert len(content) == chat.usage.completion_tokens == 4
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
     assert bytes(b for t in content for b in t.bytes).decode(errors="replace") == chat.choices[0].message.content
+    several = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hey"}], max_tokens=4, n=3, seed=5)
+    assert [ch.index for ch in several.choices] == [0, 1, 2]
+    assert several.usage.prompt_tokens == chat.usage.prompt_tokens  # the shared prompt counts once
 
 
 def test_concurrent_mixed_adapters_match_offline(live, engine) -> None:

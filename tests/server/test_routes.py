@@ -102,7 +102,8 @@ async def test_chat_whole_and_stream(app, engine) -> None:
     [
         ({"model": "no-such-adapter"}, 404, "does not exist"),
         ({"temperature": -1}, 400, "temperature"),
-        ({"n": 2}, 400, "n"),
+        ({"n": 0}, 400, "n"),
+        ({"n": 65}, 400, "n"),
         ({"logprobs": 21}, 400, "logprobs"),
         ({"echo": True}, 400, "echo"),
         ({"surprise": True}, 400, "surprise"),
