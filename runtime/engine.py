@@ -43,8 +43,9 @@ from runtime.request import (
     RequestRejected,
     SamplingParams,
     Sequence,
+    TokenLogprobs,
 )
-from runtime.sampler import Sampler, token_stop_reason
+from runtime.sampler import Sampler, token_logprobs, token_stop_reason
 from runtime.scheduler import Scheduler
 from runtime.stats import BASE_LABEL, AdapterRequestCounters, RequestMetrics
 
@@ -56,6 +57,16 @@ class _Live:
     seq: Sequence
     detok: IncrementalDetokenizer
     emitted_tokens: int = 0
+    prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None  # built once, when the prompt's are complete
+
+    def prompt_logprobs_out(self) -> Optional[tuple[Optional[TokenLogprobs], ...]]:
+        """``RequestOutput.prompt_logprobs``: None for the first token, then one per prompt token."""
+        seq = self.seq
+        if seq.params.prompt_logprobs is None:
+            return None
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) != len(seq.prompt_logprobs) + 1:
+            self.prompt_logprobs = (None, *seq.prompt_logprobs)
+        return self.prompt_logprobs
 
 
 class LLMEngine:
@@ -332,9 +343,11 @@ class LLMEngine:
                     raise AssertionError(f"{seq.request_id}: adapter {seq.adapter} was scheduled without a device slot")
                 slots.add(slot)
             tokens = seq.all_token_ids[seq.num_computed : seq.num_computed + chunk.num_tokens]
-            steps.append(SeqStep(tokens, seq.num_computed, self.block_manager.table(seq.request_id), slot, chunk.sample))
+            score_all = seq.wants_prompt_logits and seq.num_computed < len(seq.prompt_token_ids) - 1
+            steps.append(SeqStep(tokens, seq.num_computed, self.block_manager.table(seq.request_id), slot, chunk.sample, score_all))
         self.pool.fence(sorted(slots))
-        logits = self.runner.execute(steps)
+        all_logits = self.runner.execute(steps)
+        logits = self._collect_prompt_logprobs(sched.chunks, steps, all_logits)
         sampled = [c.seq for c in sched.chunks if c.sample]
         sampled_params = [s.params for s in sampled]
         histories = [(s.prompt_token_ids, s.output_token_ids) for s in sampled] if any(p.penalized for p in sampled_params) else None
@@ -372,6 +385,29 @@ class LLMEngine:
         self.pool.prefetch(self.scheduler.waiting_adapters()[: self.config.max_loras])
         return outputs
 
+    def _collect_prompt_logprobs(self, chunks: Seq[Any], steps: Seq[SeqStep], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of ``score_all`` steps; returns the sampled rows' logits.
+
+        A chunk at positions s .. e-1 of a prompt of P tokens gives row p (position p) the
+        entry of prompt token p + 1 for p + 1 < P; the row of position P - 1 is the sampling row."""
+        if not any(step.score_all for step in steps):
+            return logits
+        sample_rows, targets = [], []
+        row = 0
+        for chunk, step in zip(chunks, steps):
+            if step.score_all:
+                seq = chunk.seq
+                prompt = seq.prompt_token_ids
+                for p in range(max(step.start_pos, len(seq.prompt_logprobs)), min(step.end_pos, len(prompt) - 1)):
+                    targets.append((seq, row + p - step.start_pos, prompt[p + 1]))  # a recompute skips what it has
+            if step.sample:
+                sample_rows.append(row + step.logit_rows - 1)
+            row += step.logit_rows
+        entries = token_logprobs(logits[[r for _, r, _ in targets]], [t for _, _, t in targets], [s.params.prompt_logprobs for s, _, _ in targets])
+        for (seq, _, _), entry in zip(targets, entries):
+            seq.prompt_logprobs.append(entry)
+        return logits[sample_rows]
+
     def _output(self, live: _Live, new_tokens: list[int], finished: bool) -> RequestOutput:
         seq = live.seq
         delta = live.detok.take_delta(finished)
@@ -387,6 +423,7 @@ class LLMEngine:
             error=seq.error,
             prompt_token_ids=tuple(seq.prompt_token_ids),
             logprobs=tuple(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=live.prompt_logprobs_out(),
         )
 
     def _finish(self, live: _Live, reason: str, error: Optional[str]) -> None:

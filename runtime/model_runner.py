@@ -3,7 +3,8 @@
 One ``execute(steps)`` call runs one engine step: the new tokens of several
 sequences (prefill chunks and/or single decode tokens) concatenated into ``T`` rows.
 It builds the step's ``AttentionMeta`` and ``LoRABatchMeta`` once, runs the decoder,
-and returns float32 logits for the last row of every step with ``sample=True``.
+and returns float32 logits for the last row of every step with ``sample=True``, and for every
+row of a step with ``score_all=True`` (prompt logprobs).
 
 KV cache: per layer ``[2, num_kv_blocks * block_size, Hkv, D]`` in the model dtype.
 With ``num_kv_blocks=None`` the pool holds ``max_num_seqs`` sequences of
@@ -44,6 +45,7 @@ class SeqStep:
     block_table: KV block ids of the sequence, covering positions 0 .. start_pos + len(token_ids) - 1
     lora_slot:   device adapter slot, or -1 for the base model
     sample:      return logits for the last token of this step
+    score_all:   return logits for every token of this step (the last one included, once)
     """
 
     token_ids: Sequence[int]
@@ -51,6 +53,12 @@ class SeqStep:
     block_table: Sequence[int]
     lora_slot: int = NO_ADAPTER
     sample: bool = True
+    score_all: bool = False
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of ``ModelRunner.execute``'s result that belong to this step."""
+        return len(self.token_ids) if self.score_all else int(self.sample)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) == 0:
@@ -171,7 +179,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, steps: Sequence[SeqStep]) -> Tensor:
-        """Run one step; float32 logits [n_sampled, vocab] for the last token of each sampled step."""
+        """Run one step; float32 logits [sum of ``logit_rows``, vocab], step by step in the callers'
+        order: every token of a ``score_all`` step, else the last token of a ``sample`` step."""
         self._require_model()
         if not steps:
             raise ValueError("execute: no steps")
@@ -191,14 +200,14 @@ class ModelRunner:
         # segment is a contiguous row range (``LoRABatchMeta.first_row``); logits still
         # come back in the callers' order.
         caller_index = adapter_order([s.lora_slot for s in steps])
-        sample_row_of: dict[int, int] = {}
+        rows_of: dict[int, range] = {}  # caller index -> its rows of the hidden states
         for i in caller_index:
             step = steps[i]
+            first = len(tokens)
             tokens.extend(step.token_ids)
             positions.extend(range(step.start_pos, step.end_pos))
             token_slots.extend([step.lora_slot] * len(step.token_ids))
-            if step.sample:
-                sample_row_of[i] = len(tokens) - 1
+            rows_of[i] = range(len(tokens) - step.logit_rows, len(tokens)) if step.logit_rows else range(first, first)
         if len(tokens) > self.workspace.shape[1]:
             raise ValueError(f"execute: {len(tokens)} tokens exceed max_num_batched_tokens={self.config.max_num_batched_tokens}")
         decode_only = all(len(s.token_ids) == 1 for s in steps)
@@ -219,8 +228,8 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model.forward(ids, pos, self.kv_caches, ctx)
-        sample_rows = [sample_row_of[i] for i in sorted(sample_row_of)]
-        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        logit_rows = [row for i in range(len(steps)) for row in rows_of[i]]
+        rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model.logits(hidden.index_select(0, rows))
 
     def memory_report(self) -> dict[str, int]:

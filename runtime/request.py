@@ -66,6 +66,10 @@ class SamplingParams:
                  under the model and the k most likely tokens with theirs
                  (``RequestOutput.logprobs``), from ``log_softmax`` of the model's logits
                  before penalties, temperature, top-k and top-p (vLLM's default).
+    prompt_logprobs: None = off; k in 0..20: the same for every prompt token after the first
+                 (``RequestOutput.prompt_logprobs``: what the model, with this request's adapter,
+                 gave each prompt token given the ones before it). Such a request computes its
+                 whole prompt: it neither reuses nor publishes prefix-cache blocks.
     """
 
     max_tokens: int = 16
@@ -80,6 +84,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the object stays hashable and immutable.
@@ -117,8 +122,10 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty: must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -170,6 +177,8 @@ class RequestOutput:
     error: Optional[str]
     prompt_token_ids: tuple[int, ...]
     logprobs: Optional[tuple[TokenLogprobs, ...]] = None  # one per entry of token_ids; None unless asked for
+    # One per prompt token, None for the first (nothing predicts it); None unless asked for.
+    prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None
 
     @property
     def new_logprobs(self) -> Optional[tuple[TokenLogprobs, ...]]:
@@ -197,6 +206,7 @@ class Sequence:
     arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with output_token_ids when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. when params.prompt_logprobs is set
     num_computed: int = 0
     preemptions: int = 0
     first_scheduled_time: Optional[float] = None
@@ -207,6 +217,11 @@ class Sequence:
     error: Optional[str] = None
     adapter_location: str = "none"  # "device" | "host" | "disk" at arrival, "none" without adapter
     adapter_ready_time: Optional[float] = None  # when its adapter was first on the host or device
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs are asked for and not all collected yet (a recompute after preemption needs none)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -101,17 +101,23 @@ class Sampler:
         one ``topk`` for all those rows."""
         rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if tok is not None and p.logprobs is not None]
         out: list[Optional[TokenLogprobs]] = [None] * len(tokens)
-        if not rows:
-            return out
-        lp = torch.log_softmax(logits[rows].float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
-        k = min(max(params[i].logprobs for i in rows), lp.shape[-1])
-        values, ids = lp.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-        for j, i in enumerate(rows):
-            keep = params[i].logprobs
-            out[i] = TokenLogprobs(int(tokens[i]), float(chosen[j]), tuple(zip(ids[j][:keep], values[j][:keep])))
+        if rows:
+            picked = token_logprobs(logits[rows], [int(tokens[i]) for i in rows], [params[i].logprobs for i in rows])
+            for i, entry in zip(rows, picked):
+                out[i] = entry
         return out
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i of ``logits`` [n, vocab]: ``tokens[i]``'s entry of ``log_softmax`` and its ``ks[i]``
+    largest entries. One ``log_softmax``, one ``gather`` and one ``topk`` for all rows."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device)[:, None]).squeeze(1).tolist()
+    values, ids = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprobs(tok, float(chosen[i]), tuple(zip(ids[i][:k], values[i][:k]))) for i, (tok, k) in enumerate(zip(tokens, ks))]
 
 
 def penalized_logits(z: Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Tensor:

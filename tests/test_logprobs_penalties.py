@@ -163,8 +163,66 @@ def test_penalties_without_histories_are_refused():
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", float("nan")), ("frequency_penalty", True),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
-    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 2.0),
+    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 2.0), ("prompt_logprobs", -1),
+    ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", False),
 ])  # fmt: skip
 def test_out_of_range_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def peft_prompt_log_softmax(model, prompt: list[int], adapter) -> torch.Tensor:
+    """float64 log_softmax of PEFT's logits at prompt positions 0 .. P-2 (predicting tokens 1 .. P-1)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt]), adapter_names=[adapter or "__base__"]).logits[0].double()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+@pytest.mark.parametrize("budget, prefix_caching", [(8, False), (64, True)])
+def test_prompt_logprobs_match_peft(tiny_llama_dir, tiny_adapters, reference, budget, prefix_caching):
+    """Chunked prefill (8-token budget: chunks of every size, 1 included), and prefix caching with a
+    repeated prompt (which must not skip the positions it would have reused)."""
+    rng = random.Random(21)
+    engine = make_engine(tiny_llama_dir, max_loras=4, max_cpu_loras=4, num_kv_blocks=128, max_num_batched_tokens=budget,
+                         enable_prefix_caching=prefix_caching)  # fmt: skip
+    for name in sorted({n for n in ADAPTERS if n is not None}):
+        engine.register_adapter(name, str(tiny_adapters[name]))
+    prompts = [random_prompt(rng, rng.randrange(5, 21)) for _ in ADAPTERS]
+    jobs = list(zip(prompts, ADAPTERS)) + [(prompts[0], ADAPTERS[0])]  # the repeat: a prefix-cache hit without prompt logprobs
+    for i, (prompt, adapter) in enumerate(jobs):
+        engine.add_request(f"warm{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), adapter)
+    run_to_completion(engine)  # the cache now holds these prompts' blocks
+    for i, (prompt, adapter) in enumerate(jobs):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2, logprobs=1), adapter)
+    finals = run_to_completion(engine)
+    for i, (prompt, adapter) in enumerate(jobs):
+        out = finals[f"r{i}"]
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        ref = peft_prompt_log_softmax(reference, prompt, adapter)
+        for p, entry in enumerate(out.prompt_logprobs[1:]):
+            assert entry.token_id == prompt[p + 1]
+            assert entry.logprob == pytest.approx(ref[p, prompt[p + 1]].item(), abs=1e-4), (i, p)
+            assert [t for t, _ in entry.top] == torch.topk(ref[p], 2).indices.tolist(), (i, p)
+        assert len(out.logprobs) == 3
+    assert all(o.prompt_logprobs is None for rid, o in finals.items() if rid.startswith("warm"))
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama_dir, tiny_adapters, reference):
+    """A KV pool too small for every request at once: preempted requests are prefilled again and
+    must neither lose nor repeat prompt entries."""
+    rng = random.Random(22)
+    engine = make_engine(tiny_llama_dir, max_loras=4, max_cpu_loras=4, num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
+    for name in sorted({n for n in ADAPTERS if n is not None}):
+        engine.register_adapter(name, str(tiny_adapters[name]))
+    preemptions = []
+    engine.add_observer(lambda metrics: preemptions.append(metrics.preemptions))
+    prompts = [random_prompt(rng, 12) for _ in ADAPTERS]
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=1), adapter)
+    finals = run_to_completion(engine)
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        ref = peft_prompt_log_softmax(reference, prompt, adapter)
+        entries = finals[f"r{i}"].prompt_logprobs[1:]
+        assert [e.token_id for e in entries] == prompt[1:]
+        assert [e.logprob for e in entries] == pytest.approx([ref[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-4)
+    assert sum(preemptions) > 0  # the case under test happened
