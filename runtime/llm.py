@@ -33,6 +33,7 @@ class CompletionResult:
     prompt_token_ids: tuple[int, ...] = ()
     error: Optional[str] = None
     logprobs: Optional[tuple[TokenLogprobs, ...]] = None  # one per token id, with SamplingParams(logprobs=k)
+    prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None  # one per prompt token (None first), with prompt_logprobs=k
 
 
 class GenerationError(RuntimeError):
@@ -145,6 +146,7 @@ class LLM:
                             prompt_token_ids=out.prompt_token_ids,
                             error=out.error,
                             logprobs=out.logprobs,
+                            prompt_logprobs=out.prompt_logprobs,
                         )
         except BaseException:
             for request_id in ids:  # leave the engine clean for the next call (nobody reads their outputs)

@@ -21,8 +21,9 @@ def test_generate_mixed_adapters_matches_single_prompt_calls(tiny_llama_dir, tin
     assert [r.adapter for r in batch] == adapters and all(r.finish_reason == "length" for r in batch)
     assert batch[0].text == llm.tokenizer.decode(batch[0].token_ids)
     assert all(r.logprobs is None for r in batch)
-    scored = llm.generate(prompts[:2], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2), adapter=adapters[:2])
+    scored = llm.generate(prompts[:2], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1), adapter=adapters[:2])
     assert [r.token_ids for r in scored] == [r.token_ids for r in batch[:2]]
+    assert all(len(r.prompt_logprobs) == len(r.prompt_token_ids) and r.prompt_logprobs[0] is None for r in scored)
     assert all([lp.token_id for lp in r.logprobs] == list(r.token_ids) and all(len(lp.top) == 2 for lp in r.logprobs) for r in scored)
 
 

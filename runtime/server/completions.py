@@ -36,10 +36,33 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any:
     """The prompt's SamplingParams: an explicit max_tokens as sent (the engine refuses one that
     does not fit), else the default 16 capped by the room the prompt leaves."""
+    prompt_logprobs = body.logprobs if body.echo else None
     if body.max_tokens is not None:
-        return gen.sampling_params(body, body.max_tokens, body.logprobs)
+        return gen.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
     prompt_len = len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))  # as the engine encodes it
-    return gen.sampling_params(body, gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens), body.logprobs)
+    max_tokens = gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens)
+    return gen.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
+
+
+def _echoed(prompt: str | list[int], tokenizer: Any) -> str:
+    """The prompt as ``echo`` puts it in front of the text: as sent, or decoded from token ids."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+def _prompt_logprobs(out: Any, tokenizer: Any) -> tuple[dict[str, Any], int]:
+    """The legacy logprobs object of the prompt's tokens (echo), and the offset after them."""
+    return completion_logprobs(tokenizer, out.prompt_logprobs, 0, out.prompt_token_ids)
+
+
+def _whole_logprobs(out: Any, tokenizer: Any, echo: bool) -> dict[str, Any] | None:
+    """A finished choice's logprobs object: the prompt's tokens first with echo, then the generated ones."""
+    if out.logprobs is None:
+        return None
+    if not echo:
+        return completion_logprobs(tokenizer, out.logprobs)[0]
+    head, offset = _prompt_logprobs(out, tokenizer)
+    tail, _ = completion_logprobs(tokenizer, out.logprobs, offset)
+    return {key: head[key] + tail[key] for key in head}
 
 
 def _choice(index: int, out: Any, with_ids: bool, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -91,11 +114,19 @@ def build_router(state: Any) -> APIRouter:
                 # With logprobs, a token that adds no text yet waits for the next chunk of its choice.
                 pending: dict[int, list[Any]] = {i: [] for i in range(len(choices_in))}
                 offsets = dict.fromkeys(range(len(choices_in)), 0)
+                started: set[int] = set()
                 try:
                     async for index, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
                             yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                             break
+                        if body.echo and index not in started:  # the prompt first, in a chunk of its own
+                            logprobs = None
+                            if body.logprobs is not None:
+                                logprobs, offsets[index] = _prompt_logprobs(out, state.tokenizer)
+                            echo_choice = {"index": index, "text": _echoed(choices_in[index], state.tokenizer), "logprobs": logprobs, "finish_reason": None}
+                            yield event(chunk([echo_choice]))
+                        started.add(index)
                         pending[index].extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
                             logprobs = None
@@ -124,8 +155,8 @@ def build_router(state: Any) -> APIRouter:
             return finals
 
         finals = await gen.until_disconnected(request, drain())
-        choices = [_choice(k, o, body.return_token_ids, o.text, completion_logprobs(state.tokenizer, o.logprobs)[0] if o.logprobs is not None else None)
-                   for k, o in sorted(finals.items())]  # fmt: skip
+        choices = [_choice(k, o, body.return_token_ids, (_echoed(choices_in[k], state.tokenizer) if body.echo else "") + o.text,
+                           _whole_logprobs(o, state.tokenizer, body.echo)) for k, o in sorted(finals.items())]  # fmt: skip
         return JSONResponse(chunk(choices, _usage(finals, body.n)))
 
     return router

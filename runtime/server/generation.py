@@ -40,9 +40,9 @@ def resolve_model(engine: Any, base_name: str, model: str) -> Target:
     raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the base model and its adapters", param="model", code="model_not_found")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[int] = None) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """The request's SamplingParams; ``logprobs``: alternatives per token (None: no logprobs), which
-    completions and chat spell differently."""
+    completions and chat spell differently; ``prompt_logprobs``: the same for the prompt's tokens (echo)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -58,6 +58,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as err:
         raise APIError(400, str(err), code="invalid_parameter") from err

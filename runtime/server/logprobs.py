@@ -5,7 +5,8 @@ penalties, temperature, top-k and top-p, as vLLM reports them). Every generated 
 entry, also one that adds no text (a special token, part of a multi-byte character, the
 token that completed a stop string), matching ``usage.completion_tokens``.
 
-Completions (legacy format), for tokens t_1..t_n of one choice:
+Completions (legacy format), for tokens t_1..t_n of one choice (with ``echo``, the prompt's tokens
+first, the first of them with null logprob and top_logprobs):
     {"tokens": [text(t_i)], "token_logprobs": [logprob(t_i)],
      "top_logprobs": [{text(j): logprob(j) for the k most likely j}] ({} when k = 0),
      "text_offset": [offset of t_i]}   offset = ``start`` + the length of text(t_1..t_{i-1})
@@ -19,21 +20,32 @@ from typing import Any, Optional, Sequence
 from runtime.request import TokenLogprobs
 
 
-def completion_logprobs(tokenizer: Any, entries: Sequence[TokenLogprobs], start: int = 0) -> tuple[dict[str, Any], int]:
-    """(the legacy ``logprobs`` object for ``entries``, the text offset after them)."""
+def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs]], start: int = 0,
+                        token_ids: Optional[Sequence[int]] = None) -> tuple[dict[str, Any], int]:  # fmt: skip
+    """(the legacy ``logprobs`` object for ``entries``, the text offset after them).
+
+    ``token_ids``: the tokens, when some entry is None (the first prompt token with ``echo``:
+    nothing predicts it, so its logprob and its top_logprobs are null)."""
+    ids = list(token_ids) if token_ids is not None else [e.token_id for e in entries if e is not None]
+    if len(ids) != len(entries):
+        raise ValueError(f"completion_logprobs: {len(entries)} entries for {len(ids)} tokens")
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = start
-    for entry in entries:
-        text = tokenizer.token_text(entry.token_id)
+    for token_id, entry in zip(ids, entries):
+        text = tokenizer.token_text(token_id)
         tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
         token_logprobs.append(entry.logprob)
         # Two ids can share a text (a token and a special token spelled alike): keep the likelier.
         alternatives: dict[str, float] = {}
-        for token_id, logprob in entry.top:
-            alternatives.setdefault(tokenizer.token_text(token_id), logprob)
+        for alt_id, logprob in entry.top:
+            alternatives.setdefault(tokenizer.token_text(alt_id), logprob)
         top.append(alternatives)
-        offsets.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
 
 

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), so /openapi.json describes them.
 
 Every accepted field is honoured. OpenAI fields lorafleet does not implement are
-declared with their only supported value (e.g. ``echo`` must be
-false) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
+declared with their only supported value (e.g. a chat message's content
+parts must be text) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
 boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
 ids take integers only, and float fields take integers or floats. A JSON ``null`` in a field
 OpenAI documents as nullable (temperature, top_p, n, the penalties, stream, echo, ...) means
@@ -117,7 +117,8 @@ class CompletionRequest(_SamplingFields):
         ..., description=f"A string, a list of strings, a list of token ids, or a list of token-id lists (at most {MAX_PROMPTS} prompts)."
     )
     return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
-    echo: Literal[False] = Field(False, description="echo is not supported; only false is accepted.")
+    echo: bool = Field(False, description="Put the prompt in front of the completion; with logprobs, the prompt's tokens get "
+                       "their logprobs too (the first one null: nothing predicts it).")
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_HELP + " The k most likely tokens per "
                                           f"position, 0 to {MAX_LOGPROBS} (0: only the generated token's).")
 

@@ -140,3 +140,43 @@ async def test_out_of_range_fields_are_400s_naming_them(app, engine, route, fiel
         r = await c.post(route, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+async def test_echo_puts_the_prompt_and_its_logprobs_first(app, engine) -> None:
+    model = engine.adapters()[0].name
+    async with client_for(app) as c:
+        # lm-eval-harness's loglikelihood request: echo, logprobs 1, one token.
+        choice = (await post(c, "/v1/completions", completion_body(model, prompt="score this text", echo=True, logprobs=1,
+                                                                   max_tokens=1, temperature=0)))["choices"][0]  # fmt: skip
+        plain = (await post(c, "/v1/completions", completion_body(model, prompt="score this text", max_tokens=1, temperature=0)))["choices"][0]
+        bare = (await post(c, "/v1/completions", completion_body(model, prompt=[5, 6, 7], echo=True, max_tokens=2, temperature=0)))["choices"][0]
+    prompt_ids = choice["prompt_token_ids"]
+    lp = choice["logprobs"]
+    assert choice["text"] == "score this text" + plain["text"]
+    assert len(lp["tokens"]) == len(prompt_ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    direct = None
+    async for out in engine.generate("direct-echo", prompt_ids, SamplingParams(max_tokens=1, prompt_logprobs=1, logprobs=1), model):
+        direct = out
+    assert lp["token_logprobs"][1:-1] == pytest.approx([e.logprob for e in direct.prompt_logprobs[1:]])
+    assert lp["token_logprobs"][-1] == pytest.approx(direct.logprobs[0].logprob)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert bare["text"].startswith(engine.tokenizer.decode([5, 6, 7])) and bare["logprobs"] is None
+
+
+async def test_streamed_echo_adds_up_to_the_whole(app, engine) -> None:
+    model = engine.adapters()[1].name
+    body = completion_body(model, prompt=["first one", "second"], echo=True, logprobs=2, temperature=0, n=2)
+    async with client_for(app) as c:
+        whole = (await post(c, "/v1/completions", body))["choices"]
+        chunks = await stream(c, "/v1/completions", body)
+    for k, choice in enumerate(whole):
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"] and ch["choices"][0]["index"] == k]
+        assert mine[0]["text"] == ["first one", "second"][k // 2] and mine[0]["finish_reason"] is None
+        assert "".join(m["text"] for m in mine) == choice["text"]
+        for key in ("tokens", "text_offset"):
+            assert [x for m in mine for x in m["logprobs"][key]] == choice["logprobs"][key], (k, key)
+        streamed_top = [x for m in mine for x in m["logprobs"]["top_logprobs"]]  # other batches: float noise, same tokens
+        assert [None if t is None else list(t) for t in streamed_top] == [None if t is None else list(t) for t in choice["logprobs"]["top_logprobs"]]
+        streamed_lp = [x for m in mine for x in m["logprobs"]["token_logprobs"]]
+        assert streamed_lp[0] is None and streamed_lp[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-5)

@@ -105,7 +105,7 @@ async def test_chat_whole_and_stream(app, engine) -> None:
         ({"n": 0}, 400, "n"),
         ({"n": 65}, 400, "n"),
         ({"logprobs": 21}, 400, "logprobs"),
-        ({"echo": True}, 400, "echo"),
+        ({"suffix": "x"}, 400, "suffix"),
         ({"surprise": True}, 400, "surprise"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "x" * 400}, 400, ""),
