@@ -496,3 +496,47 @@ def test_a_request_the_client_abandons_is_counted_as_an_abort_at_the_ingress(tin
     text = metrics.render().decode()
     assert 'lorafleet_requests_total{adapter="A",finish_reason="abort"} 1.0' in text
     assert 'lorafleet_prompt_tokens_total{adapter="A"} 5.0' in text and 'lorafleet_generation_tokens_total{adapter="A"} 3.0' in text
+
+
+def test_logprobs_cross_the_wire_per_step_and_survive_a_replay(replica, tiny_llama_dir) -> None:
+    """A replica sends each output's new-token logprobs only (and prompt logprobs once); the
+    ingress rebuilds the whole tuples, also across a greedy replay after a replica died."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+    async def direct() -> Any:
+        last = None
+        async for out in replica.engine.generate("direct", "hello there", params, None):
+            last = out
+        return last
+
+    whole = asyncio.run(direct())
+
+    async def wire() -> list[Any]:
+        return [item async for item in replica.generate("req", "hello there", params, None)]
+
+    sent = [item[1] for item in asyncio.run(wire())]
+    assert all(len(out.logprobs) == len(out.new_token_ids) for out in sent)
+    assert sent[0].prompt_logprobs == whole.prompt_logprobs and all(out.prompt_logprobs is None for out in sent[1:])
+
+    async def died_after_two_outputs(*args: Any) -> Any:
+        for out in sent[:2]:
+            yield ("out", out, None)
+        raise ray.exceptions.RayActorError()
+
+    async def replays(*args: Any) -> Any:
+        for out in sent:
+            yield ("out", out, None)
+
+    ingress = ReplicaSetEngine(ScriptedReplicas(died_after_two_outputs, replays), None, str(tiny_llama_dir), "tiny", 64)
+
+    async def run() -> list[Any]:
+        return [delta async for delta in ingress.generate("req", "hello there", params, None)]
+
+    got = asyncio.run(run())
+    assert got[-1].token_ids == whole.token_ids and got[-1].logprobs == whole.logprobs
+    assert all(d.logprobs == whole.logprobs[: len(d.token_ids)] and d.prompt_logprobs == whole.prompt_logprobs for d in got)
+    assert [lp for d in got for lp in d.new_logprobs] == list(whole.logprobs)

@@ -20,10 +20,15 @@ Wire format of ``generate``: a stream of tuples, so that admission errors cross 
 process boundary as data, not as pickled exception classes:
     ("out", RequestOutput, RequestMetrics | None)   metrics with the final output
     ("error", kind, message)                       kind in ERROR_KINDS
+An output's ``logprobs`` holds only its new tokens' entries (``RequestOutput.new_logprobs``)
+and ``prompt_logprobs`` comes with the first output only (``on_the_wire``): the cumulative
+tuples would make a long request's stream cost grow with the square of its length. The
+ingress puts them back together (``runtime.distributed.replica_set``).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -36,7 +41,7 @@ from ray import serve
 from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
 from runtime.lora.registry import AdapterInfo
-from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
+from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, SamplingParams, UnknownAdapterError
 
 logger = logging.getLogger("lorafleet.replica")
 
@@ -55,6 +60,13 @@ ERROR_KINDS: dict[str, type[Exception]] = {
     "invalid": ValueError,
     "engine_dead": EngineDeadError,
 }
+
+
+def on_the_wire(out: RequestOutput, first: bool) -> RequestOutput:
+    """``out`` with only its new tokens' logprobs, and its prompt logprobs only if ``first`` (module docstring)."""
+    if out.logprobs is None and out.prompt_logprobs is None:
+        return out
+    return dataclasses.replace(out, logprobs=out.new_logprobs, prompt_logprobs=out.prompt_logprobs if first else None)
 
 
 def error_item(err: Exception) -> tuple[str, str, str]:
@@ -289,6 +301,7 @@ class LoraReplica:
                 yield refusal
                 return
         stream = self.engine.generate(request_id, prompt, params, adapter)
+        first = True
         try:
             async for out in stream:
                 if pinned_version is not None and (out.adapter is None or out.adapter.version != pinned_version):
@@ -299,7 +312,8 @@ class LoraReplica:
                 if out.finished:
                     with self._metrics_lock:
                         metrics = self._finished.pop(request_id, None)
-                yield ("out", out, metrics)
+                yield ("out", on_the_wire(out, first), metrics)
+                first = False
         except (ValueError, EngineDeadError) as err:  # admission errors, raised before the first output
             yield error_item(err)
         finally:

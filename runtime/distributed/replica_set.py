@@ -30,7 +30,7 @@ import ray
 from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.replica import ERROR_KINDS
 from runtime.lora.registry import AdapterInfo
-from runtime.request import AdapterRef, RequestOutput, SamplingParams
+from runtime.request import AdapterRef, RequestOutput, SamplingParams, TokenLogprobs
 from runtime.server.errors import APIError
 from runtime.stats import RequestMetrics
 from runtime.tokenizer import Tokenizer
@@ -140,6 +140,8 @@ class ReplicaSetEngine:
         emitted_text = ""
         pinned: Optional[str] = None  # the adapter version the tokens passed on came from
         prompt_ids: Sequence[int] = ()  # known once an output arrived
+        logprobs: list[TokenLogprobs] = []  # rebuilt from the wire's new-token entries (replica.on_the_wire)
+        prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None
         attempt = 0
         while True:
             stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter, pinned)
@@ -154,6 +156,11 @@ class ReplicaSetEngine:
                     if metrics is not None:
                         for observer in self._observers:
                             observer(metrics)
+                    if out.logprobs is not None:  # this output's new tokens only; a replay repeats positions already held
+                        start = len(out.token_ids) - len(out.new_token_ids)
+                        logprobs.extend(out.logprobs[len(logprobs) - start :] if start <= len(logprobs) else ())
+                    if out.prompt_logprobs is not None and prompt_logprobs is None:
+                        prompt_logprobs = out.prompt_logprobs
                     if len(out.token_ids) < len(emitted_ids) or (len(out.token_ids) == len(emitted_ids) and not out.finished):
                         continue  # replaying what was already passed on
                     if emitted_ids and _version(out) != pinned:
@@ -161,7 +168,9 @@ class ReplicaSetEngine:
                     if out.token_ids[: len(emitted_ids)] != emitted_ids or not out.text.startswith(emitted_text):
                         raise ReplicaUnavailable(request_id, "the replay on another replica diverged from the tokens already sent")
                     delta = dataclasses.replace(
-                        out, request_id=request_id, new_token_ids=out.token_ids[len(emitted_ids):], new_text=out.text[len(emitted_text):]
+                        out, request_id=request_id, new_token_ids=out.token_ids[len(emitted_ids):], new_text=out.text[len(emitted_text):],
+                        logprobs=tuple(logprobs[: len(out.token_ids)]) if params.logprobs is not None else None,
+                        prompt_logprobs=prompt_logprobs if params.prompt_logprobs is not None else None,
                     )
                     emitted_ids, emitted_text, pinned, prompt_ids = out.token_ids, out.text, _version(out), out.prompt_token_ids
                     finished = out.finished
