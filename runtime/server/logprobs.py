@@ -8,7 +8,8 @@ token that completed a stop string), matching ``usage.completion_tokens``.
 Completions (legacy format), for tokens t_1..t_n of one choice (with ``echo``, the prompt's tokens
 first, the first of them with null logprob and top_logprobs):
     {"tokens": [text(t_i)], "token_logprobs": [logprob(t_i)],
-     "top_logprobs": [{text(j): logprob(j) for the k most likely j}] ({} when k = 0),
+     "top_logprobs": [{text(j): logprob(j) for the k most likely j, and for t_i itself}] (so up to k + 1
+                     entries, as OpenAI documents: the sampled token is always there),
      "text_offset": [offset of t_i]}   offset = ``start`` + the length of text(t_1..t_{i-1})
 Chat: {"content": [{"token": text, "logprob": lp, "bytes": [...] or null,
                    "top_logprobs": [{"token", "logprob", "bytes"}, ...]}], "refusal": null}
@@ -45,6 +46,7 @@ def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs
         alternatives: dict[str, float] = {}
         for alt_id, logprob in entry.top:
             alternatives.setdefault(tokenizer.token_text(alt_id), logprob)
+        alternatives.setdefault(text, entry.logprob)
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
 

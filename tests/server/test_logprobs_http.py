@@ -73,6 +73,9 @@ async def test_completion_logprobs_shape_and_consistency(app, engine) -> None:
                 assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-6
             plain = (await post(c, "/v1/completions", completion_body(model, temperature=0)))["choices"][0]
             assert plain["logprobs"] is None and plain["token_ids"] == choice["token_ids"]  # asking for logprobs changes no token
+            # Sampled, logprobs=0: each position still lists the sampled token itself (OpenAI: up to k + 1 entries).
+            sampled = (await post(c, "/v1/completions", completion_body(model, logprobs=0, temperature=1.5, seed=3)))["choices"][0]["logprobs"]
+            assert all(top == {token: value} for token, value, top in zip(sampled["tokens"], sampled["token_logprobs"], sampled["top_logprobs"]))
 
 
 async def test_streamed_completion_logprobs_add_up_to_the_whole(app, engine) -> None:
@@ -160,7 +163,10 @@ async def test_echo_puts_the_prompt_and_its_logprobs_first(app, engine) -> None:
         direct = out
     assert lp["token_logprobs"][1:-1] == pytest.approx([e.logprob for e in direct.prompt_logprobs[1:]])
     assert lp["token_logprobs"][-1] == pytest.approx(direct.logprobs[0].logprob)
-    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    # logprobs=1: the most likely token, and the token itself when that is another one (OpenAI: up to k + 1).
+    assert all(1 <= len(top) <= 2 and top[token] == pytest.approx(value) for token, value, top in
+               zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]))  # fmt: skip
+    assert any(len(top) == 2 for top in lp["top_logprobs"][1:])  # some prompt token is not the model's first choice
     assert bare["text"].startswith(engine.tokenizer.decode([5, 6, 7])) and bare["logprobs"] is None
 
 
