@@ -50,6 +50,7 @@ def _byte_level_alphabet() -> Mapping[str, int]:
 
 
 BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+METASPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
 class TokenizerError(ValueError):
@@ -109,8 +110,17 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token on its own as text, special tokens included (e.g. ``</s>``); a token that is
-        part of a multi-byte character decodes to U+FFFD here (see ``token_bytes``)."""
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        part of a multi-byte character decodes to U+FFFD here (see ``token_bytes``).
+
+        A SentencePiece piece ``▁word`` keeps its space: decoding it alone, the decoder's Strip
+        step takes off the space it would keep after other tokens (Llama 2, Mistral), so the
+        spaces its leading ``▁`` marks are put back, and the tokens add up to the text."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        piece = self._tok.id_to_token(token_id) or ""
+        spaces = len(piece) - len(piece.lstrip(METASPACE))
+        if spaces and not text.startswith(" " * spaces):
+            text = " " * spaces + text.lstrip(" ")
+        return text
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """The bytes one token stands for, also when they are only part of a UTF-8 character:

@@ -128,3 +128,24 @@ def test_errors_name_file_and_key(model_copy):
     (model_copy / "tokenizer.json").unlink()
     with pytest.raises(TokenizerError, match=r"tokenizer\.json: missing"):
         Tokenizer(model_copy)
+
+
+def test_token_text_and_bytes_of_a_sentencepiece_vocabulary(tmp_path):
+    """A Llama-2-style tokenizer (Metaspace pieces, byte fallback, a decoder that strips the
+    first space): single tokens keep the space their ``▁`` marks, byte pieces give their byte,
+    and the token texts add up to the decoded text."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0xE2>": 3, "<0x82>": 4, "<0xAC>": 5, "▁": 6, "a": 7, "▁ab": 8, "▁cd": 9, "▁▁x": 10}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours = Tokenizer(tmp_path)
+    ids = [8, 9, 7, 10, 3, 4, 5]  # " ab cda  x€"
+    texts = [ours.token_text(i) for i in ids]
+    assert texts[:4] == [" ab", " cd", "a", "  x"]
+    assert ours.decode([7] + ids) == "a" + "".join(texts[:4]) + "€"  # after another token nothing is stripped
+    assert [ours.token_bytes(i) for i in ids] == [b" ab", b" cd", b"a", b"  x", b"\xe2", b"\x82", b"\xac"]
+    assert b"".join(ours.token_bytes(i) for i in ids).decode() == " ab cda  x€"
+    assert ours.token_text(2) == "</s>" and ours.token_bytes(2) == b"</s>"
