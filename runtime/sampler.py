@@ -50,6 +50,8 @@ class Sampler:
         # run is reproducible given the engine's seed.
         self._seed_source = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Repetition penalty: each request's prompt ids as a tensor on the logits' device, built once.
+        self._prompt_ids: dict[str, Tensor] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         if params.greedy:
@@ -61,6 +63,7 @@ class Sampler:
 
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._prompt_ids.pop(request_id, None)
 
     def sample(
         self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams], histories: Optional[Sequence[History]] = None
@@ -79,9 +82,14 @@ class Sampler:
         if penalized:
             if histories is None:
                 raise ValueError("sample: penalties need each request's token history (histories=...)")
-            logits = logits.clone()
+            prompts = []
             for i in penalized:
-                logits[i] = penalized_logits(logits[i], params[i], *histories[i])
+                prompt_ids = self._prompt_ids.get(request_ids[i])
+                if prompt_ids is None and params[i].repetition_penalty != 1:
+                    prompt_ids = self._prompt_ids[request_ids[i]] = torch.tensor(list(histories[i][0]), dtype=torch.long, device=logits.device)
+                prompts.append(prompt_ids)
+            logits = logits.clone()
+            logits[penalized] = penalize_rows(logits[penalized], [params[i] for i in penalized], prompts, [histories[i][1] for i in penalized])
         out: list[Optional[int]] = [None] * len(request_ids)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy and not broken[i]]
         if greedy_rows:
@@ -122,17 +130,36 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> 
 
 def penalized_logits(z: Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Tensor:
     """Repetition, then frequency and presence penalties applied to one row (see module docstring)."""
-    z = z.float().clone()
-    vocab = z.shape[-1]
-    if params.repetition_penalty != 1:
-        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if 0 <= t < vocab}), dtype=torch.long, device=z.device)
-        if seen.numel():
-            picked = z[seen]
-            z[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
-    if (params.frequency_penalty or params.presence_penalty) and output_ids:
-        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long, device=z.device), minlength=vocab)[:vocab].float()
-        z = z - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-    return z
+    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=z.device) if params.repetition_penalty != 1 else None
+    return penalize_rows(z[None], [params], [prompt], [output_ids])[0]
+
+
+def penalize_rows(z: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Optional[Tensor]], outputs: Sequence[Sequence[int]]) -> Tensor:
+    """``penalized_logits`` for the rows of ``z`` [n, vocab] at once: one mask of the tokens each
+    row has seen and one count of the tokens each has generated, both built from flat indices
+    ``row * vocab + token`` (``prompts[i]``: row i's prompt ids as a long tensor on ``z``'s
+    device, needed where its repetition penalty is not 1). Token ids are the model's (the
+    model runner refuses others)."""
+    n, vocab = z.shape
+    z = z.float()
+    device = z.device
+    offsets = [i * vocab for i in range(n)]
+    output_flat = torch.tensor([off + t for off, out in zip(offsets, outputs) for t in out], dtype=torch.long, device=device)
+    counts = torch.bincount(output_flat, minlength=n * vocab).view(n, vocab).float()
+
+    def column(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    repeat = [p.repetition_penalty for p in params]
+    if any(r != 1 for r in repeat):
+        seen = counts > 0
+        prompt_flat = [prompt + off for prompt, off, r in zip(prompts, offsets, repeat) if r != 1 and prompt is not None]
+        if prompt_flat:
+            seen.view(-1)[torch.cat(prompt_flat)] = True
+        r = column(repeat)  # 1 for rows without the penalty: dividing and multiplying by 1 leaves them as they are
+        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    freq, pres = column([p.frequency_penalty for p in params]), column([p.presence_penalty for p in params])
+    return z - freq * counts - pres * (counts > 0).float()
 
 
 def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:
