@@ -113,7 +113,7 @@ class LLMEngine:
             max_loras=config.max_loras,
             prefix_seed=prefix_cache.seed if prefix_cache is not None else None,
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self._eos_ids)
         self._live: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []
         self._observers: list[Callable[[RequestMetrics], None]] = []
@@ -185,6 +185,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        vocab = self.runner.model_config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token ids {outside[:4]} are outside the vocabulary (size {vocab})")
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
         if n >= self.max_model_len:
@@ -350,7 +354,7 @@ class LLMEngine:
         logits = self._collect_prompt_logprobs(sched.chunks, steps, all_logits)
         sampled = [c.seq for c in sched.chunks if c.sample]
         sampled_params = [s.params for s in sampled]
-        histories = [(s.prompt_token_ids, s.output_token_ids) for s in sampled] if any(p.penalized for p in sampled_params) else None
+        histories = [(s.prompt_token_ids, s.output_token_ids) for s in sampled] if any(p.adjusts_logits for p in sampled_params) else None
         tokens = self.sampler.sample(logits, [s.request_id for s in sampled], sampled_params, histories)
         token_logprobs = self.sampler.logprobs(logits, tokens, sampled_params)
         for chunk in sched.chunks:

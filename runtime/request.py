@@ -39,6 +39,7 @@ class AdapterRef:
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (SamplingParams.greedy)
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class SamplingParams:
                  under the model and the k most likely tokens with theirs
                  (``RequestOutput.logprobs``), from ``log_softmax`` of the model's logits
                  before penalties, temperature, top-k and top-p (vLLM's default).
+    logit_bias:  (token id, bias) pairs (a dict is accepted), bias in [-100, 100] (OpenAI's): added
+                 to those logits first, before the penalties; -100 all but bans a token.
+    min_tokens:  eos (unless ignore_eos) and ``stop_token_ids`` cannot be generated before this
+                 many tokens (vLLM's; their logits are -inf until then). Stop strings still apply.
     prompt_logprobs: None = off; k in 0..20: the same for every prompt token after the first
                  (``RequestOutput.prompt_logprobs``: what the model, with this request's adapter,
                  gave each prompt token given the ones before it). Such a request computes its
@@ -85,9 +90,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the object stays hashable and immutable.
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
@@ -122,6 +133,16 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty: must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool) and pair[0] >= 0
+            and _is_number(pair[1]) and math.isfinite(pair[1]) and abs(pair[1]) <= MAX_LOGIT_BIAS
+            for pair in self.logit_bias
+        ):
+            raise ValueError(f"logit_bias: must map non-negative token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {self.logit_bias!r:.200}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias: a token id appears twice")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -135,6 +156,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Some penalty changes the logits (it needs the request's tokens so far)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The sampler changes this request's logits before picking (bias, min_tokens or a penalty)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalized
 
 
 @dataclass(frozen=True)

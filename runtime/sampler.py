@@ -2,6 +2,9 @@
 
 For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams``:
 
+    logit_bias, first:          z_j += bias_j for each (j, bias_j)
+    min_tokens, while fewer tokens were generated: z_j = -inf for the eos ids (unless
+                                ignore_eos) and the stop_token_ids
     penalties (``SamplingParams.penalized``), first, on the request's tokens so far
     (``penalized_logits``; c_j = count of token j among the generated tokens):
                                 r = repetition_penalty: z_j = z_j / r if z_j > 0 else z_j * r
@@ -45,11 +48,12 @@ History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, generated to
 class Sampler:
     """Picks one token per logits row; owns one torch.Generator per sampling request."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         # Seeds for requests that bring none are drawn from this generator, so one engine
         # run is reproducible given the engine's seed.
         self._seed_source = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
         # Repetition penalty: each request's prompt ids as a tensor on the logits' device, built once.
         self._prompt_ids: dict[str, Tensor] = {}
 
@@ -71,24 +75,27 @@ class Sampler:
         """One token per row of ``logits`` [n, vocab]; None for a row with NaN or +inf logits, or all -inf.
 
         ``histories``: each row's (prompt, generated) token ids, needed by rows whose params
-        have a penalty."""
+        adjust the logits (``SamplingParams.adjusts_logits``)."""
         if logits.dim() != 2 or logits.shape[0] != len(request_ids) or len(params) != len(request_ids):
             raise ValueError(f"sample: logits {tuple(logits.shape)} do not match {len(request_ids)} requests")
         if histories is not None and len(histories) != len(request_ids):
             raise ValueError(f"sample: {len(histories)} histories for {len(request_ids)} requests")
         logits = logits.float()
         broken = ((torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | torch.isneginf(logits).all(dim=-1)).tolist()
-        penalized = [i for i, p in enumerate(params) if p.penalized and not broken[i]]
-        if penalized:
+        adjusted = [i for i, p in enumerate(params) if p.adjusts_logits and not broken[i]]
+        if adjusted:
             if histories is None:
-                raise ValueError("sample: penalties need each request's token history (histories=...)")
+                raise ValueError("sample: logit_bias, min_tokens and penalties need each request's token history (histories=...)")
+            logits = logits.clone()
+            self._bias_and_hold_back(logits, [(i, params[i], len(histories[i][1])) for i in adjusted])
+        penalized = [i for i in adjusted if params[i].penalized]
+        if penalized:
             prompts = []
             for i in penalized:
                 prompt_ids = self._prompt_ids.get(request_ids[i])
                 if prompt_ids is None and params[i].repetition_penalty != 1:
                     prompt_ids = self._prompt_ids[request_ids[i]] = torch.tensor(list(histories[i][0]), dtype=torch.long, device=logits.device)
                 prompts.append(prompt_ids)
-            logits = logits.clone()
             logits[penalized] = penalize_rows(logits[penalized], [params[i] for i in penalized], prompts, [histories[i][1] for i in penalized])
         out: list[Optional[int]] = [None] * len(request_ids)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy and not broken[i]]
@@ -100,6 +107,27 @@ class Sampler:
             if not p.greedy and not broken[i]:
                 out[i] = sample_row(logits[i], p, self._generators[request_ids[i]])
         return out
+
+    def _bias_and_hold_back(self, logits: Tensor, rows: Sequence[tuple[int, SamplingParams, int]]) -> None:
+        """``logit_bias`` and ``min_tokens`` in place, for (row, params, tokens generated so far); one
+        ``index_put_`` each over every row's entries."""
+        bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
+        for i, p, generated in rows:
+            for token, value in p.logit_bias:
+                bias_rows.append(i)
+                bias_ids.append(token)
+                bias_values.append(float(value))
+            if generated < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos_token_ids))
+                ban_rows.extend([i] * len(banned))
+                ban_ids.extend(sorted(banned))
+        device = logits.device
+        if bias_rows:
+            index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
+            logits.index_put_(index, torch.tensor(bias_values, dtype=logits.dtype, device=device), accumulate=True)
+        if ban_rows:
+            index = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
+            logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
     @staticmethod
     def logprobs(logits: Tensor, tokens: Sequence[Optional[int]], params: Sequence[SamplingParams]) -> list[Optional[TokenLogprobs]]:

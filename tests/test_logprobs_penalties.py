@@ -226,3 +226,41 @@ def test_prompt_logprobs_survive_preemption(tiny_llama_dir, tiny_adapters, refer
         assert [e.token_id for e in entries] == prompt[1:]
         assert [e.logprob for e in entries] == pytest.approx([ref[p, prompt[p + 1]].item() for p in range(len(prompt) - 1)], abs=1e-4)
     assert sum(preemptions) > 0  # the case under test happened
+
+
+def test_logit_bias_steers_every_row_it_is_given(tiny_llama_dir, tiny_adapters):
+    """+100 on one token makes greedy decoding emit only it; -100 on the unbiased run's tokens
+    bans them; other rows of the batch are untouched."""
+    rng = random.Random(31)
+    engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+    prompts = [random_prompt(rng, PROMPT_LEN) for _ in ADAPTERS]
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"u{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), adapter)
+    plain = run_to_completion(engine)
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"up{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logit_bias={77: 100.0}), adapter)
+        banned = {t: -100.0 for t in plain[f"u{i}"].token_ids}
+        engine.add_request(f"down{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logit_bias=banned), adapter)
+        engine.add_request(f"same{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), adapter)
+    finals = run_to_completion(engine)
+    for i in range(len(ADAPTERS)):
+        assert finals[f"up{i}"].token_ids == (77,) * NEW_TOKENS
+        assert not set(finals[f"down{i}"].token_ids) & set(plain[f"u{i}"].token_ids)
+        assert finals[f"same{i}"].token_ids == plain[f"u{i}"].token_ids
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("bad", [1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids():
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 10.0  # eos, the favourite
+    logits[:, 5] = 9.0  # a stop token id, second
+    sampler = Sampler(eos_token_ids=(2,))
+    params = [SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5]), SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5]),
+              SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True)]  # fmt: skip
+    histories = [([1], [3]), ([1], [3, 4]), ([1], [])]  # 1 generated (held back), 2 (free), 0 but eos ignored (eos allowed)
+    assert sampler.sample(logits, ["a", "b", "c"], params, histories) == [0, 2, 2]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})

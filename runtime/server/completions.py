@@ -1,6 +1,7 @@
 """POST /v1/completions: text completion, streamed (SSE) or whole."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncIterator
 
@@ -37,8 +38,8 @@ def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any
     """The prompt's SamplingParams: an explicit max_tokens as sent (the engine refuses one that
     does not fit), else the default 16 capped by the room the prompt leaves."""
     prompt_logprobs = body.logprobs if body.echo else None
-    if body.max_tokens is not None:
-        return gen.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+    if body.max_tokens is not None:  # 0 (echo, score only): one token, which the reply leaves out (``_scored_only``)
+        return gen.sampling_params(body, max(1, body.max_tokens), body.logprobs, prompt_logprobs)
     prompt_len = len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))  # as the engine encodes it
     max_tokens = gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens)
     return gen.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
@@ -65,6 +66,14 @@ def _whole_logprobs(out: Any, tokenizer: Any, echo: bool) -> dict[str, Any] | No
     return {key: head[key] + tail[key] for key in head}
 
 
+def _scored_only(out: Any) -> Any:
+    """A max_tokens=0 request's output as the client asked for it: the prompt, no generated token.
+    The engine ran it with one token (the prompt's last position gives that token's logits
+    anyway); its text, ids and logprobs are dropped here."""
+    return dataclasses.replace(out, new_token_ids=(), new_text="", token_ids=(), text="",
+                               logprobs=() if out.logprobs is not None else None)  # fmt: skip
+
+
 def _choice(index: int, out: Any, with_ids: bool, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
     if with_ids:
@@ -87,6 +96,10 @@ def build_router(state: Any) -> APIRouter:
     async def create_completion(body: CompletionRequest, request: Request) -> Any:
         engine = state.engine
         target = gen.resolve_model(engine, state.base_name, body.model)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing, which only makes sense with echo: true (scoring the prompt); "
+                           "otherwise it must be >= 1", param="max_tokens", code="invalid_parameter")  # fmt: skip
+        score_only = body.max_tokens == 0
         prompts = _prompts(body)
         if len(prompts) * body.n > MAX_PROMPTS:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} is more than {MAX_PROMPTS} choices per request; send several requests",
@@ -120,6 +133,8 @@ def build_router(state: Any) -> APIRouter:
                         if out.finish_reason == "error":
                             yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
                             break
+                        if score_only:
+                            out = _scored_only(out)
                         if body.echo and index not in started:  # the prompt first, in a chunk of its own
                             logprobs = None
                             if body.logprobs is not None:
@@ -151,7 +166,7 @@ def build_router(state: Any) -> APIRouter:
             async for index, out in gen.merge_streams(streams):
                 if out.finished:
                     gen.raise_if_failed(out)
-                    finals[index] = out
+                    finals[index] = _scored_only(out) if score_only else out
             return finals
 
         finals = await gen.until_disconnected(request, drain())

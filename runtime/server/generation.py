@@ -59,9 +59,12 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
+            min_tokens=req.min_tokens,
         )
-    except ValueError as err:
-        raise APIError(400, str(err), code="invalid_parameter") from err
+    except ValueError as err:  # the message starts with the field it is about ("min_tokens: ...")
+        field = str(err).split(":", 1)[0]
+        raise APIError(400, str(err), param=field if field in type(req).model_fields else None, code="invalid_parameter") from err
 
 
 def default_max_tokens(default: int, prompt_len: int, max_seq_tokens: int) -> int:
@@ -107,9 +110,10 @@ async def open_stream(
 
 def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Optional[str]:
     """The field an engine error message is about: its ``max_tokens:`` / ``prompt:`` prefix, else ``default``."""
-    if message.startswith("max_tokens:"):
-        return "max_tokens"
-    if message.startswith("prompt:"):
+    field = message.split(":", 1)[0]
+    if field in ("max_tokens", "logit_bias"):
+        return field
+    if field == "prompt":
         return prompt_param
     return default
 

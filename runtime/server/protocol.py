@@ -14,22 +14,24 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
-from runtime.request import MAX_LOGPROBS, MAX_PENALTY
+from runtime.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
 MAX_STOP_TOKEN_IDS = 256  # every sampled token is checked against the list
 MAX_PROMPTS = 256  # engine requests one HTTP request may make: prompts x n
 MAX_CHOICES = 64  # n
+MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries: every step adds each one
 # Fields where an explicit null means the default (OpenAI marks them nullable; clients such as
 # LangChain send ``"temperature": null`` for "not set").
-NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                                 "stream", "echo", "ignore_eos", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
                                 "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
 LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before penalties, "
                  "temperature, top_k and top_p), one entry per generated token.")
 MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
-                   "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400.")
+                   "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400. "
+                   "0 only with echo (completions): score the prompt, generate nothing.")
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +66,7 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_defaults)
 
     model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
-    max_tokens: Optional[StrictInt] = Field(None, ge=1, description=MAX_TOKENS_HELP)
+    max_tokens: Optional[StrictInt] = Field(None, ge=0, description=MAX_TOKENS_HELP)
     temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="Below 1e-5 (0 included) means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
@@ -83,6 +85,10 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, strict=True, allow_inf_nan=False,
                                       description="vLLM's extension (1 = off): the logit z of every token of the prompt or the output "
                                       "so far becomes z / r if z > 0, else z * r. Applied before the two penalties above.")
+    logit_bias: Optional[dict[str, float]] = Field(None, description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
+                                                   f"{MAX_LOGIT_BIAS:g}] added to its logit before sampling (at most {MAX_LOGIT_BIAS_ENTRIES} entries).")
+    min_tokens: StrictInt = Field(0, ge=0, description="vLLM's extension: eos (unless ignore_eos) and stop_token_ids cannot end the "
+                                  "reply before this many tokens; stop strings still can. At most max_tokens.")
     user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
 
     @model_validator(mode="before")
@@ -91,6 +97,20 @@ class _SamplingFields(BaseModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
         return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_form(cls, value: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids written as strings of digits, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for token {key}")
+        return value
 
     @field_validator("stop")
     @classmethod

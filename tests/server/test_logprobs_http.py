@@ -186,3 +186,45 @@ async def test_streamed_echo_adds_up_to_the_whole(app, engine) -> None:
         assert [None if t is None else list(t) for t in streamed_top] == [None if t is None else list(t) for t in choice["logprobs"]["top_logprobs"]]
         streamed_lp = [x for m in mine for x in m["logprobs"]["token_logprobs"]]
         assert streamed_lp[0] is None and streamed_lp[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-5)
+
+
+async def test_max_tokens_zero_with_echo_scores_the_prompt_only(app, engine) -> None:
+    model = engine.adapters()[0].name
+    body = completion_body(model, prompt="score only this", echo=True, logprobs=2, max_tokens=0)
+    async with client_for(app) as c:
+        reply = await post(c, "/v1/completions", body)
+        chunks = await stream(c, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        one = (await post(c, "/v1/completions", {**body, "max_tokens": 1}))["choices"][0]
+        refused = await c.post("/v1/completions", json=completion_body(model, max_tokens=0))
+        chat = await c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+    choice = reply["choices"][0]
+    prompt_len = len(choice["prompt_token_ids"])
+    assert choice["text"] == "score only this" and choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    assert reply["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 0, "total_tokens": prompt_len}
+    assert len(choice["logprobs"]["tokens"]) == prompt_len and choice["logprobs"]["token_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(one["logprobs"]["token_logprobs"][1:prompt_len])
+    streamed = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert "".join(s["text"] for s in streamed) == "score only this" and streamed[-1]["finish_reason"] == "length"
+    assert [t for s in streamed for t in s["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    for r in (refused, chat):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+async def test_logit_bias_and_min_tokens_reach_the_engine(app, engine) -> None:
+    model = engine.adapters()[0].name
+    async with client_for(app) as c:
+        forced = (await post(c, "/v1/completions", completion_body(model, temperature=0, logit_bias={"77": 100})))["choices"][0]
+        assert forced["token_ids"] == [77] * MAX_TOKENS
+        chat = (await post(c, "/v1/chat/completions", chat_body(model, temperature=0, logit_bias={"77": 100})))["choices"][0]
+        assert chat["token_ids"] == [77] * MAX_TOKENS
+        # eos as the only token worth anything: min_tokens holds it back for 3 tokens, then it ends the reply.
+        eos = engine.tokenizer.eos_token_ids[0]
+        body = completion_body(model, temperature=0, logit_bias={str(eos): 100}, min_tokens=3, ignore_eos=False)
+        held = (await post(c, "/v1/completions", body))["choices"][0]
+        assert len(held["token_ids"]) == 4 and held["token_ids"][-1] == eos and held["finish_reason"] == "stop"
+        for fields, param in [({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                              ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"min_tokens": MAX_TOKENS + 1}, "min_tokens"),
+                              ({"min_tokens": -1}, "min_tokens")]:  # fmt: skip
+            r = await c.post("/v1/completions", json=completion_body(model, **fields))
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
