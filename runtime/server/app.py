@@ -13,7 +13,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from runtime.server import admin, chat, completions
+from runtime.server import admin, chat, completions, tokenize
 from runtime.server.errors import error_response, install_error_handlers, install_openapi_errors
 from runtime.server.metrics import ServerMetrics
 from runtime.server.options import ServerOptions
@@ -121,6 +121,7 @@ def create_app(
 
     app.include_router(completions.build_router(state))
     app.include_router(chat.build_router(state))
+    app.include_router(tokenize.build_router(state))
     if options.enable_adapter_admin:
         app.include_router(admin.build_router(state))
     install_openapi_errors(app)

@@ -245,3 +245,31 @@ class LoadAdapterRequest(BaseModel):
 class UnloadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(..., min_length=1, max_length=128)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (as completions encodes it) or chat ``messages``
+    (as chat completions renders and encodes them), so ``count`` equals that route's
+    ``usage.prompt_tokens``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = Field(None, description="The base model or an adapter (they share the tokenizer); default the base.")
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = Field(None, description="Default: true for a prompt (as completions), false for messages "
+                                               "(the chat template writes its own special tokens, as chat completions).")
+    return_token_strs: bool = Field(False, description="Also return each token's text.")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: list[StrictInt] = Field(..., description="Token ids to decode (special tokens are skipped, as in generated text).")

@@ -1,0 +1,52 @@
+"""POST /tokenize and /detokenize (vLLM's routes): the served tokenizer, without running the model.
+
+``/tokenize`` encodes a prompt exactly as ``/v1/completions`` does, or chat messages exactly as
+``/v1/chat/completions`` renders and encodes them, so ``count`` is what that route reports as
+``usage.prompt_tokens``; ``max_model_len`` says how much room a request has.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from runtime.server import generation as gen
+from runtime.server.errors import APIError
+from runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+
+
+def build_router(state: Any) -> APIRouter:
+    router = APIRouter()
+
+    def check_model(model: str | None) -> None:
+        if model is not None:
+            gen.resolve_model(state.engine, state.base_name, model)  # 404 for a name that is not served
+
+    @router.post("/tokenize", tags=["tokenizer"])
+    async def tokenize(body: TokenizeRequest) -> Any:
+        check_model(body.model)
+        tokenizer = state.tokenizer
+        if body.messages is not None:
+            try:
+                text = tokenizer.apply_chat_template([m.template_fields() for m in body.messages])
+            except ValueError as err:  # the template refused these messages
+                raise APIError(400, str(err), param="messages", code="invalid_parameter") from err
+            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [tokenizer.token_text(t) for t in ids]
+        return reply
+
+    @router.post("/detokenize", tags=["tokenizer"])
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        outside = [t for t in body.tokens if not 0 <= t < vocab]
+        if outside:
+            raise APIError(400, f"tokens: ids {outside[:4]} are outside the tokenizer's vocabulary (size {vocab})", param="tokens",
+                           code="invalid_parameter")  # fmt: skip
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return router
