@@ -74,7 +74,7 @@ class SamplingParams:
     prompt_logprobs: None = off; k in 0..20: the same for every prompt token after the first
                  (``RequestOutput.prompt_logprobs``: what the model, with this request's adapter,
                  gave each prompt token given the ones before it). Such a request computes its
-                 whole prompt: it neither reuses nor publishes prefix-cache blocks.
+                 whole prompt: it reuses no prefix-cache blocks (it publishes its own).
     """
 
     max_tokens: int = 16

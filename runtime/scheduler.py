@@ -251,9 +251,10 @@ class Scheduler:
                         out.drained.append(victim)
                 continue
             self._drains.pop(key, None)
-            # Prompt logprobs need every prompt position computed: no prefix reuse for such a request.
-            seed = self._prefix_seed(key) if self._prefix_seed is not None and seq.params.prompt_logprobs is None else None
-            seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids)
+            seed = self._prefix_seed(key) if self._prefix_seed is not None else None
+            # Prompt logprobs need every prompt position computed: such a request reuses no prefix (it still publishes its blocks).
+            reuse = seq.params.prompt_logprobs is None
+            seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids, reuse=reuse)
             n = min(seq.num_uncomputed, budget)
             if not self.block_manager.ensure(seq.request_id, seq.num_computed + n):
                 # Not enough KV for even its first chunk: stop admitting (first come first

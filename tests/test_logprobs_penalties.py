@@ -264,3 +264,19 @@ def test_min_tokens_holds_back_eos_and_stop_ids():
         SamplingParams(max_tokens=3, min_tokens=4)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 101.0})
+
+
+def test_a_prompt_logprobs_request_publishes_the_blocks_it_computes(tiny_llama_dir, tiny_adapters):
+    """It reuses nothing (each position needs its logits) but leaves its prompt in the prefix cache."""
+    engine = make_engine(tiny_llama_dir, max_loras=4, max_cpu_loras=4, num_kv_blocks=128, enable_prefix_caching=True)
+    engine.register_adapter("a", str(tiny_adapters["a"]))
+    prompt = random_prompt(random.Random(41), 17)
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), "a")
+    run_to_completion(engine)
+    assert engine.snapshot()["prefix_cache_hit_blocks"] == 0
+    engine.add_request("again", prompt, SamplingParams(max_tokens=1), "a")
+    run_to_completion(engine)
+    assert engine.snapshot()["prefix_cache_hit_blocks"] == (len(prompt) - 1) // 4  # block_size 4
+    engine.add_request("scored again", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), "a")
+    out = run_to_completion(engine)["scored again"]
+    assert len(out.prompt_logprobs) == len(prompt) and engine.snapshot()["prefix_cache_hit_blocks"] == (len(prompt) - 1) // 4

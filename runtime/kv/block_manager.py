@@ -57,11 +57,13 @@ class BlockManager:
         return sum(self._refcount)
 
     # ---- prefix cache --------------------------------------------------------------
-    def acquire_prefix(self, seq_id: str, seed: Optional[bytes], token_ids: Sequence[int]) -> int:
+    def acquire_prefix(self, seq_id: str, seed: Optional[bytes], token_ids: Sequence[int], reuse: bool = True) -> int:
         """Start ``seq_id``'s table with cached blocks of its prefix; returns the tokens reused.
 
         At most ``len(token_ids) - 1`` tokens are reused, so at least one token runs and
         produces logits. ``seed`` is the prefix cache's per-(base, adapter, version) seed.
+        ``reuse=False``: reuse nothing (a request that needs every prompt position's logits),
+        but still publish the blocks it computes for later requests.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
@@ -70,6 +72,8 @@ class BlockManager:
         if self.prefix_cache is None or seed is None:
             return 0
         self._seeds[seq_id] = seed
+        if not reuse:
+            return 0
         cacheable = (len(token_ids) - 1) // self.block_size
         hashes = PrefixCache.chain(seed, token_ids, self.block_size, cacheable)
         for block_hash in hashes:
