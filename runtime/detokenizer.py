@@ -22,7 +22,8 @@ decoding concatenates bytes, so its text is the same with or without context.
 
 Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
 previous text, so a stop string split over two deltas is found. The text is cut right
-before the first stop string. While running, the last ``len(longest stop) - 1``
+before the first stop string (right after it with ``include_stop``, vLLM's
+``include_stop_str_in_output``; the earliest match wins, the longest among matches at the same place). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
 stop string that a later token completes.
 """
@@ -42,10 +43,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), prompt_ids: Sequence[int] = ()
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), prompt_ids: Sequence[int] = (), include_stop: bool = False
     ) -> None:
         self._decode = decode
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         if context and decode(context).endswith(REPLACEMENT_CHAR):
@@ -86,13 +88,13 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, before: int) -> None:
         for_start = max(0, before - self._hold)
-        best = -1
+        best, length = -1, 0
         for s in self._stop:
             at = self.text.find(s, for_start)
-            if at != -1 and (best == -1 or at < best):
-                best = at
+            if at != -1 and (best == -1 or at < best or (at == best and len(s) > length)):
+                best, length = at, len(s)
         if best != -1:
-            self.text = self.text[:best]
+            self.text = self.text[: best + length] if self._include_stop else self.text[:best]
             self.stopped = True
 
     def take_delta(self, finished: bool) -> str:

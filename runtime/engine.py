@@ -221,7 +221,7 @@ class LLMEngine:
                 self._awaiting_adapter.add(seq)
         self.sampler.add(request_id, params)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids))
+        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output))
         self.scheduler.add(seq)
 
     def _warn_tokenizer_vocab(self) -> None:

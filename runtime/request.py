@@ -52,7 +52,8 @@ class SamplingParams:
     top_k:       keep only the k most likely tokens (0 = off).
     top_p:       keep the smallest set of most likely tokens whose probability mass is >= top_p.
     seed:        seeds this request's own torch.Generator (None: drawn from the engine's seed).
-    stop:        strings that end generation; the returned text is cut before the stop string.
+    stop:        strings that end generation; the returned text is cut before the stop string
+                 (after it with ``include_stop_str_in_output``, vLLM's).
     stop_token_ids: token ids that end generation (finish_reason "stop").
     ignore_eos:  keep generating past the tokenizer's eos tokens.
     max_tokens:  most new tokens (finish_reason "length" when reached).
@@ -92,6 +93,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists for convenience but store tuples, so the object stays hashable and immutable.
@@ -125,8 +127,9 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids: must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or abs(value) > MAX_PENALTY:

@@ -67,6 +67,20 @@ def test_detokenizer_cuts_at_stop_string_split_across_tokens_and_holds_back():
     assert d.stopped and d.text == "hell" and emitted == "hell"
 
 
+@pytest.mark.parametrize("stops, kept", [(("o wor",), "hello wor"), (("wo", "wor"), "hello wor"), (("llo", "o"), "hello")])
+def test_include_stop_keeps_the_earliest_then_longest_stop_string(stops, kept):
+    vocab = ["hello", " world", "!"]
+    d = IncrementalDetokenizer(lambda ids: "".join(vocab[i] for i in ids), stop=stops, include_stop=True)
+    ids, emitted = [], ""
+    for tok in range(len(vocab)):
+        ids.append(tok)
+        d.add_tokens(ids)
+        emitted += d.take_delta(finished=d.stopped)
+        if d.stopped:
+            break
+    assert d.stopped and d.text == kept and emitted == kept
+
+
 def _float64_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(z.double() / temperature, 0)
 

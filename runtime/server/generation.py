@@ -54,6 +54,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             stop=tuple(stops),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,

@@ -25,7 +25,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries: every step adds each one
 # Fields where an explicit null means the default (OpenAI marks them nullable; clients such as
 # LangChain send ``"temperature": null`` for "not set").
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                                "stream", "echo", "ignore_eos", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
+                                "stream", "echo", "ignore_eos", "include_stop_str_in_output", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
                                 "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
 LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before penalties, "
                  "temperature, top_k and top_p), one entry per generated token.")
@@ -74,6 +74,7 @@ class _SamplingFields(BaseModel):
     stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match.")
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, description="vLLM's extension: keep the stop string that ended the reply at its end.")
     stream: bool = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt, 1 to {MAX_CHOICES} (each is its own engine request; "

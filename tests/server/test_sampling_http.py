@@ -109,3 +109,14 @@ async def test_stop_token_ids_end_the_reply(app, engine) -> None:
             cut = await complete(c, model, temperature=1.0, seed=9, stop_token_ids=[sid])
             assert cut["finish_reason"] == "stop"
             assert cut["token_ids"] == sampled["token_ids"][: sampled["token_ids"].index(sid) + 1]
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string(app, engine) -> None:
+    model = engine.adapters()[0].name
+    async with client_for(app) as c:
+        full = await complete(c, model, temperature=0)
+        stop = full["text"][3:5]  # two characters from the middle of the greedy reply
+        cut = await complete(c, model, temperature=0, stop=[stop])
+        kept = await complete(c, model, temperature=0, stop=[stop], include_stop_str_in_output=True)
+    assert stop and cut["finish_reason"] == kept["finish_reason"] == "stop"
+    assert kept["text"] == cut["text"] + stop and full["text"].startswith(kept["text"])
