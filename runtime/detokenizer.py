@@ -23,7 +23,9 @@ decoding concatenates bytes, so its text is the same with or without context.
 Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
 previous text, so a stop string split over two deltas is found. The text is cut right
 before the first stop string (right after it with ``include_stop``, vLLM's
-``include_stop_str_in_output``; the earliest match wins, the longest among matches at the same place). While running, the last ``len(longest stop) - 1``
+``include_stop_str_in_output``; the earliest match wins, the longest among matches at the same place).
+With ``min_tokens`` (vLLM's), stop strings are looked for only once that many tokens were
+generated, and then only in text from that point on (less the hold-back window). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
 stop string that a later token completes.
 """
@@ -43,11 +45,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), prompt_ids: Sequence[int] = (), include_stop: bool = False
+        self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), prompt_ids: Sequence[int] = (), include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._decode = decode
         self._stop = tuple(stop)
         self._include_stop = include_stop
+        self._min_tokens = min_tokens
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         if context and decode(context).endswith(REPLACEMENT_CHAR):
@@ -79,7 +83,8 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, end
-        self._find_stop(before)
+        if len(ids) >= self._min_tokens:
+            self._find_stop(before)
 
     def _window(self, ids: Sequence[int], start: int, end: int) -> list[int]:
         """(context + ids)[start:end] without copying the whole output list."""

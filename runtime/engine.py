@@ -113,7 +113,8 @@ class LLMEngine:
             max_loras=config.max_loras,
             prefix_seed=prefix_cache.seed if prefix_cache is not None else None,
         )
-        self.sampler = Sampler(config.seed, self._eos_ids)
+        # min_tokens masks the eos ids in the logits: only those inside the model's vocabulary can be generated at all.
+        self.sampler = Sampler(config.seed, [t for t in self._eos_ids if t < self.runner.model_config.vocab_size])
         self._live: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []
         self._observers: list[Callable[[RequestMetrics], None]] = []
@@ -186,9 +187,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         vocab = self.runner.model_config.vocab_size
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias: token ids {outside[:4]} are outside the vocabulary (size {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:  # the sampler indexes logits with them (logit_bias, min_tokens)
+                raise ValueError(f"{name}: token ids {outside[:4]} are outside the model's vocabulary (size {vocab})")
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
         if n >= self.max_model_len:
@@ -221,7 +223,7 @@ class LLMEngine:
                 self._awaiting_adapter.add(seq)
         self.sampler.add(request_id, params)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output))
+        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output, params.min_tokens))
         self.scheduler.add(seq)
 
     def _warn_tokenizer_vocab(self) -> None:
@@ -407,7 +409,7 @@ class LLMEngine:
             if step.sample:
                 sample_rows.append(row + step.logit_rows - 1)
             row += step.logit_rows
-        entries = token_logprobs(logits[[r for _, r, _ in targets]], [t for _, _, t in targets], [s.params.prompt_logprobs for s, _, _ in targets])
+        entries = token_logprobs(logits, [t for _, _, t in targets], [s.params.prompt_logprobs for s, _, _ in targets], [r for _, r, _ in targets])
         for (seq, _, _), entry in zip(targets, entries):
             seq.prompt_logprobs.append(entry)
         return logits[sample_rows]

@@ -70,8 +70,9 @@ class SamplingParams:
                  before penalties, temperature, top-k and top-p (vLLM's default).
     logit_bias:  (token id, bias) pairs (a dict is accepted), bias in [-100, 100] (OpenAI's): added
                  to those logits first, before the penalties; -100 all but bans a token.
-    min_tokens:  eos (unless ignore_eos) and ``stop_token_ids`` cannot be generated before this
-                 many tokens (vLLM's; their logits are -inf until then). Stop strings still apply.
+    min_tokens:  nothing ends the request before this many tokens (vLLM's): eos (unless
+                 ignore_eos) and ``stop_token_ids`` get -inf logits until then, and stop strings
+                 are looked for only from then on.
     prompt_logprobs: None = off; k in 0..20: the same for every prompt token after the first
                  (``RequestOutput.prompt_logprobs``: what the model, with this request's adapter,
                  gave each prompt token given the ones before it). Such a request computes its

@@ -138,22 +138,31 @@ class Sampler:
         rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if tok is not None and p.logprobs is not None]
         out: list[Optional[TokenLogprobs]] = [None] * len(tokens)
         if rows:
-            picked = token_logprobs(logits[rows], [int(tokens[i]) for i in rows], [params[i].logprobs for i in rows])
+            picked = token_logprobs(logits, [int(tokens[i]) for i in rows], [params[i].logprobs for i in rows], rows)
             for i, entry in zip(rows, picked):
                 out[i] = entry
         return out
 
 
-def token_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
-    """Row i of ``logits`` [n, vocab]: ``tokens[i]``'s entry of ``log_softmax`` and its ``ks[i]``
-    largest entries. One ``log_softmax``, one ``gather`` and one ``topk`` for all rows."""
-    if not tokens:
-        return []
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device)[:, None]).squeeze(1).tolist()
-    values, ids = lp.topk(min(max(ks), lp.shape[-1]), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return [TokenLogprobs(tok, float(chosen[i]), tuple(zip(ids[i][:k], values[i][:k]))) for i, (tok, k) in enumerate(zip(tokens, ks))]
+LOGPROB_ROWS_PER_BLOCK = 256  # prompt logprobs of a long chunk: bounded temporaries (256 x vocab floats at a time)
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int], rows: Optional[Sequence[int]] = None) -> list[TokenLogprobs]:
+    """Row ``rows[i]`` of ``logits`` [n, vocab] (row i without ``rows``): ``tokens[i]``'s entry of
+    ``log_softmax`` and its ``ks[i]`` largest entries. One ``log_softmax``, ``gather`` and ``topk``
+    per block of ``LOGPROB_ROWS_PER_BLOCK`` rows, so a 2048-token prompt chunk over a 150k
+    vocabulary never holds more than one block's float32 copy besides ``logits`` itself."""
+    out: list[TokenLogprobs] = []
+    for lo in range(0, len(tokens), LOGPROB_ROWS_PER_BLOCK):
+        hi = min(lo + LOGPROB_ROWS_PER_BLOCK, len(tokens))
+        block = logits[lo:hi] if rows is None else logits.index_select(0, torch.tensor(rows[lo:hi], device=logits.device))
+        lp = torch.log_softmax(block.float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(list(tokens[lo:hi]), device=lp.device)[:, None]).squeeze(1).tolist()
+        values, ids = lp.topk(min(max(ks[lo:hi]), lp.shape[-1]), dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, (tok, k) in enumerate(zip(tokens[lo:hi], ks[lo:hi])):
+            out.append(TokenLogprobs(tok, float(chosen[i]), tuple(zip(ids[i][:k], values[i][:k]))))
+    return out
 
 
 def penalized_logits(z: Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Tensor:

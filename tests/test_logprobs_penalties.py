@@ -280,3 +280,18 @@ def test_a_prompt_logprobs_request_publishes_the_blocks_it_computes(tiny_llama_d
     engine.add_request("scored again", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), "a")
     out = run_to_completion(engine)["scored again"]
     assert len(out.prompt_logprobs) == len(prompt) and engine.snapshot()["prefix_cache_hit_blocks"] == (len(prompt) - 1) // 4
+
+
+def test_token_logprobs_in_blocks_equal_one_pass():
+    from runtime.sampler import LOGPROB_ROWS_PER_BLOCK, token_logprobs
+
+    n = 2 * LOGPROB_ROWS_PER_BLOCK + 37
+    logits = torch.randn(n + 5, 40, generator=torch.Generator().manual_seed(4))
+    rows = list(range(3, n + 3))
+    tokens = [(7 * r) % 40 for r in rows]
+    ks = [r % 4 for r in rows]
+    got = token_logprobs(logits, tokens, ks, rows)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert [e.token_id for e in got] == tokens
+    assert [e.logprob for e in got] == pytest.approx([ref[r, t].item() for r, t in zip(rows, tokens)], abs=1e-5)
+    assert [[t for t, _ in e.top] for e in got] == [torch.topk(ref[r], k).indices.tolist() for r, k in zip(rows, ks)]

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
-from runtime.server.logprobs import completion_logprobs
+from runtime.server.logprobs import TextOffsets, completion_logprobs
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -50,19 +50,24 @@ def _echoed(prompt: str | list[int], tokenizer: Any) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-def _prompt_logprobs(out: Any, tokenizer: Any) -> tuple[dict[str, Any], int]:
-    """The legacy logprobs object of the prompt's tokens (echo), and the offset after them."""
-    return completion_logprobs(tokenizer, out.prompt_logprobs, 0, out.prompt_token_ids)
+def _prompt_logprobs(out: Any, tokenizer: Any, offsets: TextOffsets, echoed: str) -> dict[str, Any]:
+    """The legacy logprobs object of the prompt's tokens (echo); ``offsets`` then continues
+    after ``echoed``, the prompt's text in the reply."""
+    head = completion_logprobs(tokenizer, out.prompt_logprobs, offsets, out.prompt_token_ids)
+    offsets.restart_at(len(echoed))
+    return head
 
 
-def _whole_logprobs(out: Any, tokenizer: Any, echo: bool) -> dict[str, Any] | None:
-    """A finished choice's logprobs object: the prompt's tokens first with echo, then the generated ones."""
+def _whole_logprobs(out: Any, tokenizer: Any, echoed: str | None) -> dict[str, Any] | None:
+    """A finished choice's logprobs object: with ``echoed`` (the prompt's text, echo), the
+    prompt's tokens first, then the generated ones."""
     if out.logprobs is None:
         return None
-    if not echo:
-        return completion_logprobs(tokenizer, out.logprobs)[0]
-    head, offset = _prompt_logprobs(out, tokenizer)
-    tail, _ = completion_logprobs(tokenizer, out.logprobs, offset)
+    offsets = TextOffsets(tokenizer)
+    if echoed is None:
+        return completion_logprobs(tokenizer, out.logprobs, offsets)
+    head = _prompt_logprobs(out, tokenizer, offsets, echoed)
+    tail = completion_logprobs(tokenizer, out.logprobs, offsets)
     return {key: head[key] + tail[key] for key in head}
 
 
@@ -70,7 +75,7 @@ def _scored_only(out: Any) -> Any:
     """A max_tokens=0 request's output as the client asked for it: the prompt, no generated token.
     The engine ran it with one token (the prompt's last position gives that token's logits
     anyway); its text, ids and logprobs are dropped here."""
-    return dataclasses.replace(out, new_token_ids=(), new_text="", token_ids=(), text="",
+    return dataclasses.replace(out, new_token_ids=(), new_text="", token_ids=(), text="", finish_reason="length",
                                logprobs=() if out.logprobs is not None else None)  # fmt: skip
 
 
@@ -100,6 +105,8 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(400, "max_tokens: 0 generates nothing, which only makes sense with echo: true (scoring the prompt); "
                            "otherwise it must be >= 1", param="max_tokens", code="invalid_parameter")  # fmt: skip
         score_only = body.max_tokens == 0
+        if score_only and body.min_tokens > 0:
+            raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens=0", param="min_tokens", code="invalid_parameter")
         prompts = _prompts(body)
         if len(prompts) * body.n > MAX_PROMPTS:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} is more than {MAX_PROMPTS} choices per request; send several requests",
@@ -126,7 +133,7 @@ def build_router(state: Any) -> APIRouter:
                 finals: dict[int, Any] = {}
                 # With logprobs, a token that adds no text yet waits for the next chunk of its choice.
                 pending: dict[int, list[Any]] = {i: [] for i in range(len(choices_in))}
-                offsets = dict.fromkeys(range(len(choices_in)), 0)
+                offsets = {i: TextOffsets(state.tokenizer) for i in range(len(choices_in))}
                 started: set[int] = set()
                 try:
                     async for index, out in gen.merge_streams(streams):
@@ -136,17 +143,16 @@ def build_router(state: Any) -> APIRouter:
                         if score_only:
                             out = _scored_only(out)
                         if body.echo and index not in started:  # the prompt first, in a chunk of its own
-                            logprobs = None
-                            if body.logprobs is not None:
-                                logprobs, offsets[index] = _prompt_logprobs(out, state.tokenizer)
-                            echo_choice = {"index": index, "text": _echoed(choices_in[index], state.tokenizer), "logprobs": logprobs, "finish_reason": None}
+                            echoed = _echoed(choices_in[index], state.tokenizer)
+                            logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], echoed) if body.logprobs is not None else None
+                            echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
                             yield event(chunk([echo_choice]))
                         started.add(index)
                         pending[index].extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
                             logprobs = None
                             if body.logprobs is not None:
-                                logprobs, offsets[index] = completion_logprobs(state.tokenizer, pending[index], offsets[index])
+                                logprobs = completion_logprobs(state.tokenizer, pending[index], offsets[index])
                                 pending[index] = []
                             choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
                             yield event(chunk([choice], _usage({0: out}) if continuous else None))
@@ -170,8 +176,10 @@ def build_router(state: Any) -> APIRouter:
             return finals
 
         finals = await gen.until_disconnected(request, drain())
-        choices = [_choice(k, o, body.return_token_ids, (_echoed(choices_in[k], state.tokenizer) if body.echo else "") + o.text,
-                           _whole_logprobs(o, state.tokenizer, body.echo)) for k, o in sorted(finals.items())]  # fmt: skip
+        choices = []
+        for k, o in sorted(finals.items()):
+            echoed = _echoed(choices_in[k], state.tokenizer) if body.echo else None
+            choices.append(_choice(k, o, body.return_token_ids, (echoed or "") + o.text, _whole_logprobs(o, state.tokenizer, echoed)))
         return JSONResponse(chunk(choices, _usage(finals, body.n)))
 
     return router

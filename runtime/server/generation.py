@@ -60,12 +60,24 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             repetition_penalty=req.repetition_penalty,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            logit_bias={int(token): bias for token, bias in (req.logit_bias or {}).items()},
+            logit_bias=logit_bias_ids(req.logit_bias),
             min_tokens=req.min_tokens,
         )
     except ValueError as err:  # the message starts with the field it is about ("min_tokens: ...")
         field = str(err).split(":", 1)[0]
         raise APIError(400, str(err), param=field if field in type(req).model_fields else None, code="invalid_parameter") from err
+
+
+def logit_bias_ids(bias: Optional[dict[str, float]]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids written as decimal strings) with int keys; two keys
+    naming one id ("7" and "07") are a 400, not one silently winning."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        token = int(key)
+        if token in out:
+            raise APIError(400, f"logit_bias: keys {key!r} and another one both name token {token}", param="logit_bias", code="invalid_parameter")
+        out[token] = float(value)
+    return out
 
 
 def default_max_tokens(default: int, prompt_len: int, max_seq_tokens: int) -> int:
@@ -112,7 +124,7 @@ async def open_stream(
 def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Optional[str]:
     """The field an engine error message is about: its ``max_tokens:`` / ``prompt:`` prefix, else ``default``."""
     field = message.split(":", 1)[0]
-    if field in ("max_tokens", "logit_bias"):
+    if field in ("max_tokens", "logit_bias", "stop_token_ids"):
         return field
     if field == "prompt":
         return prompt_param

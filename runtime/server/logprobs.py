@@ -10,33 +10,58 @@ first, the first of them with null logprob and top_logprobs):
     {"tokens": [text(t_i)], "token_logprobs": [logprob(t_i)],
      "top_logprobs": [{text(j): logprob(j) for the k most likely j, and for t_i itself}] (so up to k + 1
                      entries, as OpenAI documents: the sampled token is always there),
-     "text_offset": [offset of t_i]}   offset = ``start`` + the length of text(t_1..t_{i-1})
+     "text_offset": [offset of t_i]}   the characters of ``text`` before t_i (``TextOffsets``)
 Chat: {"content": [{"token": text, "logprob": lp, "bytes": [...] or null,
                    "top_logprobs": [{"token", "logprob", "bytes"}, ...]}], "refusal": null}
 """
 from __future__ import annotations
 
+import codecs
 from typing import Any, Optional, Sequence
 
 from runtime.request import TokenLogprobs
 
 
-def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs]], start: int = 0,
-                        token_ids: Optional[Sequence[int]] = None) -> tuple[dict[str, Any], int]:  # fmt: skip
-    """(the legacy ``logprobs`` object for ``entries``, the text offset after them).
+class TextOffsets:
+    """Where each token starts in a choice's ``text``: the characters of text before it.
+
+    Each token's bytes (``Tokenizer.token_bytes``; none for a special token, which the text
+    leaves out) go through an incremental UTF-8 decoder, so a character split over several
+    tokens counts once and all its tokens start where it starts. One per choice, fed in order,
+    across streamed chunks; ``restart_at`` after an echoed prompt, whose text is the prompt as sent.
+    """
+
+    def __init__(self, tokenizer: Any, start: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self.restart_at(start)
+
+    def restart_at(self, position: int) -> None:
+        self.position = position
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_id: int) -> int:
+        """The offset of ``token_id``, the next token; moves past it."""
+        offset = self.position
+        if not self._tokenizer.is_special(token_id):
+            raw = self._tokenizer.token_bytes(token_id)
+            self.position += len(self._utf8.decode(raw if raw is not None else self._tokenizer.token_text(token_id).encode("utf-8")))
+        return offset
+
+
+def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs]], offsets: TextOffsets,
+                        token_ids: Optional[Sequence[int]] = None) -> dict[str, Any]:  # fmt: skip
+    """The legacy ``logprobs`` object for ``entries``, their ``text_offset`` from ``offsets``.
 
     ``token_ids``: the tokens, when some entry is None (the first prompt token with ``echo``:
     nothing predicts it, so its logprob and its top_logprobs are null)."""
     ids = list(token_ids) if token_ids is not None else [e.token_id for e in entries if e is not None]
     if len(ids) != len(entries):
         raise ValueError(f"completion_logprobs: {len(entries)} entries for {len(ids)} tokens")
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = start
+    tokens, token_logprobs, top, text_offsets = [], [], [], []
     for token_id, entry in zip(ids, entries):
         text = tokenizer.token_text(token_id)
         tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+        text_offsets.append(offsets.advance(token_id))
         if entry is None:
             token_logprobs.append(None)
             top.append(None)
@@ -48,7 +73,7 @@ def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs
             alternatives.setdefault(tokenizer.token_text(alt_id), logprob)
         alternatives.setdefault(text, entry.logprob)
         top.append(alternatives)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offsets}
 
 
 def chat_logprobs(tokenizer: Any, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:

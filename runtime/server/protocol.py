@@ -10,9 +10,10 @@ that field's default, as in OpenAI's API and vLLM's.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator, model_validator
 
 from runtime.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
@@ -86,10 +87,10 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, strict=True, allow_inf_nan=False,
                                       description="vLLM's extension (1 = off): the logit z of every token of the prompt or the output "
                                       "so far becomes z / r if z > 0, else z * r. Applied before the two penalties above.")
-    logit_bias: Optional[dict[str, float]] = Field(None, description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
+    logit_bias: Optional[dict[str, Union[StrictInt, StrictFloat]]] = Field(None, description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
                                                    f"{MAX_LOGIT_BIAS:g}] added to its logit before sampling (at most {MAX_LOGIT_BIAS_ENTRIES} entries).")
-    min_tokens: StrictInt = Field(0, ge=0, description="vLLM's extension: eos (unless ignore_eos) and stop_token_ids cannot end the "
-                                  "reply before this many tokens; stop strings still can. At most max_tokens.")
+    min_tokens: StrictInt = Field(0, ge=0, description="vLLM's extension: nothing ends the reply before this many tokens (eos, "
+                                  "stop_token_ids and stop strings are held back until then). At most max_tokens.")
     user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
 
     @model_validator(mode="before")
@@ -107,7 +108,7 @@ class _SamplingFields(BaseModel):
         if len(value) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
         for key, bias in value.items():
-            if not key.isdigit():
+            if not re.fullmatch(r"[0-9]+", key):
                 raise ValueError(f"keys are token ids written as strings of digits, got {key!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for token {key}")

@@ -48,6 +48,17 @@ async def stream(c: httpx.AsyncClient, route: str, body: dict) -> list[dict]:
     return chunks
 
 
+def assert_offsets_index(text: str, lp: dict) -> None:
+    """Each token starts where its text sits in ``text`` (a token that is only part of a
+    character, shown as U+FFFD, or a special token, which the text leaves out, at least does
+    not move the offsets backwards)."""
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), offsets
+    for token, offset in zip(lp["tokens"], offsets):
+        if "\ufffd" not in token and not (token.startswith("<") and token.endswith(">")):
+            assert text[offset:].startswith(token), (token, offset, text)
+
+
 def completion_body(model: str, **fields) -> dict:
     return {"model": model, "prompt": "tell me", "max_tokens": MAX_TOKENS, "ignore_eos": True, "return_token_ids": True, **fields}
 
@@ -65,7 +76,7 @@ async def test_completion_logprobs_shape_and_consistency(app, engine) -> None:
             n = len(choice["token_ids"])
             assert n == MAX_TOKENS and all(len(lp[k]) == n for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"))
             assert "".join(lp["tokens"]) == choice["text"]
-            assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n)]
+            assert_offsets_index(choice["text"], lp)
             for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
                 assert value <= 0 and 1 <= len(top) <= 3
                 best = max(top, key=top.get)  # greedy: the generated token is the most likely one
@@ -157,7 +168,8 @@ async def test_echo_puts_the_prompt_and_its_logprobs_first(app, engine) -> None:
     lp = choice["logprobs"]
     assert choice["text"] == "score this text" + plain["text"]
     assert len(lp["tokens"]) == len(prompt_ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert_offsets_index(choice["text"], lp)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(prompt_ids)] == len("score this text")  # the reply starts after the prompt
     direct = None
     async for out in engine.generate("direct-echo", prompt_ids, SamplingParams(max_tokens=1, prompt_logprobs=1, logprobs=1), model):
         direct = out
@@ -228,3 +240,41 @@ async def test_logit_bias_and_min_tokens_reach_the_engine(app, engine) -> None:
                               ({"min_tokens": -1}, "min_tokens")]:  # fmt: skip
             r = await c.post("/v1/completions", json=completion_body(model, **fields))
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+
+
+async def test_text_offsets_count_characters_not_token_strings(app, engine) -> None:
+    """"é" is two byte tokens (each shown as U+FFFD): both start at the character's offset, and
+    the BOS token the text leaves out takes no room."""
+    model = engine.adapters()[0].name
+    async with client_for(app) as c:
+        choice = (await post(c, "/v1/completions", completion_body(model, prompt="é!", echo=True, logprobs=0, max_tokens=0)))["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == "é!" and lp["text_offset"] == [0] * (len(lp["tokens"]) - 1) + [1], lp
+
+
+async def test_sampling_field_edge_cases_are_named_400s_and_the_engine_stays_up(app, engine) -> None:
+    model = engine.adapters()[0].name
+    cases = [({"logit_bias": {"²": 1}}, "logit_bias"), ({"logit_bias": {"07": 100, "7": -100}}, "logit_bias"),
+             ({"logit_bias": {"7": "100"}}, "logit_bias.7"), ({"logit_bias": {"7": True}}, "logit_bias.7"),
+             ({"min_tokens": 2, "stop_token_ids": [10**6]}, "stop_token_ids"),
+             ({"echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens")]  # fmt: skip
+    async with client_for(app) as c:
+        for fields, param in cases:
+            r = await c.post("/v1/completions", json=completion_body(model, **fields))
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.text)
+        assert (await c.get("/health")).status_code == 200
+        # Score only: nothing was generated, so the reply ends for "length", even when the token run internally was eos.
+        eos = engine.tokenizer.eos_token_ids[0]
+        scored = await post(c, "/v1/completions", completion_body(model, echo=True, max_tokens=0, logit_bias={str(eos): 100}, ignore_eos=False))
+        assert scored["choices"][0]["finish_reason"] == "length"
+
+
+async def test_min_tokens_holds_back_stop_strings_too(app, engine) -> None:
+    model = engine.adapters()[0].name
+    async with client_for(app) as c:
+        full = (await post(c, "/v1/completions", completion_body(model, temperature=0)))["choices"][0]
+        stop = full["text"][0]  # the reply's first character: a plain stop would end it at once
+        early = (await post(c, "/v1/completions", completion_body(model, temperature=0, stop=[stop])))["choices"][0]
+        held = (await post(c, "/v1/completions", completion_body(model, temperature=0, stop=[stop], min_tokens=MAX_TOKENS)))["choices"][0]
+    assert early["text"] == "" and early["finish_reason"] == "stop"
+    assert held["token_ids"] == full["token_ids"] and len(held["token_ids"]) == MAX_TOKENS
