@@ -1,6 +1,7 @@
 """Server fixtures: one real engine on the tiny llama with three adapters, shared per module."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,24 @@ def client_for(app, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
     """An httpx client that calls the ASGI app in-process."""
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
     return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
+
+
+async def post_ok(c: httpx.AsyncClient, route: str, body: dict) -> dict:
+    """POST ``body``; the reply must be a 200, whose JSON is returned."""
+    r = await c.post(route, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def sse_chunks(c: httpx.AsyncClient, route: str, body: dict) -> list[dict]:
+    """POST ``body`` with ``stream: true``; the JSON of every ``data:`` event before ``[DONE]``."""
+    chunks = []
+    async with c.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
 
 
 def make_engine_config(model_dir: Path, **overrides) -> EngineConfig:

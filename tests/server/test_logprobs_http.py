@@ -6,17 +6,15 @@ whole reply, bytes that rebuild the text, and the penalties reaching the engine.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-import httpx
 import pytest
 
 from runtime.request import SamplingParams
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
-from tests.server.conftest import client_for
+from tests.server.conftest import client_for, post_ok as post, sse_chunks as stream
 
 pytestmark = pytest.mark.anyio
 
@@ -30,22 +28,6 @@ def app(engine, adapter_root: Path):
 
 def models(engine) -> list[str]:
     return [engine.model_name, engine.adapters()[0].name]
-
-
-async def post(c: httpx.AsyncClient, route: str, body: dict) -> dict:
-    r = await c.post(route, json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-async def stream(c: httpx.AsyncClient, route: str, body: dict) -> list[dict]:
-    chunks = []
-    async with c.stream("POST", route, json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-    return chunks
 
 
 def assert_offsets_index(text: str, lp: dict) -> None:

@@ -3,15 +3,13 @@ choice order (prompt i, sample j -> index i * n + j), seeded samples reproducibl
 (choice j samples with seed + j), usage counting each prompt once, streaming per choice."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
-from tests.server.conftest import client_for
+from tests.server.conftest import client_for, post_ok as post, sse_chunks as stream
 
 pytestmark = pytest.mark.anyio
 
@@ -21,22 +19,6 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def app(engine, adapter_root: Path):
     return create_app(engine, ServerOptions(adapter_roots=(adapter_root,)))
-
-
-async def post(c: httpx.AsyncClient, route: str, body: dict) -> dict:
-    r = await c.post(route, json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-async def stream(c: httpx.AsyncClient, route: str, body: dict) -> list[dict]:
-    chunks = []
-    async with c.stream("POST", route, json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-    return chunks
 
 
 def completion(model: str, prompt, **fields) -> dict:
