@@ -54,6 +54,12 @@ of arriving, provided its adapter is on the host and no KV-pressure preemption h
 With S = 1 a tied older head takes the only sequence slot for a whole request first, so
 the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
 up to that much with S = 1 and none over the plain bound with S >= 2).
+
+Shared prompts in flight (prefix caching on): a head whose first prompt block the cache does
+not hold is being computed by a running request (``n`` choices of one prompt, a burst of
+requests with one system prompt) waits for that block to be published and then reuses it,
+instead of computing it a second time in the same step. Every running prefill is done within
+ceil(S * P / (C - S + 1)) steps (see above); with prefix caching the bound adds that much.
 """
 from __future__ import annotations
 
@@ -171,9 +177,12 @@ class Scheduler:
         s, c = self.max_num_seqs, self.max_num_batched_tokens
         if c < s:
             raise ValueError(f"the bound assumes max_num_batched_tokens ({c}) >= max_num_seqs ({s})")
-        one_batch = -(-s * longest_prompt // (c - s + 1)) + max_tokens
+        prefill = -(-s * longest_prompt // (c - s + 1))
+        one_batch = prefill + max_tokens
         if s == 1:  # the one sequence slot first serves a tied older head: one more whole request
             one_batch += -(-longest_prompt // c) + max_tokens
+        if self.block_manager.prefix_cache is not None:  # a head may wait for a shared prompt block in flight
+            one_batch += prefill
         return one_batch + 2
 
     # ---- one step ----------------------------------------------------------------------
@@ -230,6 +239,12 @@ class Scheduler:
         while budget > 0 and len(self.running) < self.max_num_seqs and ready:
             key = min(ready, key=lambda k: (charged(k), self.waiting[k][0].arrival_index))
             seq = self.waiting[key][0]
+            seed = self._prefix_seed(key) if self._prefix_seed is not None else None
+            # Prompt logprobs need every prompt position computed: such a request reuses no prefix (it still publishes its blocks).
+            reuse = seq.params.prompt_logprobs is None
+            if reuse and self.block_manager.prefix_in_flight(seed, seq.all_token_ids):
+                ready.discard(key)  # a running request is computing its next prompt block: reuse it next step
+                continue
             if key is not None and self.pool.acquire_device(key) is None:
                 ready.discard(key)
                 # Resident adapters in running order (oldest request first), not a set's order: ties in
@@ -251,9 +266,6 @@ class Scheduler:
                         out.drained.append(victim)
                 continue
             self._drains.pop(key, None)
-            seed = self._prefix_seed(key) if self._prefix_seed is not None else None
-            # Prompt logprobs need every prompt position computed: such a request reuses no prefix (it still publishes its blocks).
-            reuse = seq.params.prompt_logprobs is None
             seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids, reuse=reuse)
             n = min(seq.num_uncomputed, budget)
             if not self.block_manager.ensure(seq.request_id, seq.num_computed + n):

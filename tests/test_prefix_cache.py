@@ -117,3 +117,45 @@ def test_hit_statistics_count_admitted_lookups_only():
     bm.acquire_prefix("s2", seed, prompt)
     bm.count_prefix_lookup("s2")
     assert (cache.queried_blocks, cache.hit_blocks) == (4, 2)
+
+
+def test_a_prompt_block_in_flight_is_waited_for_not_computed_twice():
+    cache = PrefixCache("base")
+    bm = BlockManager(16, 4, cache)
+    seed = cache.seed(None)
+    prompt = list(range(10))  # blocks 0-1 full and cacheable, the last token in block 2
+    assert not bm.prefix_in_flight(seed, prompt)
+    assert bm.acquire_prefix("s1", seed, prompt) == 0 and bm.ensure("s1", 10)
+    assert bm.prefix_in_flight(seed, prompt) and bm.prefix_in_flight(seed, prompt[:9] + [77])  # shares block 0
+    assert not bm.prefix_in_flight(seed, [5] + prompt[1:]) and not bm.prefix_in_flight(cache.seed(AdapterRef("a", "1")), prompt)
+    bm.commit("s1", prompt, 4)  # block 0 published, block 1 still computing
+    assert bm.prefix_in_flight(seed, prompt) and not bm.prefix_in_flight(seed, prompt[:4] + [9, 9, 9, 9, 9, 9])
+    bm.commit("s1", prompt, 8)
+    assert not bm.prefix_in_flight(seed, prompt)
+    assert bm.acquire_prefix("s2", seed, prompt) == 8
+    # A sequence freed before publishing (preempted, aborted) leaves nothing in flight.
+    other = list(range(50, 60))
+    bm.acquire_prefix("s3", seed, other)
+    assert bm.prefix_in_flight(seed, other)
+    bm.free("s3")
+    assert not bm.prefix_in_flight(seed, other)
+
+
+def test_identical_prompts_admitted_together_share_their_blocks(tiny_llama_dir, tiny_adapters):
+    """n choices of one prompt, or a burst with one system prompt: the first computes the shared
+    blocks, the others wait one step and reuse them; outputs equal those without the cache."""
+    rng = random.Random(8)
+    shared = random_prompt(rng, 30)
+    jobs = [(shared, "a")] * 4 + [(shared[:24] + random_prompt(rng, 6), "a"), (shared, None), (random_prompt(rng, 30), "a")]
+    finals = {}
+    for caching in (False, True):
+        engine = make_engine(tiny_llama_dir, num_kv_blocks=128, max_num_batched_tokens=256, enable_prefix_caching=caching)
+        engine.register_adapter("a", str(tiny_adapters["a"]))
+        for i, (prompt, adapter) in enumerate(jobs):
+            engine.add_request(f"r{i}", prompt, PARAMS, adapter)
+        finals[caching] = {rid: out.token_ids for rid, out in run_to_completion(engine).items()}
+        if caching:
+            # Three copies reuse 7 blocks each ((30 - 1) // 4); the one sharing 24 tokens reuses 6; the
+            # base-model copy and the unrelated prompt share nothing with adapter "a"'s blocks.
+            assert _hits(engine) == 3 * 7 + 6
+    assert finals[True] == finals[False]

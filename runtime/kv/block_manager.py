@@ -12,6 +12,11 @@ Block states:
 
 Allocation never partially succeeds: ``ensure`` either grows a table to the requested
 size or changes nothing and returns False, so the scheduler can preempt and retry.
+
+In-flight prefixes: the full prompt blocks a sequence will publish but has not computed yet
+are recorded by hash, so ``prefix_in_flight`` can tell the scheduler that a waiting request
+would compute the same block at the same time (``n`` choices of one prompt, a burst of
+requests with one system prompt); it waits for the block to be published and reuses it.
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}
         self._seeds: dict[str, bytes] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # seq -> (queried, hit) blocks of a lookup not yet counted
+        # Prompt blocks a sequence will publish, not computed yet: seq -> hashes in order, and hash -> how many such sequences.
+        self._to_publish: dict[str, deque[bytes]] = {}
+        self._in_flight: dict[bytes, int] = {}
 
     # ---- sizes -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -72,20 +80,38 @@ class BlockManager:
         if self.prefix_cache is None or seed is None:
             return 0
         self._seeds[seq_id] = seed
-        if not reuse:
-            return 0
         cacheable = (len(token_ids) - 1) // self.block_size
         hashes = PrefixCache.chain(seed, token_ids, self.block_size, cacheable)
-        for block_hash in hashes:
-            block = self.prefix_cache.lookup(block_hash)
-            if block is None:
-                break
-            self._take(block)
-            self._tables[seq_id].append(block)
-            self._hashes[seq_id].append(block_hash)
-        # Counted by ``count_prefix_lookup`` once the admission holds, so a retried admission counts once.
-        self._lookups[seq_id] = (cacheable, len(self._hashes[seq_id]))
+        if reuse:
+            for block_hash in hashes:
+                block = self.prefix_cache.lookup(block_hash)
+                if block is None:
+                    break
+                self._take(block)
+                self._tables[seq_id].append(block)
+                self._hashes[seq_id].append(block_hash)
+            # Counted by ``count_prefix_lookup`` once the admission holds, so a retried admission counts once.
+            self._lookups[seq_id] = (cacheable, len(self._hashes[seq_id]))
+        pending = hashes[len(self._hashes[seq_id]) :]
+        self._to_publish[seq_id] = deque(pending)
+        for block_hash in pending:
+            self._in_flight[block_hash] = self._in_flight.get(block_hash, 0) + 1
         return len(self._hashes[seq_id]) * self.block_size
+
+    def prefix_in_flight(self, seed: Optional[bytes], token_ids: Sequence[int]) -> bool:
+        """Would a request with these tokens compute a block another sequence is computing now?
+
+        True when the first of its full prompt blocks that the cache does not hold is one a
+        running sequence will publish (``acquire_prefix`` recorded it); waiting for it costs at
+        most that sequence's prefill and saves computing the block twice."""
+        if self.prefix_cache is None or seed is None or not self._in_flight:
+            return False
+        parent = seed
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = PrefixCache.extend_chain(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.prefix_cache.lookup(parent) is None:
+                return parent in self._in_flight
+        return False
 
     def count_prefix_lookup(self, seq_id: str) -> None:
         """Add ``seq_id``'s prefix lookup to the cache's hit statistics (its admission went through)."""
@@ -108,6 +134,9 @@ class BlockManager:
             hashes.append(block_hash)
             # If another sequence already published this content, keep ours private.
             self.prefix_cache.insert(block_hash, table[i])
+            pending = self._to_publish.get(seq_id)
+            if pending and pending[0] == block_hash:
+                self._done_in_flight(pending.popleft())
 
     # ---- allocation ------------------------------------------------------------------
     def ensure(self, seq_id: str, num_tokens: int) -> bool:
@@ -129,6 +158,8 @@ class BlockManager:
         self._hashes.pop(seq_id, None)
         self._seeds.pop(seq_id, None)
         self._lookups.pop(seq_id, None)  # a lookup whose admission failed is not counted
+        for block_hash in self._to_publish.pop(seq_id, ()):
+            self._done_in_flight(block_hash)
         # Release tail first: the evictable LRU then evicts the sequence's last blocks
         # before its first ones, which are the ones other prompts are likeliest to share.
         for block in reversed(table):
@@ -140,6 +171,13 @@ class BlockManager:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
+
+    def _done_in_flight(self, block_hash: bytes) -> None:
+        left = self._in_flight[block_hash] - 1
+        if left:
+            self._in_flight[block_hash] = left
+        else:
+            del self._in_flight[block_hash]
 
     def _take(self, block: int) -> None:
         if self._refcount[block] == 0:
