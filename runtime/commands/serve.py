@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from max-num-seqs and kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=int, help="KV memory cap when --num-kv-blocks is not given (default 1024)")
-    p.add_argument("--enable-prefix-caching", action="store_const", const=True, help="reuse KV blocks across requests of the same adapter version")
+    p.add_argument("--enable-prefix-caching", action="store_const", const=True, help="reuse KV blocks across requests of the same adapter version: a shared system "
+                   "prompt, the n choices of one prompt (computed once, even when they arrive together); off by default")
     p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
     p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
