@@ -26,8 +26,10 @@ def card(name: str, parent: str | None = "base", **extra: Any) -> dict[str, Any]
 
 
 class _Stub(JsonHandler):
-    """/v1/models answers ``server.cards``; each completion is recorded (its body's model) and fails
-    with 500, so a run that sends any exits 1."""
+    """/v1/models answers ``server.cards``; POST /tokenize is a 404 (an OpenAI-style server without
+    vLLM's route) unless ``server.tokens_per_byte`` is set, then it counts that many tokens per
+    prompt byte; each completion is recorded (its body's model) and fails with 500, so a run that
+    sends any exits 1."""
 
     def do_GET(self) -> None:
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
@@ -35,8 +37,20 @@ class _Stub(JsonHandler):
 
     def do_POST(self) -> None:
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
-        self.server.models.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))["model"])  # type: ignore[attr-defined]
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        if self.path == "/tokenize":
+            per_byte = getattr(self.server, "tokens_per_byte", None)
+            if per_byte is None:
+                self._reply(404, {"detail": "Not Found"})
+            else:
+                self._reply(200, {"count": int(len(body["prompt"].encode()) * per_byte), "max_model_len": 0, "tokens": []})
+            return
+        self.server.models.append(body["model"])  # type: ignore[attr-defined]
         self._reply(500, {"error": {"message": "stub", "code": "stub"}})
+
+
+def completions_sent(server: StubServer) -> bool:
+    return any(p not in ("/v1/models", "/tokenize") for p in server.paths)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -168,7 +182,7 @@ def test_requests_that_may_not_fit_max_model_len_are_refused(stub: StubServer, c
     line = one_error_line(err)
     assert rc == 2 and line.startswith("lorafleet bench: --input-len/--output-len: ") and "may not fit the server's max_model_len" in line
     assert "> 128 for base" in line and "e.g. --input-len 17,17 always fits with --output-len up to 8" in line and "--no-length-check" in line
-    assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+    assert not completions_sent(stub)
     # the suggestion fits; --no-length-check sends the long ones anyway
     rc, _ = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "17,17")
     assert rc == 1 and len(stub.models) == 6  # type: ignore[attr-defined]
@@ -183,7 +197,21 @@ def test_the_length_check_uses_each_models_card(stub: StubServer, capsys: pytest
     rc, err = bench_cli(capsys, "--url", url(stub), "--workload", str(path), "--adapter-names", "upper")
     line = one_error_line(err)
     assert rc == 2 and line.startswith(f"lorafleet bench: --workload {path}: ") and "> 40 for upper" in line
-    assert "python -m runtime.bench.workload" in line and stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
+    assert "python -m runtime.bench.workload" in line and not completions_sent(stub)
+
+
+def test_prompts_are_counted_by_the_servers_tokenize_when_it_has_one(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """The byte bound refuses 30-word prompts at max_model_len 128; a server whose /tokenize counts
+    a quarter token per byte lets them through, and one counting 2 per byte refuses short ones."""
+    stub.cards = [card("base", None, max_model_len=128)]  # type: ignore[attr-defined]
+    stub.tokens_per_byte = 0.25  # type: ignore[attr-defined]
+    rc, _ = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "30,30")
+    assert rc == 1 and len(stub.models) == 6  # type: ignore[attr-defined]
+    stub.tokens_per_byte = 2  # type: ignore[attr-defined]
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--base-fraction", "1", "--input-len", "12,12")
+    line = one_error_line(err)
+    assert rc == 2 and "do not fit" in line and "counted by the server's /tokenize" in line and "> 128 for base" in line
+    assert len(stub.models) == 6  # nothing more was sent  # type: ignore[attr-defined]
 
 
 def test_a_card_without_max_model_len_is_not_checked(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,7 +282,7 @@ def test_demo_server_refuses_the_workloads_names_and_runs_with_adapter_names(dem
 def test_demo_server_would_fail_what_the_length_check_refuses(demo_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--url", demo_url, "--num-requests", "6", "--rate", "0", "--output-len", "4,8", "--base-fraction", "1"]
     rc, err = bench_cli(capsys, *argv)
-    assert rc == 2 and "1 of 6 requests may not fit" in one_error_line(err)
+    assert rc == 2 and "1 of 6 requests do not fit" in one_error_line(err) and "counted by the server's /tokenize" in err
     rc, err = bench_cli(capsys, *argv, "--no-length-check")
     assert rc == 1 and "context_length_exceeded" in err and "1 of 6 requests failed" in err
 
@@ -271,3 +299,15 @@ def test_serve_benchmark_checks_the_servers_adapters_before_any_run(stub: StubSe
     assert done.returncode == 2, done.stderr
     assert f"--url {stub.url} does not serve lora-0000, lora-0001 (it serves base, reverse, rot13, upper)" in done.stderr
     assert stub.paths == ["/v1/models"] and not (tmp_path / "out" / "weights").exists()
+
+
+def test_serve_benchmark_refuses_prompts_the_server_cannot_fit(demo_url: str, tmp_path: Path) -> None:
+    """benchmarks/serve.py counts the workload's prompts with the server's /tokenize at start-up."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "serve.py"), "--out", str(tmp_path / "out"), "--url", demo_url,
+                           "--num-requests", "4", "--base-fraction", "1", "--input-len", "30,30", "--output-len", "4,8",
+                           "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", ""], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "do not fit the server's max_model_len" in done.stderr and "(its /tokenize)" in done.stderr, done.stderr

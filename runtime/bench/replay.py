@@ -143,6 +143,28 @@ def served_models(base_url: str, api_key: Optional[str] = None) -> list[dict[str
     return cards
 
 
+def prompt_token_counts(base_url: str, model: str, prompts: Sequence[str], api_key: Optional[str] = None) -> Optional[dict[str, int]]:
+    """prompt -> its token count as the server's completions route encodes it, from its
+    ``POST /tokenize`` (vLLM's route; lorafleet serves it too), one call per distinct prompt.
+    None when the server has no such route or answers anything but a count (an OpenAI-style
+    server): the caller falls back to a bound."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    counts: dict[str, int] = {}
+    with httpx.Client(timeout=30, headers=headers) as client:
+        for prompt in dict.fromkeys(prompts):
+            resp = client.post(f"{base_url.rstrip('/')}/tokenize", json={"model": model, "prompt": prompt})
+            try:
+                count = resp.json()["count"] if resp.status_code == 200 else None
+            except (ValueError, KeyError, TypeError):
+                count = None
+            if type(count) is not int or count < 0:
+                return None
+            counts[prompt] = count
+    return counts
+
+
 def base_model_of(cards: Sequence[dict[str, Any]]) -> str:
     """The base model among ``served_models``' cards: the first whose ``parent`` is null (lorafleet
     and vLLM list adapters with ``parent: <base>``); the first card when none says."""

@@ -15,13 +15,13 @@ configuration, the backend and its capability limits, --json's folder), before a
 weights are written. With --url the server's model list (GET /v1/models) is read before any
 request is sent, and the run is refused when a model name a request would use (each adapter,
 after --adapter-names; the base; --base-model) is not served, or when a request may not fit
-its model card's max_model_len. The server's tokenizer is unknown here, so a prompt is counted
-as at most one token per UTF-8 byte plus PROMPT_SPECIAL_TOKENS (2: a BOS and a leading word
-marker): an upper bound for character-level, byte-level BPE and SentencePiece tokenizers, one
-token over the demo's character-level one (a token per character plus BOS), and about three
-times a subword tokenizer's count of the workload's random words; --no-length-check skips the
-check for a server whose tokenizer packs several characters per token. A card without
-max_model_len is not checked. A flag the chosen mode would ignore is an error, not a no-op.
+its model card's max_model_len. Prompts are counted by the server's own tokenizer through its
+POST /tokenize (lorafleet's and vLLM's route), one call per distinct prompt. A server without
+that route gets a bound instead: at most one token per UTF-8 byte plus PROMPT_SPECIAL_TOKENS
+(2: a BOS and a leading word marker), an upper bound for character-level, byte-level BPE and
+SentencePiece tokenizers but about three times a subword tokenizer's count of the workload's
+random words; --no-length-check skips the check for such a server whose tokenizer packs
+several characters per token. A card without max_model_len is not checked. A flag the chosen mode would ignore is an error, not a no-op.
 
 Exit codes: 0 every request succeeded; 1 the run finished but some requests failed (the
 first distinct errors are printed to stderr); 2 bad input or setup (an invalid or ignored
@@ -58,8 +58,9 @@ with --url: GET URL/v1/models must list every model the workload sends to. The g
 workload names its adapters lora-0000, lora-0001, ...: serve adapters of those names, or map
 them onto the served ones with --adapter-names (e.g. against `lorafleet serve`'s demo:
 --adapter-names upper,reverse,rot13), or send every request to the base with --base-fraction 1.
-Every request's prompt + output must fit the card's max_model_len; prompts are counted as one
-token per byte plus 2 (an upper bound; --no-length-check skips this).
+Every request's prompt + output must fit the card's max_model_len; prompts are counted by the
+server's POST /tokenize, or as one token per byte plus 2 where it has none (an upper bound;
+--no-length-check skips this).
 """
 
 # Flags that only the in-process engine uses: with --url the server's own settings apply.
@@ -127,9 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "another number of adapters, is an error). E.g. --adapter-names upper,reverse,rot13 for the demo "
                         "server (default: the workload's own names, lora-0000, ...)")  # fmt: skip
     p.add_argument("--no-length-check", action="store_true",
-                   help="with --url: do not refuse requests that may exceed the server's max_model_len. The check counts one "
-                        f"token per prompt byte plus {PROMPT_SPECIAL_TOKENS}: an upper bound, one over the demo's character-level "
-                        "tokenizer but several times a subword one's count (default: checked)")  # fmt: skip
+                   help="with --url: do not refuse requests that may exceed the server's max_model_len. The check counts "
+                        "prompts with the server's POST /tokenize; a server without it gets one token per prompt byte plus "
+                        f"{PROMPT_SPECIAL_TOKENS}, an upper bound several times a subword tokenizer's count (default: checked)")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on time to first token, seconds (default: %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="SLO on time per output token, seconds (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the workload spec and the full summary as JSON here (default: not written)")
@@ -364,18 +365,27 @@ def _check_served(args: argparse.Namespace, workload: Any, mapping: dict[str, st
 
 
 def _check_lengths(args: argparse.Namespace, requests: list[Any], base: str, served: dict[str, dict[str, Any]]) -> None:
-    too_long = []  # (tokens over the limit, request, prompt bound, limit, model)
+    """Every request's prompt + output must fit the max_model_len its model's card gives. Prompts
+    are counted by the server's POST /tokenize when it has one (exact), else bounded by one token
+    per byte plus PROMPT_SPECIAL_TOKENS."""
+    from runtime.bench.replay import prompt_token_counts
+
+    if not any(type(served[r.adapter or base].get("max_model_len")) is int for r in requests):
+        return  # cards without max_model_len (an OpenAI-style server): nothing to check against
+    exact = prompt_token_counts(args.url, base, [r.prompt for r in requests], args.api_key)
+    too_long = []  # (tokens over the limit, request, prompt tokens or bound, limit, model)
     for r in requests:
         model = r.adapter or base
         limit = served[model].get("max_model_len")
-        if type(limit) is not int or limit < 1:  # a card without one (an OpenAI-style server): not checked
+        if type(limit) is not int or limit < 1:  # a card without one: not checked
             continue
-        prompt = len(r.prompt.encode()) + PROMPT_SPECIAL_TOKENS
+        prompt = exact[r.prompt] if exact is not None else len(r.prompt.encode()) + PROMPT_SPECIAL_TOKENS
         if prompt + r.output_tokens > limit:
             too_long.append((prompt + r.output_tokens - limit, r, prompt, limit, model))
     if not too_long:
         return
     _, r, prompt, limit, model = max(too_long, key=lambda t: (t[0], -t[1].index))
+    where = f"--workload {args.workload}" if args.workload else "--input-len/--output-len"
     if args.workload:
         fix = "write a workload with shorter prompts or outputs (python -m runtime.bench.workload --input-len / --output-len)"
     else:
@@ -383,7 +393,11 @@ def _check_lengths(args: argparse.Namespace, requests: list[Any], base: str, ser
         words = (limit - PROMPT_SPECIAL_TOKENS + 1 - out_hi) // MAX_WORD_BYTES  # most words that always fit
         fix = (f"lower --input-len (prompt words) or --output-len; e.g. --input-len {min(in_lo, words)},{words} always fits with "
                f"--output-len up to {out_hi}" if words >= 1 else f"lower --output-len (its maximum {out_hi} leaves no room for a prompt)")  # fmt: skip
-    raise SetupError(f"--workload {args.workload}" if args.workload else "--input-len/--output-len",
+    if exact is not None:  # the suggestion comes from the byte bound: it fits wherever that bound holds (character-level, byte-level BPE, SentencePiece)
+        raise SetupError(where, f"{len(too_long)} of {len(requests)} requests do not fit the server's max_model_len (prompt + output); "
+                                f"the furthest over, request {r.index}, has a {prompt}-token prompt (counted by the server's /tokenize) "
+                                f"+ {r.output_tokens} output tokens > {limit} for {model}: {fix}")  # fmt: skip
+    raise SetupError(where,
                      f"{len(too_long)} of {len(requests)} requests may not fit the server's max_model_len (prompt + output); the "
                      f"furthest over, request {r.index}, has a {prompt - PROMPT_SPECIAL_TOKENS}-byte prompt (counted as up to {prompt} "
                      f"tokens) + {r.output_tokens} output tokens > {limit} for {model}: {fix}, or pass --no-length-check if the "
