@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends import availability, resolve_name  # noqa: E402
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
-from runtime.bench.replay import ReplayResult, base_model_of, prompt_token_counts, replay_http, served_base_model, served_models  # noqa: E402
+from runtime.bench.replay import ReplayResult, base_model_of, replay_http, served_base_model, served_models  # noqa: E402
+from runtime.commands.bench import SetupError, check_lengths  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
@@ -154,17 +155,12 @@ def main() -> int:
             p.error(f"--url {a.url} does not serve {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (it serves "
                     f"{', '.join(sorted(served))}); serve adapters named like the workload's, or use `lorafleet bench --url ... "
                     f"--adapter-names` to map them onto the served ones")
-        # Prompt + output must fit each model card's max_model_len, counted by the server's /tokenize where it has one.
-        base = a.base_model or base_model_of(cards)
-        limits = {c["id"]: c.get("max_model_len") for c in cards}
-        counts = prompt_token_counts(a.url, base, [r.prompt for r in workload.requests])
-        if counts is not None:
-            over = [r for r in workload.requests if type(limits.get(r.adapter or base)) is int and counts[r.prompt] + r.output_tokens > limits[r.adapter or base]]
-            if over:
-                r = over[0]
-                p.error(f"--url {a.url}: {len(over)} of {len(workload.requests)} requests do not fit the server's max_model_len; request "
-                        f"{r.index} has {counts[r.prompt]} prompt tokens (its /tokenize) + {r.output_tokens} output tokens > "
-                        f"{limits[r.adapter or base]} for {r.adapter or base}: lower --input-len or --output-len")  # fmt: skip
+        # Prompt + output must fit each model card's max_model_len: lorafleet bench's check (the server's /tokenize, else a bound).
+        checked = argparse.Namespace(url=a.url, api_key=None, workload=a.workload, input_len=spec.input_len, output_len=spec.output_len)
+        try:
+            check_lengths(checked, list(workload.requests), a.base_model or base_model_of(cards), {str(c["id"]): c for c in cards})
+        except SetupError as err:
+            p.error(str(err))
     workload.save(out / "workload.jsonl")
     # A rerun into the same --out must not leave the last run's summary and plots next to new records.
     for stale in ("summary.json", "per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):

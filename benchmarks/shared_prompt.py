@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both variants (default: %(default)s)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512, help="the synthetic llama's hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="its decoder layers (default: %(default)s)")
     a = p.parse_args(argv)
     for name in ("copies", "prompt_len", "max_tokens", "rounds"):
         if getattr(a, name) < 1:

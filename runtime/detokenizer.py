@@ -22,10 +22,11 @@ decoding concatenates bytes, so its text is the same with or without context.
 
 Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
 previous text, so a stop string split over two deltas is found. The text is cut right
-before the first stop string (right after it with ``include_stop``, vLLM's
-``include_stop_str_in_output``; the earliest match wins, the longest among matches at the same place).
-With ``min_tokens`` (vLLM's), stop strings are looked for only once that many tokens were
-generated, and then only in text from that point on (less the hold-back window). While running, the last ``len(longest stop) - 1``
+before the first stop string, or right after it with ``include_stop`` (vLLM's
+``include_stop_str_in_output``). The earliest match wins, then the longest of the matches
+that start at the same place and are complete by then. With ``min_tokens`` (vLLM's), stop
+strings are looked for only once that many tokens were generated, and then only in text from
+that point on (less the hold-back window). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
 stop string that a later token completes.
 """

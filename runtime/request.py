@@ -7,6 +7,7 @@ the name, so it always finishes on the weights it started with.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -67,7 +68,7 @@ class SamplingParams:
     logprobs:    None = off; k in 0..20: each generated token comes with its log-probability
                  under the model and the k most likely tokens with theirs
                  (``RequestOutput.logprobs``), from ``log_softmax`` of the model's logits
-                 before penalties, temperature, top-k and top-p (vLLM's default).
+                 before logit_bias, min_tokens, penalties, temperature, top-k and top-p (vLLM's default).
     logit_bias:  (token id, bias) pairs (a dict is accepted), bias in [-100, 100] (OpenAI's): added
                  to those logits first, before the penalties; -100 all but bans a token.
     min_tokens:  nothing ends the request before this many tokens (vLLM's): eos (unless
@@ -171,8 +172,8 @@ class SamplingParams:
 class TokenLogprobs:
     """One generated token's log-probability under the model, and the most likely tokens.
 
-    ``logprob = log_softmax(z)[token_id]`` for the step's float32 logits z (before penalties,
-    temperature, top-k and top-p); ``top``: the ``SamplingParams.logprobs`` largest entries of
+    ``logprob = log_softmax(z)[token_id]`` for the step's float32 logits z (before logit_bias,
+    min_tokens, penalties, temperature, top-k and top-p); ``top``: the ``SamplingParams.logprobs`` largest entries of
     ``log_softmax(z)`` as (token id, logprob), most likely first (it may or may not contain
     ``token_id``; a sampled token need not be among them).
     """
@@ -206,12 +207,13 @@ class RequestOutput:
     finish_reason: Optional[FinishReason]
     error: Optional[str]
     prompt_token_ids: tuple[int, ...]
-    logprobs: Optional[tuple[TokenLogprobs, ...]] = None  # one per entry of token_ids; None unless asked for
+    # One per entry of token_ids; None unless asked for. A tuple from the engine; a read-only view at a Ray ingress.
+    logprobs: Optional[Seq[TokenLogprobs]] = None
     # One per prompt token, None for the first (nothing predicts it); None unless asked for.
     prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None
 
     @property
-    def new_logprobs(self) -> Optional[tuple[TokenLogprobs, ...]]:
+    def new_logprobs(self) -> Optional[Seq[TokenLogprobs]]:
         """The entries of ``logprobs`` for ``new_token_ids`` (None unless asked for)."""
         if self.logprobs is None:
             return None

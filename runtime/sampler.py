@@ -5,8 +5,8 @@ For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams`
     logit_bias, first:          z_j += bias_j for each (j, bias_j)
     min_tokens, while fewer tokens were generated: z_j = -inf for the eos ids (unless
                                 ignore_eos) and the stop_token_ids
-    penalties (``SamplingParams.penalized``), first, on the request's tokens so far
-    (``penalized_logits``; c_j = count of token j among the generated tokens):
+    penalties (``SamplingParams.penalized``), on the request's tokens so far
+    (``penalize_rows``; c_j = count of token j among the generated tokens):
                                 r = repetition_penalty: z_j = z_j / r if z_j > 0 else z_j * r
                                        for every j in the prompt or the output
                                 z_j -= frequency_penalty * c_j + presence_penalty * [c_j > 0]
@@ -26,8 +26,9 @@ A row whose logits hold NaN or +inf, or are all -inf (a broken checkpoint or an 
 the model), has no distribution to draw from and no meaningful argmax: ``sample`` returns None for it and the
 engine ends that request with an error, leaving every other row and the engine running.
 
-Logprobs (``SamplingParams.logprobs`` = k): ``log_softmax(z)`` of the unpenalised, untempered
-row, the sampled token's entry and the k largest (``Sampler.logprobs``).
+Logprobs (``SamplingParams.logprobs`` = k): ``log_softmax(z)`` of the raw row (before
+logit_bias, min_tokens, penalties, temperature, top-k and top-p), the sampled token's entry and
+the k largest (``Sampler.logprobs``).
 
 Stop rules after a token is appended (the string-level ``stop`` rule lives in
 ``runtime.detokenizer``): eos (unless ignore_eos) or a ``stop_token_ids`` member gives
@@ -133,8 +134,8 @@ class Sampler:
     def logprobs(logits: Tensor, tokens: Sequence[Optional[int]], params: Sequence[SamplingParams]) -> list[Optional[TokenLogprobs]]:
         """For each row whose params ask for logprobs and that got a token: the token's
         ``log_softmax`` entry and the ``params.logprobs`` largest ones, from the raw ``logits``
-        (before penalties and temperature); None for the other rows. One ``log_softmax`` and
-        one ``topk`` for all those rows."""
+        (before logit_bias, min_tokens, penalties and temperature); None for the other rows
+        (``token_logprobs`` does the work)."""
         rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if tok is not None and p.logprobs is not None]
         out: list[Optional[TokenLogprobs]] = [None] * len(tokens)
         if rows:
@@ -165,18 +166,17 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int], row
     return out
 
 
-def penalized_logits(z: Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> Tensor:
-    """Repetition, then frequency and presence penalties applied to one row (see module docstring)."""
-    prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=z.device) if params.repetition_penalty != 1 else None
-    return penalize_rows(z[None], [params], [prompt], [output_ids])[0]
-
-
 def penalize_rows(z: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Optional[Tensor]], outputs: Sequence[Sequence[int]]) -> Tensor:
-    """``penalized_logits`` for the rows of ``z`` [n, vocab] at once: one mask of the tokens each
-    row has seen and one count of the tokens each has generated, both built from flat indices
-    ``row * vocab + token`` (``prompts[i]``: row i's prompt ids as a long tensor on ``z``'s
-    device, needed where its repetition penalty is not 1). Token ids are the model's (the
-    model runner refuses others)."""
+    """The penalties for the rows of ``z`` [n, vocab] at once. For row i, with r its
+    repetition_penalty and c_j the count of token j in ``outputs[i]``:
+
+        z_j = z_j / r if z_j > 0 else z_j * r     for j in the prompt or the output
+        z_j -= frequency_penalty * c_j + presence_penalty * [c_j > 0]
+
+    One mask of the tokens each row has seen and one count of the tokens each has generated,
+    both built from flat indices ``row * vocab + token``. ``prompts[i]``: row i's prompt ids as
+    a long tensor on ``z``'s device, needed where its repetition penalty is not 1. Token ids are
+    the model's (the model runner refuses others)."""
     n, vocab = z.shape
     z = z.float()
     device = z.device

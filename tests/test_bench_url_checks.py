@@ -310,4 +310,4 @@ def test_serve_benchmark_refuses_prompts_the_server_cannot_fit(demo_url: str, tm
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "serve.py"), "--out", str(tmp_path / "out"), "--url", demo_url,
                            "--num-requests", "4", "--base-fraction", "1", "--input-len", "30,30", "--output-len", "4,8",
                            "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", ""], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2 and "do not fit the server's max_model_len" in done.stderr and "(its /tokenize)" in done.stderr, done.stderr
+    assert done.returncode == 2 and "do not fit the server's max_model_len" in done.stderr and "counted by the server's /tokenize" in done.stderr, done.stderr

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime.request import MAX_LOGPROBS, SamplingParams
-from runtime.sampler import Sampler, penalized_logits
+from runtime.sampler import Sampler, penalize_rows
 from tests.engine_helpers import make_engine, random_prompt, run_to_completion
 from tests.test_peft_match import peft_model
 
@@ -131,7 +131,7 @@ def test_penalized_logits_formula():
     z = torch.randn(12, generator=gen) * 3
     params = SamplingParams(presence_penalty=0.4, frequency_penalty=-0.3, repetition_penalty=1.7)
     prompt, output = [1, 5, 5, 11], [5, 7, 7, 7, 0]
-    ours = penalized_logits(z, params, prompt, output).double()
+    ours = penalize_rows(z[None], [params], [torch.tensor(prompt)], [output])[0].double()
     expected = z.double().tolist()
     for j in set(prompt) | set(output):
         expected[j] = expected[j] / 1.7 if expected[j] > 0 else expected[j] * 1.7

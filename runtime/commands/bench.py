@@ -21,7 +21,8 @@ that route gets a bound instead: at most one token per UTF-8 byte plus PROMPT_SP
 (2: a BOS and a leading word marker), an upper bound for character-level, byte-level BPE and
 SentencePiece tokenizers but about three times a subword tokenizer's count of the workload's
 random words; --no-length-check skips the check for such a server whose tokenizer packs
-several characters per token. A card without max_model_len is not checked. A flag the chosen mode would ignore is an error, not a no-op.
+several characters per token. A card without max_model_len is not checked. A flag the chosen
+mode would ignore is an error, not a no-op.
 
 Exit codes: 0 every request succeeded; 1 the run finished but some requests failed (the
 first distinct errors are printed to stderr); 2 bad input or setup (an invalid or ignored
@@ -66,8 +67,8 @@ server's POST /tokenize, or as one token per byte plus 2 where it has none (an u
 # Flags that only the in-process engine uses: with --url the server's own settings apply.
 ENGINE_FLAGS = ("--device", "--dtype", "--hidden", "--layers", "--max-loras", "--max-cpu-loras", "--workdir")
 URL_ONLY_FLAGS = ("--base-model", "--api-key", "--adapter-names", "--no-length-check")
-# Prompt tokens are counted as at most one per UTF-8 byte plus this many (a BOS and SentencePiece's
-# leading word marker): the server's tokenizer is not known to the client (see the module docstring).
+# For a server without POST /tokenize, prompt tokens are bounded by one per UTF-8 byte plus this many
+# (a BOS and SentencePiece's leading word marker; see the module docstring).
 PROMPT_SPECIAL_TOKENS = 2
 # A generated prompt's words are 2 to 6 lowercase letters joined by single spaces (runtime/bench/workload.py):
 # W words take at most 7 * W - 1 bytes. Used only to suggest an --input-len that fits.
@@ -360,12 +361,13 @@ def _check_served(args: argparse.Namespace, workload: Any, mapping: dict[str, st
                                     f"{', ...' if len(missing) > 4 else ''} that the workload's requests name (GET /v1/models lists: "
                                     f"{_models_text(cards)}); {fix}")  # fmt: skip
     if not args.no_length_check:
-        _check_lengths(args, requests, base, served)
+        check_lengths(args, requests, base, served)
     return requests
 
 
-def _check_lengths(args: argparse.Namespace, requests: list[Any], base: str, served: dict[str, dict[str, Any]]) -> None:
-    """Every request's prompt + output must fit the max_model_len its model's card gives. Prompts
+def check_lengths(args: argparse.Namespace, requests: list[Any], base: str, served: dict[str, dict[str, Any]]) -> None:
+    """Every request's prompt + output must fit the max_model_len its model's card gives (``args``:
+    url, api_key, workload, and input_len/output_len as (lo, hi) pairs; a SetupError otherwise). Prompts
     are counted by the server's POST /tokenize when it has one (exact), else bounded by one token
     per byte plus PROMPT_SPECIAL_TOKENS."""
     from runtime.bench.replay import prompt_token_counts

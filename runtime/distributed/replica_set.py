@@ -200,7 +200,7 @@ class PrefixView(SequenceABC):
     token, O(n^2) per request (2.4 s for 32k tokens); the list only ever grows, so earlier
     views stay valid. Equal to any sequence with the same items (a tuple, another view)."""
 
-    def __init__(self, items: list, length: int) -> None:
+    def __init__(self, items: list[TokenLogprobs], length: int) -> None:
         self._items, self._length = items, length
 
     def __len__(self) -> int:

@@ -20,10 +20,10 @@ def build_router(state: Any) -> APIRouter:
     @router.post("/v1/chat/completions", tags=["openai"])
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
         engine = state.engine
+        target = gen.resolve_model(engine, state.base_name, body.model)
         if body.max_tokens == 0:
             raise APIError(400, "max_tokens: must be >= 1 (0, scoring a prompt, is for completions with echo)", param="max_tokens",
                            code="invalid_parameter")  # fmt: skip
-        target = gen.resolve_model(engine, state.base_name, body.model)
         messages = [m.template_fields() for m in body.messages]
         try:
             prompt = state.tokenizer.apply_chat_template(messages)

@@ -87,6 +87,11 @@ def _choice(index: int, out: Any, with_ids: bool, text: str, logprobs: dict[str,
     return choice
 
 
+def _choice_usage(out: Any) -> dict[str, int]:
+    """One choice's usage so far (its prompt and its tokens): continuous_usage_stats chunks."""
+    return _usage({0: out})
+
+
 def _usage(finals: dict[int, Any], n: int = 1) -> dict[str, int]:
     """Usage of finished choices by index; a prompt's tokens count once however many choices it has (OpenAI's rule)."""
     prompt = sum(len(o.prompt_token_ids) for k, o in finals.items() if k % n == 0)
@@ -155,7 +160,7 @@ def build_router(state: Any) -> APIRouter:
                                 logprobs = completion_logprobs(state.tokenizer, pending[index], offsets[index])
                                 pending[index] = []
                             choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
-                            yield event(chunk([choice], _usage({0: out}) if continuous else None))
+                            yield event(chunk([choice], _choice_usage(out) if continuous else None))
                         if out.finished:
                             finals[index] = out
                     else:

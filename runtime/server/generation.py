@@ -122,7 +122,8 @@ async def open_stream(
 
 
 def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Optional[str]:
-    """The field an engine error message is about: its ``max_tokens:`` / ``prompt:`` prefix, else ``default``."""
+    """The field an engine error message is about, from its prefix: ``max_tokens:``, ``logit_bias:``,
+    ``stop_token_ids:`` name themselves, ``prompt:`` gives ``prompt_param``; else ``default``."""
     field = message.split(":", 1)[0]
     if field in ("max_tokens", "logit_bias", "stop_token_ids"):
         return field

@@ -31,9 +31,9 @@ class TextOffsets:
     across streamed chunks; ``restart_at`` after an echoed prompt, whose text is the prompt as sent.
     """
 
-    def __init__(self, tokenizer: Any, start: int = 0) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self.restart_at(start)
+        self.restart_at(0)
 
     def restart_at(self, position: int) -> None:
         self.position = position

@@ -28,8 +28,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries: every step adds each one
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                                 "stream", "echo", "ignore_eos", "include_stop_str_in_output", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
                                 "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
-LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before penalties, "
-                 "temperature, top_k and top_p), one entry per generated token.")
+LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before logit_bias, "
+                 "min_tokens, penalties, temperature, top_k and top_p), one entry per generated token.")
 MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
                    "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400. "
                    "0 only with echo (completions): score the prompt, generate nothing.")
@@ -72,7 +72,8 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
     seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
-    stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match.")
+    stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match "
+                                                  "(after it with include_stop_str_in_output).")
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = Field(False, description="vLLM's extension: keep the stop string that ended the reply at its end.")
@@ -81,7 +82,7 @@ class _SamplingFields(BaseModel):
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt, 1 to {MAX_CHOICES} (each is its own engine request; "
                          "with a seed, choice j samples with seed + j). Prompts times n is at most " + str(MAX_PROMPTS) + ".")
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True,
-                                    description="Subtracted from the logit of every token generated so far (at least once).")
+                                    description="Subtracted from the logit of every token generated so far (once, however often it appeared).")
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, strict=True,
                                      description="Times the number of times a token was generated so far, subtracted from its logit.")
     repetition_penalty: float = Field(1.0, gt=0.0, strict=True, allow_inf_nan=False,
@@ -262,11 +263,6 @@ class TokenizeRequest(BaseModel):
                                                "(the chat template writes its own special tokens, as chat completions).")
     return_token_strs: bool = Field(False, description="Also return each token's text.")
 
-    @model_validator(mode="after")
-    def _prompt_or_messages(self) -> "TokenizeRequest":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
-        return self
 
 
 class DetokenizeRequest(BaseModel):

@@ -25,6 +25,8 @@ def build_router(state: Any) -> APIRouter:
     @router.post("/tokenize", tags=["tokenizer"])
     async def tokenize(body: TokenizeRequest) -> Any:
         check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give either prompt or messages", param="prompt", code="invalid_parameter")
         tokenizer = state.tokenizer
         if body.messages is not None:
             try:

@@ -36,8 +36,8 @@ async def test_counts_match_what_generation_reports(app, engine) -> None:
 
 @pytest.mark.parametrize("route, body, status, param", [
     ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
-    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, None),
-    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
     ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
 ])  # fmt: skip
