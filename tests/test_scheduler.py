@@ -30,6 +30,7 @@ def _run_step(sched, pool, observe=None):
         observe()
     for c in out.chunks:
         c.seq.num_computed += c.num_tokens
+        sched.block_manager.commit(c.seq.request_id, c.seq.all_token_ids, c.seq.num_computed)  # as the engine does (prefix cache)
         if c.sample:
             c.seq.output_token_ids.append(1)
             if len(c.seq.output_token_ids) >= c.seq.params.max_tokens:
@@ -177,17 +178,23 @@ def test_drain_holds_back_the_most_served_when_every_resident_has_a_queue():
     assert outs[-1].admitted[0] is rare
 
 
-def _rare_adapter_wait(seed: int) -> tuple[int, int, tuple]:
+def _rare_adapter_wait(seed: int, prefix_cache: bool = False) -> tuple[int, int, tuple]:
     """Random budgets, prompt and output lengths, steady traffic on adapters a and b with
-    max_loras=2, and one request of adapter c arriving at a random step: (waited, bound, config)."""
+    max_loras=2, and one request of adapter c arriving at a random step: (waited, bound, config).
+    ``prefix_cache``: with the prefix cache on; every prompt is a prefix of one sequence, so the
+    requests of a and b keep finding each other's blocks in flight and waiting for them."""
     import random
+
+    from runtime.kv.prefix_cache import PrefixCache
 
     rng = random.Random(seed)
     s = rng.randint(1, 6)
-    c, p, m = rng.randint(s, 3 * s + 8), rng.randint(1, 12), rng.randint(1, 6)
+    c, p, m = rng.randint(s, 3 * s + 8), rng.randint(1, 12) + (12 if prefix_cache else 0), rng.randint(1, 6)
     adapters: dict = {}
     pool = AdapterPool(FakeWriter(), lambda r: adapters[r], 2, 4, 64, 32, async_loads=False)
-    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=s, max_num_batched_tokens=c, max_loras=2)
+    cache = PrefixCache("base") if prefix_cache else None
+    sched = Scheduler(BlockManager(4096, 4, cache), pool, max_num_seqs=s, max_num_batched_tokens=c, max_loras=2,
+                      prefix_seed=cache.seed if cache is not None else None)  # fmt: skip
     refs = {n: AdapterRef(n, "v") for n in "abc"}
     for n, ref in refs.items():
         adapters[ref] = FakeAdapter(n, "v", rng.choice([8, 16, 32]))
@@ -199,12 +206,13 @@ def _rare_adapter_wait(seed: int) -> tuple[int, int, tuple]:
                 sched.add(Sequence(f"s{idx}", idx, list(range(rng.randint(1, p))), SamplingParams(max_tokens=rng.randint(1, m)), refs[n], 0.0))
                 idx += 1
         if step == add_at:
+            prompt = list(range(rng.randint(1, p)))
             pool.demand(refs["c"])
-            rare = Sequence("rare", idx, list(range(rng.randint(1, p))), SamplingParams(max_tokens=m), refs["c"], 0.0)
+            rare = Sequence("rare", idx, prompt, SamplingParams(max_tokens=m), refs["c"], 0.0)
             idx += 1
             sched.add(rare)
         _run_step(sched, pool)
-        if rare is not None and rare.num_computed > 0:
+        if rare is not None and (rare.num_computed > 0 or rare.output_token_ids):
             return step - add_at, sched.fairness_bound_steps(p, m), (s, c, p, m)
     return 10**9, sched.fairness_bound_steps(p, m), (s, c, p, m)
 
@@ -215,6 +223,13 @@ def test_documented_bound_holds_on_random_budgets():
     over = [(seed, *_rare_adapter_wait(seed)) for seed in range(600)]
     over = [o for o in over if o[1] > o[2]]
     assert over == [], over[:5]
+
+
+def test_documented_bound_holds_with_prefix_caching_and_shared_prompts_in_flight():
+    """The same fuzz with the prefix cache on and prompts that share prefixes, so heads keep
+    waiting for blocks in flight; the bound then adds one prefill (``fairness_bound_steps``)."""
+    waits = [(seed, *_rare_adapter_wait(seed, prefix_cache=True)) for seed in range(600)]
+    assert [w for w in waits if w[1] > w[2]] == [], [w for w in waits if w[1] > w[2]][:5]
 
 
 class _RememberingScheduler(Scheduler):
