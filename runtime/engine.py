@@ -114,7 +114,7 @@ class LLMEngine:
             prefix_seed=prefix_cache.seed if prefix_cache is not None else None,
         )
         # min_tokens masks the eos ids in the logits: only those inside the model's vocabulary can be generated at all.
-        self.sampler = Sampler(config.seed, [t for t in self._eos_ids if t < self.runner.model_config.vocab_size])
+        self.sampler = Sampler(config.seed, [t for t in self._eos_ids if t < self._vocab_size])
         self._live: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []
         self._observers: list[Callable[[RequestMetrics], None]] = []
@@ -186,11 +186,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        vocab = self.runner.model_config.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in ids if t >= vocab]
+            outside = [t for t in ids if t >= self._vocab_size]
             if outside:  # the sampler indexes logits with them (logit_bias, min_tokens)
-                raise ValueError(f"{name}: token ids {outside[:4]} are outside the model's vocabulary (size {vocab})")
+                raise ValueError(f"{name}: token ids {outside[:4]} are outside the model's vocabulary (size {self._vocab_size})")
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
         if n >= self.max_model_len:

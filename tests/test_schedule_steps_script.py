@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks.schedule_steps import main
+from runtime.bench.workload import WorkloadSpec, generate
 
 
 def test_replay_reports_steps_no_fewer_than_the_bound(capsys, tmp_path):
@@ -15,7 +16,8 @@ def test_replay_reports_steps_no_fewer_than_the_bound(capsys, tmp_path):
     assert [r["adapters"] for r in results] == [4, 40] and all(r["requests"] == 24 for r in results)
     for r in results:
         assert r["steps"] >= r["slot_bound"]["lower_bound_steps"] > 0
-        assert 1 <= r["distinct_adapters"] <= r["adapters"]
+        spec = WorkloadSpec(num_requests=24, num_adapters=r["adapters"], input_len=(4, 8), output_len=(4, 8), ranks=(4, 8))
+        assert r["distinct_adapters"] == len({q.adapter for q in generate(spec).requests if q.adapter is not None})
         assert 0 < r["last_first_token_step_most_popular"] <= r["steps"] and 0 < r["last_first_token_step_least_popular"] <= r["steps"]
     # More distinct adapters through the same two slots cannot take fewer steps' worth of slot time.
     assert results[1]["slot_bound"]["slot_steps"] >= results[0]["slot_bound"]["slot_steps"]
