@@ -48,15 +48,7 @@ def replay_steps(workload: Workload, setup: BenchSetup) -> dict[str, Any]:
     used, jobs = workload_jobs(workload, adapters)
     engine = LLMEngine(engine_config(setup, model_dir))
     try:
-        for name, path in used.items():
-            engine.register_adapter(name, str(path))
-        for i, (prompt, adapter, params) in enumerate(jobs):
-            engine.add_request(f"r{i}", prompt, params, adapter)
-        # As suite.stepped_in_turn: the disk loads that can start now finish before the first step.
-        engine.pool.poll()
-        while engine.pool.load_futures():
-            engine.pool.wait_for_load(timeout=0.05)
-            engine.pool.poll()
+        suite.submit_all(engine, used, jobs)  # as the timed stepped_in_turn runs do
         first_token: dict[str, int] = {}
         while engine.has_unfinished():
             for out in engine.step():

@@ -175,14 +175,7 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
     try:
         for name, (config, adapters, jobs) in runs.items():
             engine = engines[name] = LLMEngine(config)
-            for adapter, path in adapters.items():
-                engine.register_adapter(adapter, str(path))
-            for i, (prompt, adapter, params) in enumerate(jobs):
-                engine.add_request(f"r{i}", prompt, params, adapter)
-            engine.pool.poll()
-            while engine.pool.load_futures():  # a load queued behind a full host tier waits for the run's steps
-                engine.pool.wait_for_load(timeout=0.05)
-                engine.pool.poll()
+            submit_all(engine, adapters, jobs)
         busy, tokens, steps = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
         while any(e.has_unfinished() for e in engines.values()):
             for name, engine in engines.items():
@@ -199,6 +192,20 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
                    "tokens_per_s": round(tokens[name] / busy[name], 1) if busy[name] else 0.0,
                    "host_loads": sum(c.loads for c in loads[name]), "device_loads": sum(c.device_loads for c in loads[name]),
                    "adapters_loaded": sum(1 for c in loads[name] if c.device_loads)} for name in engines}
+
+
+def submit_all(engine: Any, adapters: dict[str, Path], jobs: list[tuple[Any, Optional[str], Any]]) -> None:
+    """Register ``adapters``, add every job as request ``r<i>``, then wait for the adapter reads
+    that can start now, so they finish before the first timed step; a read queued behind a full
+    host tier happens during the run's steps."""
+    for adapter, path in adapters.items():
+        engine.register_adapter(adapter, str(path))
+    for i, (prompt, adapter, params) in enumerate(jobs):
+        engine.add_request(f"r{i}", prompt, params, adapter)
+    engine.pool.poll()
+    while engine.pool.load_futures():
+        engine.pool.wait_for_load(timeout=0.05)
+        engine.pool.poll()
 
 
 def workload_jobs(workload: Any, adapters: dict[str, Path], without_adapters: bool = False) -> tuple[dict[str, Path], list[tuple[Any, Optional[str], Any]]]:
