@@ -32,7 +32,7 @@ def burst(model_dir: Path, copies: int, prompt: list[int], max_tokens: int, wait
                                     max_num_batched_tokens=max(2048, copies * len(prompt)), max_model_len=len(prompt) + max_tokens + 16))  # fmt: skip
     try:
         if not wait_for_shared:
-            engine.block_manager.prefix_in_flight = lambda seed, tokens: False  # the behaviour before the wait existed
+            engine.block_manager.prefix_in_flight = lambda seq_id, seed, tokens: False  # the behaviour before the wait existed
         for i in range(copies):
             engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         start = time.perf_counter()

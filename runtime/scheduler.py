@@ -242,7 +242,7 @@ class Scheduler:
             seed = self._prefix_seed(key) if self._prefix_seed is not None else None
             # Prompt logprobs need every prompt position computed: such a request reuses no prefix (it still publishes its blocks).
             reuse = seq.params.prompt_logprobs is None
-            if reuse and self.block_manager.prefix_in_flight(seed, seq.all_token_ids):
+            if reuse and self.block_manager.prefix_in_flight(seq.request_id, seed, seq.all_token_ids):
                 ready.discard(key)  # a running request is computing its next prompt block: reuse it once published
                 continue
             if key is not None and self.pool.acquire_device(key) is None:

@@ -124,21 +124,21 @@ def test_a_prompt_block_in_flight_is_waited_for_not_computed_twice():
     bm = BlockManager(16, 4, cache)
     seed = cache.seed(None)
     prompt = list(range(10))  # blocks 0-1 full and cacheable, the last token in block 2
-    assert not bm.prefix_in_flight(seed, prompt)
+    assert not bm.prefix_in_flight("w1", seed, prompt)
     assert bm.acquire_prefix("s1", seed, prompt) == 0 and bm.ensure("s1", 10)
-    assert bm.prefix_in_flight(seed, prompt) and bm.prefix_in_flight(seed, prompt[:9] + [77])  # shares block 0
-    assert not bm.prefix_in_flight(seed, [5] + prompt[1:]) and not bm.prefix_in_flight(cache.seed(AdapterRef("a", "1")), prompt)
+    assert bm.prefix_in_flight("w2", seed, prompt) and bm.prefix_in_flight("w3", seed, prompt[:9] + [77])  # shares block 0
+    assert not bm.prefix_in_flight("w4", seed, [5] + prompt[1:]) and not bm.prefix_in_flight("w5", cache.seed(AdapterRef("a", "1")), prompt)
     bm.commit("s1", prompt, 4)  # block 0 published, block 1 still computing
-    assert bm.prefix_in_flight(seed, prompt) and not bm.prefix_in_flight(seed, prompt[:4] + [9, 9, 9, 9, 9, 9])
+    assert bm.prefix_in_flight("w6", seed, prompt) and not bm.prefix_in_flight("w7", seed, prompt[:4] + [9, 9, 9, 9, 9, 9])
     bm.commit("s1", prompt, 8)
-    assert not bm.prefix_in_flight(seed, prompt)
+    assert not bm.prefix_in_flight("w8", seed, prompt)
     assert bm.acquire_prefix("s2", seed, prompt) == 8
     # A sequence freed before publishing (preempted, aborted) leaves nothing in flight.
     other = list(range(50, 60))
     bm.acquire_prefix("s3", seed, other)
-    assert bm.prefix_in_flight(seed, other)
+    assert bm.prefix_in_flight("w9", seed, other)
     bm.free("s3")
-    assert not bm.prefix_in_flight(seed, other)
+    assert not bm.prefix_in_flight("w10", seed, other)
 
 
 def test_identical_prompts_admitted_together_share_their_blocks(tiny_llama_dir, tiny_adapters):

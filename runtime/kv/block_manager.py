@@ -44,6 +44,9 @@ class BlockManager:
         # Prompt blocks a sequence will publish, not computed yet: seq -> hashes in order, and hash -> how many such sequences.
         self._to_publish: dict[str, deque[bytes]] = {}
         self._in_flight: dict[bytes, int] = {}
+        # seq -> (seed, tokens, hash chain of its full prompt blocks but the last token's): hashed once
+        # while it waits (``prefix_in_flight`` asks every step) and again at admission.
+        self._chains: dict[str, tuple[bytes, int, list[bytes]]] = {}
 
     # ---- sizes -------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -81,7 +84,7 @@ class BlockManager:
             return 0
         self._seeds[seq_id] = seed
         cacheable = (len(token_ids) - 1) // self.block_size
-        hashes = PrefixCache.chain(seed, token_ids, self.block_size, cacheable)
+        hashes = self._chain(seq_id, seed, token_ids)
         if reuse:
             for block_hash in hashes:
                 block = self.prefix_cache.lookup(block_hash)
@@ -98,20 +101,28 @@ class BlockManager:
             self._in_flight[block_hash] = self._in_flight.get(block_hash, 0) + 1
         return len(self._hashes[seq_id]) * self.block_size
 
-    def prefix_in_flight(self, seed: Optional[bytes], token_ids: Sequence[int]) -> bool:
-        """Would a request with these tokens compute a block another sequence is computing now?
+    def prefix_in_flight(self, seq_id: str, seed: Optional[bytes], token_ids: Sequence[int]) -> bool:
+        """Would waiting sequence ``seq_id`` compute a block another sequence is computing now?
 
         True when the first of its full prompt blocks that the cache does not hold is one a
         running sequence will publish (``acquire_prefix`` recorded it); waiting for it costs at
         most that sequence's prefill and saves computing the block twice."""
         if self.prefix_cache is None or seed is None or not self._in_flight:
             return False
-        parent = seed
-        for i in range((len(token_ids) - 1) // self.block_size):
-            parent = PrefixCache.extend_chain(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if self.prefix_cache.lookup(parent) is None:
-                return parent in self._in_flight
+        for block_hash in self._chain(seq_id, seed, token_ids):
+            if self.prefix_cache.lookup(block_hash) is None:
+                return block_hash in self._in_flight
         return False
+
+    def _chain(self, seq_id: str, seed: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """The hash chain of ``token_ids``' full blocks but the one with the last token, kept
+        per sequence until ``free``. A sequence's tokens only ever grow (a preempted one comes
+        back with its output appended), so the seed and the token count identify them."""
+        kept = self._chains.get(seq_id)
+        if kept is None or kept[0] != seed or kept[1] != len(token_ids):
+            kept = (seed, len(token_ids), PrefixCache.chain(seed, token_ids, self.block_size, (len(token_ids) - 1) // self.block_size))
+            self._chains[seq_id] = kept
+        return kept[2]
 
     def count_prefix_lookup(self, seq_id: str) -> None:
         """Add ``seq_id``'s prefix lookup to the cache's hit statistics (its admission went through)."""
@@ -158,6 +169,7 @@ class BlockManager:
         self._hashes.pop(seq_id, None)
         self._seeds.pop(seq_id, None)
         self._lookups.pop(seq_id, None)  # a lookup whose admission failed is not counted
+        self._chains.pop(seq_id, None)
         for block_hash in self._to_publish.pop(seq_id, ()):
             self._done_in_flight(block_hash)
         # Release tail first: the evictable LRU then evicts the sequence's last blocks
