@@ -45,7 +45,7 @@ from runtime.request import (
     Sequence,
     TokenLogprobs,
 )
-from runtime.sampler import Sampler, token_logprobs, token_stop_reason
+from runtime.sampler import NoToken, Sampler, token_logprobs, token_stop_reason
 from runtime.scheduler import Scheduler
 from runtime.stats import BASE_LABEL, AdapterRequestCounters, RequestMetrics
 
@@ -190,6 +190,9 @@ class LLMEngine:
             outside = [t for t in ids if t >= self._vocab_size]
             if outside:  # the sampler indexes logits with them (logit_bias, min_tokens)
                 raise ValueError(f"{name}: token ids {outside[:4]} are outside the model's vocabulary (size {self._vocab_size})")
+        held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        if params.min_tokens > 0 and sum(1 for t in held_back if 0 <= t < self._vocab_size) == self._vocab_size:
+            raise ValueError(f"min_tokens: the stop_token_ids and eos ids it holds back cover the whole vocabulary (size {self._vocab_size}); nothing could be sampled")
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
         if n >= self.max_model_len:
@@ -364,8 +367,8 @@ class LLMEngine:
         now = time.monotonic()
         for seq, token, token_lp in zip(sampled, tokens, token_logprobs):
             live = self._live[seq.request_id]
-            if token is None:  # NaN or +inf logits for this row: nothing to sample from
-                self._finish(live, "error", "the model produced non-finite logits (NaN or inf) for this request")
+            if isinstance(token, NoToken):  # nothing to sample from in this row
+                self._finish(live, "error", token.reason)
                 outputs.append(self._output(live, [], finished=True))
                 continue
             seq.output_token_ids.append(token)

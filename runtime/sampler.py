@@ -23,8 +23,13 @@ For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams`
                                        tokens whatever else is in the batch.
 
 A row whose logits hold NaN or +inf, or are all -inf (a broken checkpoint or an overflow in
-the model), has no distribution to draw from and no meaningful argmax: ``sample`` returns None for it and the
-engine ends that request with an error, leaving every other row and the engine running.
+the model), has no distribution to draw from and no meaningful argmax: ``sample`` returns a
+``NoToken`` with the reason for it, and the engine ends that request with an error, leaving
+every other row and the engine running. The request's own adjustments cannot break a healthy
+row that way: a repetition penalty is used as its nearest float32 in [tiny, max] (so never 0 or
+inf, and 0 * r is never NaN), a logit pushed past float32's range to +inf by ``z_j / r`` is
+held at float32's max (it still dominates the row), and a row that the adjustments leave all
+-inf (every token banned) gets its own ``NoToken`` reason.
 
 Logprobs (``SamplingParams.logprobs`` = k): ``log_softmax(z)`` of the raw row (before
 logit_bias, min_tokens, penalties, temperature, top-k and top-p), the sampled token's entry and
@@ -36,7 +41,8 @@ Stop rules after a token is appended (the string-level ``stop`` rule lives in
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -44,6 +50,17 @@ from torch import Tensor
 from runtime.request import FinishReason, SamplingParams, TokenLogprobs
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, generated token ids) of one request
+
+
+@dataclass(frozen=True)
+class NoToken:
+    """What ``Sampler.sample`` gives a row it cannot draw from, with the reason the request fails."""
+
+    reason: str
+
+
+NON_FINITE_LOGITS = NoToken("the model produced non-finite logits (NaN or inf) for this request")
+EVERY_TOKEN_BANNED = NoToken("logit_bias, min_tokens and the penalties left no token with a finite logit for this request")
 
 
 class Sampler:
@@ -72,8 +89,9 @@ class Sampler:
 
     def sample(
         self, logits: Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams], histories: Optional[Sequence[History]] = None
-    ) -> list[Optional[int]]:
-        """One token per row of ``logits`` [n, vocab]; None for a row with NaN or +inf logits, or all -inf.
+    ) -> list[Union[int, NoToken]]:
+        """One token per row of ``logits`` [n, vocab]; a ``NoToken`` for a row with NaN or +inf
+        logits or all -inf, or that logit_bias, min_tokens and penalties leave all -inf.
 
         ``histories``: each row's (prompt, generated) token ids, needed by rows whose params
         adjust the logits (``SamplingParams.adjusts_logits``)."""
@@ -98,7 +116,11 @@ class Sampler:
                     prompt_ids = self._prompt_ids[request_ids[i]] = torch.tensor(list(histories[i][0]), dtype=torch.long, device=logits.device)
                 prompts.append(prompt_ids)
             logits[penalized] = penalize_rows(logits[penalized], [params[i] for i in penalized], prompts, [histories[i][1] for i in penalized])
-        out: list[Optional[int]] = [None] * len(request_ids)
+        out: list[Union[int, NoToken]] = [NON_FINITE_LOGITS if b else EVERY_TOKEN_BANNED for b in broken]
+        if adjusted:
+            banned = torch.isneginf(logits[adjusted]).all(dim=-1).tolist()
+            for i, all_banned in zip(adjusted, banned):
+                broken[i] = all_banned
         greedy_rows = [i for i, p in enumerate(params) if p.greedy and not broken[i]]
         if greedy_rows:
             picked = logits[greedy_rows].argmax(dim=-1).tolist()
@@ -131,12 +153,12 @@ class Sampler:
             logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
     @staticmethod
-    def logprobs(logits: Tensor, tokens: Sequence[Optional[int]], params: Sequence[SamplingParams]) -> list[Optional[TokenLogprobs]]:
+    def logprobs(logits: Tensor, tokens: Sequence[Union[int, NoToken]], params: Sequence[SamplingParams]) -> list[Optional[TokenLogprobs]]:
         """For each row whose params ask for logprobs and that got a token: the token's
         ``log_softmax`` entry and the ``params.logprobs`` largest ones, from the raw ``logits``
         (before logit_bias, min_tokens, penalties and temperature); None for the other rows
         (``token_logprobs`` does the work)."""
-        rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if tok is not None and p.logprobs is not None]
+        rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if isinstance(tok, int) and p.logprobs is not None]
         out: list[Optional[TokenLogprobs]] = [None] * len(tokens)
         if rows:
             picked = token_logprobs(logits, [int(tokens[i]) for i in rows], [params[i].logprobs for i in rows], rows)
@@ -176,7 +198,11 @@ def penalize_rows(z: Tensor, params: Sequence[SamplingParams], prompts: Sequence
     One mask of the tokens each row has seen and one count of the tokens each has generated,
     both built from flat indices ``row * vocab + token``. ``prompts[i]``: row i's prompt ids as
     a long tensor on ``z``'s device, needed where its repetition penalty is not 1. Token ids are
-    the model's (the model runner refuses others)."""
+    the model's (the model runner refuses others).
+
+    r is used as its nearest float32 in [tiny, max], and a ``z_j / r`` past float32's range is
+    held at float32's max rather than +inf, so finite rows stay finite: no NaN from 0 * inf or
+    from inf - inf when the row is shifted by its max."""
     n, vocab = z.shape
     z = z.float()
     device = z.device
@@ -193,8 +219,9 @@ def penalize_rows(z: Tensor, params: Sequence[SamplingParams], prompts: Sequence
         prompt_flat = [prompt + off for prompt, off, r in zip(prompts, offsets, repeat) if r != 1 and prompt is not None]
         if prompt_flat:
             seen.view(-1)[torch.cat(prompt_flat)] = True
-        r = column(repeat)  # 1 for rows without the penalty: dividing and multiplying by 1 leaves them as they are
-        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+        finfo = torch.finfo(torch.float32)
+        r = column(repeat).clamp(finfo.tiny, finfo.max)  # 1 for rows without the penalty: dividing and multiplying by 1 leaves them as they are
+        z = torch.where(seen, torch.where(z > 0, (z / r).clamp(max=finfo.max), z * r), z)
     freq, pres = column([p.frequency_penalty for p in params]), column([p.presence_penalty for p in params])
     return z - freq * counts - pres * (counts > 0).float()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime.request import MAX_LOGPROBS, SamplingParams
-from runtime.sampler import Sampler, penalize_rows
+from runtime.sampler import EVERY_TOKEN_BANNED, NON_FINITE_LOGITS, Sampler, penalize_rows
 from tests.engine_helpers import make_engine, random_prompt, run_to_completion
 from tests.test_peft_match import peft_model
 
@@ -146,13 +146,46 @@ def test_sampler_logprobs_rows():
     params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(logprobs=2), SamplingParams(logprobs=MAX_LOGPROBS)]
     sampler = Sampler()
     tokens = sampler.sample(logits, ["a", "b", "c", "d"], params)
-    assert tokens[2] is None
+    assert tokens[2] == NON_FINITE_LOGITS
     out = Sampler.logprobs(logits, tokens, params)
     assert out[1] is None and out[2] is None  # not asked for; no token
     ref = torch.log_softmax(logits.double(), dim=-1)
     assert out[0].logprob == pytest.approx(ref[0, tokens[0]].item(), abs=1e-6) and len(out[0].top) == 3
     assert len(out[3].top) == 10  # at most the vocabulary
     assert math.fsum(math.exp(v) for _, v in out[3].top) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("repetition_penalty", [5e-324, 1e-300, 1e-45, 3e38, 1e300])
+def test_extreme_repetition_penalties_keep_every_row_samplable(repetition_penalty):
+    """A repetition penalty far outside float32's range (a fuzzed 1e-300 once put +inf, then NaN, in
+    a row and failed the engine step) still gives each row a token, picked as the limit says:
+    r -> 0 pushes the seen tokens with positive logits above all others, r -> inf pushes every
+    seen token below the best unseen one (here positive)."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 40, generator=gen) * 4
+    prompt, output = [3, 4, 5, 6, 7, 8], [9, 10]
+    logits[:, 3], logits[:, 30] = 5.0, 50.0  # a seen positive token; an unseen one that leads
+    params = [SamplingParams(repetition_penalty=repetition_penalty, temperature=t, seed=1) for t in (0.0, 1.0, 0.0, 1.0)]
+    ids = ["a", "b", "c", "d"]
+    sampler = Sampler()
+    for rid, p in zip(ids, params):
+        sampler.add(rid, p)
+    tokens = sampler.sample(logits, ids, params, [(prompt, output)] * 4)
+    assert all(isinstance(t, int) for t in tokens), tokens
+    if repetition_penalty < 1:
+        assert all(t in prompt + output and logits[row, t] > 0 for row, t in enumerate(tokens)), tokens
+    else:
+        assert tokens[0] == tokens[2] == 30  # greedy: the best unseen token
+
+
+def test_a_row_whose_adjustments_ban_every_token_fails_alone():
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(5))
+    ban_all = SamplingParams(min_tokens=2, stop_token_ids=tuple(range(6)), temperature=1.0, seed=3)
+    params = [ban_all, SamplingParams()]
+    sampler = Sampler(eos_token_ids=(0,))
+    for rid, p in zip("ab", params):
+        sampler.add(rid, p)
+    assert sampler.sample(logits, ["a", "b"], params, [([1], []), ([1], [])]) == [EVERY_TOKEN_BANNED, int(logits[1].argmax())]
 
 
 def test_penalties_without_histories_are_refused():
@@ -249,6 +282,12 @@ def test_logit_bias_steers_every_row_it_is_given(tiny_llama_dir, tiny_adapters):
         assert finals[f"same{i}"].token_ids == plain[f"u{i}"].token_ids
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("bad", [1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+    vocab = engine.runner.model_config.vocab_size
+    every_id = SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=list(range(vocab)))
+    with pytest.raises(ValueError, match="min_tokens: .* cover the whole vocabulary"):
+        engine.add_request("bans-all", [1, 2], every_id)
+    engine.add_request("bans-all-but-one", [1, 2], SamplingParams(max_tokens=2, min_tokens=1, ignore_eos=True, stop_token_ids=list(range(1, vocab))))
+    assert run_to_completion(engine)["bans-all-but-one"].token_ids[0] == 0
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids():

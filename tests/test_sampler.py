@@ -6,7 +6,7 @@ import torch
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.request import SamplingParams
-from runtime.sampler import Sampler, filtered_logits, token_stop_reason
+from runtime.sampler import NON_FINITE_LOGITS, Sampler, filtered_logits, token_stop_reason
 
 
 def test_greedy_is_argmax_and_seeded_sampling_is_reproducible():
@@ -159,4 +159,4 @@ def test_rows_with_nan_or_inf_logits_get_no_token_and_the_others_do():
     for rid, p in zip(ids, params):
         sampler.add(rid, p)
     out = sampler.sample(logits, ids, params)
-    assert out[0] == int(logits[0].argmax()) and out[1:4] == [None, None, None] and isinstance(out[4], int)
+    assert out[0] == int(logits[0].argmax()) and out[1:4] == [NON_FINITE_LOGITS] * 3 and isinstance(out[4], int)

@@ -250,6 +250,12 @@ async def test_sampling_field_edge_cases_are_named_400s_and_the_engine_stays_up(
         eos = engine.tokenizer.eos_token_ids[0]
         scored = await post(c, "/v1/completions", completion_body(model, echo=True, max_tokens=0, logit_bias={str(eos): 100}, ignore_eos=False))
         assert scored["choices"][0]["finish_reason"] == "length"
+        # Repetition penalties past float32's range (schemathesis found 1e-300 failing the engine step).
+        for r in (1e-300, 1e300):
+            for temperature in (0.0, 1.0):
+                reply = await post(c, "/v1/completions", completion_body(model, repetition_penalty=r, temperature=temperature))
+                assert len(reply["choices"][0]["token_ids"]) == MAX_TOKENS, (r, temperature)
+        assert (await c.get("/health")).status_code == 200
 
 
 async def test_min_tokens_holds_back_stop_strings_too(app, engine) -> None:
