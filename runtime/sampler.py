@@ -6,7 +6,7 @@ For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams`
     min_tokens, while fewer tokens were generated: z_j = -inf for the eos ids (unless
                                 ignore_eos) and the stop_token_ids
     penalties (``SamplingParams.penalized``), on the request's tokens so far
-    (``penalize_rows``; c_j = count of token j among the generated tokens):
+    (``penalize_rows_``; c_j = count of token j among the generated tokens):
                                 r = repetition_penalty: z_j = z_j / r if z_j > 0 else z_j * r
                                        for every j in the prompt or the output
                                 z_j -= frequency_penalty * c_j + presence_penalty * [c_j > 0]
@@ -105,7 +105,7 @@ class Sampler:
         if adjusted:
             if histories is None:
                 raise ValueError("sample: logit_bias, min_tokens and penalties need each request's token history (histories=...)")
-            logits = logits.clone()
+            logits = logits.clone(memory_format=torch.contiguous_format)
             self._bias_and_hold_back(logits, [(i, params[i], len(histories[i][1])) for i in adjusted])
         penalized = [i for i in adjusted if params[i].penalized]
         if penalized:
@@ -115,7 +115,7 @@ class Sampler:
                 if prompt_ids is None and params[i].repetition_penalty != 1:
                     prompt_ids = self._prompt_ids[request_ids[i]] = torch.tensor(list(histories[i][0]), dtype=torch.long, device=logits.device)
                 prompts.append(prompt_ids)
-            logits[penalized] = penalize_rows(logits[penalized], [params[i] for i in penalized], prompts, [histories[i][1] for i in penalized])
+            penalize_rows_(logits, penalized, [params[i] for i in penalized], prompts, [histories[i][1] for i in penalized])
         out: list[Union[int, NoToken]] = [NON_FINITE_LOGITS if b else EVERY_TOKEN_BANNED for b in broken]
         if adjusted:
             banned = torch.isneginf(logits[adjusted]).all(dim=-1).tolist()
@@ -188,42 +188,53 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int], row
     return out
 
 
-def penalize_rows(z: Tensor, params: Sequence[SamplingParams], prompts: Sequence[Optional[Tensor]], outputs: Sequence[Sequence[int]]) -> Tensor:
-    """The penalties for the rows of ``z`` [n, vocab] at once. For row i, with r its
-    repetition_penalty and c_j the count of token j in ``outputs[i]``:
+def penalize_rows_(
+    z: Tensor, rows: Sequence[int], params: Sequence[SamplingParams], prompts: Sequence[Optional[Tensor]], outputs: Sequence[Sequence[int]]
+) -> None:
+    """The penalties, in place, for the (distinct) rows ``rows`` of the float32 ``z`` [n, vocab] at once. For
+    row rows[i], with r its repetition_penalty (``params[i]``) and c_j the count of token j in
+    ``outputs[i]``:
 
         z_j = z_j / r if z_j > 0 else z_j * r     for j in the prompt or the output
         z_j -= frequency_penalty * c_j + presence_penalty * [c_j > 0]
 
-    One mask of the tokens each row has seen and one count of the tokens each has generated,
-    both built from flat indices ``row * vocab + token``. ``prompts[i]``: row i's prompt ids as
-    a long tensor on ``z``'s device, needed where its repetition penalty is not 1. Token ids are
-    the model's (the model runner refuses others).
+    Only the entries a row has seen are touched: they are named by flat indices
+    ``row * vocab + token``, made distinct (with their counts) by one ``unique``, read with one
+    gather and written back with one scatter, so the cost follows the tokens seen, not
+    rows x vocab.
+    ``prompts[i]``: row rows[i]'s prompt ids as a long tensor on ``z``'s device, needed
+    where its repetition penalty is not 1. Token ids are the model's (the model runner refuses
+    others).
 
     r is used as its nearest float32 in [tiny, max], and a ``z_j / r`` past float32's range is
     held at float32's max rather than +inf, so finite rows stay finite: no NaN from 0 * inf or
     from inf - inf when the row is shifted by its max."""
-    n, vocab = z.shape
-    z = z.float()
+    if z.dtype != torch.float32 or not z.is_contiguous():
+        raise ValueError(f"penalize_rows_: needs a contiguous float32 tensor, got {z.dtype}")
+    vocab = z.shape[1]
+    flat = z.view(-1)
     device = z.device
-    offsets = [i * vocab for i in range(n)]
-    output_flat = torch.tensor([off + t for off, out in zip(offsets, outputs) for t in out], dtype=torch.long, device=device)
-    counts = torch.bincount(output_flat, minlength=n * vocab).view(n, vocab).float()
+    finfo = torch.finfo(torch.float32)
 
-    def column(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    def per_entry(values: list[float], entries: Tensor) -> Tensor:
+        """``values[i]`` for each flat entry of row rows[i]."""
+        by_row = torch.zeros(z.shape[0], dtype=torch.float32, device=device)
+        by_row[torch.tensor(list(rows), device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+        return by_row[torch.div(entries, vocab, rounding_mode="floor")]
 
+    output_flat = torch.tensor([row * vocab + t for row, out in zip(rows, outputs) for t in out], dtype=torch.long, device=device)
     repeat = [p.repetition_penalty for p in params]
     if any(r != 1 for r in repeat):
-        seen = counts > 0
-        prompt_flat = [prompt + off for prompt, off, r in zip(prompts, offsets, repeat) if r != 1 and prompt is not None]
-        if prompt_flat:
-            seen.view(-1)[torch.cat(prompt_flat)] = True
-        finfo = torch.finfo(torch.float32)
-        r = column(repeat).clamp(finfo.tiny, finfo.max)  # 1 for rows without the penalty: dividing and multiplying by 1 leaves them as they are
-        z = torch.where(seen, torch.where(z > 0, (z / r).clamp(max=finfo.max), z * r), z)
-    freq, pres = column([p.frequency_penalty for p in params]), column([p.presence_penalty for p in params])
-    return z - freq * counts - pres * (counts > 0).float()
+        seen_parts = [output_flat] + [prompt + row * vocab for row, prompt, r in zip(rows, prompts, repeat) if r != 1 and prompt is not None]
+        seen = torch.unique(torch.cat(seen_parts))
+        r = per_entry(repeat, seen).clamp(finfo.tiny, finfo.max)  # 1 for rows without the penalty: their entries stay as they are
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, (values / r).clamp(max=finfo.max), values * r)
+    if output_flat.numel():
+        generated, counts = torch.unique(output_flat, return_counts=True)
+        freq = per_entry([p.frequency_penalty for p in params], generated)
+        pres = per_entry([p.presence_penalty for p in params], generated)
+        flat[generated] = flat[generated] - freq * counts.float() - pres
 
 
 def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime.request import MAX_LOGPROBS, SamplingParams
-from runtime.sampler import EVERY_TOKEN_BANNED, NON_FINITE_LOGITS, Sampler, penalize_rows
+from runtime.sampler import EVERY_TOKEN_BANNED, NON_FINITE_LOGITS, Sampler, penalize_rows_
 from tests.engine_helpers import make_engine, random_prompt, run_to_completion
 from tests.test_peft_match import peft_model
 
@@ -131,7 +131,11 @@ def test_penalized_logits_formula():
     z = torch.randn(12, generator=gen) * 3
     params = SamplingParams(presence_penalty=0.4, frequency_penalty=-0.3, repetition_penalty=1.7)
     prompt, output = [1, 5, 5, 11], [5, 7, 7, 7, 0]
-    ours = penalize_rows(z[None], [params], [torch.tensor(prompt)], [output])[0].double()
+    rows = torch.stack([torch.randn(12, generator=gen), z, torch.randn(12, generator=gen)])
+    untouched = rows[[0, 2]].clone()
+    penalize_rows_(rows, [1], [params], [torch.tensor(prompt)], [output])  # the middle row only
+    ours = rows[1].double()
+    assert torch.equal(rows[[0, 2]], untouched)
     expected = z.double().tolist()
     for j in set(prompt) | set(output):
         expected[j] = expected[j] / 1.7 if expected[j] > 0 else expected[j] * 1.7
