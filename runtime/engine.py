@@ -58,6 +58,7 @@ class _Live:
     detok: IncrementalDetokenizer
     emitted_tokens: int = 0
     prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None  # built once, when the prompt's are complete
+    prompt_token_ids: tuple[int, ...] = ()  # RequestOutput.prompt_token_ids, built once rather than every step
 
     def prompt_logprobs_out(self) -> Optional[tuple[Optional[TokenLogprobs], ...]]:
         """``RequestOutput.prompt_logprobs``: None for the first token, then one per prompt token."""
@@ -225,7 +226,8 @@ class LLMEngine:
                 self._awaiting_adapter.add(seq)
         self.sampler.add(request_id, params)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        self._live[request_id] = _Live(seq, IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output, params.min_tokens))
+        detok = IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output, params.min_tokens)
+        self._live[request_id] = _Live(seq, detok, prompt_token_ids=tuple(seq.prompt_token_ids))
         self.scheduler.add(seq)
 
     def _warn_tokenizer_vocab(self) -> None:
@@ -429,7 +431,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             error=seq.error,
-            prompt_token_ids=tuple(seq.prompt_token_ids),
+            prompt_token_ids=live.prompt_token_ids,
             logprobs=tuple(seq.output_logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=live.prompt_logprobs_out(),
         )
