@@ -254,7 +254,10 @@ class LLMEngine:
         reach the model runner, raise inside ``step()`` and fail every request in flight.
         """
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except ValueError as err:
+                raise ValueError(f"prompt: {err}") from None
             bad = sorted({t for t in ids if not 0 <= t < self._vocab_size})
             if bad:
                 raise ValueError(

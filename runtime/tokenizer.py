@@ -97,6 +97,12 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a ValueError for a string that is not Unicode text (a lone
+        surrogate, which JSON's ``"\\ud800"`` can carry)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"not valid Unicode text: a lone surrogate {text[err.start]!r} at character {err.start}") from None
         ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):

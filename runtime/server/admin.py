@@ -27,11 +27,13 @@ def build_router(state: Any) -> APIRouter:
     @router.post("/v1/load_lora_adapter", tags=["admin"])
     async def load_lora_adapter(body: LoadAdapterRequest) -> Any:
         if body.lora_name == state.base_name:
-            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name", code="invalid_parameter")
         try:
             path = confine_adapter_folder(body.lora_path, state.options.adapter_roots, (CONFIG_FILE, WEIGHTS_FILE, *PICKLE_FILES))
         except PermissionError as err:
             raise APIError(403, str(err), param="lora_path", code="path_not_allowed") from err
+        except ValueError as err:
+            raise APIError(400, str(err), param="lora_path", code="invalid_parameter") from err
         try:
             ref = await asyncio.to_thread(state.engine.register_adapter, body.lora_name, str(path))
         except ValueError as err:  # the validator's message: names the file and the key/tensor

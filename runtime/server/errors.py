@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -24,7 +25,7 @@ ERROR_TYPES = {
 # ``error.code`` when a handler names none: always a string, as in OpenAI's errors (clients
 # that type it as a string fail to parse a number).
 DEFAULT_CODES = {
-    400: "invalid_request",
+    400: "invalid_parameter",
     401: "invalid_api_key",
     403: "permission_denied",
     404: "not_found",
@@ -60,6 +61,22 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the branch of a union in an error's loc (``logit_bias.5.int``,
+    ``prompt.list[str].1``); a client's field path has no such part."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _most_telling(errors: Sequence[dict]) -> dict:
+    """The error to report when pydantic gives several (one per branch of a union): one our
+    validators raised (it says what is wrong), else the one deepest in the body (the branch
+    that got furthest, e.g. ``prompt.1`` of a list of strings), else the first."""
+    if not errors:
+        return {}
+    depth = lambda e: len([p for p in e.get("loc", ()) if not _is_union_tag(p)])  # noqa: E731
+    return max(errors, key=lambda e: (e.get("type") == "value_error", depth(e)))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error a route can end in is answered in the OpenAI shape, never as plain text."""
 
@@ -69,18 +86,22 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
+        first = _most_telling(err.errors())
         if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
             where = first.get("loc", ("body", "?"))[-1]
             detail = (first.get("ctx") or {}).get("error", "invalid JSON")
             return error_response(400, f"the request body is not valid JSON (at position {where}: {detail})", code="invalid_json")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+        if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):  # no body, or not a JSON object
+            return error_response(400, "the request body must be a JSON object, sent with Content-Type: application/json", code="invalid_json")
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
         return error_response(400, message, param=param, code="invalid_parameter")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8)
+            return error_response(400, f"the request body is not valid JSON: {err.detail}", code="invalid_json")
         return error_response(err.status_code, str(err.detail))
 
     @app.exception_handler(Exception)

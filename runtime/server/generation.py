@@ -92,8 +92,14 @@ def new_id(prefix: str) -> str:
 
 
 def log_request(request_id: str, body: _SamplingFields, target: Target) -> None:
-    """One access-log line per generation request (with the caller's ``user`` field, if given)."""
-    log.info("%s model=%s adapter=%s user=%s stream=%s", request_id, body.model, target.adapter or "-", body.user or "-", body.stream)
+    """One access-log line per generation request (with the caller's ``user`` field, if given).
+    Client strings that are not plain printable text (a newline would forge a log line) are
+    written as Python literals."""
+    log.info("%s model=%s adapter=%s user=%s stream=%s", request_id, _printable(body.model), target.adapter or "-", _printable(body.user or "-"), body.stream)
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() else repr(text)
 
 
 async def open_stream(

@@ -4,16 +4,17 @@ Every accepted field is honoured. OpenAI fields lorafleet does not implement are
 declared with their only supported value (e.g. a chat message's content
 parts must be text) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
 boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
-ids take integers only, and float fields take integers or floats. A JSON ``null`` in a field
+ids take integers only, float fields take integers or floats, and boolean fields take
+``true`` and ``false`` only (not ``"yes"``, ``"false"`` or 1). A JSON ``null`` in a field
 OpenAI documents as nullable (temperature, top_p, n, the penalties, stream, echo, ...) means
 that field's default, as in OpenAI's API and vLLM's.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator, model_validator
 
 from runtime.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
@@ -30,6 +31,20 @@ NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_
                                 "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
 LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before logit_bias, "
                  "min_tokens, penalties, temperature, top_k and top_p), one entry per generated token.")
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate (``"\\ud800"``), which is not Unicode text: no
+    tokenizer can encode it, and a log line cannot print it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {text[err.start]!r} at character {err.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # a string field whose text reaches the tokenizer, a template or a log
+
 MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the room left for chat; both capped to what the "
                    "prompt leaves of max_model_len and of the KV pool (num_kv_blocks * block_size). An explicit value that does not fit is a 400. "
                    "0 only with echo (completions): score the prompt, generate nothing.")
@@ -37,8 +52,8 @@ MAX_TOKENS_HELP = ("Tokens to generate. Default: 16 for completions, all the roo
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = Field(False, description="Send a last chunk with token usage before [DONE].")
-    continuous_usage_stats: bool = Field(
+    include_usage: StrictBool = Field(False, description="Send a last chunk with token usage before [DONE].")
+    continuous_usage_stats: StrictBool = Field(
         False,
         description="With include_usage: every chunk also carries its choice's usage so far, and a chunk is sent for every "
         "step that generated tokens, even when they decode to no text yet (a partial UTF-8 character, a special token), "
@@ -66,18 +81,18 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_defaults)
 
-    model: str = Field(..., description="The base model's name, or the name of a registered adapter.")
+    model: Text = Field(..., description="The base model's name, or the name of a registered adapter.")
     max_tokens: Optional[StrictInt] = Field(None, ge=0, description=MAX_TOKENS_HELP)
     temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="Below 1e-5 (0 included) means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
     seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
-    stop: Optional[Union[str, list[str]]] = Field(None, description="Up to 16 stop strings; the text ends before the match "
+    stop: Optional[Union[Text, list[Text]]] = Field(None, description="Up to 16 stop strings; the text ends before the match "
                                                   "(after it with include_stop_str_in_output).")
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = Field(False, description="vLLM's extension: keep the stop string that ended the reply at its end.")
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = Field(False, description="vLLM's extension: keep the stop string that ended the reply at its end.")
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt, 1 to {MAX_CHOICES} (each is its own engine request; "
                          "with a seed, choice j samples with seed + j). Prompts times n is at most " + str(MAX_PROMPTS) + ".")
@@ -88,11 +103,11 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, strict=True, allow_inf_nan=False,
                                       description="vLLM's extension (1 = off): the logit z of every token of the prompt or the output "
                                       "so far becomes z / r if z > 0, else z * r. Applied before the two penalties above.")
-    logit_bias: Optional[dict[str, Union[StrictInt, StrictFloat]]] = Field(None, description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
+    logit_bias: Optional[dict[str, StrictFloat]] = Field(None, description=f"Token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, "
                                                    f"{MAX_LOGIT_BIAS:g}] added to its logit before sampling (at most {MAX_LOGIT_BIAS_ENTRIES} entries).")
     min_tokens: StrictInt = Field(0, ge=0, description="vLLM's extension: nothing ends the reply before this many tokens (eos, "
                                   "stop_token_ids and stop strings are held back until then). At most max_tokens.")
-    user: Optional[str] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
+    user: Optional[Text] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
 
     @model_validator(mode="before")
     @classmethod
@@ -136,11 +151,11 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]] = Field(
+    prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]] = Field(
         ..., description=f"A string, a list of strings, a list of token ids, or a list of token-id lists (at most {MAX_PROMPTS} prompts)."
     )
-    return_token_ids: bool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
-    echo: bool = Field(False, description="Put the prompt in front of the completion; with logprobs, the prompt's tokens get "
+    return_token_ids: StrictBool = Field(False, description="Add prompt_token_ids and token_ids to each choice.")
+    echo: StrictBool = Field(False, description="Put the prompt in front of the completion; with logprobs, the prompt's tokens get "
                        "their logprobs too (the first one null: nothing predicts it).")
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_HELP + " The k most likely tokens per "
                                           f"position, 0 to {MAX_LOGPROBS} (0: only the generated token's).")
@@ -164,7 +179,7 @@ class TextPart(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -176,8 +191,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Optional[Union[str, list[TextPart]]]
-    name: Optional[str] = Field(None, max_length=256)
+    content: Optional[Union[Text, list[TextPart]]]
+    name: Optional[Text] = Field(None, max_length=256)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -212,8 +227,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="OpenAI's current name for max_tokens in chat; "
                                                        "give one of the two (both only if equal).")
-    return_token_ids: bool = False
-    logprobs: bool = Field(False, description=LOGPROBS_HELP)
+    return_token_ids: StrictBool = False
+    logprobs: StrictBool = Field(False, description=LOGPROBS_HELP)
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS, description=f"With logprobs: true, the 0 to {MAX_LOGPROBS} most "
                                               "likely tokens at each position (default 0).")
 
@@ -256,12 +271,12 @@ class TokenizeRequest(BaseModel):
     ``usage.prompt_tokens``."""
 
     model_config = ConfigDict(extra="forbid")
-    model: Optional[str] = Field(None, description="The base model or an adapter (they share the tokenizer); default the base.")
-    prompt: Optional[str] = None
+    model: Optional[Text] = Field(None, description="The base model or an adapter (they share the tokenizer); default the base.")
+    prompt: Optional[Text] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
-    add_special_tokens: Optional[bool] = Field(None, description="Default: true for a prompt (as completions), false for messages "
+    add_special_tokens: Optional[StrictBool] = Field(None, description="Default: true for a prompt (as completions), false for messages "
                                                "(the chat template writes its own special tokens, as chat completions).")
-    return_token_strs: bool = Field(False, description="Also return each token's text.")
+    return_token_strs: StrictBool = Field(False, description="Also return each token's text.")
 
 
 
@@ -269,5 +284,5 @@ class DetokenizeRequest(BaseModel):
     """vLLM's ``POST /detokenize``."""
 
     model_config = ConfigDict(extra="forbid")
-    model: Optional[str] = None
+    model: Optional[Text] = None
     tokens: list[StrictInt] = Field(..., description="Token ids to decode (special tokens are skipped, as in generated text).")

@@ -80,8 +80,9 @@ async def _reply(send: Send, status: int, message: str) -> None:
 def confine_path(raw: str, roots: Iterable[Path]) -> Path:
     """Resolve ``raw`` (symlinks included) and return it if it lies inside one of ``roots``.
 
-    Raises PermissionError otherwise. Nothing inside the path is read: only the
-    path components are resolved.
+    Raises PermissionError otherwise, and ValueError for a string that is no usable path (a
+    NUL byte, a symlink loop). Nothing inside the path is read: only the path components are
+    resolved.
     """
     roots = [Path(r).resolve() for r in roots]
     if not roots:
@@ -89,7 +90,10 @@ def confine_path(raw: str, roots: Iterable[Path]) -> Path:
     candidate = Path(raw)
     if not candidate.is_absolute():
         raise PermissionError(f"lora_path must be absolute, got {raw!r}")
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+    except (ValueError, RuntimeError, OSError) as err:  # a NUL byte; a symlink loop (RuntimeError before Python 3.13)
+        raise ValueError(f"lora_path {raw!r} is not a usable path: {err}") from None
     for root in roots:
         if resolved == root or root in resolved.parents:
             return resolved

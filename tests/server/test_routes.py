@@ -296,3 +296,90 @@ async def test_float_fields_take_integers(app, engine, path) -> None:
         greedy_int = await c.post(path, json=body_for(path, engine.model_name, temperature=0))
     assert ints.status_code == floats.status_code == greedy_int.status_code == 200, (ints.text, floats.text, greedy_int.text)
     assert ints.json()["choices"] == floats.json()["choices"]
+
+
+async def post_raw(c: httpx.AsyncClient, path: str, body: dict) -> httpx.Response:
+    """POST ``body`` as ASCII JSON, so a lone surrogate travels as the escape ``\\ud800`` (what a
+    client's JSON encoder sends), which httpx's own UTF-8 encoding of ``json=`` cannot carry."""
+    return await c.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    "path, patch, param",
+    [("/v1/completions", {"prompt": "a\ud800b"}, "prompt"), ("/v1/completions", {"prompt": ["ok", "\udc00"]}, "prompt.1"),
+     ("/v1/completions", {"stop": ["\ud800"]}, "stop.0"), ("/v1/completions", {"user": "bob\ud800"}, "user"),
+     ("/v1/completions", {"model": "x\ud800"}, "model"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
+     ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+     ("/tokenize", {"prompt": None, "messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content")],
+)  # fmt: skip
+async def test_lone_surrogates_are_400s_naming_the_field(app, engine, path, patch, param) -> None:
+    """JSON's "\\ud800" is a string but not Unicode text: the tokenizer cannot encode it (it was a 500)."""
+    body = {**body_for(path, engine.model_name), **patch} if path != "/tokenize" else {"model": engine.model_name, **patch}
+    body = {k: v for k, v in body.items() if v is not None}
+    async with client_for(app) as c:
+        r = await post_raw(c, path, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "lone surrogate" in err["message"] and err["code"] == "invalid_parameter", err
+        assert (await c.get("/health")).status_code == 200
+
+
+def test_the_engine_refuses_a_lone_surrogate_as_a_prompt_error(engine) -> None:
+    with pytest.raises(ValueError, match="prompt: not valid Unicode text"):
+        engine.engine.add_request("surrogate", "x\ud800", None)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("patch, param", [({"stream": "false"}, "stream"), ({"ignore_eos": 1}, "ignore_eos"),
+                                          ({"return_token_ids": "yes"}, "return_token_ids")])  # fmt: skip
+async def test_booleans_take_true_and_false_only(app, engine, path, patch, param) -> None:
+    async with client_for(app) as c:
+        r = await c.post(path, json=body_for(path, engine.model_name, **patch))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+async def test_a_logit_bias_that_is_not_a_number_names_its_entry(app, engine) -> None:
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", json=greedy(engine.model_name, "hi", logit_bias={"5": True}))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "logit_bias.5" and "valid number" in err["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "content, headers, fragment",
+    [(b'{"model": "m", "prompt": "\xff\xfe"}', {"Content-Type": "application/json"}, "not valid JSON"),
+     (b'{"model": "m", "prompt": "hi"}', {"Content-Type": "application/x-www-form-urlencoded"}, "Content-Type: application/json"),
+     (b"", {}, "must be a JSON object")],
+)  # fmt: skip
+async def test_bodies_that_are_not_json_say_so(app, content, headers, fragment) -> None:
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", content=content, headers=headers)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_json" and fragment in err["message"], r.text
+
+
+async def test_unusable_adapter_paths_are_400s(app, adapter_root: Path, engine) -> None:
+    loop = adapter_root / "loop"
+    if not loop.is_symlink():
+        os.symlink(loop, loop)  # points at itself
+    async with client_for(app) as c:
+        for path in (str(adapter_root / "a\x00b"), str(loop / "x")):
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "bad-path", "lora_path": path})
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "lora_path" and "not a usable path" in err["message"], err
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": engine.model_name, "lora_path": str(adapter_root)})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_parameter", r.text
+    loop.unlink()
+
+
+async def test_client_strings_cannot_forge_log_lines(app, engine, caplog) -> None:
+    caplog.set_level("INFO", logger="lorafleet.requests")
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", json=greedy(engine.model_name, "hi", user="carol\nINFO: forged line"))
+    assert r.status_code == 200, r.text
+    lines = [rec.getMessage() for rec in caplog.records if "user=" in rec.getMessage()]
+    assert lines and all("\n" not in line for line in lines) and any("'carol\\nINFO: forged line'" in line for line in lines)
