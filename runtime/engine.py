@@ -38,6 +38,7 @@ from runtime.lora.registry import AdapterInfo, AdapterRegistry
 from runtime.model_runner import ModelRunner, SeqStep
 from runtime.request import (
     AdapterRef,
+    ErrorKind,
     PromptTooLongError,
     RequestOutput,
     RequestRejected,
@@ -197,18 +198,22 @@ class LLMEngine:
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
         if n >= self.max_model_len:
-            raise PromptTooLongError(f"prompt: {n} tokens; the model's max_model_len is {self.max_model_len} (prompt + output)")
+            raise PromptTooLongError(
+                f"prompt: {n} tokens leave no room for output: max_model_len is {self.max_model_len} (prompt + output), "
+                f"so a prompt has at most {self.max_model_len - 1}"
+            )
         if n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
             )
         need = self.block_manager.blocks_for(n + params.max_tokens - 1)  # the last sampled token never gets KV
         if need > self.block_manager.num_blocks:
-            raise RequestRejected(
-                f"request {request_id!r} needs {need} KV blocks for {n} prompt + {params.max_tokens} output tokens, "
-                f"but the KV pool has only {self.block_manager.num_blocks} (num_kv_blocks)"
-            )
+            pool = f"the KV pool has only {self.block_manager.num_blocks} (num_kv_blocks) of {self.config.block_size} tokens"
+            if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
+                raise RequestRejected(f"prompt: {n} tokens need {self.block_manager.blocks_for(n)} KV blocks, but {pool}")
+            raise RequestRejected(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) need {need} KV blocks, but {pool}")
         ref = self.registry.resolve(adapter) if adapter is not None else None
+        self.sampler.add(request_id, params)  # before the adapter is acquired: nothing to give back if it raises
         seq = Sequence(
             request_id=request_id,
             arrival_index=next(self._arrivals),
@@ -224,7 +229,6 @@ class LLMEngine:
                 seq.adapter_ready_time = seq.arrival_time
             else:
                 self._awaiting_adapter.add(seq)
-        self.sampler.add(request_id, params)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         detok = IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output, params.min_tokens)
         self._live[request_id] = _Live(seq, detok, prompt_token_ids=tuple(seq.prompt_token_ids))
@@ -373,7 +377,7 @@ class LLMEngine:
         for seq, token, token_lp in zip(sampled, tokens, token_logprobs):
             live = self._live[seq.request_id]
             if isinstance(token, NoToken):  # nothing to sample from in this row
-                self._finish(live, "error", token.reason)
+                self._finish(live, "error", token.reason, token.kind)
                 outputs.append(self._output(live, [], finished=True))
                 continue
             seq.output_token_ids.append(token)
@@ -434,15 +438,17 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             error=seq.error,
+            error_kind=seq.error_kind,
             prompt_token_ids=live.prompt_token_ids,
             logprobs=tuple(seq.output_logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=live.prompt_logprobs_out(),
         )
 
-    def _finish(self, live: _Live, reason: str, error: Optional[str]) -> None:
+    def _finish(self, live: _Live, reason: str, error: Optional[str], error_kind: ErrorKind = "engine") -> None:
         seq = live.seq
         seq.finish_reason = reason  # type: ignore[assignment]
         seq.error = error
+        seq.error_kind = error_kind if error is not None else None
         seq.finished_time = time.monotonic()
         self.scheduler.remove(seq)
         self._awaiting_adapter.discard(seq)

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a request finished with "error": "request" when its own parameters left nothing to do (a
+# client's mistake, e.g. min_tokens and penalties that ban every token); "engine" otherwise
+# (the model's logits, the adapter's files, an engine failure).
+ErrorKind = Literal["engine", "request"]
 
 
 class UnknownAdapterError(ValueError):
@@ -121,8 +125,8 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed: must be a non-negative integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed: must be an integer in [0, 2**64) (a torch.Generator seed) or None, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop: must be a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, tuple) or not all(
@@ -211,6 +215,7 @@ class RequestOutput:
     logprobs: Optional[Seq[TokenLogprobs]] = None
     # One per prompt token, None for the first (nothing predicts it); None unless asked for.
     prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None
+    error_kind: Optional[ErrorKind] = None  # with finish_reason "error"
 
     @property
     def new_logprobs(self) -> Optional[Seq[TokenLogprobs]]:
@@ -247,6 +252,7 @@ class Sequence:
     finished_time: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
     error: Optional[str] = None
+    error_kind: Optional[ErrorKind] = None
     adapter_location: str = "none"  # "device" | "host" | "disk" at arrival, "none" without adapter
     adapter_ready_time: Optional[float] = None  # when its adapter was first on the host or device
 

@@ -47,20 +47,22 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from runtime.request import FinishReason, SamplingParams, TokenLogprobs
+from runtime.request import ErrorKind, FinishReason, SamplingParams, TokenLogprobs
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, generated token ids) of one request
 
 
 @dataclass(frozen=True)
 class NoToken:
-    """What ``Sampler.sample`` gives a row it cannot draw from, with the reason the request fails."""
+    """What ``Sampler.sample`` gives a row it cannot draw from: the reason the request fails, and
+    whose fault it is (``ErrorKind``)."""
 
     reason: str
+    kind: ErrorKind
 
 
-NON_FINITE_LOGITS = NoToken("the model produced non-finite logits (NaN or inf) for this request")
-EVERY_TOKEN_BANNED = NoToken("logit_bias, min_tokens and the penalties left no token with a finite logit for this request")
+NON_FINITE_LOGITS = NoToken("the model produced non-finite logits (NaN or inf) for this request", "engine")
+EVERY_TOKEN_BANNED = NoToken("logit_bias, min_tokens and the penalties left no token with a finite logit for this request", "request")
 
 
 class Sampler:

@@ -237,8 +237,10 @@ def test_add_request_rejects_at_once(tiny_llama_dir, tiny_adapters):
         engine.add_request("long", [1] * 64, GREEDY)
     with pytest.raises(PromptTooLongError, match="max_tokens"):
         engine.add_request("long2", [1] * 60, SamplingParams(max_tokens=8))
-    with pytest.raises(RequestRejected, match="num_kv_blocks"):
+    with pytest.raises(RequestRejected, match=r"^max_tokens: .*num_kv_blocks"):  # the prompt fits; with its output it does not
         engine.add_request("huge", [1] * 14, SamplingParams(max_tokens=8))
+    with pytest.raises(RequestRejected, match=r"^prompt: 17 tokens need 5 KV blocks.*num_kv_blocks"):
+        engine.add_request("huge-prompt", [1] * 17, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="prompt: empty"):
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(ValueError, match="prompt: token ids"):

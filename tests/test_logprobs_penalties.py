@@ -201,7 +201,7 @@ def test_penalties_without_histories_are_refused():
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", float("nan")), ("frequency_penalty", True),
     ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 2.0), ("prompt_logprobs", -1),
-    ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", False),
+    ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", False), ("seed", 2**64), ("seed", -1),
 ])  # fmt: skip
 def test_out_of_range_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):

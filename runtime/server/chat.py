@@ -41,8 +41,13 @@ def build_router(state: Any) -> APIRouter:
         created = int(time.time())
         # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
         choices_in, choice_params = gen.choices_of([prompt_ids], [params], body.n)
-        streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, choices_in, choice_params, target.adapter,
-                                                                          prompt_param="messages", copies=body.n), release=gen.close_streams)  # fmt: skip
+        try:
+            streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, choices_in, choice_params, target.adapter,
+                                                                              prompt_param="messages", copies=body.n), release=gen.close_streams)  # fmt: skip
+        except APIError as err:  # name the field the client sent
+            if err.param == "max_tokens" and "max_completion_tokens" in body.model_fields_set:
+                raise APIError(err.status, err.message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens", err.code) from err
+            raise
 
         def payload(obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": choices}
@@ -72,7 +77,8 @@ def build_router(state: Any) -> APIRouter:
                 try:
                     async for k, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
-                            yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
+                            failure = gen.failure_of(out)
+                            yield event(error_body(failure.status, failure.message, code=failure.code))
                             break
                         pending[k].extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):

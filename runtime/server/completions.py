@@ -28,9 +28,9 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}; send several requests", param="prompt", code="invalid_parameter")
     if all(isinstance(x, str) for x in p):
         return list(p)
-    for ids in p:
+    for i, ids in enumerate(p):
         if not ids:
-            raise APIError(400, "token-id prompts must not be empty", param="prompt", code="invalid_parameter")
+            raise APIError(400, f"prompt {i} (of {len(p)}): token-id prompts must not be empty", param=f"prompt.{i}", code="invalid_parameter")
     return [list(ids) for ids in p]
 
 
@@ -143,7 +143,8 @@ def build_router(state: Any) -> APIRouter:
                 try:
                     async for index, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
-                            yield event(error_body(500, out.error or "the request failed in the engine", code="engine_error"))
+                            failure = gen.failure_of(out)
+                            yield event(error_body(failure.status, failure.message, code=failure.code))
                             break
                         if score_only:
                             out = _scored_only(out)

@@ -129,9 +129,9 @@ async def open_stream(
 
 def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Optional[str]:
     """The field an engine error message is about, from its prefix: ``max_tokens:``, ``logit_bias:``,
-    ``stop_token_ids:`` name themselves, ``prompt:`` gives ``prompt_param``; else ``default``."""
+    ``stop_token_ids:``, ``min_tokens:`` name themselves, ``prompt:`` gives ``prompt_param``; else ``default``."""
     field = message.split(":", 1)[0]
-    if field in ("max_tokens", "logit_bias", "stop_token_ids"):
+    if field in ("max_tokens", "logit_bias", "stop_token_ids", "min_tokens"):
         return field
     if field == "prompt":
         return prompt_param
@@ -245,10 +245,19 @@ def failure_event_body(err: Exception, request_id: str) -> dict[str, Any]:
     return internal_error_body(err)
 
 
+def failure_of(output: Any) -> APIError:
+    """The HTTP error for an output that finished with "error": a 400 when the request's own
+    parameters left nothing to sample (``error_kind`` "request"), else a 500 (the engine's side,
+    e.g. a corrupted adapter file or non-finite logits)."""
+    message = output.error or "the request failed in the engine"
+    if output.error_kind == "request":
+        return APIError(400, message, code="invalid_parameter")
+    return APIError(500, message, code="engine_error")
+
+
 def raise_if_failed(output: Any) -> None:
-    """A request that finished with an engine-side error (e.g. a corrupted adapter file)."""
     if output.finish_reason == "error":
-        raise APIError(500, output.error or "the request failed in the engine", code="engine_error")
+        raise failure_of(output)
 
 
 def finish_reason(output: Any) -> str | None:

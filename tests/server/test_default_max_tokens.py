@@ -68,3 +68,22 @@ async def test_defaults_fit_a_kv_pool_smaller_than_max_model_len(small_pool_engi
     assert completion.status_code == 200, completion.text
     assert completion.json()["usage"]["completion_tokens"] == pool_tokens - 20
     assert explicit.status_code == 400 and "num_kv_blocks" in explicit.json()["error"]["message"]
+    assert explicit.json()["error"]["param"] == "max_tokens"  # the prompt fits the pool; with its output it does not
+
+
+async def test_errors_name_the_field_the_client_sent(small_pool_engine) -> None:
+    """KV-pool refusals name max_tokens when the prompt alone fits, else the prompt; chat's
+    max_completion_tokens is named as sent; an empty prompt among several is named by index."""
+    engine = small_pool_engine
+    app = create_app(engine, ServerOptions())
+    body = {"model": engine.model_name, "temperature": 0}
+    async with client_for(app) as c:
+        too_long = await c.post("/v1/completions", json={**body, "prompt": list(range(5, 45)), "max_tokens": 1})
+        chat = await c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50})
+        empty = await c.post("/v1/completions", json={**body, "prompt": [[5, 6], []]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt", too_long.text
+    assert "request" not in too_long.json()["error"]["message"].split(":")[0]  # no internal request id
+    err = chat.json()["error"]
+    assert chat.status_code == 400 and err["param"] == "max_completion_tokens" and err["message"].startswith("max_completion_tokens:"), err
+    assert "max_tokens" not in err["message"]
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt.1", empty.text

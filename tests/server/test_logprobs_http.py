@@ -256,6 +256,18 @@ async def test_sampling_field_edge_cases_are_named_400s_and_the_engine_stays_up(
                 reply = await post(c, "/v1/completions", completion_body(model, repetition_penalty=r, temperature=temperature))
                 assert len(reply["choices"][0]["token_ids"]) == MAX_TOKENS, (r, temperature)
         assert (await c.get("/health")).status_code == 200
+        # Parameters that leave no token to sample (the tiny vocabulary of 300 makes it reachable):
+        # min_tokens bans ids 0-255, and the prompt ids 256-299, biased to -100, go to -inf under a
+        # huge repetition penalty. The client's mistake: a 400, streamed or not, for that request alone.
+        vocab = engine.engine.runner.model_config.vocab_size
+        ban_all = dict(prompt=list(range(256, vocab)), min_tokens=1, stop_token_ids=list(range(256)),
+                       logit_bias={str(t): -100 for t in range(256, vocab)}, repetition_penalty=1e38)  # fmt: skip
+        r = await c.post("/v1/completions", json=completion_body(model, **ban_all))
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "invalid_parameter" and "no token" in err["message"], r.text
+        events = await stream(c, "/v1/completions", completion_body(model, **ban_all))
+        assert events[-1]["error"]["code"] == "invalid_parameter", events
+        assert (await c.get("/health")).status_code == 200
 
 
 async def test_min_tokens_holds_back_stop_strings_too(app, engine) -> None:
