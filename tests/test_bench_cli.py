@@ -49,6 +49,20 @@ def test_setup_errors_exit_2_before_any_weights(tmp_path: Path, capsys: pytest.C
     assert not work.exists()  # refused before preparing the synthetic weights
 
 
+def test_an_unusable_workdir_exits_2_before_any_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for workdir, why in ((a_file, "is a file, not a folder"), (a_file / "below", f"cannot be created: {a_file} is a file")):
+        rc, err = bench_cli(capsys, "--workdir", str(workdir), *SMALL)
+        assert rc == 2 and one_error_line(err) == f"lorafleet bench: --workdir {workdir}: {why}", err
+        assert "Traceback" not in err
+    if os.geteuid() != 0:  # root can write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        rc, err = bench_cli(capsys, "--workdir", str(locked / "w"), *SMALL)
+        assert rc == 2 and "is not writable" in one_error_line(err), err
+
+
 def test_unavailable_device_exits_2_before_any_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import backends
 

@@ -179,6 +179,20 @@ def _check_json_path(path_text: str) -> Path:
     return path
 
 
+def _check_workdir(path_text: str) -> None:
+    """The folder the synthetic model and adapters are written to (and reused from) is a folder
+    that can be written, or can be created under the nearest folder that exists. Nothing is
+    created here: a refused run writes nothing."""
+    path = Path(path_text).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        what = "is a file, not a folder" if existing == path else f"cannot be created: {existing} is a file"
+        raise SetupError(f"--workdir {path_text}", what)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        raise SetupError(f"--workdir {path_text}", what)
+
+
 def _write_json(path: Path, data: Any) -> None:
     """Write via a temporary file in the same folder and a rename: never a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -232,6 +246,7 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
     except ValueError as err:  # "--max-cpu-loras N is below --max-loras M: ..."
         raise SetupError("--max-cpu-loras", str(err)) from None
     ranks = sorted(set(workload.spec.ranks) | set(workload.adapter_ranks.values()))
+    _check_workdir(args.workdir)
     setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, host_cpu_loras,
                        max_lora_rank=max(64, *ranks), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)  # fmt: skip
     flag_of = {"device": "--device", "dtype": "--dtype", "max_loras": "--max-loras", "max_cpu_loras": "--max-cpu-loras",
@@ -453,15 +468,15 @@ def _run(args: argparse.Namespace) -> int:
     from runtime.torch_threads import in_fresh_thread
     from backends import BackendUnavailable
 
+    if setup is not None:
+        print(f"preparing the synthetic model and {len(workload.adapter_ranks)} adapters in {setup.workdir} (reused by later runs)...", file=sys.stderr, flush=True)
+        # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
+        model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if setup is None:
             result = asyncio.run(replay_http(args.url, base, requests, "lorafleet-http", args.api_key, progress=bar.update))
         else:
-            bar.set_description("preparing synthetic weights")
-            # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
-            model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
-            bar.set_description("requests")
             try:
                 result = run_lorafleet(workload, setup, model_dir, adapters, progress=bar.update)
             except (ConfigError, CapabilityError, BackendUnavailable) as err:  # checked above; the engine has the last word
