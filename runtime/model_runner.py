@@ -17,8 +17,9 @@ target the slice). The float32 shrink workspace is ``[3, max_num_batched_tokens,
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -73,6 +74,20 @@ class SeqStep:
         return self.start_pos + len(self.token_ids)
 
 
+@contextmanager
+def _allocating(what: str, device: torch.device, lower: str) -> Iterator[None]:
+    """Turn an allocation failure (torch's out-of-memory error, or the CPU allocator's
+    "can't allocate memory") into a ConfigError that names the setting to lower."""
+    try:
+        yield
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        if not isinstance(err, torch.OutOfMemoryError) and "allocate" not in str(err):
+            raise
+        text = str(err).strip()
+        detail = text.splitlines()[0] if text else type(err).__name__  # CUDA's first line says how much it tried
+        raise ConfigError(f"{what} does not fit in {device} memory ({detail}); lower {lower}") from None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: Any) -> None:
         self.config = config
@@ -90,14 +105,18 @@ class ModelRunner:
         pool = LoRAPoolShape(
             max_slots=config.max_loras, row_capacity=config.pool_rows, interleaved_a=bool(getattr(backend.lora, "interleaved_a", False))
         )
-        self.model = LlamaModel(mc, weights, pool, self.max_model_len)
+        with _allocating(f"lora_pool_rows: the adapter pool ({config.pool_rows} rank-rows per target slice, {config.max_loras} slots)",
+                         self.device, "--lora-pool-rows, or --max-loras / --max-lora-rank"):  # fmt: skip
+            self.model = LlamaModel(mc, weights, pool, self.max_model_len)
         del weights
         self.num_kv_blocks = self._num_kv_blocks()
         cache_rows = self.num_kv_blocks * self.block_size
-        self.kv_caches = [
-            torch.zeros(2, cache_rows, mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(mc.num_hidden_layers)
-        ]
+        kv_gib = self.num_kv_blocks * self.kv_bytes_per_block() / 2**30
+        with _allocating(f"num_kv_blocks: the KV cache ({self.num_kv_blocks} blocks, {kv_gib:.1f} GiB)", self.device, "--num-kv-blocks or --kv-cache-mb"):
+            self.kv_caches = [
+                torch.zeros(2, cache_rows, mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=self.device)
+                for _ in range(mc.num_hidden_layers)
+            ]
         self.workspace = torch.zeros(
             MAX_SLICES_PER_PROJECTION, config.max_num_batched_tokens, config.max_lora_rank, dtype=torch.float32, device=self.device
         )

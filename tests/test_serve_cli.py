@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.commands import serve
 from runtime.config import ConfigError
@@ -315,3 +316,36 @@ def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path) -> None
             proc.kill()
             proc.wait()
     assert "shutting down the engine" in log_path.read_text()
+
+
+def test_kv_cache_mb_with_num_kv_blocks_is_refused(tiny_llama_dir: Path) -> None:
+    """kv_cache_mb only sizes the pool when num_kv_blocks is not given: both would ignore one."""
+    with pytest.raises(ConfigError, match="kv_cache_mb: only sizes the KV pool when num_kv_blocks is not given"):
+        serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", "64", "--kv-cache-mb", "16"))
+
+
+def test_buffers_that_do_not_fit_name_the_setting_to_lower(tiny_llama_dir: Path) -> None:
+    from runtime.model_runner import _allocating
+
+    with pytest.raises(ConfigError, match=r"^num_kv_blocks: .* does not fit in cpu memory \(.*allocate.*\); lower --num-kv-blocks"):
+        serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", str(10**10))))
+    with pytest.raises(ConfigError, match=r"^lora_pool_rows: the adapter pool does not fit in cpu memory \(CUDA out of memory. Tried to allocate 2.00 GiB\); lower"):
+        with _allocating("lora_pool_rows: the adapter pool", torch.device("cpu"), "--lora-pool-rows"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore advice")
+    with pytest.raises(RuntimeError, match="unrelated"):  # other errors pass through unchanged
+        with _allocating("x", torch.device("cpu"), "y"):
+            raise RuntimeError("unrelated")
+
+
+def test_summary_states_the_kv_pool_and_where_admin_loads_from(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", "4", "--block-size", "8",
+                                         "--enable-adapter-admin", "--adapter-root", str(tmp_path)))  # fmt: skip
+    engine = serve.build_engine(settings)
+    try:
+        text = serve.summary(settings, engine)
+    finally:
+        engine.shutdown()
+    assert "kv pool    4 blocks x 8 tokens = 32 tokens (one request: at most 32 of prompt + output)" in text
+    assert f"admin      on, loads from {tmp_path.resolve()}" in text
+    no_root = serve.load_settings(parse("--model", str(tiny_llama_dir), "--enable-adapter-admin"))
+    assert serve._admin_line(no_root.server).startswith("on, unload only")

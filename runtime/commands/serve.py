@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from max-num-seqs and kv-cache-mb)")
-    p.add_argument("--kv-cache-mb", type=int, help="KV memory cap when --num-kv-blocks is not given (default 1024)")
+    p.add_argument("--kv-cache-mb", type=int, help="KV memory cap that sizes the pool (default 1024); not with --num-kv-blocks")
     p.add_argument("--enable-prefix-caching", action="store_const", const=True, help="reuse KV blocks across requests of the same adapter version: a shared system "
                    "prompt, the n choices of one prompt (computed once, even when they arrive together); off by default")
     p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
@@ -109,16 +109,27 @@ def build_engine(settings: Any) -> Any:
     return engine
 
 
+def _admin_line(server: Any) -> str:
+    if not server.enable_adapter_admin:
+        return "off"
+    if not server.adapter_roots:
+        return "on, unload only: loading by path is off without --adapter-root"
+    return f"on, loads from {', '.join(str(r) for r in server.adapter_roots)}"
+
+
 def summary(settings: Any, engine: Any) -> str:
     core = engine.engine
     mem = core.runner.memory_report()
+    pool_tokens = core.runner.num_kv_blocks * core.runner.block_size
     lines = [
         f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}",
         f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}",
         f"adapters   {', '.join(f'{a.name}@{a.version} r={a.max_rank}' for a in engine.adapters()) or 'none'}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
         f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} max_model_len={engine.max_model_len}",
-        f"admin      {'on' if settings.server.enable_adapter_admin else 'off'}; api key {'required' if settings.server.api_key else 'not set'}",
+        f"kv pool    {core.runner.num_kv_blocks} blocks x {core.runner.block_size} tokens = {pool_tokens} tokens"
+        + (f" (one request: at most {pool_tokens} of prompt + output)" if pool_tokens < engine.max_model_len else ""),
+        f"admin      {_admin_line(settings.server)}; api key {'required' if settings.server.api_key else 'not set'}",
     ]
     return "\n".join(lines)
 

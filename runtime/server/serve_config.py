@@ -158,6 +158,8 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
         if demo_model is None:
             raise ConfigError("model: no --model given and the bundled demo model is not installed")
         merged["model"] = demo_model
+    if merged.get("num_kv_blocks") is not None and merged.get("kv_cache_mb") is not None:
+        raise ConfigError("kv_cache_mb: only sizes the KV pool when num_kv_blocks is not given; drop one of them")
     engine = EngineConfig.from_dict({k: merged[k] for k in ENGINE_KEYS if k in merged})
     roots = adapter_roots(merged.get("adapter_root"))
     if roots and not merged.get("enable_adapter_admin"):
