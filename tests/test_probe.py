@@ -18,7 +18,11 @@ MATRIX = load_matrix()
 
 def test_probe_cpu_passes_and_explains_every_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["probe", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    n = len(MATRIX.capabilities("cpu"))  # progress, one line per verifier as it starts, on stderr only
+    assert captured.err.splitlines() == [f"probing {i}/{n}: {c}" for i, c in enumerate(MATRIX.capabilities("cpu"), 1)]
+    assert "probing" not in out
     for capability in MATRIX.capabilities("cpu"):
         entry = MATRIX.entry("cpu", capability)
         line = next(l for l in out.splitlines() if l.startswith(capability + " "))

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     from runtime.verifiers import run_all  # imports torch-heavy modules only when probing
 
-    results = run_all(name, matrix)
+    results = run_all(name, matrix, progress=_progress_to(sys.stderr))
     rows = []
     for capability, result in results.items():
         entry = matrix.entry(name, capability)
@@ -73,6 +73,24 @@ def run(args: argparse.Namespace) -> int:
         failed = [r["capability"] for r in rows if r["status"] == "fail"]
         print(f"\n{name}: {'all declared capabilities verified' if ok else 'FAILED: ' + ', '.join(failed)}")
     return 0 if ok else 1
+
+
+def _progress_to(stream: Any) -> Any:
+    """A ``run_all`` progress callback: one line per verifier on stderr (on a terminal, one line
+    overwritten in place), so stdout keeps only the table or the JSON."""
+    tty = stream.isatty()
+
+    def report(i: int, n: int, capability: str) -> None:
+        line = f"probing {i}/{n}: {capability}"
+        if tty:
+            stream.write(f"\r\x1b[K{line}")
+            if i == n:
+                stream.write("\n")
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    return report
 
 
 def _jsonable(value: Any) -> Any:

@@ -45,11 +45,17 @@ VERIFIERS: MappingProxyType[str, Verifier] = MappingProxyType(
 )
 
 
-def run_all(backend_name: str, matrix: CapabilityMatrix | None = None, backend: object = None) -> dict[str, VerifierResult]:
-    """Every capability of ``backend_name``'s section, in matrix order (``backend``: see ``verifier``)."""
+def run_all(
+    backend_name: str, matrix: CapabilityMatrix | None = None, backend: object = None, progress: Callable[[int, int, str], None] | None = None
+) -> dict[str, VerifierResult]:
+    """Every capability of ``backend_name``'s section, in matrix order (``backend``: see ``verifier``).
+    ``progress(i, n, capability)`` is called before the i-th (from 1) of n verifiers runs."""
     m = matrix or load_matrix()
     results = {}
-    for capability in m.capabilities(backend_name):
+    capabilities = list(m.capabilities(backend_name))
+    for i, capability in enumerate(capabilities, 1):
+        if progress is not None:
+            progress(i, len(capabilities), capability)
         verify = VERIFIERS.get(capability)
         if verify is None:
             results[capability] = VerifierResult("fail", f"no verifier registered for {capability!r} (runtime/verifiers)")
