@@ -26,6 +26,14 @@ TASKS: dict[str, Callable[[str], str]] = {
     "rot13": lambda text: codecs.encode(text, "rot13"),
 }
 
+# The demo's chat template: the last message, which must be the user's, in the prompt format
+# above (the demo models know no roles or turns), so chat completions work on it too.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set last = messages[-1] %}"
+    "{% if last['role'] != 'user' %}{{ raise_exception('the demo model transforms the last message, which must be a user message') }}{% endif %}"
+    "{{ last['content'] }}" + PROMPT_SUFFIX
+)
+
 LOWER = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
 

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from eval_demo import greedy_hf  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
-from runtime.demo import BASE_TASK, TASKS, expected_continuation, held_out_texts, make_prompt, random_text  # noqa: E402
+from runtime.demo import BASE_TASK, CHAT_TEMPLATE, TASKS, expected_continuation, held_out_texts, make_prompt, random_text  # noqa: E402
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Characters the tokenizer knows; anything else maps to <unk>.
@@ -112,6 +112,7 @@ def save_tokenizer(tok, out: Path) -> None:
     config.pop("backend", None)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config["add_bos_token"] = False  # tokenizer.json's post-processor already prepends <bos>
+    config["chat_template"] = CHAT_TEMPLATE  # chat completions: the last user message as "<text> =>"
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

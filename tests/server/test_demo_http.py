@@ -57,3 +57,19 @@ def test_concurrent_mixed_demo_requests_route_to_their_adapter(demo_server) -> N
         assert sum(hits) / len(hits) >= 0.9, (task, sum(hits), len(hits))
     # Every request finished: nothing may stay held (KV blocks, adapter refs, loads).
     assert wait_until(lambda: idle_problems(engine.snapshot(), registered=len(TASKS) - 1) == []), idle_problems(engine.snapshot())
+
+
+def test_demo_chat_uses_the_demo_prompt_format(demo_server) -> None:
+    """The demo's chat template turns the last user message into "<text> =>", so chat
+    completions give what completions give (the default template's role markers are unknown
+    characters to the demo's tokenizer)."""
+    url, _ = demo_server
+    for task in TASKS:
+        model = serve.DEMO_MODEL_NAME if task == "base" else task
+        messages = [{"role": "system", "content": "ignored by the demo"}, {"role": "user", "content": "hello world"}]
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected_continuation(task, "hello world"), (task, r.text)
+    last_not_user = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": serve.DEMO_MODEL_NAME, "messages": last_not_user}, timeout=120)
+    assert r.status_code == 400 and "must be a user message" in r.json()["error"]["message"], r.text
