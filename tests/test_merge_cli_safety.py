@@ -13,7 +13,7 @@ import pytest
 
 from runtime.cli import main as cli_main
 from runtime.merge import merge_job
-from runtime.merge.staging import StagedOutput, check_output
+from runtime.merge.staging import OutputPathError, StagedOutput, check_output
 
 
 def _merge(base: Path, adapter: Path, out: Path, *extra: str) -> int:
@@ -48,7 +48,7 @@ def test_verification_flags_with_no_verify_are_an_error(tiny_llama_dir, tiny_ada
     out = tmp_path / "m"
     assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--no-verify", "--verify-threshold", "0.5", "--device", "cpu") == 2
     err = capsys.readouterr().err
-    assert "--verify-threshold, --device only apply to verification" in err and not out.exists()
+    assert "--verify-threshold, --device apply only to verification" in err and not out.exists()
 
 
 def test_unavailable_verification_device_is_an_input_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
@@ -212,3 +212,13 @@ def test_merged_values_beyond_the_output_dtype_are_refused(tiny_llama_dir, tiny_
     assert _merge(base, tiny_adapters["a"], out, "--no-verify", "--dtype", "float16") == 2
     err = capsys.readouterr().err
     assert f"tensor {name} does not fit float16" in err and not out.exists()
+
+
+def test_an_output_folder_holding_the_input_is_refused_with_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(OutputPathError, match=r"contains the input .*would delete the input: choose a folder outside it"):
+        check_output(tmp_path, [model], force=True)  # even with --force
+    with pytest.raises(OutputPathError, match=r"^'': the output folder contains the input"):  # --out '' is the current folder
+        monkeypatch.chdir(tmp_path)
+        check_output("", [model], force=False)

@@ -370,7 +370,7 @@ def test_model_path_mistakes_get_a_hint(tmp_path: Path, tiny_llama_dir: Path, ti
         load_model_config(tiny_llama_dir / "config.json")
     with pytest.raises(ModelConfigError, match="nope: no such folder"):
         load_model_config(tmp_path / "nope")
-    with pytest.raises(ModelConfigError, match="this is a LoRA adapter; serve it with --lora-modules"):
+    with pytest.raises(ModelConfigError, match="this is a LoRA adapter, not a base model; .*--lora-modules NAME=PATH, lorafleet merge as --adapter PATH"):
         load_model_config(tiny_adapters["a"])
     from runtime.lora.adapter import AdapterError
 

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         unused = [flag for flag, value in (("--verify-threshold", args.verify_threshold), ("--verify-tokens", args.verify_tokens),
                                            ("--device", args.device)) if value is not None]  # fmt: skip
         if unused:
-            print(f"lorafleet merge: error: {', '.join(unused)} only apply to verification, which --no-verify skips", file=sys.stderr)
+            print(f"lorafleet merge: error: {', '.join(unused)} apply only to verification, which --no-verify skips", file=sys.stderr)
             return 2
     opts = MergeOptions(
         model=args.model, adapter=args.adapter, out=args.out, dtype=args.dtype, force=args.force, verify=args.verify,

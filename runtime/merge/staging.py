@@ -54,7 +54,8 @@ def check_output(out: str | Path, inputs: Iterable[str | Path], force: bool) -> 
         if _within(target, src):
             raise OutputPathError(f"{out}: the output folder is {'the same as' if target == src else 'inside'} the input {raw}; it would write over its input")
         if _within(src, target):
-            raise OutputPathError(f"{out}: the output folder contains the input {raw}; --force would delete the input")
+            raise OutputPathError(f"{out!r}: the output folder contains the input {raw}; the output folder is written as a whole, "
+                                  "which would delete the input: choose a folder outside it")
     if target.exists() or target.is_symlink():
         if not force:
             raise OutputPathError(f"{out}: already exists; choose a new folder or pass --force to replace it")

@@ -95,7 +95,8 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelConfigError(f"{folder}: no such folder (a HF checkpoint folder with config.json)")
     path = folder / "config.json"
     if not path.is_file():
-        hint = " It holds adapter_config.json: this is a LoRA adapter; serve it with --lora-modules NAME=PATH over its base model" \
+        hint = (" It holds adapter_config.json: this is a LoRA adapter, not a base model; give its base model here "
+                "(lorafleet serve takes the adapter as --lora-modules NAME=PATH, lorafleet merge as --adapter PATH)") \
             if (folder / "adapter_config.json").is_file() else ""
         raise ModelConfigError(f"{path}: missing (a HF checkpoint folder needs config.json).{hint}")
     try:
