@@ -9,6 +9,7 @@ requests already bound keep their version record until they finish.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,7 @@ class AdapterInfo:
     version: str
     path: str
     max_rank: int
+    registered_at: Optional[float] = None  # Unix time this version became the name's current one
 
 
 @dataclass
@@ -31,6 +33,7 @@ class _VersionRecord:
     path: str
     max_rank: int
     readers: int = 0
+    registered_at: float = 0.0
 
 
 class AdapterRegistry:
@@ -44,9 +47,11 @@ class AdapterRegistry:
         self._current[ref.name] = ref
         record = self._records.get(ref)
         if record is None:
-            self._records[ref] = _VersionRecord(ref, path, max_rank)
+            record = self._records[ref] = _VersionRecord(ref, path, max_rank)
         else:
             record.path = path
+        if previous != ref:  # registering the current version again keeps its time
+            record.registered_at = time.time()
         if previous is not None and previous != ref:
             self._drop_if_unused(previous)
             return previous
@@ -91,7 +96,7 @@ class AdapterRegistry:
 
     def infos(self) -> list[AdapterInfo]:
         return [
-            AdapterInfo(name, ref.version, self._records[ref].path, self._records[ref].max_rank)
+            AdapterInfo(name, ref.version, self._records[ref].path, self._records[ref].max_rank, self._records[ref].registered_at)
             for name, ref in sorted(self._current.items())
         ]
 

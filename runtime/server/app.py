@@ -102,11 +102,14 @@ def create_app(
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_cards() -> list[dict[str, Any]]:
-        """The base model's card, then each adapter's (vLLM's fields: ``root``, ``parent``, ``max_model_len``)."""
+        """The base model's card, then each adapter's (vLLM's fields: ``root``, ``parent``, ``max_model_len``).
+        ``created``: when the server started, for the base; when its current version was
+        registered, for an adapter."""
         # engine.adapters() takes no lock (see runtime/async_engine.py): this never waits for a step.
         card = {"object": "model", "created": state.started, "owned_by": "lorafleet", "max_model_len": state.max_model_len}
         base = {"id": base_name, **card, "root": base_name, "parent": None}
-        return [base, *({"id": a.name, **card, "root": str(a.path), "parent": base_name, "version": a.version} for a in engine.adapters())]
+        return [base, *({"id": a.name, **card, **({"created": int(a.registered_at)} if a.registered_at else {}), "root": str(a.path),
+                         "parent": base_name, "version": a.version} for a in engine.adapters())]  # fmt: skip
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> Any:
