@@ -105,8 +105,10 @@ class ModelRunner:
         pool = LoRAPoolShape(
             max_slots=config.max_loras, row_capacity=config.pool_rows, interleaved_a=bool(getattr(backend.lora, "interleaved_a", False))
         )
-        with _allocating(f"lora_pool_rows: the adapter pool ({config.pool_rows} rank-rows per target slice, {config.max_loras} slots)",
-                         self.device, "--lora-pool-rows, or --max-loras / --max-lora-rank"):  # fmt: skip
+        # Building the model joins the base's q/k/v and gate/up weights and allocates the adapter pool.
+        with _allocating(f"lora_pool_rows: the model (its weights and an adapter pool of {config.pool_rows} rank-rows per target "
+                         f"slice x {config.max_loras} slots)", self.device, "--lora-pool-rows or --max-loras / --max-lora-rank, or use a "
+                         "smaller --dtype"):  # fmt: skip
             self.model = LlamaModel(mc, weights, pool, self.max_model_len)
         del weights
         self.num_kv_blocks = self._num_kv_blocks()

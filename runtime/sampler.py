@@ -201,8 +201,9 @@ def penalize_rows_(
         z_j -= frequency_penalty * c_j + presence_penalty * [c_j > 0]
 
     Only the entries a row has seen are touched: they are named by flat indices
-    ``row * vocab + token``, made distinct (with their counts) by one ``unique``, read with one
-    gather and written back with one scatter, so the cost follows the tokens seen, not
+    ``row * vocab + token``, made distinct by ``unique`` (one for the seen entries of the
+    repetition penalty, one with counts for the generated ones), each read with a gather and
+    written back with a scatter, so the cost follows the tokens seen, not
     rows x vocab.
     ``prompts[i]``: row rows[i]'s prompt ids as a long tensor on ``z``'s device, needed
     where its repetition penalty is not 1. Token ids are the model's (the model runner refuses

@@ -34,3 +34,21 @@ def test_waiting_request_keeps_its_version_after_in_place_update_and_slot_loss(t
     after = run_alone(engine, "new", prompt, params, "A")
     assert after.adapter == v2 and after.token_ids != want and engine.snapshot()["adapters"]["A"]["loads"] == 2
     engine.close()
+
+
+def test_registry_dates_a_version_when_it_becomes_current(monkeypatch):
+    """``AdapterInfo.registered_at``: set when a version becomes the name's current one; registering
+    the current version again keeps it; a new version gets a new time."""
+    import runtime.lora.registry as registry_module
+    from runtime.lora.registry import AdapterRegistry
+    from runtime.request import AdapterRef
+
+    clock = iter([100.0, 200.0, 300.0])
+    monkeypatch.setattr(registry_module.time, "time", lambda: next(clock))
+    registry = AdapterRegistry()
+    v1, v2 = AdapterRef("a", "1" * 64), AdapterRef("a", "2" * 64)
+    registry.register(v1, "/a", 8)
+    registry.register(v1, "/a-moved", 8)  # the same content again: still dated 100
+    assert [(i.path, i.registered_at) for i in registry.infos()] == [("/a-moved", 100.0)]
+    registry.register(v2, "/a", 8)
+    assert [(i.version, i.registered_at) for i in registry.infos()] == [(v2.version, 200.0)]

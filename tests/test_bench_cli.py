@@ -56,6 +56,10 @@ def test_an_unusable_workdir_exits_2_before_any_weights(tmp_path: Path, capsys: 
         rc, err = bench_cli(capsys, "--workdir", str(workdir), *SMALL)
         assert rc == 2 and one_error_line(err) == f"lorafleet bench: --workdir {workdir}: {why}", err
         assert "Traceback" not in err
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    rc, err = bench_cli(capsys, "--workdir", str(dangling), *SMALL)
+    assert rc == 2 and one_error_line(err).endswith(f"{dangling} is a symlink to nothing"), err
     if os.geteuid() != 0:  # root can write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)

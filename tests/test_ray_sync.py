@@ -427,6 +427,17 @@ def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
     assert replicas.calls[0][-1] == 7, replicas.calls
 
 
+def test_ingress_lists_each_adapter_with_its_registration_time(tiny_llama_dir) -> None:
+    """/v1/models dates an adapter's card by its registration; the ingress takes it from the registry's view."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    ingress = ReplicaSetEngine(ScriptedReplicas(), None, str(tiny_llama_dir), "tiny", 64)
+    entry = {"name": "A", "path": "/adapters/a", "version": "v" * 64, "max_rank": 8, "registered_at": 1_700_000_000.5}
+    ingress._take({"revision": 3, "entries": [entry], "replicas": {}})
+    [info] = ingress.adapters()
+    assert (info.name, info.max_rank, info.registered_at) == ("A", 8, 1_700_000_000.5)
+
+
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:
     """The heartbeat's snapshot takes the engine lock, which a step holds for its whole length:
     it must wait in a worker thread, not on the replica's event loop (which streams tokens)."""

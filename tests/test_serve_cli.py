@@ -329,8 +329,10 @@ def test_buffers_that_do_not_fit_name_the_setting_to_lower(tiny_llama_dir: Path)
 
     with pytest.raises(ConfigError, match=r"^num_kv_blocks: .* does not fit in cpu memory \(.*allocate.*\); lower --num-kv-blocks"):
         serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", str(10**10))))
-    with pytest.raises(ConfigError, match=r"^lora_pool_rows: the adapter pool does not fit in cpu memory \(CUDA out of memory. Tried to allocate 2.00 GiB\); lower"):
-        with _allocating("lora_pool_rows: the adapter pool", torch.device("cpu"), "--lora-pool-rows"):
+    with pytest.raises(ConfigError, match=r"^lora_pool_rows: the model \(its weights and an adapter pool of .*\) does not fit in cpu memory .*; lower --lora-pool-rows"):
+        serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-pool-rows", str(10**11))))
+    with pytest.raises(ConfigError, match=r"^x does not fit in cpu memory \(CUDA out of memory. Tried to allocate 2.00 GiB\); lower y"):
+        with _allocating("x", torch.device("cpu"), "y"):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore advice")
     with pytest.raises(RuntimeError, match="unrelated"):  # other errors pass through unchanged
         with _allocating("x", torch.device("cpu"), "y"):

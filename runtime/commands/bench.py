@@ -183,14 +183,18 @@ def _check_workdir(path_text: str) -> None:
     """The folder the synthetic model and adapters are written to (and reused from) is a folder
     that can be written, or can be created under the nearest folder that exists. Nothing is
     created here: a refused run writes nothing."""
+    flag = f"--workdir {path_text}"
     path = Path(path_text).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        what = "is a file, not a folder" if existing == path else f"cannot be created: {existing} is a file"
-        raise SetupError(f"--workdir {path_text}", what)
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if existing.is_symlink() and not existing.exists():
+            raise SetupError(flag, f"{existing} is a symlink to nothing")
+        if not existing.is_dir():
+            raise SetupError(flag, "is a file, not a folder" if existing == path else f"cannot be created: {existing} is a file")
+    except OSError as err:  # e.g. a parent folder this user may not enter
+        raise SetupError(flag, f"cannot be checked: {err.strerror or err}") from None
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        raise SetupError(f"--workdir {path_text}", what)
+        raise SetupError(flag, "is not writable" if existing == path else f"cannot be created: {existing} is not writable")
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -100,7 +100,7 @@ class ReplicaSetEngine:
         self._refresh_task = asyncio.create_task(loop())
 
     def adapters(self) -> list[AdapterInfo]:
-        return [AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e.get("registered_at")) for e in self._view["entries"]]
+        return [AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e["registered_at"]) for e in self._view["entries"]]
 
     def replica_snapshots(self) -> dict[str, dict[str, Any]]:
         return {rid: r["snapshot"] for rid, r in self._view["replicas"].items()}

@@ -14,6 +14,15 @@ from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.sse import DONE, event
 
 
+def _as_sent(err: APIError, body: ChatCompletionRequest) -> APIError:
+    """``err`` naming ``max_completion_tokens`` where it says ``max_tokens``, when that is the name
+    the client sent (the request model copies it into ``max_tokens``)."""
+    if "max_completion_tokens" not in body.model_fields_set or "max_tokens" not in (err.message + str(err.param)):
+        return err
+    param = "max_completion_tokens" if err.param == "max_tokens" else err.param
+    return APIError(err.status, err.message.replace("max_tokens", "max_completion_tokens"), param, err.code)
+
+
 def build_router(state: Any) -> APIRouter:
     router = APIRouter()
 
@@ -35,19 +44,17 @@ def build_router(state: Any) -> APIRouter:
         prompt_len = len(prompt_ids)
         # Default: whatever room the context (and the KV pool: max_seq_tokens) has left, as vLLM does for chat.
         max_tokens = body.max_tokens if body.max_tokens is not None else gen.default_max_tokens(state.max_seq_tokens, prompt_len, state.max_seq_tokens)
-        params = gen.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         request_id = gen.new_id("chatcmpl")
-        gen.log_request(request_id, body, target)
         created = int(time.time())
-        # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
-        choices_in, choice_params = gen.choices_of([prompt_ids], [params], body.n)
         try:
+            params = gen.sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+            gen.log_request(request_id, body, target)
+            # Admission waits for the first token (queue + prefill): a client that leaves meanwhile aborts it.
+            choices_in, choice_params = gen.choices_of([prompt_ids], [params], body.n)
             streams = await gen.until_disconnected(request, gen.open_streams(engine, request_id, choices_in, choice_params, target.adapter,
                                                                               prompt_param="messages", copies=body.n), release=gen.close_streams)  # fmt: skip
-        except APIError as err:  # name the field the client sent
-            if err.param == "max_tokens" and "max_completion_tokens" in body.model_fields_set:
-                raise APIError(err.status, err.message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens", err.code) from err
-            raise
+        except APIError as err:
+            raise _as_sent(err, body) from err
 
         def payload(obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             out: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": choices}

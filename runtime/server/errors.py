@@ -62,9 +62,10 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def _is_union_tag(part: object) -> bool:
-    """pydantic names the branch of a union in an error's loc (``logit_bias.5.int``,
-    ``prompt.list[str].1``); a client's field path has no such part."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+    """pydantic names the branch of a union in an error's loc (``prompt.list[int].1``,
+    ``stop.function-after[_valid_unicode(), str]``): every union of the request models has
+    branches whose names hold brackets, and field names never do."""
+    return isinstance(part, str) and "[" in part
 
 
 def _most_telling(errors: Sequence[dict]) -> dict:

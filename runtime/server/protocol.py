@@ -126,6 +126,8 @@ class _SamplingFields(BaseModel):
         for key, bias in value.items():
             if not re.fullmatch(r"[0-9]+", key):
                 raise ValueError(f"keys are token ids written as strings of digits, got {key!r}")
+            if len(key.lstrip("0")) > 12:  # no vocabulary is that large; int() of a huge string is slow and refused
+                raise ValueError(f"token id {key[:16]}... is larger than any vocabulary")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for token {key}")
         return value

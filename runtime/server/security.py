@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -92,7 +93,10 @@ def confine_path(raw: str, roots: Iterable[Path]) -> Path:
         raise PermissionError(f"lora_path must be absolute, got {raw!r}")
     try:
         resolved = candidate.resolve()
-    except (ValueError, RuntimeError, OSError) as err:  # a NUL byte; a symlink loop (RuntimeError before Python 3.13)
+        os.stat(resolved)  # Python 3.13's resolve() leaves a symlink loop in place; stat names it (ELOOP)
+    except FileNotFoundError:
+        pass  # a missing file is the loader's to report
+    except (ValueError, RuntimeError, OSError) as err:  # a NUL byte; a symlink loop (RuntimeError up to Python 3.12)
         raise ValueError(f"lora_path {raw!r} is not a usable path: {err}") from None
     for root in roots:
         if resolved == root or root in resolved.parents:

@@ -81,9 +81,13 @@ async def test_errors_name_the_field_the_client_sent(small_pool_engine) -> None:
         too_long = await c.post("/v1/completions", json={**body, "prompt": list(range(5, 45)), "max_tokens": 1})
         chat = await c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50})
         empty = await c.post("/v1/completions", json={**body, "prompt": [[5, 6], []]})
+        below_min = await c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
+                                                                "min_tokens": 5})  # fmt: skip
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt", too_long.text
     assert "request" not in too_long.json()["error"]["message"].split(":")[0]  # no internal request id
     err = chat.json()["error"]
     assert chat.status_code == 400 and err["param"] == "max_completion_tokens" and err["message"].startswith("max_completion_tokens:"), err
     assert "max_tokens" not in err["message"]
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt.1", empty.text
+    err = below_min.json()["error"]
+    assert below_min.status_code == 400 and err["param"] == "min_tokens" and "max_completion_tokens=3" in err["message"], err

@@ -240,7 +240,7 @@ async def test_sampling_field_edge_cases_are_named_400s_and_the_engine_stays_up(
              ({"logit_bias": {"7": "100"}}, "logit_bias.7"), ({"logit_bias": {"7": True}}, "logit_bias.7"),
              ({"min_tokens": 2, "stop_token_ids": [10**6]}, "stop_token_ids"),
              ({"echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
-             ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias")]  # fmt: skip
+             ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"), ({"logit_bias": {"9" * 5000: 1}}, "logit_bias")]  # fmt: skip
     async with client_for(app) as c:
         for fields, param in cases:
             r = await c.post("/v1/completions", json=completion_body(model, **fields))

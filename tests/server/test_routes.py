@@ -385,14 +385,14 @@ async def test_client_strings_cannot_forge_log_lines(app, engine, caplog) -> Non
     assert lines and all("\n" not in line for line in lines) and any("'carol\\nINFO: forged line'" in line for line in lines)
 
 
-async def test_an_adapter_card_is_dated_by_its_registration(app, adapter_root: Path, engine) -> None:
-    import time
+async def test_an_adapter_card_is_dated_by_its_registration(app, adapter_root: Path, engine, monkeypatch) -> None:
+    import runtime.lora.registry as registry_module
 
+    monkeypatch.setattr(registry_module.time, "time", lambda: 1_000_000_000.7)  # long before this server started
     async with client_for(app) as c:
-        before = int(time.time())
         r = await c.post("/v1/load_lora_adapter", json={"lora_name": "dated", "lora_path": str(adapter_root / "a")})
         assert r.status_code == 200, r.text
         cards = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
         await c.post("/v1/unload_lora_adapter", json={"lora_name": "dated"})
-    assert before <= cards["dated"]["created"] <= int(time.time())
-    assert cards[engine.model_name]["created"] <= before  # the base: the server's start
+    assert cards["dated"]["created"] == 1_000_000_000
+    assert cards[engine.model_name]["created"] > 1_000_000_000  # the base: the server's start
