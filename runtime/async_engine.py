@@ -15,7 +15,10 @@ load without the lock.
 
 Admission: ``generate`` queues its request and a helper thread takes the lock; whoever holds
 the lock next (that helper, another one, or the step thread before its next step) admits
-every queued request, so a burst joins the next step together.
+every queued request, so a burst joins the next step together. Requests that must bind to the
+same adapter version (one HTTP request's prompts and ``n`` choices) share an
+``AdmissionGroup``: their tickets are queued only once all have arrived, as one item that is
+admitted in one hold of the lock, so a hot reload (which takes the lock) cannot fall between them.
 
 If a step (or anything else in the step loop) raises, every request in flight is finished
 with finish_reason "error" and the message, requests the failed step had already finished
@@ -107,6 +110,17 @@ class _Admission:
     future: "Future[None]" = field(default_factory=Future)
 
 
+class AdmissionGroup:
+    """Requests to admit together (see the module docstring): pass the same group to the
+    ``generate`` call of each of its ``size`` requests. Used from the event loop's thread only."""
+
+    def __init__(self, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"AdmissionGroup: size must be an integer >= 1, got {size!r}")
+        self.size = size
+        self.tickets: list[_Admission] = []
+
+
 class AsyncLLMEngine:
     """See the module docstring. The LLMEngine is built *in* the step thread, so the
     model's torch work (load and steps) runs on one OpenMP thread team. Torch work on the
@@ -129,7 +143,7 @@ class AsyncLLMEngine:
         self._submit = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorafleet-submit", initializer=single_threaded_torch)
         # Requests waiting to be admitted: whoever holds the lock next (a helper or the step thread)
         # admits all of them, so a burst is in the next step, not 4 per step (one per helper).
-        self._admissions: deque[_Admission] = deque()
+        self._admissions: deque[tuple[_Admission, ...]] = deque()  # one item per group (a lone request: a group of one)
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
@@ -206,12 +220,22 @@ class AsyncLLMEngine:
         prompt: str | Sequence[int],
         params: Optional[SamplingParams] = None,
         adapter: Optional[str] = None,
+        group: Optional[AdmissionGroup] = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Validation errors raise before the first output."""
+        """Stream a request's outputs. Validation errors raise before the first output.
+        ``group``: admit this request together with the group's other requests."""
         ticket = _Admission(request_id, prompt, params, adapter, asyncio.get_running_loop(), asyncio.Queue())
         queue = ticket.queue
-        self._admissions.append(ticket)
-        self._off_loop(self._admit_queued)
+        if group is None:
+            self._admissions.append((ticket,))
+            self._off_loop(self._admit_queued)
+        else:
+            if len(group.tickets) >= group.size:
+                raise ValueError(f"AdmissionGroup: more than its {group.size} requests")
+            group.tickets.append(ticket)
+            if len(group.tickets) == group.size:  # the last one: queue them all as one item
+                self._admissions.append(tuple(group.tickets))
+                self._off_loop(self._admit_queued)
         try:
             await asyncio.wrap_future(ticket.future)  # cancelling this cancels the ticket unless its admission began
         except asyncio.CancelledError:  # the request may still be admitted: then take it back out
@@ -231,6 +255,11 @@ class AsyncLLMEngine:
                 # (anyio cancel scopes repeat theirs) must not cancel the queued abort and orphan the request.
                 await asyncio.shield(asyncio.wrap_future(self._off_loop(self._abort_and_forget, request_id)))
 
+    @staticmethod
+    def admission_group(size: int) -> AdmissionGroup:
+        """A group for ``size`` requests to be admitted together (see ``generate``)."""
+        return AdmissionGroup(size)
+
     def _admit_queued(self) -> None:
         """Helper thread: take the lock and admit every queued request (nothing to do if another
         holder of the lock already did)."""
@@ -243,16 +272,16 @@ class AsyncLLMEngine:
         """Admit every queued request; the lock is held. Each ticket's future gets the outcome."""
         admitted = False
         while self._admissions:
-            ticket = self._admissions.popleft()
-            if not ticket.future.set_running_or_notify_cancel():  # its consumer left before admission began
-                continue
-            try:
-                self._admit(ticket)
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting generate()
-                ticket.future.set_exception(err)
-            else:
-                ticket.future.set_result(None)
-                admitted = True
+            for ticket in self._admissions.popleft():
+                if not ticket.future.set_running_or_notify_cancel():  # its consumer left before admission began
+                    continue
+                try:
+                    self._admit(ticket)
+                except BaseException as err:  # noqa: BLE001 - handed to the awaiting generate()
+                    ticket.future.set_exception(err)
+                else:
+                    ticket.future.set_result(None)
+                    admitted = True
         if admitted:
             self._wake.notify_all()
 

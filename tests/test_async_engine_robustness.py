@@ -243,3 +243,37 @@ def test_llm_after_a_failed_step_serves_the_next_call_cleanly(tiny_llama_dir: Pa
     again = llm.generate([[8, 9], [8, 9, 10]], greedy(3))
     assert [len(r.token_ids) for r in again] == [3, 3] and [r.prompt_token_ids for r in again] == [(8, 9), (8, 9, 10)]
     llm.close()
+
+
+def test_an_admission_group_is_admitted_as_one_across_a_hot_reload(tiny_llama_dir: Path, tiny_adapters) -> None:
+    """The requests of one group (one HTTP request's prompts and n choices) are admitted in one
+    hold of the engine lock, once all have arrived: a hot reload cannot fall between them, so
+    they run on one adapter version. Here the reload lands while the first waits for the second:
+    both then run on the new version (alone, the first would have bound to the old one)."""
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    try:
+        old = engine.register_adapter("x", str(tiny_adapters["a"]))
+
+        async def run() -> list[RequestOutput]:
+            group = engine.admission_group(2)
+            first = asyncio.ensure_future(_final(engine.generate("g-0", [5, 6, 7], greedy(3), "x", group=group)))
+            await asyncio.sleep(0.3)  # the first is parked, not admitted
+            assert engine.snapshot()["running"] + engine.snapshot()["waiting"] == 0
+            new = await asyncio.to_thread(engine.register_adapter, "x", str(tiny_adapters["b"]))
+            assert new.version != old.version
+            second = await _final(engine.generate("g-1", [5, 6, 8], greedy(3), "x", group=group))
+            return [await first, second]
+
+        outs = asyncio.run(run())
+        assert [o.adapter.version for o in outs] == [engine.adapters()[0].version] * 2
+        with pytest.raises(ValueError, match="size must be an integer >= 1"):
+            engine.admission_group(0)
+    finally:
+        engine.shutdown()
+
+
+async def _final(stream) -> RequestOutput:  # type: ignore[no-untyped-def]
+    out = None
+    async for out in stream:
+        pass
+    return out

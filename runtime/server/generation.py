@@ -103,15 +103,17 @@ def _printable(text: str) -> str:
 
 
 async def open_stream(
-    engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None, prompt_param: str = "prompt"
+    engine: Any, request_id: str, prompt: str | list[int], params: SamplingParams, adapter: str | None, prompt_param: str = "prompt",
+    group: Any = None,
 ) -> tuple[Any, AsyncIterator[Any]]:
     """Start a request and wait for its first output, so admission errors become HTTP errors.
 
     ``prompt_param``: the request field an error about the prompt names (``prompt``,
     ``prompt.3`` for one of several, ``messages`` for chat); an error the engine words as being
-    about max_tokens names ``max_tokens``. Returns (first_output, the rest of the stream).
+    about max_tokens names ``max_tokens``. ``group``: the engine's admission group this request
+    belongs to (``open_streams``). Returns (first_output, the rest of the stream).
     """
-    stream = engine.generate(request_id, prompt, params, adapter)
+    stream = engine.generate(request_id, prompt, params, adapter) if group is None else engine.generate(request_id, prompt, params, adapter, group=group)
     try:
         first = await stream.__anext__()
     except UnknownAdapterError as err:
@@ -166,7 +168,10 @@ async def open_streams(
     def param(k: int) -> str:
         return f"{prompt_param}.{k // copies}" if distinct > 1 else prompt_param
 
-    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{k}", p, ps, adapter, param(k))) for k, (p, ps) in enumerate(zip(prompts, params))]
+    # One admission group: every engine request of this HTTP request binds to the same adapter
+    # version, even during a hot reload. An engine without groups (a Ray ingress) admits each alone.
+    group = engine.admission_group(len(prompts)) if len(prompts) > 1 and hasattr(engine, "admission_group") else None
+    tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{k}", p, ps, adapter, param(k), group)) for k, (p, ps) in enumerate(zip(prompts, params))]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [(k, t.exception()) for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]

@@ -37,7 +37,7 @@ class _AllOrNothing(_Proxy):
         self.started = 0
         self.all_started: asyncio.Event | None = None
 
-    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any, **admission: Any) -> AsyncIterator[Any]:
         self.all_started = self.all_started or asyncio.Event()
         self.started += 1
         if self.started == self.prompts:
@@ -46,7 +46,7 @@ class _AllOrNothing(_Proxy):
             await asyncio.wait_for(self.all_started.wait(), ADMISSION_WAIT_S)
         except asyncio.TimeoutError:
             raise ValueError(f"only {self.started} of {self.prompts} prompts were started") from None
-        async for out in self._inner.generate(request_id, prompt, params, adapter):
+        async for out in self._inner.generate(request_id, prompt, params, adapter, **admission):
             yield out
 
 
@@ -57,7 +57,7 @@ class _StuckAdmission(_Proxy):
         super().__init__(inner)
         self.cancelled, self.closed = threading.Event(), threading.Event()
 
-    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any, **admission: Any) -> AsyncIterator[Any]:
         if request_id.endswith("-1"):
             try:
                 await asyncio.Event().wait()
@@ -65,7 +65,7 @@ class _StuckAdmission(_Proxy):
                 self.cancelled.set()
                 raise
         try:
-            async for out in self._inner.generate(request_id, prompt, params, adapter):
+            async for out in self._inner.generate(request_id, prompt, params, adapter, **admission):
                 yield out
         finally:
             self.closed.set()
