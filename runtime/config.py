@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -53,6 +54,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ConfigError(f"model: expected a checkpoint folder (a path), got {self.model!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:

@@ -160,8 +160,12 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
+    """A string, a list of token ids, or a list/tuple of those; anything else (a number, None,
+    bytes, a dict, a set) is a ValueError rather than being iterated into something else."""
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a string, a list of token ids, or a list of those, got {type(prompts).__name__}")
     items = list(prompts)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one pre-tokenised prompt

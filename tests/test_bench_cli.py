@@ -38,6 +38,7 @@ SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
     (["--adapters", "0"], "lorafleet bench: --adapters: must be >= 1, got 0"),
     (["--input-len", "9,3"], "lorafleet bench: --input-len: need 1 <= lo <= hi, got (9, 3)"),
     (["--hidden", "0"], "lorafleet bench: --hidden: "),
+    (["--hidden", "130"], "lorafleet bench: --hidden: hidden size 130 gives 2 heads of 65 channels; rotary embeddings need an even head size"),
     (["--slo-ttft", "0"], "lorafleet bench: --slo-ttft: must be a positive number"),
 ])  # fmt: skip
 def test_setup_errors_exit_2_before_any_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], want: str) -> None:

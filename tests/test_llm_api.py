@@ -42,6 +42,11 @@ def test_generate_validates_arguments(tiny_llama_dir):
                          (dict(params={"max_tokens": 3}), "params: expected a SamplingParams or a list of them")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             llm.generate(["a", "b"], **bad)
+    for prompts in (5, None, 3.5, b"abc", {"a": 1}, {"a"}):  # never iterated into prompts or token ids
+        with pytest.raises(ValueError, match=f"prompts: expected a string, a list of token ids, or a list of those, got {type(prompts).__name__}"):
+            llm.generate(prompts)
+    assert not llm.engine.has_unfinished()
+    assert llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))[0].finish_reason == "length"  # still usable
     with pytest.raises(ValueError, match="adapters: expected a mapping"):
         LLM(str(tiny_llama_dir), adapters=["/some/adapter"])
     llm.close()

@@ -46,6 +46,26 @@ def test_broken_yaml_and_missing_file(tmp_path: Path) -> None:
         load_yaml(str(bad))
     with pytest.raises(ConfigError, match="cannot read"):
         load_yaml(str(tmp_path / "missing.yaml"))
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("served_model_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"--config {latin1}: not UTF-8 text"):
+        load_yaml(str(latin1))
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("max_loras: 2\nmax-loras: 4\n")
+    with pytest.raises(ConfigError, match="'max_loras' and 'max-loras' both set max_loras; keep one"):
+        load_yaml(str(twice))
+
+
+@pytest.mark.parametrize("value", ["123", "true", "[a, b]", "''"])
+def test_a_model_that_is_not_a_path_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {value}\n")
+    if value == "''":  # empty: no model, so the bundled demo
+        assert serve.load_settings(parse("--config", str(cfg))).uses_demo
+        return
+    assert serve.run(parse("--config", str(cfg), "--port", "0")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lorafleet serve: model: expected a checkpoint folder (a path)") and "Traceback" not in err, err
 
 
 def test_lora_module_forms() -> None:

@@ -38,6 +38,8 @@ class LlamaShape:
         heads = max(1, hidden // 64)
         if hidden < 1 or layers < 1 or hidden % heads:
             raise ValueError(f"hidden size {hidden} / layers {layers}: need positive sizes, and hidden divisible into max(1, hidden // 64) = {heads} heads")
+        if (hidden // heads) % 2:  # rotary embeddings rotate pairs of channels
+            raise ValueError(f"hidden size {hidden} gives {heads} heads of {hidden // heads} channels; rotary embeddings need an even head size")
         return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
                    num_key_value_heads=heads)  # fmt: skip
 

@@ -475,7 +475,10 @@ def _run(args: argparse.Namespace) -> int:
     if setup is not None:
         print(f"preparing the synthetic model and {len(workload.adapter_ranks)} adapters in {setup.workdir} (reused by later runs)...", file=sys.stderr, flush=True)
         # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
-        model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
+        try:
+            model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
+        except OSError as err:  # a read-only or pseudo file system, a full disk: what the up-front check cannot see
+            raise SetupError(f"--workdir {args.workdir}", f"cannot write the synthetic weights: {err.strerror or err}") from None
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if setup is None:

@@ -56,20 +56,25 @@ class ServeSettings:
 
 
 def normalize_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
+    spelled: dict[str, Any] = {}
     for key, value in values.items():
         norm = str(key).replace("-", "_")
         if norm not in ALL_KEYS:
             raise ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(ALL_KEYS)}")
-        out[norm] = value
+        if norm in out:  # max_loras and max-loras: one would silently win
+            raise ConfigError(f"{source}: {spelled[norm]!r} and {key!r} both set {norm}; keep one")
+        out[norm], spelled[norm] = value, key
     return out
 
 
 def load_yaml(path: str) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"--config {path}: cannot read: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
