@@ -119,6 +119,7 @@ class AdmissionGroup:
             raise ValueError(f"AdmissionGroup: size must be an integer >= 1, got {size!r}")
         self.size = size
         self.tickets: list[_Admission] = []
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop of its first request; the others must share it
 
 
 class AsyncLLMEngine:
@@ -144,6 +145,9 @@ class AsyncLLMEngine:
         # Requests waiting to be admitted: whoever holds the lock next (a helper or the step thread)
         # admits all of them, so a burst is in the next step, not 4 per step (one per helper).
         self._admissions: deque[tuple[_Admission, ...]] = deque()  # one item per group (a lone request: a group of one)
+        # Groups still waiting for members: failed by shutdown() and _die(), so none waits forever.
+        self._parked: set[AdmissionGroup] = set()
+        self._parked_lock = threading.Lock()
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
@@ -195,6 +199,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._accepting = False
             self._wake.notify_all()
+        self._fail_parked("engine is shutting down; no new requests are accepted")
         deadline = time.monotonic() + timeout
         while self.running and time.monotonic() < deadline:
             with self._lock:
@@ -230,11 +235,22 @@ class AsyncLLMEngine:
             self._admissions.append((ticket,))
             self._off_loop(self._admit_queued)
         else:
-            if len(group.tickets) >= group.size:
-                raise ValueError(f"AdmissionGroup: more than its {group.size} requests")
-            group.tickets.append(ticket)
-            if len(group.tickets) == group.size:  # the last one: queue them all as one item
-                self._admissions.append(tuple(group.tickets))
+            group.loop = group.loop or ticket.loop
+            if group.loop is not ticket.loop:
+                raise ValueError("AdmissionGroup: its requests must come from one event loop")
+            with self._parked_lock:  # against shutdown() and _die() failing the parked groups
+                if not self.accepting:
+                    raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
+                if len(group.tickets) >= group.size:
+                    raise ValueError(f"AdmissionGroup: more than its {group.size} requests")
+                group.tickets.append(ticket)
+                full = len(group.tickets) == group.size
+                if full:
+                    self._parked.discard(group)
+                    self._admissions.append(tuple(group.tickets))  # the last one: queue them all as one item
+                else:
+                    self._parked.add(group)
+            if full:
                 self._off_loop(self._admit_queued)
         try:
             await asyncio.wrap_future(ticket.future)  # cancelling this cancels the ticket unless its admission began
@@ -259,6 +275,15 @@ class AsyncLLMEngine:
     def admission_group(size: int) -> AdmissionGroup:
         """A group for ``size`` requests to be admitted together (see ``generate``)."""
         return AdmissionGroup(size)
+
+    def _fail_parked(self, message: str) -> None:
+        """Fail the requests of groups still waiting for members (no request is accepted any more)."""
+        with self._parked_lock:
+            tickets = [t for group in self._parked for t in group.tickets]
+            self._parked.clear()
+        for ticket in tickets:
+            if ticket.future.set_running_or_notify_cancel():
+                ticket.future.set_exception(EngineDeadError(message))
 
     def _admit_queued(self) -> None:
         """Helper thread: take the lock and admit every queued request (nothing to do if another
@@ -418,6 +443,7 @@ class AsyncLLMEngine:
                 logger.error("failing the requests in flight failed too: %s: %s", type(again).__name__, again, exc_info=again)
                 self._end_streams(self.dead_error)
             self._drain_admissions()  # queued requests get EngineDeadError now
+        self._fail_parked(self.dead_error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._queues_lock:

@@ -272,6 +272,23 @@ def test_an_admission_group_is_admitted_as_one_across_a_hot_reload(tiny_llama_di
         engine.shutdown()
 
 
+def test_a_group_still_waiting_for_members_fails_at_shutdown(tiny_llama_dir: Path) -> None:
+    """A parked request (its group never filled) gets EngineDeadError when the engine shuts
+    down, rather than waiting forever; a group started after shutdown is refused at once."""
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+
+    async def run() -> None:
+        parked = asyncio.ensure_future(_final(engine.generate("p-0", [5, 6], greedy(2), group=engine.admission_group(2))))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(engine.shutdown, 5.0)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await asyncio.wait_for(parked, 5)
+        with pytest.raises(EngineDeadError):
+            await _final(engine.generate("late", [5, 6], greedy(2), group=engine.admission_group(2)))
+
+    asyncio.run(run())
+
+
 async def _final(stream) -> RequestOutput:  # type: ignore[no-untyped-def]
     out = None
     async for out in stream:

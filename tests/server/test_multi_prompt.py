@@ -51,13 +51,14 @@ class _AllOrNothing(_Proxy):
 
 
 class _StuckAdmission(_Proxy):
-    """Prompt 1 is never admitted; records when it is cancelled, and when prompt 0's stream is closed."""
+    """Prompt 1 is never admitted; records when it is cancelled, and when prompt 0's stream is closed.
+    Its generate takes no admission group, so prompt 0 is admitted (and runs) on its own."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
         self.cancelled, self.closed = threading.Event(), threading.Event()
 
-    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any, **admission: Any) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any) -> AsyncIterator[Any]:
         if request_id.endswith("-1"):
             try:
                 await asyncio.Event().wait()
@@ -65,7 +66,7 @@ class _StuckAdmission(_Proxy):
                 self.cancelled.set()
                 raise
         try:
-            async for out in self._inner.generate(request_id, prompt, params, adapter, **admission):
+            async for out in self._inner.generate(request_id, prompt, params, adapter):
                 yield out
         finally:
             self.closed.set()
@@ -113,6 +114,22 @@ def test_client_gone_during_admission_aborts_every_prompt(engine) -> None:
             httpx.post(f"{url}/v1/completions", json=body(engine, ["admitted", "never admitted"], max_tokens=80, ignore_eos=True), timeout=0.5)
         assert proxy.cancelled.wait(5), "the stuck admission was not cancelled when the client went away"
         assert proxy.closed.wait(5), "the admitted prompt's stream was not closed (its request not aborted)"
+
+
+class _NoGroups(_Proxy):
+    """Forwards every attribute (admission_group too) but its generate takes no group."""
+
+    async def generate(self, request_id: str, prompt: Any, params: Any, adapter: Any) -> AsyncIterator[Any]:
+        async for out in self._inner.generate(request_id, prompt, params, adapter):
+            yield out
+
+
+def test_an_engine_whose_generate_takes_no_group_admits_each_prompt_alone(engine) -> None:
+    app = create_app(_NoGroups(engine), ServerOptions())
+    with running_server(app) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body(engine, ["one", "two"], n=2), timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 4
 
 
 def test_number_of_prompts_is_capped(engine) -> None:
