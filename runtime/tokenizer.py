@@ -4,6 +4,8 @@ Sources, in the checkpoint folder:
 - ``tokenizer.json`` (required): vocabulary, normaliser, pre-tokenizer, post-processor, decoder.
 - ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token``, ``add_bos_token``,
   ``add_eos_token``, ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects.
+- ``chat_template.jinja`` (optional): the chat template as transformers >= 4.50 saves it; when
+  present it is used instead of tokenizer_config's ``chat_template``, as transformers does.
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
 
 ``eos_token_ids``: tokenizer_config's eos, then generation_config's, in that order without
@@ -78,6 +80,9 @@ class Tokenizer:
         if isinstance(template, list):  # HF also allows [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+        jinja_file = root / "chat_template.jinja"  # where transformers >= 4.50 saves it; it wins over the config's, as there
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
         self.chat_template: str | None = template if isinstance(template, str) else None
         eos: list[int] = []
         tok_eos = self._id_of(self.eos_token, root / "tokenizer_config.json", "eos_token")

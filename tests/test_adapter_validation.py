@@ -286,3 +286,17 @@ def test_version_is_a_content_hash(copy_of, tiny_adapters, targets):
     renamed_alpha = copy_of("b")
     edit_config(renamed_alpha, lora_alpha=3)
     assert load(renamed_alpha, targets).version != load(tiny_adapters["b"], targets).version
+
+
+def test_a_config_without_lora_alpha_means_peft_s_default(copy_of, targets, tiny_llama_dir):
+    """PEFT reads a missing lora_alpha as LoraConfig's default (8), not as r: scale = 8 / r."""
+    import peft
+
+    path = copy_of("a")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    adapter = load(path, targets)
+    assert adapter.lora_alpha == peft.LoraConfig().lora_alpha == 8
+    module = next(iter(adapter.modules.values()))
+    assert module.scale == pytest.approx(8 / cfg["r"])

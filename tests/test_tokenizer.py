@@ -103,6 +103,18 @@ def test_template_features_render_as_in_transformers(model_copy):
     assert '{"role": "user", "content": "a <b> & c, café"}' in ours and "never shown" not in ours
 
 
+def test_chat_template_jinja_file_wins_as_in_transformers(model_copy):
+    """transformers >= 4.50 saves the template as chat_template.jinja; when the file is there it
+    is the template (over tokenizer_config.json's), for transformers and for lorafleet alike."""
+    from transformers import AutoTokenizer
+
+    (model_copy / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]")
+    messages = [{"role": "user", "content": "hi"}]
+    ours = Tokenizer(model_copy).apply_chat_template(messages)
+    assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == "[user]hi[assistant]"
+
+
 def test_default_chat_template_when_checkpoint_has_none(model_copy):
     cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
     cfg.pop("chat_template")

@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+PEFT_DEFAULT_LORA_ALPHA = 8  # peft.LoraConfig.lora_alpha's default: an adapter_config.json without the key means 8, not r
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
@@ -192,7 +193,7 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
     r = raw.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise AdapterError(f"{path}: r must be a positive integer, got {r!r}")
-    alpha = raw.get("lora_alpha", r)
+    alpha = raw.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA)  # what PEFT's LoraConfig uses when the key is absent
     if not _is_number(alpha):
         raise AdapterError(f"{path}: lora_alpha must be a finite number, got {alpha!r}")
     use_rslora = raw.get("use_rslora", False)

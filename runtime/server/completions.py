@@ -152,7 +152,8 @@ def build_router(state: Any) -> APIRouter:
                             echoed = _echoed(choices_in[index], state.tokenizer)
                             logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], echoed) if body.logprobs is not None else None
                             echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
-                            yield event(chunk([echo_choice]))
+                            prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
+                            yield event(chunk([echo_choice], prompt_only if continuous else None))
                         started.add(index)
                         pending[index].extend(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):

@@ -182,6 +182,19 @@ async def test_streamed_echo_adds_up_to_the_whole(app, engine) -> None:
         assert streamed_lp[0] is None and streamed_lp[1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=1e-5)
 
 
+async def test_continuous_usage_covers_the_echo_chunk(app, engine) -> None:
+    """With continuous_usage_stats every chunk has usage, the echoed prompt's chunk too (prompt only)."""
+    model = engine.adapters()[0].name
+    body = completion_body(model, prompt="echo me", echo=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    async with client_for(app) as c:
+        chunks = await stream(c, "/v1/completions", body)
+    with_choices = [ch for ch in chunks if ch["choices"]]
+    assert all("usage" in ch for ch in with_choices), with_choices[0]
+    first = with_choices[0]["usage"]
+    assert first["completion_tokens"] == 0 and first["total_tokens"] == first["prompt_tokens"] > 0
+    assert with_choices[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+
+
 async def test_max_tokens_zero_with_echo_scores_the_prompt_only(app, engine) -> None:
     model = engine.adapters()[0].name
     body = completion_body(model, prompt="score only this", echo=True, logprobs=2, max_tokens=0)
