@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, AsyncIterator, Optional, Sequence
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine import CheckedRequest, LLMEngine
 from runtime.lora.registry import AdapterInfo
 from runtime.request import AdapterRef, RequestOutput, SamplingParams
 from runtime.torch_threads import single_threaded_torch
@@ -95,6 +95,11 @@ class _FairLock:
 
 class EngineDeadError(RuntimeError):
     """The engine's step loop failed or was shut down; no new requests are accepted."""
+
+
+class GroupRefused(Exception):
+    """Not admitted because another request of its admission group was refused (whose own
+    error says why)."""
 
 
 @dataclass
@@ -294,31 +299,44 @@ class AsyncLLMEngine:
             self._drain_admissions()
 
     def _drain_admissions(self) -> None:
-        """Admit every queued request; the lock is held. Each ticket's future gets the outcome."""
+        """Admit every queued request; the lock is held. Each ticket's future gets the outcome.
+        A group is checked whole first: if one of its requests is refused, none is admitted
+        (the others get ``GroupRefused``), so none runs or shows in the metrics."""
         admitted = False
         while self._admissions:
-            for ticket in self._admissions.popleft():
-                if not ticket.future.set_running_or_notify_cancel():  # its consumer left before admission began
-                    continue
+            group = [t for t in self._admissions.popleft() if t.future.set_running_or_notify_cancel()]  # skip consumers that left
+            checked, refused = [], None
+            for ticket in group:
                 try:
-                    self._admit(ticket)
+                    checked.append(self._check(ticket))
+                except BaseException as err:  # noqa: BLE001 - handed to the awaiting generate()
+                    refused = (ticket, err)
+                    break
+            if refused is not None:
+                bad, err = refused
+                for ticket in group:
+                    ticket.future.set_exception(err if ticket is bad else GroupRefused(f"request {bad.request_id!r} of its group was refused: {err}"))
+                continue
+            for ticket, request in zip(group, checked):
+                try:
+                    self.engine.add_checked(request)
                 except BaseException as err:  # noqa: BLE001 - handed to the awaiting generate()
                     ticket.future.set_exception(err)
-                else:
-                    ticket.future.set_result(None)
-                    admitted = True
+                    continue
+                with self._queues_lock:
+                    self._queues[ticket.request_id] = (ticket.loop, ticket.queue)
+                ticket.future.set_result(None)
+                admitted = True
         if admitted:
             self._wake.notify_all()
 
-    def _admit(self, ticket: _Admission) -> None:
+    def _check(self, ticket: _Admission) -> CheckedRequest:
         if self.dead_error is not None or not self._accepting:
             raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
         with self._queues_lock:
             if ticket.request_id in self._queues:
                 raise ValueError(f"request_id: {ticket.request_id!r} is already in flight")
-        self.engine.add_request(ticket.request_id, ticket.prompt, ticket.params, ticket.adapter)
-        with self._queues_lock:
-            self._queues[ticket.request_id] = (ticket.loop, ticket.queue)
+        return self.engine.check_request(ticket.request_id, ticket.prompt, ticket.params, ticket.adapter)
 
     def _off_loop(self, fn: Any, *args: Any) -> "Future[Any]":
         """Run ``fn`` in a submit thread; inline once the engine is shut down (no step holds the lock then)."""

@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence as Seq
+from typing import Any, Callable, NamedTuple, Optional, Sequence as Seq
 
 import torch
 
@@ -69,6 +69,15 @@ class _Live:
         if self.prompt_logprobs is None or len(self.prompt_logprobs) != len(seq.prompt_logprobs) + 1:
             self.prompt_logprobs = (None, *seq.prompt_logprobs)
         return self.prompt_logprobs
+
+
+class CheckedRequest(NamedTuple):
+    """A request ``LLMEngine.check_request`` accepted: its prompt ids and adapter version."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: Optional[AdapterRef]
 
 
 class LLMEngine:
@@ -181,6 +190,19 @@ class LLMEngine:
         adapter: Optional[str] = None,
     ) -> None:
         """Validate and queue a request; raises at once for anything that can never be served."""
+        self.add_checked(self.check_request(request_id, prompt, params, adapter))
+
+    def check_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: Optional[SamplingParams] = None,
+        adapter: Optional[str] = None,
+    ) -> CheckedRequest:
+        """Every check ``add_request`` makes, with nothing queued or held: raises what it would
+        raise. ``add_checked`` then queues the result, as long as nothing was added or
+        registered in between (a caller that holds the engine's lock across both: a group of
+        requests is checked whole before any of it is queued)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if request_id in self._live:
@@ -213,6 +235,13 @@ class LLMEngine:
                 raise RequestRejected(f"prompt: {n} tokens need {self.block_manager.blocks_for(n)} KV blocks, but {pool}")
             raise RequestRejected(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) need {need} KV blocks, but {pool}")
         ref = self.registry.resolve(adapter) if adapter is not None else None
+        return CheckedRequest(request_id, prompt_ids, params, ref)
+
+    def add_checked(self, checked: CheckedRequest) -> None:
+        """Queue a request ``check_request`` accepted (see there)."""
+        request_id, prompt_ids, params, ref = checked
+        if request_id in self._live:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
         self.sampler.add(request_id, params)  # before the adapter is acquired: nothing to give back if it raises
         seq = Sequence(
             request_id=request_id,

@@ -139,13 +139,13 @@ def test_a_step_failure_ends_every_stream(tiny_llama_dir: Path) -> None:
 def test_a_burst_is_admitted_within_a_step_not_four_per_step(tiny_llama_dir: Path) -> None:
     engine = AsyncLLMEngine(config(tiny_llama_dir))
     admitted_at: list[int] = []
-    real_admit = engine._admit
+    real_add = engine.engine.add_checked
 
-    def admit(ticket):  # type: ignore[no-untyped-def]
-        real_admit(ticket)
+    def add_checked(request):  # type: ignore[no-untyped-def]
+        real_add(request)
         admitted_at.append(engine.engine.steps)
 
-    engine._admit = admit
+    engine.engine.add_checked = add_checked
     real_execute = engine.engine.runner.execute
 
     def slow_execute(steps):  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from runtime.async_engine import EngineDeadError
+from runtime.async_engine import EngineDeadError, GroupRefused
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import _SamplingFields
@@ -173,9 +173,14 @@ async def open_streams(
     # version, even during a hot reload. An engine without groups (a Ray ingress) admits each alone.
     group = engine.admission_group(len(prompts)) if len(prompts) > 1 and _admits_groups(engine) else None
     tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{k}", p, ps, adapter, param(k), group)) for k, (p, ps) in enumerate(zip(prompts, params))]
+    def failures() -> list[tuple[int, BaseException]]:
+        return [(k, t.exception()) for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
+
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [(k, t.exception()) for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
+        if failures() and all(isinstance(err, GroupRefused) for _, err in failures()):
+            await asyncio.wait(tasks)  # a refused group: every member fails at once; the refused one says why
+        failed = [(k, err) for k, err in failures() if not isinstance(err, GroupRefused)] or failures()
         if failed:
             index, err = failed[0]
             if distinct > 1 and isinstance(err, APIError) and err.status == 400:  # say which prompt

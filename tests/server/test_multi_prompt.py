@@ -97,13 +97,25 @@ def aborted(url: str) -> float:
     return 0.0
 
 
-def test_failed_admission_aborts_the_other_prompts(engine) -> None:
-    """One prompt the engine refuses: a 400, and the other prompts are aborted, not left running."""
+def finished_requests(url: str) -> float:
+    """Requests this app saw finish, for any reason (its /metrics)."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("lorafleet_requests_total{"))
+
+
+@pytest.mark.parametrize("prompts", [[[5, 6], [999999], [7, 8]], ["fine", "x" * 400, "also fine"]])
+def test_one_refused_prompt_keeps_every_prompt_from_running(engine, prompts) -> None:
+    """One prompt the engine refuses (a bad token id; too long): a 400 naming it, and none of the
+    request's prompts runs (docs/api.md): they are checked as a group before any is admitted, so
+    none is computed, aborted or counted."""
     app = create_app(engine, ServerOptions())
     with running_server(app) as url:
-        r = httpx.post(f"{url}/v1/completions", json=body(engine, [[5, 6], [999999], [7, 8]], max_tokens=90, ignore_eos=True), timeout=30)
-        assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
-        assert wait_until(lambda: aborted(url) == 2), aborted(url)
+        r = httpx.post(f"{url}/v1/completions", json=body(engine, prompts, max_tokens=90, ignore_eos=True), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1", r.text
+        assert r.json()["error"]["message"].startswith("prompt 1 (of 3): ")
+        assert finished_requests(url) == 0
+        ok = httpx.post(f"{url}/v1/completions", json=body(engine, ["a", "b"]), timeout=30)
+        assert ok.status_code == 200 and finished_requests(url) == 2
 
 
 def test_client_gone_during_admission_aborts_every_prompt(engine) -> None:
