@@ -219,7 +219,9 @@ class LLMEngine:
             raise ValueError(f"min_tokens: the stop_token_ids and eos ids it holds back cover the whole vocabulary (size {self._vocab_size}); nothing could be sampled")
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
-        if n >= self.max_model_len:
+        if params.max_tokens == 0 and n > self.max_model_len:
+            raise PromptTooLongError(f"prompt: {n} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens > 0 and n >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt: {n} tokens leave no room for output: max_model_len is {self.max_model_len} (prompt + output), "
                 f"so a prompt has at most {self.max_model_len - 1}"
@@ -228,7 +230,7 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
             )
-        need = self.block_manager.blocks_for(n + params.max_tokens - 1)  # the last sampled token never gets KV
+        need = self.block_manager.blocks_for(max(n, n + params.max_tokens - 1))  # the last sampled token never gets KV
         if need > self.block_manager.num_blocks:
             pool = f"the KV pool has only {self.block_manager.num_blocks} (num_kv_blocks) of {self.config.block_size} tokens"
             if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
@@ -395,6 +397,10 @@ class LLMEngine:
         all_logits = self.runner.execute(steps)
         logits = self._collect_prompt_logprobs(sched.chunks, steps, all_logits)
         sampled = [c.seq for c in sched.chunks if c.sample]
+        prompt_only = [s for s in sampled if s.params.max_tokens == 0]  # their prompt is computed (and scored): done
+        if prompt_only:
+            keep = [i for i, s in enumerate(sampled) if s.params.max_tokens > 0]
+            logits, sampled = logits[keep], [sampled[i] for i in keep]
         sampled_params = [s.params for s in sampled]
         histories = [(s.prompt_token_ids, s.output_token_ids) for s in sampled] if any(p.adjusts_logits for p in sampled_params) else None
         tokens = self.sampler.sample(logits, [s.request_id for s in sampled], sampled_params, histories)
@@ -403,6 +409,10 @@ class LLMEngine:
             chunk.seq.num_computed += chunk.num_tokens
             self.block_manager.commit(chunk.seq.request_id, chunk.seq.all_token_ids, chunk.seq.num_computed)
         now = time.monotonic()
+        for seq in prompt_only:
+            live = self._live[seq.request_id]
+            self._finish(live, "length", None)
+            outputs.append(self._output(live, [], finished=True))
         for seq, token, token_lp in zip(sampled, tokens, token_logprobs):
             live = self._live[seq.request_id]
             if isinstance(token, NoToken):  # nothing to sample from in this row

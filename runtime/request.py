@@ -61,7 +61,9 @@ class SamplingParams:
                  (after it with ``include_stop_str_in_output``, vLLM's).
     stop_token_ids: token ids that end generation (finish_reason "stop").
     ignore_eos:  keep generating past the tokenizer's eos tokens.
-    max_tokens:  most new tokens (finish_reason "length" when reached).
+    max_tokens:  most new tokens (finish_reason "length" when reached); 0 computes the prompt
+                 and generates nothing (with ``prompt_logprobs``: scores the prompt), and the
+                 prompt may then fill max_model_len.
     presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's); with c_j the count of token j
                  among the tokens generated so far, the logits become
                  ``z_j - frequency_penalty * c_j - presence_penalty * [c_j > 0]``.
@@ -117,8 +119,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens: must be an integer >= 0 (0: the prompt only), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):

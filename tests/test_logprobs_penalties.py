@@ -338,3 +338,30 @@ def test_token_logprobs_in_blocks_equal_one_pass():
     assert [e.token_id for e in got] == tokens
     assert [e.logprob for e in got] == pytest.approx([ref[r, t].item() for r, t in zip(rows, tokens)], abs=1e-5)
     assert [[t for t, _ in e.top] for e in got] == [torch.topk(ref[r], k).indices.tolist() for r, k in zip(rows, ks)]
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_llama_dir, tiny_adapters):
+    """max_tokens=0 computes (and with prompt_logprobs scores) the prompt and samples nothing:
+    the same prompt logprobs as a 1-token request, no token, finish "length"; the other rows of
+    the batch are as they would be alone, and the engine ends idle."""
+    rng = random.Random(41)
+    engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+    prompts = [random_prompt(rng, PROMPT_LEN + i) for i in range(len(ADAPTERS))]
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"one{i}", prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), adapter)
+        engine.add_request(f"gen{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), adapter)
+    alone = run_to_completion(engine)
+    for i, (prompt, adapter) in enumerate(zip(prompts, ADAPTERS)):
+        engine.add_request(f"score{i}", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2), adapter)
+        engine.add_request(f"plain{i}", prompt, SamplingParams(max_tokens=0), adapter)  # prefill only
+        engine.add_request(f"gen{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), adapter)
+    finals = run_to_completion(engine)
+    for i in range(len(ADAPTERS)):
+        score = finals[f"score{i}"]
+        assert score.token_ids == () and score.finish_reason == "length" and score.error is None
+        ref = alone[f"one{i}"].prompt_logprobs
+        assert [e and (e.token_id, [t for t, _ in e.top]) for e in score.prompt_logprobs] == [e and (e.token_id, [t for t, _ in e.top]) for e in ref]
+        assert [e.logprob for e in score.prompt_logprobs[1:]] == pytest.approx([e.logprob for e in ref[1:]], abs=1e-5)  # another batch: float noise
+        assert finals[f"plain{i}"].token_ids == () and finals[f"plain{i}"].finish_reason == "length"
+        assert finals[f"gen{i}"].token_ids == alone[f"gen{i}"].token_ids
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

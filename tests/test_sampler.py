@@ -46,7 +46,7 @@ def test_stop_rules():
     assert token_stop_reason(5, 3, p, [2]) == "length"
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", 0), ("seed", -3), ("stop", [""])])
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", -1), ("seed", -3), ("stop", [""])])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

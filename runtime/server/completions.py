@@ -1,7 +1,6 @@
 """POST /v1/completions: text completion, streamed (SSE) or whole."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, AsyncIterator
 
@@ -38,8 +37,8 @@ def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any
     """The prompt's SamplingParams: an explicit max_tokens as sent (the engine refuses one that
     does not fit), else the default 16 capped by the room the prompt leaves."""
     prompt_logprobs = body.logprobs if body.echo else None
-    if body.max_tokens is not None:  # 0 (echo, score only): one token, which the reply leaves out (``_scored_only``)
-        return gen.sampling_params(body, max(1, body.max_tokens), body.logprobs, prompt_logprobs)
+    if body.max_tokens is not None:  # 0 (echo, score only): the engine computes (and scores) the prompt, generates nothing
+        return gen.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
     prompt_len = len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))  # as the engine encodes it
     max_tokens = gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens)
     return gen.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
@@ -69,14 +68,6 @@ def _whole_logprobs(out: Any, tokenizer: Any, echoed: str | None) -> dict[str, A
     head = _prompt_logprobs(out, tokenizer, offsets, echoed)
     tail = completion_logprobs(tokenizer, out.logprobs, offsets)
     return {key: head[key] + tail[key] for key in head}
-
-
-def _scored_only(out: Any) -> Any:
-    """A max_tokens=0 request's output as the client asked for it: the prompt, no generated token.
-    The engine ran it with one token (the prompt's last position gives that token's logits
-    anyway); its text, ids and logprobs are dropped here."""
-    return dataclasses.replace(out, new_token_ids=(), new_text="", token_ids=(), text="", finish_reason="length",
-                               logprobs=() if out.logprobs is not None else None)  # fmt: skip
 
 
 def _choice(index: int, out: Any, with_ids: bool, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -146,8 +137,6 @@ def build_router(state: Any) -> APIRouter:
                             failure = gen.failure_of(out)
                             yield event(error_body(failure.status, failure.message, code=failure.code))
                             break
-                        if score_only:
-                            out = _scored_only(out)
                         if body.echo and index not in started:  # the prompt first, in a chunk of its own
                             echoed = _echoed(choices_in[index], state.tokenizer)
                             logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], echoed) if body.logprobs is not None else None
@@ -179,7 +168,7 @@ def build_router(state: Any) -> APIRouter:
             async for index, out in gen.merge_streams(streams):
                 if out.finished:
                     gen.raise_if_failed(out)
-                    finals[index] = _scored_only(out) if score_only else out
+                    finals[index] = out
             return finals
 
         finals = await gen.until_disconnected(request, drain())

@@ -218,6 +218,26 @@ async def test_max_tokens_zero_with_echo_scores_the_prompt_only(app, engine) -> 
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def generated_tokens(metrics_text: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith("lorafleet_generation_tokens_total{"))
+
+
+async def test_scoring_generates_nothing_and_fits_a_full_context(app, engine) -> None:
+    """Score-only requests run no sampling step: /metrics counts no generated token (it counted
+    the hidden one), and a prompt may fill max_model_len (one position short, it was refused)."""
+    model = engine.adapters()[0].name
+    full = list(range(5, 5 + engine.max_model_len))
+    async with client_for(app) as c:
+        before = generated_tokens((await c.get("/metrics")).text)
+        reply = await post(c, "/v1/completions", completion_body(model, prompt=full, echo=True, logprobs=0, max_tokens=0))
+        after = generated_tokens((await c.get("/metrics")).text)
+        too_long = await c.post("/v1/completions", json=completion_body(model, prompt=full + [5], echo=True, max_tokens=0))
+    assert reply["usage"]["prompt_tokens"] == engine.max_model_len and reply["choices"][0]["token_ids"] == []
+    assert len(reply["choices"][0]["logprobs"]["tokens"]) == engine.max_model_len
+    assert after == before
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt", too_long.text
+
+
 async def test_logit_bias_and_min_tokens_reach_the_engine(app, engine) -> None:
     model = engine.adapters()[0].name
     async with client_for(app) as c:
