@@ -38,6 +38,7 @@ SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
     (["--adapters", "0"], "lorafleet bench: --adapters: must be >= 1, got 0"),
     (["--input-len", "9,3"], "lorafleet bench: --input-len: need 1 <= lo <= hi, got (9, 3)"),
     (["--hidden", "0"], "lorafleet bench: --hidden: "),
+    (["--input-len", "900,900"], "lorafleet bench: --input-len/--output-len: 4 of 4 requests do not fit the synthetic model's max_model_len 1024"),
     (["--hidden", "130"], "lorafleet bench: --hidden: hidden size 130 gives 2 heads of 65 channels; rotary embeddings need an even head size"),
     (["--slo-ttft", "0"], "lorafleet bench: --slo-ttft: must be a positive number"),
 ])  # fmt: skip

@@ -179,6 +179,21 @@ def _check_json_path(path_text: str) -> Path:
     return path
 
 
+def _check_fits(args: argparse.Namespace, workload: Any, max_model_len: int) -> None:
+    """Every request's prompt + output fits the synthetic model's context. Its tokenizer is
+    byte-level without merges: a prompt is at most its UTF-8 bytes + PROMPT_SPECIAL_TOKENS."""
+    def need(r: Any) -> int:
+        return len(r.prompt.encode()) + PROMPT_SPECIAL_TOKENS + r.output_tokens
+
+    worst = max(workload.requests, key=lambda r: (need(r), -r.index))
+    if need(worst) > max_model_len:
+        over = sum(1 for r in workload.requests if need(r) > max_model_len)
+        where = f"--workload {args.workload}" if args.workload else "--input-len/--output-len"
+        raise SetupError(where, f"{over} of {len(workload.requests)} requests do not fit the synthetic model's max_model_len {max_model_len}: "
+                                f"request {worst.index} needs up to {need(worst)} tokens ({len(worst.prompt.encode())}-byte prompt on its "
+                                f"byte-level tokenizer + {worst.output_tokens} output tokens); use shorter prompts or outputs")  # fmt: skip
+
+
 def _check_workdir(path_text: str) -> None:
     """The folder the synthetic model and adapters are written to (and reused from) is a folder
     that can be written, or can be created under the nearest folder that exists. Nothing is
@@ -250,6 +265,7 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
     except ValueError as err:  # "--max-cpu-loras N is below --max-loras M: ..."
         raise SetupError("--max-cpu-loras", str(err)) from None
     ranks = sorted(set(workload.spec.ranks) | set(workload.adapter_ranks.values()))
+    _check_fits(args, workload, shape.max_position_embeddings)
     _check_workdir(args.workdir)
     setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, host_cpu_loras,
                        max_lora_rank=max(64, *ranks), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)  # fmt: skip
