@@ -427,6 +427,36 @@ def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
     assert replicas.calls[0][-1] == 7, replicas.calls
 
 
+def test_ingress_pins_a_group_of_requests_to_one_adapter_version(tiny_llama_dir) -> None:
+    """The choices of one HTTP request go to replicas separately: each is pinned to the version
+    its group saw first, even when the ingress's view moves on between them (a replica holding
+    another version then refuses it, 503 adapter_unavailable, rather than mixing versions)."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    async def nothing(*args: Any) -> Any:
+        return
+        yield
+
+    replicas = ScriptedReplicas(nothing, nothing, nothing)
+    ingress = ReplicaSetEngine(replicas, None, str(tiny_llama_dir), "tiny", 64)
+    entry = {"name": "A", "path": "/a", "version": "1" * 64, "max_rank": 8, "registered_at": 1.0}
+    ingress._take({"revision": 1, "entries": [entry], "replicas": {}})
+    group = ingress.admission_group(2)
+
+    async def run(request_id: str, **kwargs: Any) -> None:
+        async for _ in ingress.generate(request_id, "hello", SamplingParams(max_tokens=2), "A", **kwargs):
+            pass
+
+    asyncio.run(run("g-0", group=group))
+    ingress._take({"revision": 2, "entries": [{**entry, "version": "2" * 64}], "replicas": {}})  # a hot reload reached the view
+    asyncio.run(run("g-1", group=group))
+    asyncio.run(run("alone"))
+    pinned = [call[4] for call in replicas.calls]  # (request_id, prompt, params, adapter, pinned_version, revision)
+    assert pinned == ["1" * 64, "1" * 64, None]
+    with pytest.raises(ValueError, match="more than its 2 requests"):
+        asyncio.run(run("g-2", group=group))
+
+
 def test_ingress_lists_each_adapter_with_its_registration_time(tiny_llama_dir) -> None:
     """/v1/models dates an adapter's card by its registration; the ingress takes it from the registry's view."""
     from runtime.distributed.replica_set import ReplicaSetEngine

@@ -291,8 +291,10 @@ class LoraReplica:
         the loader for a name it holds, so this is where a lagging replica catches up).
 
         ``pinned_version``: the request is a replay of one that already streamed tokens of
-        that version of ``adapter`` on a replica that died; it runs only on that version
-        (else an ``adapter_unavailable`` error), so its output never mixes two versions.
+        that version of ``adapter`` on a replica that died, or one of an HTTP request's
+        prompts and choices, pinned to their group's version (``replica_set.VersionGroup``);
+        it runs only on that version (else an ``adapter_unavailable`` error), so its output,
+        and its request's, never mix two versions.
         """
         if adapter is not None:
             await self._catch_up(min_revision)

@@ -126,6 +126,14 @@ class ReplicaSetEngine:
         self._observers.append(callback)
 
     # ---- requests ----------------------------------------------------------------------------------
+    @staticmethod
+    def admission_group(size: int) -> "VersionGroup":
+        """A group for the ``size`` engine requests of one HTTP request (see ``VersionGroup``)."""
+        return VersionGroup(size)
+
+    def _current_version(self, adapter: str) -> Optional[str]:
+        return next((e["version"] for e in self._view["entries"] if e["name"] == adapter), None)
+
     def _stream(self, request_id: str, prompt: Any, params: SamplingParams, adapter: Optional[str], pinned_version: Optional[str]) -> Any:
         options: dict[str, Any] = {"stream": True}
         if self.routing == "affinity" and adapter is not None:
@@ -134,12 +142,16 @@ class ReplicaSetEngine:
         return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version, self._view["revision"])
 
     async def generate(
-        self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None
+        self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None,
+        group: Optional["VersionGroup"] = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Stream a request from a replica. ``group``: pin it, with the group's other requests, to
+        one adapter version (``VersionGroup``)."""
         params = params or SamplingParams()
         emitted_ids: tuple[int, ...] = ()
         emitted_text = ""
-        pinned: Optional[str] = None  # the adapter version the tokens passed on came from
+        # The adapter version the tokens passed on came from; for a group's request, the group's version from the start.
+        pinned: Optional[str] = group.pin(adapter, self._current_version) if group is not None and adapter is not None else None
         prompt_ids: Sequence[int] = ()  # known once an output arrived
         logprobs: list[TokenLogprobs] = []  # rebuilt from the wire's new-token entries (replica.on_the_wire)
         prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None
@@ -192,6 +204,31 @@ class ReplicaSetEngine:
             finally:
                 if not finished:
                     stream.cancel()  # propagates to the replica, whose engine aborts the request
+
+
+class VersionGroup:
+    """The engine requests of one HTTP request (its prompts and ``n`` choices) at a Ray ingress.
+    Replicas admit them separately, so they cannot be admitted in one lock hold as in one
+    process; instead each is pinned to the adapter version its group saw first in this
+    ingress's registry view. A replica holding another version refuses it (503
+    ``adapter_unavailable``, to retry), so the request never mixes versions."""
+
+    def __init__(self, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"VersionGroup: size must be an integer >= 1, got {size!r}")
+        self.size = size
+        self.members = 0
+        self.versions: dict[str, Optional[str]] = {}
+
+    def pin(self, adapter: str, current_version: Callable[[str], Optional[str]]) -> Optional[str]:
+        """The version this group's requests for ``adapter`` run on (None: not registered here;
+        the replica then answers that)."""
+        if self.members >= self.size:
+            raise ValueError(f"VersionGroup: more than its {self.size} requests")
+        self.members += 1
+        if adapter not in self.versions:
+            self.versions[adapter] = current_version(adapter)
+        return self.versions[adapter]
 
 
 class PrefixView(SequenceABC):
