@@ -305,9 +305,12 @@ class AsyncLLMEngine:
         admitted = False
         while self._admissions:
             group = [t for t in self._admissions.popleft() if t.future.set_running_or_notify_cancel()]  # skip consumers that left
-            checked, refused = [], None
+            checked, refused, ids = [], None, set()
             for ticket in group:
                 try:
+                    if ticket.request_id in ids:
+                        raise ValueError(f"request_id: {ticket.request_id!r} appears twice in one admission group")
+                    ids.add(ticket.request_id)
                     checked.append(self._check(ticket))
                 except BaseException as err:  # noqa: BLE001 - handed to the awaiting generate()
                     refused = (ticket, err)

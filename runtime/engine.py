@@ -45,6 +45,7 @@ from runtime.request import (
     SamplingParams,
     Sequence,
     TokenLogprobs,
+    UnknownAdapterError,
 )
 from runtime.sampler import NoToken, Sampler, token_logprobs, token_stop_reason
 from runtime.scheduler import Scheduler
@@ -244,7 +245,10 @@ class LLMEngine:
         request_id, prompt_ids, params, ref = checked
         if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        self.sampler.add(request_id, params)  # before the adapter is acquired: nothing to give back if it raises
+        if ref is not None and not self.registry.known(ref):  # unregistered since the check, with no reader left
+            raise UnknownAdapterError(f"adapter {ref.name!r}: version {ref.version[:12]} is no longer registered")
+        if params.max_tokens > 0:  # a prompt-only request samples nothing: no generator, no seed drawn
+            self.sampler.add(request_id, params)  # nothing after this raises
         seq = Sequence(
             request_id=request_id,
             arrival_index=next(self._arrivals),

@@ -14,6 +14,7 @@ from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.request import RequestOutput, SamplingParams
+from tests.engine_helpers import run_to_completion
 
 
 def config(model: Path, **overrides) -> EngineConfig:
@@ -294,3 +295,33 @@ async def _final(stream) -> RequestOutput:  # type: ignore[no-untyped-def]
     async for out in stream:
         pass
     return out
+
+
+def test_a_group_naming_one_request_id_twice_is_refused_whole(tiny_llama_dir: Path) -> None:
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    try:
+        async def run() -> list[object]:
+            group = engine.admission_group(3)
+            streams = [_final(engine.generate(rid, [5, 6, 7], greedy(2), group=group)) for rid in ("x", "y", "x")]
+            return await asyncio.gather(*streams, return_exceptions=True)
+
+        outcomes = asyncio.run(run())
+        assert [type(o).__name__ for o in outcomes] == ["GroupRefused", "GroupRefused", "ValueError"], outcomes
+        assert "appears twice" in str(outcomes[2])
+        assert engine.snapshot()["running"] + engine.snapshot()["waiting"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_add_checked_refuses_an_adapter_unregistered_since_the_check(tiny_llama_dir: Path, tiny_adapters) -> None:
+    from runtime.request import UnknownAdapterError
+
+    engine = LLMEngine(config(tiny_llama_dir))
+    engine.register_adapter("x", str(tiny_adapters["a"]))
+    checked = engine.check_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=1.0), "x")
+    engine.unregister_adapter("x")
+    with pytest.raises(UnknownAdapterError, match="no longer registered"):
+        engine.add_checked(checked)
+    assert not engine.has_unfinished()
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=1.0, seed=3))  # the id is free: nothing was left behind
+    assert len(run_to_completion(engine)["r"].token_ids) == 2

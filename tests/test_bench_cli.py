@@ -373,3 +373,22 @@ def test_every_flag_has_help_with_its_default_and_the_exit_codes_are_documented(
     assert "exit codes:\n  0  every request succeeded\n  1  the run finished but some requests failed" in text
     assert "Exit codes: 0 every request succeeded; 1 the run finished but some requests failed" in bench.__doc__
     assert "2  bad input or setup" in text and "2 bad input or setup" in bench.__doc__
+
+
+def test_the_length_check_counts_the_synthetic_tokenizer_exactly(tmp_path: Path) -> None:
+    """A prompt is its bytes + the bos on the synthetic model's tokenizer: a request that fills the
+    context exactly passes the check, one token more is refused."""
+    from types import SimpleNamespace
+
+    from runtime.bench.synthetic import write_byte_tokenizer
+    from runtime.tokenizer import Tokenizer
+
+    write_byte_tokenizer(tmp_path, 300, model_max_length=1024)
+    prompt = "héllo wörld " * 40
+    assert len(Tokenizer(tmp_path).encode(prompt)) == len(prompt.encode()) + bench.SYNTHETIC_PROMPT_SPECIAL_TOKENS
+    args = argparse.Namespace(workload=None)
+    fits = len(prompt.encode()) + bench.SYNTHETIC_PROMPT_SPECIAL_TOKENS
+    request = SimpleNamespace(prompt=prompt, index=0)
+    bench._check_fits(args, SimpleNamespace(requests=[SimpleNamespace(**vars(request), output_tokens=1024 - fits)]), 1024)
+    with pytest.raises(bench.SetupError, match="1 of 1 requests do not fit"):
+        bench._check_fits(args, SimpleNamespace(requests=[SimpleNamespace(**vars(request), output_tokens=1025 - fits)]), 1024)

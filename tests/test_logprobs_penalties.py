@@ -365,3 +365,23 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_llama_dir,
         assert finals[f"plain{i}"].token_ids == () and finals[f"plain{i}"].finish_reason == "length"
         assert finals[f"gen{i}"].token_ids == alone[f"gen{i}"].token_ids
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prompt_only_requests_draw_no_seed_and_may_fill_a_step(tiny_llama_dir, tiny_adapters):
+    """A max_tokens=0 request samples nothing, so it takes no seed from the engine's seed source
+    (unseeded requests after it sample as they would without it), and a step whose sampled rows
+    are all prompt-only is fine."""
+    rng = random.Random(43)
+    prompt = random_prompt(rng, PROMPT_LEN)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
+    runs = []
+    for with_prompt_only in (False, True):
+        engine = engine_with_adapters(tiny_llama_dir, tiny_adapters)
+        if with_prompt_only:
+            for i in range(3):  # alone in their steps: every sampled row of those steps is prompt-only
+                engine.add_request(f"only{i}", prompt, SamplingParams(max_tokens=0, prompt_logprobs=1 if i else None), ADAPTERS[i])
+            only = run_to_completion(engine)
+            assert all(o.token_ids == () and o.finish_reason == "length" for o in only.values())
+        engine.add_request("draw", prompt, sampled, None)
+        runs.append(run_to_completion(engine)["draw"].token_ids)
+    assert runs[0] == runs[1]

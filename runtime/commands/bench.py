@@ -179,19 +179,22 @@ def _check_json_path(path_text: str) -> Path:
     return path
 
 
+SYNTHETIC_PROMPT_SPECIAL_TOKENS = 1  # the synthetic model's byte-level tokenizer puts a bos in front, nothing else
+
+
 def _check_fits(args: argparse.Namespace, workload: Any, max_model_len: int) -> None:
     """Every request's prompt + output fits the synthetic model's context. Its tokenizer is
-    byte-level without merges: a prompt is at most its UTF-8 bytes + PROMPT_SPECIAL_TOKENS."""
+    byte-level without merges: a prompt is its UTF-8 bytes + the bos."""
     def need(r: Any) -> int:
-        return len(r.prompt.encode()) + PROMPT_SPECIAL_TOKENS + r.output_tokens
+        return len(r.prompt.encode()) + SYNTHETIC_PROMPT_SPECIAL_TOKENS + r.output_tokens
 
     worst = max(workload.requests, key=lambda r: (need(r), -r.index))
     if need(worst) > max_model_len:
         over = sum(1 for r in workload.requests if need(r) > max_model_len)
         where = f"--workload {args.workload}" if args.workload else "--input-len/--output-len"
         raise SetupError(where, f"{over} of {len(workload.requests)} requests do not fit the synthetic model's max_model_len {max_model_len}: "
-                                f"request {worst.index} needs up to {need(worst)} tokens ({len(worst.prompt.encode())}-byte prompt on its "
-                                f"byte-level tokenizer + {worst.output_tokens} output tokens); use shorter prompts or outputs")  # fmt: skip
+                                f"request {worst.index} needs {need(worst)} tokens (a {len(worst.prompt.encode())}-byte prompt on its byte-level "
+                                f"tokenizer, its bos, and {worst.output_tokens} output tokens); use shorter prompts or outputs")  # fmt: skip
 
 
 def _check_workdir(path_text: str) -> None:
