@@ -215,8 +215,7 @@ class LLMEngine:
             outside = [t for t in ids if t >= self._vocab_size]
             if outside:  # the sampler indexes logits with them (logit_bias, min_tokens)
                 raise ValueError(f"{name}: token ids {outside[:4]} are outside the model's vocabulary (size {self._vocab_size})")
-        held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
-        if params.min_tokens > 0 and sum(1 for t in held_back if 0 <= t < self._vocab_size) == self._vocab_size:
+        if params.min_tokens > 0 and self._holds_back_every_token(params):
             raise ValueError(f"min_tokens: the stop_token_ids and eos ids it holds back cover the whole vocabulary (size {self._vocab_size}); nothing could be sampled")
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
@@ -239,6 +238,11 @@ class LLMEngine:
             raise RequestRejected(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) need {need} KV blocks, but {pool}")
         ref = self.registry.resolve(adapter) if adapter is not None else None
         return CheckedRequest(request_id, prompt_ids, params, ref)
+
+    def _holds_back_every_token(self, params: SamplingParams) -> bool:
+        """Whether the ids ``min_tokens`` holds back (stop_token_ids, and eos unless ignored) cover the vocabulary."""
+        held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        return sum(1 for t in held_back if 0 <= t < self._vocab_size) == self._vocab_size
 
     def add_checked(self, checked: CheckedRequest) -> None:
         """Queue a request ``check_request`` accepted (see there)."""
