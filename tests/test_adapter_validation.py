@@ -135,10 +135,12 @@ def test_only_bin_is_refused_and_never_unpickled(copy_of, targets, tmp_path):
         ({"use_dora": True}, ["use_dora", "DoRA"]),
         ({"modules_to_save": ["lm_head"]}, ["modules_to_save", "lm_head"]),
         ({"bias": "all"}, ["bias", "'all'"]),
-        ({"fan_in_fan_out": True}, ["fan_in_fan_out"]),
+        ({"arrow_config": {"top_k": 2}}, ["arrow_config"]),
+        ({"kasa_config": {"k": 1}}, ["kasa_config"]),
+        ({"monteclora_config": {"n": 1}}, ["monteclora_config"]),
         ({"r": 0}, ["r must be a positive integer"]),
         ({"lora_alpha": "big"}, ["lora_alpha"]),
-        ({"target_modules": ["q_proj", "foo_proj"]}, ["target_modules", "foo_proj", "not a module"]),
+        ({"target_modules": ["foo_proj", "bar_proj"]}, ["target_modules", "'bar_proj', 'foo_proj'", "no entry is a module"]),
         ({"target_modules": ["q_proj", "lm_head"]}, ["lm_head", "cannot serve"]),
         ({"target_modules": ["embed_tokens"]}, ["model.embed_tokens", "cannot serve"]),
         ({"target_modules": r".*\.nothing_here"}, ["regex", "matches no module"]),
@@ -146,7 +148,8 @@ def test_only_bin_is_refused_and_never_unpickled(copy_of, targets, tmp_path):
         ({"target_modules": "q_proj("}, ["not a valid regex"]),
         ({"layers_to_transform": [5]}, ["layers_to_transform", "[5]"]),
         ({"target_modules": r".*q_proj", "layers_to_transform": [0]}, ["layers_to_transform", "regex"]),
-        ({"layers_pattern": "blocks", "layers_to_transform": [0]}, ["layers_pattern", "blocks"]),
+        ({"layers_pattern": "blocks", "layers_to_transform": [0]}, ["layers_pattern", "select no module"]),
+        ({"layers_pattern": 3, "layers_to_transform": [0]}, ["layers_pattern", "string"]),
         ({"rank_pattern": {"q_proj": 128}}, ["rank_pattern", "max_lora_rank"]),
         ({"use_rslora": "yes"}, ["use_rslora"]),
     ],
@@ -300,3 +303,110 @@ def test_a_config_without_lora_alpha_means_peft_s_default(copy_of, targets, tiny
     assert adapter.lora_alpha == peft.LoraConfig().lora_alpha == 8
     module = next(iter(adapter.modules.values()))
     assert module.scale == pytest.approx(8 / cfg["r"])
+
+
+# ---- PEFT config variants: read as PEFT reads them, or refused -----------------------------
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "OLoRA", "corda", "loftq"])
+def test_inits_that_rewrite_the_base_are_refused(copy_of, targets, init):
+    """With these, PEFT's loader turns each targeted base weight into a residual W - scale * B0 A0
+    before adding the adapter, so serving the adapter over the plain base would be silently wrong."""
+    path = copy_of()
+    edit_config(path, init_lora_weights=init)
+    expect(path, targets, "adapter_config.json", f"init_lora_weights={init!r}", "rewrites", "path_initial_model_for_weight_conversion")
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica", "lora_ga"])
+def test_inits_that_leave_the_base_alone_load(copy_of, targets, tiny_adapters, init):
+    path = copy_of()
+    edit_config(path, init_lora_weights=init)
+    plain = load(tiny_adapters["a"], targets)
+    got = load(path, targets)
+    assert got.modules.keys() == plain.modules.keys()
+    assert all(torch.equal(got.modules[k].lora_b, plain.modules[k].lora_b) for k in plain.modules)
+
+
+def test_rewriting_inits_are_the_ones_peft_rewrites_the_base_for(tiny_llama_dir):
+    """The refused list agrees with PEFT: a PiSSA / OLoRA adapter changes the base layer's weight
+    when PEFT creates it; a gaussian one does not."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from runtime.lora.adapter import rewrites_base
+
+    def base_changes(init) -> bool:
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+        before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+        return not torch.equal(peft_model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, before)
+
+    for init in ("pissa", "olora", "gaussian", True):
+        assert base_changes(init) == rewrites_base(init), init
+
+
+def test_fan_in_fan_out_on_linear_layers_is_read_as_false_like_peft(copy_of, targets, tiny_adapters, tiny_llama_dir, caplog):
+    path = copy_of()
+    edit_config(path, fan_in_fan_out=True)
+    with caplog.at_level("WARNING", logger="runtime.lora.adapter"):
+        got = load(path, targets)
+    assert "fan_in_fan_out" in caplog.text and "read as false" in caplog.text
+    plain = load(tiny_adapters["a"], targets)
+    assert all(torch.equal(got.modules[k].lora_a, plain.modules[k].lora_a) for k in plain.modules)
+    assert {k: (m.rank, m.scale) for k, m in got.modules.items()} == peft_ranks_and_scales(tiny_llama_dir, path)
+
+
+def test_default_adapter_name_infix_in_keys(copy_of, targets, tiny_adapters):
+    """PEFT reads ``lora_A.default.weight`` like ``lora_A.weight``; so does lorafleet. Both at once is refused."""
+    path = copy_of()
+    edit_tensors(path, lambda t: t.update({k.replace(".weight", ".default.weight"): t.pop(k) for k in list(t)}))
+    got, plain = load(path, targets), load(tiny_adapters["a"], targets)
+    assert got.modules.keys() == plain.modules.keys()
+    assert all(torch.equal(got.modules[k].lora_b, plain.modules[k].lora_b) for k in plain.modules)
+    both = copy_of("b")
+    edit_tensors(both, lambda t: t.__setitem__(KEY.replace(".weight", ".default.weight"), t[KEY].clone()))
+    expect(both, targets, "stored twice", "'.default'")
+
+
+def test_full_path_target_bypasses_layers_to_transform(tiny_llama_dir, tmp_path, targets):
+    """PEFT applies layers_to_transform only to suffix matches: a target named in full is always adapted."""
+    path = build_adapter(tiny_llama_dir, tmp_path / "full", r=4, target_modules=["model.layers.0.self_attn.q_proj", "v_proj"], seed=5,
+                         layers_to_transform=[1])
+    got = set(load(path, targets).modules)
+    assert got == {(0, "q_proj"), (1, "v_proj")}
+    assert got == set(peft_ranks_and_scales(tiny_llama_dir, path))
+
+
+@pytest.mark.parametrize("pattern", ["layers", "model.layers", ["blocks", "layers"]])
+def test_layers_pattern_is_matched_like_peft(tiny_llama_dir, tmp_path, targets, pattern):
+    path = build_adapter(tiny_llama_dir, tmp_path / "pattern", r=4, target_modules=["k_proj", "up_proj"], seed=6, layers_to_transform=[1],
+                         layers_pattern=pattern)
+    got = set(load(path, targets).modules)
+    assert got == {(1, "k_proj"), (1, "up_proj")}
+    assert got == set(peft_ranks_and_scales(tiny_llama_dir, path))
+
+
+def test_an_excluded_unsupported_target_is_not_refused(tiny_llama_dir, tmp_path, targets):
+    path = build_adapter(tiny_llama_dir, tmp_path / "excl", r=4, target_modules=["q_proj", "lm_head"], seed=7, exclude_modules=["lm_head"])
+    got = set(load(path, targets).modules)
+    assert got == {(0, "q_proj"), (1, "q_proj")}
+    assert got == set(peft_ranks_and_scales(tiny_llama_dir, path))
+
+
+def test_hand_written_config_shorthands(copy_of, targets, tiny_adapters, tiny_llama_dir, tmp_path, caplog):
+    """A literal "all-linear", a missing r (PEFT's default 8) and an entry that matches nothing
+    (skipped with a warning, as PEFT skips it) read as PEFT reads them."""
+    every = build_adapter(tiny_llama_dir, tmp_path / "every", r=8, target_modules="all-linear", seed=8, lora_alpha=16)
+    edit_config(every, target_modules="all-linear")
+    del_r = json.loads((every / "adapter_config.json").read_text())
+    del del_r["r"]
+    (every / "adapter_config.json").write_text(json.dumps(del_r))
+    got = load(every, targets)
+    assert len(got.modules) == 2 * 7 and got.r == 8
+    assert {k: (m.rank, m.scale) for k, m in got.modules.items()} == peft_ranks_and_scales(tiny_llama_dir, every)
+    extra = copy_of()
+    cfg = json.loads((extra / "adapter_config.json").read_text())
+    edit_config(extra, target_modules=list(cfg["target_modules"]) + ["c_attn"])
+    with caplog.at_level("WARNING", logger="runtime.lora.adapter"):
+        assert load(extra, targets).modules.keys() == load(tiny_adapters["a"], targets).modules.keys()
+    assert "'c_attn'" in caplog.text

@@ -13,9 +13,19 @@ Per targeted module (PEFT semantics; ``path`` = ``model.layers.{i}.{self_attn|ml
     delta(x) = scale * (x @ A^T) @ B^T
 
 ``target_modules``: a list matches a module when ``path == t`` or ``path`` ends with
-``"." + t``; a string is a regex that must ``fullmatch`` the path. Every list entry
-must match a module of the model. ``layers_to_transform`` (int or list) restricts the
-layers (list targets only, as in PEFT). ``exclude_modules`` (list or regex) removes modules.
+``"." + t``; a string is a regex that must ``fullmatch`` the path (``"all-linear"``: every
+linear layer but the LM head). As in PEFT, list entries that match nothing are logged and
+skipped, and only a list that matches nothing at all is refused. ``layers_to_transform``
+(int or list) restricts the layers of the modules a list entry matches by suffix (an entry
+equal to the whole path bypasses it, as in PEFT); the layer index is the number after the
+first ``layers_pattern`` match (a regex fragment, PEFT's ``{pattern}.<index>.``), or after
+the first dotted name when there is no pattern. ``exclude_modules`` (list or regex) removes modules.
+
+Refused, because PEFT's forward differs from the formula above: DoRA and the other LoRA
+variants (``_REFUSED_IF_TRUTHY``), and an ``init_lora_weights`` of PiSSA, OLoRA, CorDA or
+LoftQ, with which PEFT rewrites the base weights on load (``W - scale * B0 A0``) before
+adding the adapter. Tensor keys with PEFT's ``.default`` adapter-name infix
+(``lora_A.default.weight``) are read like the plain ones, as PEFT reads them.
 
 Validation order: files -> JSON -> config fields -> targets -> safetensors header
 (names, dtypes, shapes, ranks, byte ranges) -> tensor values (NaN/Inf). Every failure
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import struct
@@ -38,6 +49,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+logger = logging.getLogger(__name__)
+
+PEFT_DEFAULT_R = 8  # peft.LoraConfig.r's default, for a config without the key
 PEFT_DEFAULT_LORA_ALPHA = 8  # peft.LoraConfig.lora_alpha's default: an adapter_config.json without the key means 8, not r
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -50,8 +64,11 @@ UNSUPPORTED_MODULES = ("lm_head", "model.embed_tokens")
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _TENSOR_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Config fields that change the math; a non-default value we cannot honour is refused.
-_REFUSED_IF_TRUTHY = ("use_dora", "fan_in_fan_out", "lora_bias", "layer_replication", "target_parameters",
-                      "trainable_token_indices", "alora_invocation_tokens", "use_qalora", "use_bdlora")  # fmt: skip
+_REFUSED_IF_TRUTHY = ("use_dora", "lora_bias", "layer_replication", "target_parameters", "trainable_token_indices",
+                      "alora_invocation_tokens", "use_qalora", "use_bdlora", "arrow_config", "kasa_config",
+                      "monteclora_config")  # fmt: skip
+# The ``.default`` adapter-name infix PEFT reads in a saved key (``...lora_A.default.weight``).
+_DEFAULT_INFIX = re.compile(r"\.lora_([AB])\.default\.weight$")
 
 
 class AdapterError(ValueError):
@@ -121,6 +138,7 @@ def load_adapter(
     cfg = _parse_config(raw, config_path, max_lora_rank)
     modules = _resolve_modules(cfg, config_path, targets, num_layers)
     header, data_start, blob = _read_safetensors(weights_path)
+    header = _without_default_infix(header, weights_path)
     plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank)
     tensors = _decode_tensors(header, data_start, blob, weights_path)
     built: dict[tuple[int, str], LoRAModule] = {}
@@ -155,6 +173,7 @@ class _Config:
     alpha_pattern: Mapping[str, float]
     layers_to_transform: tuple[int, ...] | None
     exclude_modules: tuple[str, ...] | str | None
+    layers_pattern: tuple[str, ...] = ()
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -173,10 +192,28 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def rewrites_base(init_lora_weights: Any) -> bool:
+    """True for the ``init_lora_weights`` values with which PEFT's loader rewrites each targeted
+    base weight to a residual (``peft.tuners.lora.layer.LoraLayer.update_layer``): "pissa",
+    "pissa_niter_<n>", "corda...", "olora" (any case) and "loftq"."""
+    if not isinstance(init_lora_weights, str):
+        return False
+    value = init_lora_weights.lower()
+    return value.startswith(("pissa", "corda")) or value in ("olora", "loftq")
+
+
 def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Config:
     peft_type = raw.get("peft_type")
     if peft_type != "LORA":
         raise AdapterError(f"{path}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+    init = raw.get("init_lora_weights")
+    if rewrites_base(init):
+        raise AdapterError(
+            f"{path}: init_lora_weights={init!r} is not supported: with it PEFT rewrites each targeted base weight to "
+            "W - scale * B0 A0 (B0 A0 from the base's own SVD or QR, or its quantization error) when it loads the adapter, "
+            "so the adapter is only right over that rewritten base. Convert it to a plain LoRA first: PEFT's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=<the adapter as first initialised>) "
+            "writes one that applies to the original base (its rank doubles)")
     for key in _REFUSED_IF_TRUTHY:
         if key == "use_dora" and raw.get(key):
             from runtime.capabilities import unsupported_quote  # the matrix is read only to word this refusal
@@ -185,12 +222,15 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
                                f"{unsupported_quote('dora')}")
         if raw.get(key):
             raise AdapterError(f"{path}: {key}={raw[key]!r} is not supported: {key} changes the math lorafleet serves")
+    if raw.get("fan_in_fan_out"):  # PEFT's LoRA Linear resets it to False with a warning (it is for GPT-2's Conv1D)
+        logger.warning("%s: fan_in_fan_out=%r is for Conv1D layers; every target here is a Linear layer, so it is read as "
+                       "false, as PEFT does", path, raw["fan_in_fan_out"])
     if raw.get("modules_to_save"):
         raise AdapterError(f"{path}: modules_to_save={raw['modules_to_save']!r} is not supported: full module copies cannot be served per request")
     bias = raw.get("bias", "none")
     if bias != "none":
         raise AdapterError(f"{path}: bias={bias!r} is not supported; only 'none'")
-    r = raw.get("r")
+    r = raw.get("r", PEFT_DEFAULT_R)
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise AdapterError(f"{path}: r must be a positive integer, got {r!r}")
     alpha = raw.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA)  # what PEFT's LoraConfig uses when the key is absent
@@ -210,6 +250,8 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
                 raise AdapterError(f"{path}: {key}[{k!r}]={v!r} is not a valid value")
             _compile(k, path, key)
     targets = raw.get("target_modules")
+    if targets == "all-linear":  # PEFT's shorthand: every linear layer except the output layer
+        targets = list(MODULE_PARENT)
     if isinstance(targets, str):
         _compile(targets, path, "target_modules")
         target_modules: tuple[str, ...] | str = targets
@@ -226,8 +268,16 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
         if not isinstance(items, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
             raise AdapterError(f"{path}: layers_to_transform must be an int or a list of ints, got {layers!r}")
         pattern = raw.get("layers_pattern")
-        if pattern not in (None, "", [], "layers", ["layers"]):
-            raise AdapterError(f"{path}: layers_pattern={pattern!r} is not supported; this model's layers are 'model.layers'")
+        if pattern is None or pattern == "" or pattern == []:
+            layers_pattern: tuple[str, ...] = ()
+        elif isinstance(pattern, str):
+            layers_pattern = (pattern,)
+        elif isinstance(pattern, list) and all(isinstance(x, str) for x in pattern):
+            layers_pattern = tuple(pattern)
+        else:
+            raise AdapterError(f"{path}: layers_pattern must be a string or a list of strings, got {pattern!r}")
+        for x in layers_pattern:
+            _compile(x, path, "layers_pattern")
         layers_t = tuple(items)
     exclude = raw.get("exclude_modules")
     exclude_t: tuple[str, ...] | str | None = None
@@ -241,7 +291,8 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
     for k, v in rank_pattern.items():
         if v > max_lora_rank:
             raise AdapterError(f"{path}: rank_pattern[{k!r}]={v} exceeds max_lora_rank={max_lora_rank}")
-    return _Config(r, float(alpha), use_rslora, target_modules, dict(rank_pattern), {k: float(v) for k, v in alpha_pattern.items()}, layers_t, exclude_t)
+    return _Config(r, float(alpha), use_rslora, target_modules, dict(rank_pattern), {k: float(v) for k, v in alpha_pattern.items()}, layers_t,
+                   exclude_t, layers_pattern if layers_t is not None else ())
 
 
 def _compile(pattern: str, path: Path, key: str) -> re.Pattern[str]:
@@ -276,12 +327,6 @@ def _all_module_paths(num_layers: int) -> list[str]:
     return paths
 
 
-def _matches(cfg: _Config, module_path: str) -> bool:
-    if isinstance(cfg.target_modules, str):
-        return re.fullmatch(cfg.target_modules, module_path) is not None
-    return any(module_path == t or module_path.endswith("." + t) for t in cfg.target_modules)
-
-
 def _excluded(cfg: _Config, module_path: str) -> bool:
     if cfg.exclude_modules is None:
         return False
@@ -290,36 +335,70 @@ def _excluded(cfg: _Config, module_path: str) -> bool:
     return any(module_path == e or module_path.endswith("." + e) for e in cfg.exclude_modules)
 
 
+def _layer_index(cfg: _Config, module_path: str) -> int | None:
+    """PEFT's layer index of a module: the number after the first ``layers_pattern`` match, or,
+    without a pattern, after the first dotted name (``model.layers.3.mlp.up_proj`` -> 3)."""
+    if not cfg.layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_path)
+    else:
+        match = None
+        for pattern in cfg.layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_path)
+            if match is not None:
+                break
+    return int(match.group("idx")) if match is not None else None
+
+
+def _selected(cfg: _Config, module_path: str) -> bool:
+    """Whether PEFT puts LoRA on ``module_path`` (``peft.tuners.tuners_utils.check_target_module_exists``)."""
+    if _excluded(cfg, module_path):
+        return False
+    if isinstance(cfg.target_modules, str):
+        return re.fullmatch(cfg.target_modules, module_path) is not None
+    if module_path in cfg.target_modules:
+        return True  # named in full: layers_to_transform does not apply
+    if not any(module_path.endswith("." + t) for t in cfg.target_modules):
+        return False
+    if cfg.layers_to_transform is None:
+        return True
+    return _layer_index(cfg, module_path) in cfg.layers_to_transform
+
+
 def _resolve_modules(cfg: _Config, path: Path, targets: Mapping[str, tuple[int, int]], num_layers: int) -> list[tuple[int, str]]:
     """(layer, module) pairs the adapter targets, or an error naming the offending target."""
     if cfg.layers_to_transform is not None:
         bad = [i for i in cfg.layers_to_transform if not 0 <= i < num_layers]
         if bad:
             raise AdapterError(f"{path}: layers_to_transform {bad} are outside the model's {num_layers} layers")
+    known = _all_module_paths(num_layers)
     if isinstance(cfg.target_modules, tuple):
-        known = set(_all_module_paths(num_layers))
+        unmatched = []
         for t in cfg.target_modules:
             hits = [p for p in known if p == t or p.endswith("." + t)]
             if not hits:
-                raise AdapterError(f"{path}: target_modules entry {t!r} is not a module of this model; LoRA targets are {', '.join(targets)}")
-            _refuse_unsupported(hits, path, f"target_modules entry {t!r}", targets)
+                unmatched.append(t)
+            _refuse_unsupported([p for p in hits if _selected(cfg, p)], path, f"target_modules entry {t!r}", targets)
+        if len(unmatched) == len(cfg.target_modules):
+            raise AdapterError(f"{path}: target_modules: no entry is a module of this model ({', '.join(map(repr, unmatched))}); "
+                               f"LoRA targets are {', '.join(targets)}")
+        if unmatched:  # PEFT skips them too, and refuses only a list of which nothing matches
+            logger.warning("%s: target_modules entries %s match no module of this model; the adapter is read without them, as PEFT does",
+                           path, ", ".join(map(repr, unmatched)))
     else:
-        hits = [p for p in _all_module_paths(num_layers) if re.fullmatch(cfg.target_modules, p)]
+        hits = [p for p in known if re.fullmatch(cfg.target_modules, p)]
         if not hits:
             raise AdapterError(f"{path}: target_modules regex {cfg.target_modules!r} matches no module of this model")
-        _refuse_unsupported(hits, path, f"target_modules regex {cfg.target_modules!r}", targets)
+        _refuse_unsupported([p for p in hits if _selected(cfg, p)], path, f"target_modules regex {cfg.target_modules!r}", targets)
     chosen = []
     for layer in range(num_layers):
-        if cfg.layers_to_transform is not None and layer not in cfg.layers_to_transform:
-            continue
         for name in MODULE_PARENT:
             mp = _module_path(layer, name)
-            if _matches(cfg, mp) and not _excluded(cfg, mp):
+            if _selected(cfg, mp):
                 if name not in targets:
                     raise AdapterError(f"{path}: target module {mp} is not a LoRA target of this model ({', '.join(targets)})")
                 chosen.append((layer, name))
     if not chosen:
-        raise AdapterError(f"{path}: target_modules / layers_to_transform / exclude_modules select no module of this model")
+        raise AdapterError(f"{path}: target_modules / layers_to_transform / layers_pattern / exclude_modules select no module of this model")
     return chosen
 
 
@@ -371,6 +450,17 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], int, bytes]:
         if end - start != math.prod(entry["shape"]) * itemsize:
             raise AdapterError(f"{path}: tensor {name}: {end - start} bytes do not fit shape {entry['shape']} of {entry['dtype']}")
     return header, data_start, blob
+
+
+def _without_default_infix(header: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The header with ``lora_A.default.weight`` keys renamed ``lora_A.weight`` (PEFT reads both)."""
+    renamed: dict[str, Any] = {}
+    for name, entry in header.items():
+        plain = _DEFAULT_INFIX.sub(r".lora_\1.weight", name)
+        if plain in renamed:
+            raise AdapterError(f"{path}: tensor {plain} is stored twice, with and without the '.default' adapter-name infix")
+        renamed[plain] = entry
+    return renamed
 
 
 def _is_count(v: Any) -> bool:
