@@ -174,7 +174,11 @@ class LLMEngine:
             path = self.registry.path_of(ref)
         except KeyError:
             raise AdapterError(f"adapter {ref.name!r} (version {ref.version[:12]}) is no longer registered") from None
-        adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
+        try:
+            adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
+        except AdapterError as err:  # it loaded when registered: its files changed (or went) since
+            raise AdapterError(f"{path}: the adapter changed on disk since it was registered (version {ref.version[:12]}) and no "
+                               f"longer loads: {err}; register it again to serve the new content") from None
         if adapter.version != ref.version:
             raise AdapterError(
                 f"{path}: the adapter changed on disk since it was registered (registered version {ref.version[:12]}, "

@@ -1,6 +1,7 @@
 """Offline API: LLM(...).generate over the continuous-batching engine."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -67,6 +68,13 @@ def test_failed_requests_raise_with_every_result_unless_asked_not_to(tiny_llama_
         assert good.finish_reason == "length" and len(good.token_ids) == 3 and bad.finish_reason == "error"
         kept = llm.generate(["x", "y"], params, adapter=[None, "live"], raise_on_error=False)
         assert [r.finish_reason for r in kept] == ["length", "error"] and kept[0].token_ids == good.token_ids
+        # Files replaced by ones that no longer validate (another adapter's targets): still "changed on disk", with the reason.
+        llm.register_adapter("gone", str(copy_adapter(tiny_adapters["a"], tmp_path / "gone")))
+        llm.register_adapter("other2", str(copy_adapter(tiny_adapters["b"], tmp_path / "other2")))  # drops "gone" from the host tier
+        shutil.copyfile(tiny_adapters["c"] / "adapter_model.safetensors", tmp_path / "gone" / "adapter_model.safetensors")  # a's config, c's tensors
+        (failed,) = llm.generate(["y"], params, adapter="gone", raise_on_error=False)
+        assert failed.finish_reason == "error" and "changed on disk since it was registered" in failed.error, failed.error
+        assert "no longer loads" in failed.error
     assert not llm.engine.has_unfinished()
 
 
