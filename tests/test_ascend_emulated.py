@@ -11,6 +11,7 @@ import ast
 import zlib
 import importlib.util
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,25 @@ def test_emulated_decode_slice_as_wide_as_y_falls_back():
     assert_close(y_npu, y_ref, y64, torch.float16)
     assert ops.calls["npu_batch_gather_matmul"] == 0
     assert backend.fallbacks.counts == {"decode:slice-width": 1}
+
+
+def test_emulated_decode_splits_more_than_32_slots_and_refuses_odd_y_widths():
+    """AddLora (the kernel under npu_batch_gather_matmul) takes at most 32 weights per call and a
+    y width that is a multiple of 16: 40 rank-16 slots run as 32 + 8 per slice, and a slice in a
+    y 40 wide takes the torch path."""
+    gen = torch.Generator().manual_seed(5)
+    backend, ops = emulated_backend()
+    weights = make_weights([(32, 32), (32, 16)], [[16] * 40, [16] * 40], torch.float16, "cpu", gen)
+    slots = list(range(40)) + [-1, 3, 39]
+    y_npu, y_ref, y64 = run_both(backend, weights, slots, decode_only=True, dtype=torch.float16, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float16)
+    assert ops.calls["npu_batch_gather_matmul"] == 4 and backend.fallbacks.counts == {}
+    backend, ops = emulated_backend()
+    weights = make_weights([(32, 32), (32, 8)], [[16, 16], [16, 16]], torch.float16, "cpu", gen)
+    y_npu, y_ref, y64 = run_both(backend, weights, [0, 1, -1], decode_only=True, dtype=torch.float16, gen=gen)
+    assert_close(y_npu, y_ref, y64, torch.float16)
+    assert ops.calls["npu_batch_gather_matmul"] == 0
+    assert backend.fallbacks.counts == {"decode:y-width-multiple-16": 1, "decode:hidden-multiple-16": 1}
 
 
 def test_emulated_fallback_logged_once_per_reason(caplog):
@@ -331,6 +351,9 @@ def test_emulation_enforces_documented_limits():
         dict(indices=idx.long()),  # int32 only
         dict(y_slice_size=64, y_offset=0, weight_b=torch.randn(2, 1, 64, 16).half()),  # H2 == y_column
         dict(layer_idx=1),
+        dict(input=torch.randn(4, 72).half()),  # AddLora: y_column a multiple of 16
+        dict(weight_a=torch.randn(33, 1, 16, 32).half(), weight_b=torch.randn(33, 1, 48, 16).half()),  # AddLora: W <= 32
+        dict(y_slice_size=-1),  # -1 means y_column (64), above H2 (48)
     ]
     base = dict(input=y, x=xb, weight_b=wb, indices=idx, weight_a=wa, layer_idx=0, scale=1.0, y_offset=8, y_slice_size=48)
     for kw in rejects:
@@ -365,7 +388,10 @@ def test_emulated_probe_npu_prints_one_line_and_fails():
 
 def test_importing_runtime_and_backends_never_imports_torch_npu():
     code = "import sys, runtime, backends, backends.ascend.backend; print('torch_npu' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    # Where torch_npu is installed, torch's device-backend autoload imports it in `import torch`
+    # itself, whatever lorafleet does; switched off, the check is about lorafleet's imports alone.
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)
     assert out.stdout.strip() == "False"
 
 
@@ -391,3 +417,17 @@ def test_code_review_ascend_source_has_no_host_reads_and_creates_tensors_on_devi
             if is_torch and attr in FACTORIES and not any(k.arg == "device" for k in node.keywords):
                 problems.append(f"{where} torch.{attr}(...) without device=")
     assert problems == []
+
+
+def test_no_visible_device_is_a_clear_error(monkeypatch):
+    """torch_npu's get_device_name asserts ("Invalid device id") when no device is visible."""
+    from types import SimpleNamespace
+
+    from backends.ascend import import_guard
+
+    def no_device(device=None):
+        raise AssertionError("Invalid device id")
+
+    monkeypatch.setattr(import_guard, "import_torch_npu", lambda: SimpleNamespace(npu=SimpleNamespace(get_device_name=no_device)))
+    with pytest.raises(RuntimeError, match=r"cannot read the name of device cpu .*AssertionError: Invalid device id.*visible"):
+        AscendBackend(device="cpu", npu_ops=EmulatedTorchNpuOps())  # "npu" is a device type only once torch_npu is imported

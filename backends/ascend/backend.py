@@ -29,7 +29,11 @@ class AscendBackend:
             torch_npu = import_guard.import_torch_npu()  # registers the "npu" device type with torch
         self.device = torch.device(device)
         if soc_name is None:
-            soc_name = torch_npu.npu.get_device_name(self.device)
+            try:
+                soc_name = torch_npu.npu.get_device_name(self.device)
+            except (AssertionError, RuntimeError) as err:  # no visible device: torch_npu asserts "Invalid device id"
+                raise RuntimeError(f"npu backend: cannot read the name of device {self.device} ({import_guard.one_line(err)}); "
+                                   "is an Ascend device visible to this process (ASCEND_RT_VISIBLE_DEVICES, npu-smi info)?") from None
         self.soc_name = soc_name
         self.soc = classify(soc_name)
         self.fallbacks = FallbackLog()

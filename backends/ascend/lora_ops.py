@@ -128,7 +128,8 @@ class AscendLoRAOps:
         torch_slots: list[int] = []
         for rank, slots in sorted(buckets.items()):
             reason = batch_gather.unsupported_reason(
-                self._soc, (x.dtype, y.dtype, w.a_rows.dtype, w.b_rows.dtype), rank, w.in_features, w.out_features, y.shape[1]
+                self._soc, (x.dtype, y.dtype, w.a_rows.dtype, w.b_rows.dtype), rank, w.in_features, w.out_features, y.shape[1],
+                y.is_contiguous(),
             )
             if reason is None:
                 batch_gather.apply_bucket(self._ops, x, y, w, slots, rank, meta.token_slots, offset)

@@ -19,8 +19,13 @@ npu_batch_gather_matmul(_): fp16, input [B, y_col], x [B, H1] (H1 % 16 == 0),
     weight_a [W, L, R, H1], weight_b [W, L, H2, R] (H2 % 16 == 0, H2 < y_col),
     R % 16 == 0 in [16, 128], indices int32 [B] (-1 skips the row), layer_idx < L,
     y_offset < y_col; with weight_a None the first matmul is skipped and weight_b is
-    [W, L, H2, H1].
-    input[b, off:off+size] += scale * (x[b] @ weight_a[w, l]^T) @ weight_b[w, l]^T
+    [W, L, H2, H1]; y_slice_size -1 means y_col.
+    input[b, off:off+H2] += scale * (x[b] @ weight_a[w, l]^T) @ weight_b[w, l]^T
+    The CANN kernel behind it (AddLora, hicann/ops-math ``math/add_lora``: aclnnAddLora.md,
+    add_lora_tiling.cpp, add_lora_base.h) adds: W and L in 1..32; y_col a multiple of 16;
+    H1, H2, y_col <= 131072; y_slice_size <= H2 (H2 columns are written at y_offset); and its
+    arithmetic: x @ A^T accumulated in fp32 and stored as fp16, (.) @ B^T likewise, scale
+    applied in fp16, then an fp16 add into y. The emulation rounds at the same places.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import torch
 from torch import Tensor
 
 MAX_LIST = 128
+ADD_LORA_MAX_W = ADD_LORA_MAX_L = 32
+ADD_LORA_MAX_HIDDEN = 131072
 MAX_GROUPS_SSS = 1024
 INNER_LIMIT = 65536
 A2_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -175,6 +182,12 @@ class EmulatedTorchNpuOps:
             raise NpuOpError(f"H2={h2} must be a multiple of 16")
         if not h2 < y_col:
             raise NpuOpError(f"H2={h2} must be < y_column={y_col}")
+        if y_col % 16:
+            raise NpuOpError(f"y_column={y_col} must be a multiple of 16 (AddLora tiling)")
+        if max(h1, h2, y_col) > ADD_LORA_MAX_HIDDEN:
+            raise NpuOpError(f"H1={h1}, H2={h2}, y_column={y_col} must be <= {ADD_LORA_MAX_HIDDEN} (AddLora tiling)")
+        if not 1 <= w <= ADD_LORA_MAX_W or not 1 <= l <= ADD_LORA_MAX_L:
+            raise NpuOpError(f"W={w} and L={l} must be in 1..32 (AddLora tiling: weight num exceeds limit 32)")
         if indices.dtype != torch.int32 or tuple(indices.shape) != (batch,):
             raise NpuOpError(f"indices must be int32 [{batch}], got {indices.dtype} {tuple(indices.shape)}")
         if not 0 <= layer_idx < l:
@@ -182,10 +195,9 @@ class EmulatedTorchNpuOps:
         if not 0 <= y_offset < y_col:
             raise NpuOpError(f"y_offset={y_offset} must be in [0, y_column={y_col})")
         size = y_col if y_slice_size == -1 else y_slice_size
-        # The docs do not state how y_slice_size relates to H2; the result has H2 columns,
-        # so the strict reading is size == H2, inside y.
-        if size != h2 or y_offset + size > y_col:
-            raise NpuOpError(f"y_slice_size={size} at y_offset={y_offset} must equal H2={h2} and fit y_column={y_col}")
+        # AddLora's tiling requires y_slice_size <= H2; the kernel writes H2 columns from y_offset.
+        if not 1 <= size <= h2 or y_offset + h2 > y_col:
+            raise NpuOpError(f"y_slice_size={size} must be in 1..H2={h2}, and H2 columns at y_offset={y_offset} must fit y_column={y_col}")
         idx = [int(v) for v in indices.tolist()]
         if any(not -1 <= v < w for v in idx):
             raise NpuOpError(f"indices must be in [-1, W={w}): {idx}")
@@ -196,9 +208,11 @@ class EmulatedTorchNpuOps:
         rows_t = torch.tensor(rows, dtype=torch.int64)
         sel = torch.tensor([idx[b] for b in rows], dtype=torch.int64)
         xr = x[rows_t].float()  # [n, H1]
-        # Intermediate precision is not documented: fp32 here.
-        h = xr if weight_a is None else torch.einsum("nh,nrh->nr", xr, weight_a[sel, layer_idx].float())
-        delta = scale * torch.einsum("nr,nor->no", h, weight_b[sel, layer_idx].float())
-        cols = slice(y_offset, y_offset + size)
-        input[rows_t, cols] = (input[rows_t, cols].float() + delta).to(input.dtype)
+        # As the AddLora kernel: each matmul accumulates in fp32 and is stored as fp16, the
+        # scale is applied in fp16, and the result is added into y in fp16.
+        h = xr if weight_a is None else torch.einsum("nh,nrh->nr", xr, weight_a[sel, layer_idx].float()).half().float()
+        z = torch.einsum("nr,nor->no", h, weight_b[sel, layer_idx].float()).half()
+        delta = z * torch.tensor(scale, dtype=torch.float16)
+        cols = slice(y_offset, y_offset + h2)
+        input[rows_t, cols] = input[rows_t, cols] + delta
         return input
