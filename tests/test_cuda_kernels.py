@@ -186,6 +186,19 @@ def test_kernels_match_oracle_interpreted(path: str, dtype: torch.dtype) -> None
 
 @interpreter
 @pytest.mark.interpreter
+def test_largest_segment_tiles_interpreted() -> None:
+    """Segments of 40 and 30 rows and a 130-wide slice: the 64 x 128 expand tile, launched with
+    8 warps (``expand_warps``), and ragged edges in every dimension."""
+    from backends.cuda.kernel_config import expand_warps, segment_tiles
+
+    tiles = segment_tiles(64, 16, 32, 130)
+    assert (tiles.block_m, tiles.block_n, expand_warps(tiles)) == (64, 128, 8)
+    assert expand_warps(segment_tiles(16, 16, 32, 130)) == 4
+    run_case("segment", torch.float32, "cpu", in_features=32, outs=(130,), ranks=[{0: 16, 1: 8}], slots=[0] * 40 + [1] * 30 + [-1], seed=3)
+
+
+@interpreter
+@pytest.mark.interpreter
 def test_backend_ops_pick_path_and_reuse_tables_interpreted() -> None:
     """CudaLoRAOps through apply_lora equals the reference ops on the same inputs, for a
     decode step (per-token kernels) and a prefill step (segment kernels)."""

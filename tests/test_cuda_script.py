@@ -14,13 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cuda" / "run_all.sh"
 
 
-def _fake_python(tmp_path: Path, work: Path, failing_step: str = "") -> Path:
+def _fake_python(tmp_path: Path, work: Path, failing_step: str = "", junit: str = "") -> Path:
     """Records its arguments; runs inline scripts (`-`) with the real interpreter; serve.py writes a summary;
-    exits 1 when called with ``failing_step`` among its arguments."""
+    exits 1 when called with ``failing_step`` among its arguments; pytest writes ``junit`` as its report when given."""
     fake = tmp_path / "fakepy"
+    if junit:
+        (tmp_path / "junit.xml").write_text(junit)
     fake.write_text(f"""#!/bin/bash
 echo "$@" >> {tmp_path}/calls
 for a in "$@"; do [ -n "{failing_step}" ] && [ "$a" = "{failing_step}" ] && exit 1; done
+for a in "$@"; do case "$a" in --junitxml=*) [ -f {tmp_path}/junit.xml ] && cp {tmp_path}/junit.xml "${{a#--junitxml=}}";; esac; done
 if [ "$1" = "-" ]; then exec {sys.executable} "$@"; fi
 if [ "$1" = "-c" ]; then exit 1; fi
 for a in "$@"; do [ "$a" = benchmarks/serve.py ] && mkdir -p {work}/serve && echo '{{"ok": 1}}' > {work}/serve/summary.json; done
@@ -30,9 +33,9 @@ sleep 1
     return fake
 
 
-def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "") -> tuple[Path, Path]:
+def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "", junit: str = "") -> tuple[Path, Path]:
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, work, failing_step)), "WORKDIR": str(work), "RUN_ALL_BUDGET_S": str(budget)}
+    env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, work, failing_step, junit)), "WORKDIR": str(work), "RUN_ALL_BUDGET_S": str(budget)}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == want_rc, done.stderr
@@ -69,3 +72,20 @@ def test_a_failed_step_makes_the_run_fail_but_the_others_still_run(tmp_path: Pat
     out, _ = _run(tmp_path, budget=540, want_rc=1, failing_step="benchmarks/lora_ops.py")
     steps = json.loads((out / "status.json").read_text())["steps"]
     assert steps["lora_ops"]["rc"] == 1 and steps["serve"]["rc"] == 0 and steps["probe"]["rc"] == 0
+
+
+def _junit(*outcomes: str) -> str:
+    cases = "".join(f'<testcase classname="t" name="c{i}">' + ("<skipped message='no GPU'/>" if o == "skipped" else "") + "</testcase>"
+                    for i, o in enumerate(outcomes))
+    return f"<testsuites><testsuite>{cases}</testsuite></testsuites>"
+
+
+def test_a_run_where_every_cuda_test_skipped_fails(tmp_path: Path):
+    """A CPU-only torch skips every cuda test and pytest exits 0: that is no verification."""
+    out, _ = _run(tmp_path, budget=540, want_rc=1, junit=_junit("skipped", "skipped"))
+    assert json.loads((out / "pytest_cuda.json").read_text())["counts"] == {"passed": 0, "failed": 0, "error": 0, "skipped": 2}
+
+
+def test_a_run_where_cuda_tests_passed_succeeds(tmp_path: Path):
+    out, _ = _run(tmp_path, budget=540, junit=_junit("passed", "skipped"))
+    assert json.loads((out / "pytest_cuda.json").read_text())["counts"]["passed"] == 1

@@ -167,6 +167,20 @@ def test_batch_meta_first_row_marks_one_run_in_slot_order(slots, first_row):
     assert LoRABatchMeta.build(slots, "cpu").first_row == first_row
 
 
+def test_batch_meta_device_arrays_are_16_byte_aligned_and_exact():
+    """Triton specializes kernels on 16-byte pointer alignment: every packed section must start
+    aligned whatever the batch, or each alignment pattern compiles its own kernel variant."""
+    rng = random.Random(7)
+    for _ in range(200):
+        slots = [rng.choice([-1, 0, 1, 2, 5]) for _ in range(rng.randint(1, 23))]
+        meta = LoRABatchMeta.build(slots, "cpu")
+        arrays = (meta.token_slots, meta.sorted_tokens, meta.seg_slots, meta.seg_starts)
+        assert all(a.data_ptr() % 16 == 0 for a in arrays if a.numel()), slots
+        order = sorted((i for i, s in enumerate(slots) if s != -1), key=lambda i: slots[i])
+        assert meta.token_slots.tolist() == slots and meta.sorted_tokens.tolist() == order
+        assert meta.seg_slots.tolist() == list(meta.host_seg_slots) and meta.seg_starts.tolist() == list(meta.host_seg_starts)
+
+
 def test_shrink_writes_only_rows_with_an_adapter():
     gen = torch.Generator().manual_seed(7)
     weights, _ = make_weights(torch.float32, gen)

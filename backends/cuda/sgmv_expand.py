@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda.kernel_config import dot_in_fp32, segment_tiles
+from backends.cuda.kernel_config import dot_in_fp32, expand_warps, segment_tiles
 from backends.cuda.lora_checks import check_expand
 from backends.cuda.slice_table import COL_B, COL_OFFSET, COL_OUT, COL_RANK, COL_SCALE, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
@@ -109,4 +109,5 @@ def sgmv_expand(
         h, y, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts,
         n_col_blocks, h.stride(0), h.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, DOT_FP32=dot_in_fp32(y.dtype),
+        num_warps=expand_warps(tiles),
     )

@@ -88,14 +88,19 @@ step() {  # step NAME LIMIT_S COMMAND...: run within min(LIMIT, time left), log,
 }
 
 # `lorafleet` may not be on PATH when the project is not pip-installed; the module is the same CLI.
-step probe 90 bash -c "\"$PY\" -m runtime.cli probe --device cuda --json > \"$OUT/probe.json\""
+step probe 150 bash -c "\"$PY\" -m runtime.cli probe --device cuda --json > \"$OUT/probe.json\""
 
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+  echo "== pytest is not installed for $PY: the pytest_cuda step will fail (pip install pytest)" >&2
+fi
 # Only the files that hold cuda tests: collecting tests/ whole would fail on the server modules,
 # which the GPU image lacks. A per-test timeout where pytest-timeout is installed.
 PER_TEST=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout=120)
 step pytest_cuda 240 "$PY" -m pytest -m cuda -o addopts="" -o faulthandler_timeout=60 -v -rA -p no:cacheprovider \
   "${PER_TEST[@]}" --junitxml="$WORK/logs/pytest_cuda.xml" tests/test_cuda_kernels.py tests/test_capabilities.py
+# A CPU-only torch (or no GPU visible) skips every cuda test and pytest still exits 0: the
+# summary below fails the step when nothing passed.
 "$PY" - "$WORK/logs/pytest_cuda.xml" "$OUT/pytest_cuda.json" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
@@ -118,7 +123,11 @@ for case in ET.parse(src).getroot().iter("testcase"):
                   "seconds": float(case.get("time") or 0), "message": message})
 counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
 dst.write_text(json.dumps({"counts": counts, "cases": cases}, indent=2))
+if counts["passed"] == 0:
+    print(f"pytest_cuda: no cuda test passed ({counts}); is this torch a CUDA build, with a GPU visible?", file=sys.stderr)
+    sys.exit(3)
 PYEOF
+[ $? -eq 3 ] && INCOMPLETE+=("pytest_cuda (no test passed)")
 
 step lora_ops 200 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
 

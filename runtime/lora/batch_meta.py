@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 NO_ADAPTER = -1
+SECTION_ALIGN_INT32 = 4  # int32s per 16 bytes: every packed section starts aligned (see build)
 
 
 def adapter_order(slots: Sequence[int]) -> list[int]:
@@ -89,15 +90,23 @@ class LoRABatchMeta:
         one_run = bool(order) and all(b == a + 1 for a, b in zip(order, order[1:]))
         first_row = order[0] if one_run else None
         device = torch.device(device)
-        # One packed host tensor, one copy to the device.
-        packed = torch.tensor(slots + order + seg_slots + seg_starts, dtype=torch.int32)
-        packed = packed.to(device, non_blocking=True)
-        t, n, s = len(slots), len(order), len(seg_slots)
+        # One packed host tensor, one copy to the device. Each section starts on a 16-byte
+        # boundary: Triton compiles a kernel variant per alignment pattern of its pointer
+        # arguments, so unaligned views would compile up to 8 variants of each segment kernel
+        # as batch sizes vary (a stall of about a second each on first use).
+        sections = (slots, order, seg_slots, seg_starts)
+        flat: list[int] = []
+        starts = []
+        for values in sections:
+            starts.append(len(flat))
+            flat += values + [0] * (-len(values) % SECTION_ALIGN_INT32)
+        packed = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+        views = [packed[start : start + len(values)] for start, values in zip(starts, sections)]
         return cls(
-            token_slots=packed[:t],
-            sorted_tokens=packed[t : t + n],
-            seg_slots=packed[t + n : t + n + s],
-            seg_starts=packed[t + n + s :],
+            token_slots=views[0],
+            sorted_tokens=views[1],
+            seg_slots=views[2],
+            seg_starts=views[3],
             decode_only=decode_only,
             host_seg_slots=tuple(seg_slots),
             host_seg_starts=tuple(seg_starts),
