@@ -210,8 +210,7 @@ class LLMEngine:
         requests is checked whole before any of it is queued)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self._refuse_in_flight(request_id)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -243,6 +242,12 @@ class LLMEngine:
         ref = self.registry.resolve(adapter) if adapter is not None else None
         return CheckedRequest(request_id, prompt_ids, params, ref)
 
+    def _refuse_in_flight(self, request_id: str) -> None:
+        """An id stays taken until ``step()`` has returned its final output (an aborted request's
+        comes with the next step), so no step returns two requests under one id."""
+        if request_id in self._live or any(o.request_id == request_id for o in self._pending):
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+
     def _holds_back_every_token(self, params: SamplingParams) -> bool:
         """Whether the ids ``min_tokens`` holds back (stop_token_ids, and eos unless ignored) cover the vocabulary."""
         held_back = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
@@ -251,8 +256,7 @@ class LLMEngine:
     def add_checked(self, checked: CheckedRequest) -> None:
         """Queue a request ``check_request`` accepted (see there)."""
         request_id, prompt_ids, params, ref = checked
-        if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        self._refuse_in_flight(request_id)
         if ref is not None and not self.registry.known(ref):  # unregistered since the check, with no reader left
             raise UnknownAdapterError(f"adapter {ref.name!r}: version {ref.version[:12]} is no longer registered")
         if params.max_tokens > 0:  # a prompt-only request samples nothing: no generator, no seed drawn

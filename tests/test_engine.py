@@ -212,6 +212,20 @@ def test_abort_releases_blocks_and_references_including_pending_loads(tiny_llama
     assert not engine.abort("q0")
 
 
+def test_an_aborted_id_stays_taken_until_its_final_output_is_returned(tiny_llama_dir):
+    """Reusing the id at once would make the next step return two requests under one id."""
+    engine = make_engine(tiny_llama_dir)
+    engine.add_request("r1", [5, 6, 7], GREEDY)
+    engine.step()
+    assert engine.abort("r1")
+    with pytest.raises(ValueError, match="'r1' is already in flight"):
+        engine.add_request("r1", [5, 6, 7], GREEDY)
+    (final,) = engine.step()
+    assert final.request_id == "r1" and final.finish_reason == "abort"
+    engine.add_request("r1", [5, 6, 7], GREEDY)  # free again
+    assert [o.request_id for o in engine.step()] == ["r1"]
+
+
 def test_corrupted_adapter_fails_only_its_requests(tiny_llama_dir, tiny_adapters, tmp_path):
     engine = make_engine(tiny_llama_dir, max_loras=1, max_cpu_loras=1)
     broken = copy_adapter(Path(tiny_adapters["a"]), tmp_path / "broken")
