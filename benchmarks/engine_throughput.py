@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench.suite import offline_throughput, stepped_in_turn  # noqa: E402
-from runtime.bench.summary import median_round, upper_median  # noqa: E402
+from runtime.bench.summary import median, median_round  # noqa: E402
 from runtime.bench.synthetic import LlamaShape, build_random_adapter, build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
@@ -128,12 +128,12 @@ def main() -> None:
         results["mixed_rank_pool"] = {k: mixed_run["pool"][k] for k in ("device_slots_used", "device_rows_used", "device_bytes_in_use", "device_bytes_if_padded", "device_bytes_capacity")}
     def ratio(num: str, den: str) -> float:
         """Median over rounds of the within-round ratio."""
-        return round(upper_median([rd[num]["tokens_per_s"] / rd[den]["tokens_per_s"] for rd in rounds]), 3)
+        return round(median([rd[num]["tokens_per_s"] / rd[den]["tokens_per_s"] for rd in rounds]), 3)
 
     results["ratio_multi_lora_vs_base"] = ratio("mixed_8_rank16_uniform", "base_only")
     results["alternating_steps"] = paired
     for key, (num, den) in pairs.items():
-        results[f"ratio_{key}_alternating"] = round(upper_median([r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in paired[key]]), 3)
+        results[f"ratio_{key}_alternating"] = round(median([r[num]["tokens_per_s"] / r[den]["tokens_per_s"] for r in paired[key]]), 3)
     results["ratio_200_vs_8_zipf"] = ratio("zipf_200_adapters", "zipf_8_adapters")
     if "zipf_200_adapters_max_loras_8" in results:
         results["ratio_200_max_loras_8_vs_8_zipf"] = ratio("zipf_200_adapters_max_loras_8", "zipf_8_adapters")

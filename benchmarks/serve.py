@@ -42,7 +42,7 @@ from runtime.commands.bench import SetupError, check_lengths  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
-from runtime.bench.summary import BASE, median_round, percentile, summarize, table, upper_median  # noqa: E402
+from runtime.bench.summary import BASE, median, median_round, percentile, summarize, table  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
@@ -58,7 +58,7 @@ def in_turn_ratio(pairs: list[dict[str, dict]], num: str, den: str) -> float | N
     denominator run produced no tokens."""
     if any(pr[den]["tokens_per_s"] <= 0 for pr in pairs):
         return None
-    return upper_median([pr[num]["tokens_per_s"] / pr[den]["tokens_per_s"] for pr in pairs])
+    return median([pr[num]["tokens_per_s"] / pr[den]["tokens_per_s"] for pr in pairs])
 
 
 def offline(workload: Workload) -> Workload:
@@ -214,7 +214,7 @@ def main() -> int:
         """Median of within-round throughput ratios; None if a denominator run produced nothing (every request failed)."""
         if any(rd[den]["throughput_tokens_per_s"] <= 0 for rd in of):
             return None
-        return upper_median([rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in of])
+        return median([rd[num]["throughput_tokens_per_s"] / rd[den]["throughput_tokens_per_s"] for rd in of])
 
     ratios = {}
     if "(a) no adapters" in by_label:
@@ -257,10 +257,13 @@ def main() -> int:
     popular = sorted((n for n in ttfts if n != BASE), key=lambda n: -len(ttfts[n]))  # adapters only, not the base rows
     fairness = None
     if len(popular) >= 2:
-        most = percentile(ttfts[popular[0]], 99)
+        # Ties count on both sides, against lorafleet: the best p99 TTFT of the adapters tied for the
+        # most requests, the worst p99 of those tied for the fewest (often many one-request adapters).
+        top = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[0]])]
         rare = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[-1]])]
+        most = min(percentile(ttfts[n], 99) for n in top)
         least = max(percentile(ttfts[n], 99) for n in rare)
-        fairness = {"most_popular": popular[0], "most_popular_p99_ttft_s": most, "least_popular": rare, "least_popular_p99_ttft_s": least,
+        fairness = {"most_popular": top, "most_popular_p99_ttft_s": most, "least_popular": rare, "least_popular_p99_ttft_s": least,
                     "ratio": least / most if most else None}
     on["fairness"] = fairness
     results["online"] = on

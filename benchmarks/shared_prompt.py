@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.bench.summary import upper_median  # noqa: E402
+from runtime.bench.summary import median  # noqa: E402
 from runtime.bench.synthetic import LlamaShape, build_random_llama  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = results[wait]
         walls = ", ".join(f"{x['wall_s']:.3f}" for x in runs)
         print(f"{label:<34} wall {walls} s; steps {runs[0]['steps']}; hit blocks {runs[0]['hit_blocks']}")
-    speedup = upper_median([off["wall_s"] / on["wall_s"] for on, off in zip(results[True], results[False])])
+    speedup = median([off["wall_s"] / on["wall_s"] for on, off in zip(results[True], results[False])])
     print(f"{a.copies} copies of a {a.prompt_len}-token prompt: waiting is {speedup:.2f}x faster (median of per-round ratios)")
     return 0
 

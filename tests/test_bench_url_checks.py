@@ -45,6 +45,10 @@ class _Stub(JsonHandler):
             else:
                 self._reply(200, {"count": int(len(body["prompt"].encode()) * per_byte), "max_model_len": 0, "tokens": []})
             return
+        if not body.get("stream"):  # the replay's untimed warm-up request
+            self.server.warmups.append(body["model"])  # type: ignore[attr-defined]
+            self._reply(200, {"choices": [{"text": "ok"}]})
+            return
         self.server.models.append(body["model"])  # type: ignore[attr-defined]
         self._reply(500, {"error": {"message": "stub", "code": "stub"}})
 
@@ -53,10 +57,15 @@ def completions_sent(server: StubServer) -> bool:
     return any(p not in ("/v1/models", "/tokenize") for p in server.paths)  # type: ignore[attr-defined]
 
 
+def test_an_untimed_warm_up_goes_to_the_base_model_first(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _ = bench_cli(capsys, "--url", stub.url, "--num-requests", "3", "--rate", "0", "--adapters", "1", "--adapter-names", "upper")
+    assert rc == 1 and stub.warmups == ["base"] and len(stub.models) == 3  # type: ignore[attr-defined]
+
+
 @pytest.fixture
 def stub() -> Iterator[StubServer]:
     cards = [card("base", None, max_model_len=4096), *(card(n, max_model_len=4096) for n in ("upper", "reverse", "rot13"))]
-    with serving(_Stub, paths=[], models=[], cards=cards) as server:
+    with serving(_Stub, paths=[], models=[], warmups=[], cards=cards) as server:
         yield server
 
 

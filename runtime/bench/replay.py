@@ -11,18 +11,33 @@ In-process, ``engine_ttft`` is the engine's own TTFT for the request (``RequestM
 from its observer: its first token - its arrival). The engine stamps its arrival in
 ``add_request`` (after the client's arrival time; queueing inside the engine counts in both) and
 its first token in the step that sampled it, before the client reads it, so
-``engine_ttft <= ttft``; the difference is submission and streaming overhead.
+``engine_ttft <= ttft``; the difference is submission and streaming overhead. Requests that
+share an arrival time (an offline burst) are admitted as one group, in one hold of the engine's
+lock, so none of them reaches the engine steps after the others (with the adapter locations,
+which the engine samples at admission, changed meanwhile) and a burst replays the same way
+every time; the engine refuses such a group whole, so one unservable request fails its burst.
+
+Over HTTP, token times come from the chunks whose running ``usage.completion_tokens`` grew
+(``stream_options.continuous_usage_stats``, which lorafleet and vLLM send). A server that
+reports usage only at the end gets its token times from the chunks that carry text instead
+(``timing: "text"`` in the record, and a warning): a chunk may then hold several tokens. One
+untimed base-model request warms the server up first.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from runtime.request import SamplingParams
 from runtime.stats import RequestMetrics
+
+log = logging.getLogger("lorafleet.bench")
 
 
 @dataclass
@@ -38,6 +53,7 @@ class RequestRecord:
     adapter_location: Optional[str] = None  # where the adapter was on arrival (in-process only)
     error: Optional[str] = None
     engine_ttft: Optional[float] = None  # the engine's own TTFT (in-process only; None: not measured)
+    timing: str = "tokens"  # "text": over HTTP without running usage, token times are those of text chunks
 
 
 @dataclass
@@ -88,12 +104,19 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
     if metrics is None:
         metrics = {}
         engine.add_observer(lambda m: metrics.__setitem__(m.request_id, m))
+    groups: dict[float, Any] = {}
+    if "group" in inspect.signature(engine.generate).parameters:
+        bursts = Counter(r.arrival_s for r in requests)
+        groups = {at: engine.admission_group(n) for at, n in bursts.items() if n > 1}
 
     async def run_one(req: Any, arrival: float) -> RequestRecord:
         rec = RequestRecord(req.index, adapter_of(req), req.arrival_s)
         first, last, final = None, arrival, None
+        burst = groups.get(req.arrival_s)
         try:
-            async for out in engine.generate(f"{label}-{req.index}", req.prompt, sampling_params(req.output_tokens), rec.adapter):
+            stream = engine.generate(f"{label}-{req.index}", req.prompt, sampling_params(req.output_tokens), rec.adapter,
+                                     **({"group": burst} if burst is not None else {}))
+            async for out in stream:
                 now = time.perf_counter()
                 if out.new_token_ids and first is None:
                     first = now
@@ -195,7 +218,8 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
             # so TTFT and TPOT time tokens, not text (a token may decode to no text yet).
             body = {"model": req.adapter or base_model, "prompt": req.prompt, "max_tokens": req.output_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-            first, last, n_out = None, arrival, 0
+            first, last, n_out, counted = None, arrival, 0, 0
+            text_times: list[float] = []
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
@@ -209,18 +233,34 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
                             rec.error = chunk["error"]["message"]
                             return rec
                         now = time.perf_counter()
+                        if any(c.get("text") for c in chunk.get("choices") or ()):
+                            text_times.append(now)
                         usage = chunk.get("usage")
                         if usage:
                             rec.prompt_tokens = usage["prompt_tokens"]
                             if usage["completion_tokens"] > n_out:  # this chunk brought new tokens
                                 first = now if first is None else first
-                                last, n_out = now, usage["completion_tokens"]
+                                last, n_out, counted = now, usage["completion_tokens"], counted + 1
             except httpx.HTTPError as err:
                 rec.error = f"{type(err).__name__}: {err}"
                 return rec
+            if counted <= 1 and len(text_times) > 1:  # usage at the end only: time the text chunks
+                rec.timing = "text"
+                first, last, n_out = text_times[0], text_times[-1], max(n_out, len(text_times))
+            if n_out == 0:
+                rec.error = "the stream carried no tokens (no usage counts and no text)"
+                return rec
             return _finish(rec, arrival, first, last, n_out)
 
+        try:  # untimed: the first request of a fresh server pays one-off costs
+            await client.post("/v1/completions", json={"model": base_model, "prompt": "warm up", "max_tokens": 2})
+        except httpx.HTTPError as err:
+            log.warning("warm-up request failed (%s); timing anyway", err)
         start = time.perf_counter()
         records = await _paced(requests, start, run_one, progress)
         wall = time.perf_counter() - start
+    by_text = sum(r.timing == "text" for r in records)
+    if by_text:
+        log.warning("%d of %d streams reported usage only at the end: their TTFT and TPOT are timed from text chunks, which "
+                    "may hold several tokens each (the server does not support stream_options.continuous_usage_stats)", by_text, len(records))
     return ReplayResult(label, records, wall)

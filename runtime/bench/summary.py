@@ -7,6 +7,7 @@ SLO attainment = share of requests that finished without error with
 from __future__ import annotations
 
 import math
+import statistics
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
@@ -24,14 +25,14 @@ def percentile(values: Sequence[float], q: float) -> Optional[float]:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
-def upper_median(values: Sequence[float]) -> float:
-    """The median; for an even count the upper of the two middle values, so that it is
-    always one of the measured values (as ``median_round``'s pick)."""
-    return sorted(values)[len(values) // 2]
+def median(values: Sequence[float]) -> float:
+    """The median: the middle value, or the mean of the two middle ones for an even count."""
+    return statistics.median(values)
 
 
 def median_round(runs: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
-    """Of one config's runs in several rounds, the one with the median ``key`` (upper median)."""
+    """Of one config's runs in several rounds, the one with the median ``key``; for an even
+    count, the upper of the two middle runs (a row of the table is always one measured run)."""
     return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
 
 

@@ -1,0 +1,136 @@
+"""The replays' timing rules: an offline burst is admitted as one group (so it replays the same
+way every time), and over HTTP a server without running usage counts is timed from its text
+chunks, with a warning, rather than getting TTFT = latency and TPOT = 0."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from runtime.bench.replay import replay_engine, replay_http
+
+
+@dataclass(frozen=True)
+class Req:
+    index: int
+    arrival_s: float
+    adapter: str | None
+    prompt: str
+    output_tokens: int
+
+
+class _GroupRecordingEngine:
+    """Stands in for AsyncLLMEngine: records which admission group each request came with."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, object] = {}
+
+    def add_observer(self, callback) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {}
+
+    @staticmethod
+    def admission_group(size: int) -> object:
+        return ("group", size, object())
+
+    async def generate(self, request_id, prompt, params, adapter, group=None):
+        from runtime.request import RequestOutput
+
+        self.groups[request_id] = group
+        yield RequestOutput(request_id, None, (1,), "x", (1,), "x", True, "length", None, (5,))
+
+
+def test_requests_sharing_an_arrival_time_are_admitted_as_one_group() -> None:
+    engine = _GroupRecordingEngine()
+    reqs = [Req(0, 0.0, "a", "p", 1), Req(1, 0.0, None, "p", 1), Req(2, 0.0, "b", "p", 1), Req(3, 0.01, "a", "p", 1)]
+    result = asyncio.run(replay_engine(engine, reqs, "t"))
+    assert not any(r.error for r in result.records)
+    burst = {engine.groups[f"t-{i}"] for i in range(3)}
+    assert len(burst) == 1 and next(iter(burst))[:2] == ("group", 3)
+    assert engine.groups["t-3"] is None  # alone at its arrival time
+
+
+def test_a_burst_sees_every_adapter_where_the_burst_found_it(tiny_llama_dir, tiny_adapters) -> None:
+    """All on the host tier when the burst arrives, none on a device slot yet: every request says
+    "host" (admitted one by one, requests admitted after the first step found some on the device)."""
+    from runtime.async_engine import AsyncLLMEngine
+    from runtime.config import EngineConfig
+
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64, block_size=4, max_loras=1, max_cpu_loras=4))
+    try:
+        for name in ("a", "b", "c"):
+            engine.register_adapter(name, str(tiny_adapters[name]))
+        reqs = [Req(i, 0.0, "abc"[i % 3], "hello there", 3) for i in range(12)]
+        result = asyncio.run(replay_engine(engine, reqs, "burst"))
+    finally:
+        engine.shutdown()
+    assert not any(r.error for r in result.records)
+    assert [r.adapter_location for r in result.records] == ["host"] * 12
+
+
+def _sse_app(chunks_per_request: list[dict], delay_s: float = 0.01):
+    """An ASGI app: /v1/completions streams ``chunks_per_request`` as SSE, ``delay_s`` apart; a
+    non-streaming request (the warm-up) gets a plain reply."""
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        if not request.get("stream"):
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"choices": [{"text": "ok"}]}'})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for chunk in chunks_per_request:
+            await asyncio.sleep(delay_s)
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    return app
+
+
+def _replay(chunks: list[dict]) -> list:
+    transport = httpx.ASGITransport(app=_sse_app(chunks))
+    reqs = [Req(0, 0.0, None, "p", 4), Req(1, 0.0, None, "p", 4)]
+    return asyncio.run(replay_http("http://stub", "base", reqs, "t", transport=transport)).records
+
+
+def _text(t: str) -> dict:
+    return {"choices": [{"index": 0, "text": t}]}
+
+
+def test_http_timing_with_running_usage_counts_tokens() -> None:
+    chunks = [{**_text("a"), "usage": {"prompt_tokens": 2, "completion_tokens": k}} for k in (1, 2, 3, 4)]
+    for rec in _replay(chunks):
+        assert rec.timing == "tokens" and rec.output_tokens == 4 and rec.prompt_tokens == 2
+        assert 0 < rec.ttft < rec.latency and rec.tpot > 0
+
+
+def test_http_timing_without_running_usage_falls_back_to_text_chunks(caplog) -> None:
+    chunks = [_text("a"), _text("b"), _text("c"), _text("d"), {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}]
+    with caplog.at_level(logging.WARNING, logger="lorafleet.bench"):
+        records = _replay(chunks)
+    for rec in records:
+        assert rec.timing == "text" and rec.output_tokens == 4 and rec.error is None
+        assert 0 < rec.ttft < rec.latency and rec.tpot > 0  # not TTFT = latency and TPOT = 0
+    assert "2 of 2 streams reported usage only at the end" in caplog.text
+
+
+def test_http_stream_with_no_usage_counts_its_text_chunks() -> None:
+    for rec in _replay([_text("a"), _text("b"), _text("c")]):
+        assert rec.timing == "text" and rec.output_tokens == 3 and rec.ttft < rec.latency
+
+
+def test_http_stream_with_nothing_in_it_is_an_error() -> None:
+    for rec in _replay([{"choices": []}]):
+        assert rec.error is not None and "no tokens" in rec.error and rec.ttft is None
