@@ -179,6 +179,15 @@ def test_batch_meta_device_arrays_are_16_byte_aligned_and_exact():
         order = sorted((i for i, s in enumerate(slots) if s != -1), key=lambda i: slots[i])
         assert meta.token_slots.tolist() == slots and meta.sorted_tokens.tolist() == order
         assert meta.seg_slots.tolist() == list(meta.host_seg_slots) and meta.seg_starts.tolist() == list(meta.host_seg_starts)
+        assert meta.seg_tiles is not None and meta.seg_tiles.data_ptr() % 16 == 0 or meta.num_tiles == 0
+
+
+def test_seg_tiles_cover_every_segment_in_runs_of_at_most_64_rows():
+    meta = LoRABatchMeta.build([2] * 150 + [-1] + [0] * 3 + [5] * 64 + [5] * 1, "cpu")
+    assert meta.host_seg_starts == (0, 3, 153, 218)  # slot 0: 3 rows, slot 2: 150, slot 5: 65
+    pairs = meta.seg_tiles.view(-1, 2).tolist()
+    assert pairs == [[0, 0], [1, 3], [1, 67], [1, 131], [2, 153], [2, 217]] and meta.num_tiles == 6
+    assert LoRABatchMeta.build([-1, -1], "cpu").num_tiles == 0
 
 
 def test_shrink_writes_only_rows_with_an_adapter():

@@ -93,3 +93,15 @@ def check_expand(h: Tensor, table: "SliceTable", meta: LoRABatchMeta, y: Tensor,
         _fail(op, f"h must be a 3-D float32 tensor on {y.device} with unit last stride, got {h.dtype} {tuple(h.shape)} on {h.device}")
     if h.shape[0] < table.n_slices or h.shape[1] != y.shape[0] or h.shape[2] < max_rank:
         _fail(op, f"h must be [>= {table.n_slices} slices, T={y.shape[0]}, >= max rank {max_rank}], got {tuple(h.shape)}")
+
+
+def check_tiles(meta: LoRABatchMeta, block_m: int, op: str) -> None:
+    """The segment kernels run one program per ``meta.seg_tiles`` entry, whose rows must fit
+    one ``block_m`` block: tiles hold at most SEGMENT_TILE_ROWS rows, and only segments that
+    short when ``block_m`` is smaller."""
+    from runtime.lora.batch_meta import SEGMENT_TILE_ROWS
+
+    if meta.seg_tiles is None:
+        _fail(op, "meta has no seg_tiles; build it with LoRABatchMeta.build")
+    if block_m < min(SEGMENT_TILE_ROWS, meta.max_seg_len):
+        _fail(op, f"row block {block_m} is smaller than a tile ({min(SEGMENT_TILE_ROWS, meta.max_seg_len)} rows)")

@@ -6,8 +6,9 @@ rank ``r = rank_{i,s} > 0``, and every row t of the segment:
     y[t, o_i : o_i + n_i] += scale_{i,s} * h[i, t, :r] @ B_{i,s}^T
                               B_{i,s}^T = b_rows_i[start_{i,s} : start_{i,s} + r]
 
-with fp32 accumulation and one rounding to ``y``'s dtype. Grid: (segment, row block,
-slice x column block); a column block past its slice's width returns at once.
+with fp32 accumulation and one rounding to ``y``'s dtype. Grid: (tile, slice x column
+block), one program per ``meta.seg_tiles`` entry (a segment's run of at most 64 rows); a
+column block past its slice's width returns at once.
 The rank (the reduction) is walked in ``BLOCK_R`` tiles masked to the slot's own
 rank, so entries of ``h`` past it are never read. On a GPU, fp16/bf16 runs cast the
 fp32 ``h`` tile to the weights' dtype for a tensor-core dot (as vLLM does); fp32 runs
@@ -26,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.kernel_config import dot_in_fp32, expand_warps, segment_tiles
-from backends.cuda.lora_checks import check_expand
+from backends.cuda.lora_checks import check_expand, check_tiles
 from backends.cuda.slice_table import COL_B, COL_OFFSET, COL_OUT, COL_RANK, COL_SCALE, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
@@ -34,19 +35,16 @@ from runtime.lora.slice_weights import LoRASliceWeights
 
 @triton.jit
 def _kernel(
-    h_ptr, y_ptr, table_ptr, sorted_ptr, seg_slots_ptr, seg_starts_ptr,
+    h_ptr, y_ptr, table_ptr, sorted_ptr, seg_slots_ptr, seg_starts_ptr, tiles_ptr,
     n_col_blocks, stride_hs, stride_ht, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m_block = tl.program_id(1)
-    sid = tl.program_id(2) // n_col_blocks
-    n_block = tl.program_id(2) % n_col_blocks
-    seg_begin = tl.load(seg_starts_ptr + seg)
-    seg_end = tl.load(seg_starts_ptr + seg + 1)
-    m0 = seg_begin + m_block * BLOCK_M
-    if m0 >= seg_end:
-        return
+    tile = tl.program_id(0)
+    sid = tl.program_id(1) // n_col_blocks
+    n_block = tl.program_id(1) % n_col_blocks
+    seg = tl.load(tiles_ptr + 2 * tile)
+    m0 = tl.load(tiles_ptr + 2 * tile + 1)
+    seg_end = tl.minimum(tl.load(seg_starts_ptr + seg + 1), m0 + BLOCK_M)
     entry = table_ptr + sid * TABLE_WIDTH
     n_out = tl.load(entry + COL_OUT)
     n0 = n_block * BLOCK_N
@@ -103,10 +101,11 @@ def sgmv_expand(
     if meta.num_segments == 0 or max_rank == 0:
         return
     tiles = segment_tiles(meta.max_seg_len, max_rank, weights[0].in_features, table.max_out)
+    check_tiles(meta, tiles.block_m, op="sgmv_expand")
     n_col_blocks = triton.cdiv(table.max_out, tiles.block_n)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, tiles.block_m), len(weights) * n_col_blocks)
+    grid = (meta.num_tiles, len(weights) * n_col_blocks)
     _kernel[grid](
-        h, y, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts,
+        h, y, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, meta.seg_tiles,
         n_col_blocks, h.stride(0), h.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, DOT_FP32=dot_in_fp32(y.dtype),
         num_warps=expand_warps(tiles),

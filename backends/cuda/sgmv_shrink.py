@@ -5,8 +5,10 @@ served by slot ``s = seg_slots[g]``) and every slice i with rank ``r = rank_{i,s
 
     out[i, t, :r] = x[t] @ A_{i,s}^T        A_{i,s} = a_rows_i[start_{i,s} : start_{i,s} + r]
 
-accumulated in fp32. Grid: (segment, row block, slice). Each program gathers a
-``BLOCK_M`` tile of its segment's rows (padded to >= 16 and masked) and walks the
+accumulated in fp32. Grid: (tile, slice), one program per ``meta.seg_tiles`` entry (a
+segment's run of at most 64 rows), so a long segment beside short ones launches no idle
+programs. Each program gathers its tile's rows (``BLOCK_M`` >= the tile, padded to >= 16
+and masked) and walks the
 rank in ``BLOCK_R`` tiles (masked to the slot's own rank: no padding of the weights)
 and ``in`` in ``BLOCK_K`` tiles. Rows with slot -1 are in no segment; slices where the
 slot has rank 0 return before touching memory. Nothing else of ``out`` is written.
@@ -20,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.kernel_config import dot_in_fp32, segment_tiles
-from backends.cuda.lora_checks import check_shrink
+from backends.cuda.lora_checks import check_shrink, check_tiles
 from backends.cuda.slice_table import COL_A, COL_RANK, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
@@ -28,18 +30,15 @@ from runtime.lora.slice_weights import LoRASliceWeights
 
 @triton.jit
 def _kernel(
-    x_ptr, out_ptr, table_ptr, sorted_ptr, seg_slots_ptr, seg_starts_ptr,
+    x_ptr, out_ptr, table_ptr, sorted_ptr, seg_slots_ptr, seg_starts_ptr, tiles_ptr,
     K, stride_xm, stride_os, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m_block = tl.program_id(1)
-    sid = tl.program_id(2)
-    seg_begin = tl.load(seg_starts_ptr + seg)
-    seg_end = tl.load(seg_starts_ptr + seg + 1)
-    m0 = seg_begin + m_block * BLOCK_M
-    if m0 >= seg_end:  # the grid is sized for the longest segment
-        return
+    tile = tl.program_id(0)
+    sid = tl.program_id(1)
+    seg = tl.load(tiles_ptr + 2 * tile)
+    m0 = tl.load(tiles_ptr + 2 * tile + 1)
+    seg_end = tl.minimum(tl.load(seg_starts_ptr + seg + 1), m0 + BLOCK_M)
     slot = tl.load(seg_slots_ptr + seg)
     entry = table_ptr + sid * TABLE_WIDTH
     rank = tl.load(tl.load(entry + COL_RANK).to(tl.pointer_type(tl.int32)) + slot)
@@ -89,9 +88,10 @@ def sgmv_shrink(
     if meta.num_segments == 0 or max_rank == 0:
         return
     tiles = segment_tiles(meta.max_seg_len, max_rank, x.shape[1], table.max_out)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, tiles.block_m), len(weights))
+    check_tiles(meta, tiles.block_m, op="sgmv_shrink")
+    grid = (meta.num_tiles, len(weights))
     _kernel[grid](
-        x, out, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts,
+        x, out, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, meta.seg_tiles,
         x.shape[1], x.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, DOT_FP32=dot_in_fp32(x.dtype),
     )

@@ -8,6 +8,10 @@ A step holds ``T`` token rows. Row ``t`` belongs to adapter slot ``token_slots[t
     sorted_tokens = stable argsort of token_slots, rows with slot -1 dropped
     seg_starts[i] .. seg_starts[i+1]  = positions in sorted_tokens of segment i
     seg_slots[i]                      = the slot of segment i
+    seg_tiles[2j], seg_tiles[2j+1]    = (segment, first position) of tile j: every segment cut
+                                        into runs of at most SEGMENT_TILE_ROWS positions, so a
+                                        segment kernel launches one program per tile, not
+                                        (segments x the longest segment's blocks)
 
 When the rows with an adapter already sit in slot order, one contiguous run of
 rows (the model runner orders every step's sequences by adapter, so the engine's
@@ -28,6 +32,7 @@ from torch import Tensor
 
 NO_ADAPTER = -1
 SECTION_ALIGN_INT32 = 4  # int32s per 16 bytes: every packed section starts aligned (see build)
+SEGMENT_TILE_ROWS = 64  # rows per seg_tiles entry (the CUDA segment kernels' largest row block)
 
 
 def adapter_order(slots: Sequence[int]) -> list[int]:
@@ -49,8 +54,9 @@ class LoRABatchMeta:
     # read device memory back.
     host_seg_slots: tuple[int, ...]
     host_seg_starts: tuple[int, ...]
-    max_seg_len: int  # longest segment, sizes the segment kernels' grid
+    max_seg_len: int  # longest segment, sizes the segment kernels' row block
     first_row: int | None = None  # rows with an adapter are first_row .. first_row+N-1, in slot order; else None
+    seg_tiles: Tensor | None = None  # [2 * n_tiles] int32, (segment, first position) pairs; see the module docstring
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +65,11 @@ class LoRABatchMeta:
     @property
     def num_segments(self) -> int:
         return len(self.host_seg_slots)
+
+    @property
+    def num_tiles(self) -> int:
+        """Entries of ``seg_tiles`` (0 when the meta was built without them)."""
+        return 0 if self.seg_tiles is None else int(self.seg_tiles.shape[0]) // 2
 
     @property
     def has_lora(self) -> bool:
@@ -94,7 +105,8 @@ class LoRABatchMeta:
         # boundary: Triton compiles a kernel variant per alignment pattern of its pointer
         # arguments, so unaligned views would compile up to 8 variants of each segment kernel
         # as batch sizes vary (a stall of about a second each on first use).
-        sections = (slots, order, seg_slots, seg_starts)
+        tiles = [v for g in range(len(seg_slots)) for m in range(seg_starts[g], seg_starts[g + 1], SEGMENT_TILE_ROWS) for v in (g, m)]
+        sections = (slots, order, seg_slots, seg_starts, tiles)
         flat: list[int] = []
         starts = []
         for values in sections:
@@ -107,6 +119,7 @@ class LoRABatchMeta:
             sorted_tokens=views[1],
             seg_slots=views[2],
             seg_starts=views[3],
+            seg_tiles=views[4],
             decode_only=decode_only,
             host_seg_slots=tuple(seg_slots),
             host_seg_starts=tuple(seg_starts),
