@@ -190,11 +190,12 @@ def test_largest_segment_tiles_interpreted() -> None:
     """Segments of 40 and 30 rows, then of 150 (three 64-row tiles, the last one ragged) and 20,
     and a 130-wide slice: the 64 x 128 expand tile, launched with 8 warps (``expand_warps``),
     one program per tile, and ragged edges in every dimension."""
-    from backends.cuda.kernel_config import expand_warps, segment_tiles
+    from backends.cuda.kernel_config import expand_warps, segment_tiles, shrink_warps
 
     tiles = segment_tiles(64, 16, 32, 130)
     assert (tiles.block_m, tiles.block_n, expand_warps(tiles)) == (64, 128, 8)
     assert expand_warps(segment_tiles(16, 16, 32, 130)) == 4
+    assert shrink_warps(segment_tiles(64, 64, 32, 130)) == 8 and shrink_warps(tiles) == 4  # rank 16 here
     run_case("segment", torch.float32, "cpu", in_features=32, outs=(130,), ranks=[{0: 16, 1: 8}], slots=[0] * 40 + [1] * 30 + [-1], seed=3)
     run_case("segment", torch.float32, "cpu", in_features=32, outs=(130,), ranks=[{0: 16, 1: 8}], slots=[1] * 20 + [-1] + [0] * 150, seed=4)
 

@@ -81,6 +81,13 @@ def expand_warps(tiles: SegmentTiles) -> int:
     return 8 if tiles.block_m * tiles.block_n >= 64 * 128 else 4
 
 
+def shrink_warps(tiles: SegmentTiles) -> int:
+    """Warps for sgmv_shrink: 8 for the 64 x 64 (rows x rank) tile, 4 below. Compiled for sm_90
+    (Triton 3.9's ptxas, no GPU run), fp32 at 4 warps needs 255 registers and spills 88 B; at
+    8, 162 registers (fp16: 246 -> 128) and no spill. Speed on hardware is not measured."""
+    return 8 if tiles.block_m * tiles.block_r >= 64 * 64 else 4
+
+
 def token_tiles(max_rank: int, in_features: int, max_out: int) -> TokenTiles:
     block_r = clamp_pow2(max_rank, MIN_DOT, MAX_RANK_TILE)
     wide = TILE_ELEMENTS // block_r

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from backends.cuda.kernel_config import dot_in_fp32, segment_tiles
+from backends.cuda.kernel_config import dot_in_fp32, segment_tiles, shrink_warps
 from backends.cuda.lora_checks import check_shrink, check_tiles
 from backends.cuda.slice_table import COL_A, COL_RANK, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
@@ -94,4 +94,5 @@ def sgmv_shrink(
         x, out, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, meta.seg_tiles,
         x.shape[1], x.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k, DOT_FP32=dot_in_fp32(x.dtype),
+        num_warps=shrink_warps(tiles),
     )
