@@ -51,6 +51,11 @@ head request starts within
     ceil(S * P / (C - S + 1)) + M + 2 steps          (``Scheduler.fairness_bound_steps``)
 
 of arriving, provided its adapter is on the host and no KV-pressure preemption happens.
+
+Host tier: an adapter read from disk needs a host entry. When every entry is wanted by some
+request, the pool names one of them (``host_drain``); it is drained like a device slot (no new
+request of it starts), its running requests end, and the read takes its place. Its own waiting
+requests then wait for it to be read back, behind the reads queued before.
 With S = 1 a tied older head takes the only sequence slot for a whole request first, so
 the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
 up to that much with S = 1 and none over the plain bound with S >= 2).
@@ -82,6 +87,8 @@ class AdapterSlots(Protocol):
     def release_device(self, ref: AdapterRef) -> None: ...
 
     def device_blockers(self, ref: AdapterRef, prefer: Seq[AdapterRef]) -> Optional[list[AdapterRef]]: ...
+
+    def host_drain(self) -> Optional[AdapterRef]: ...
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,11 @@ class Scheduler:
         # in this loop can make another key ready (loads land in the pool's poll, before the step).
         # Built once: with hundreds of adapters waiting, rebuilding it per admission was ~10% of a step.
         ready = {k for k, q in self.waiting.items() if q and (k is None or self.pool.weights_ready(k))}
+        host_victim = self.pool.host_drain()  # a host entry a queued disk read waits for: it takes no new request
+        if host_victim is not None:
+            ready.discard(host_victim)
+            if self.waiting.get(host_victim):
+                out.drained.append(host_victim)
         # The counter is charged for tokens planned in this step too, so two admissions in
         # one step already see each other's cost.
         planned_tokens: dict[Optional[AdapterRef], int] = {}

@@ -358,3 +358,32 @@ def test_request_metrics_adapter_wait(tiny_llama_dir, tiny_adapters):
     assert seen["disk"].adapter_location == "disk" and seen["disk"].adapter_wait > 0.0
     assert seen["disk"].adapter_wait <= seen["disk"].queue_time  # it could not start before its adapter was there
     assert seen["base"].adapter_wait is None
+
+
+def test_an_adapter_read_from_disk_is_not_starved_by_a_busy_host_tier(tiny_llama_dir, tiny_adapters):
+    """One host entry, held by an adapter whose requests never stop: a request of another adapter
+    still runs soon (the busy adapter is drained and evicted for its read), instead of waiting
+    until the traffic stops."""
+    engine = make_engine(tiny_llama_dir, max_loras=1, max_cpu_loras=1)
+    engine.register_adapter("busy", str(tiny_adapters["a"]))
+    engine.register_adapter("rare", str(tiny_adapters["b"]))  # evicts busy from the 1-entry host tier: both on disk now
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    finals: dict = {}
+    for step in range(300):
+        if sum(1 for k in engine._live if k.startswith("busy")) < 3:  # steady traffic on busy
+            engine.add_request(f"busy-{step}", [5, 6, 7], params, "busy")
+        if step == 5:
+            engine.add_request("rare", [5, 6, 7], params, "rare")
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if "rare" in finals:
+            break
+        engine.pool.wait_for_load(timeout=0.01)
+    assert "rare" in finals and finals["rare"].finish_reason == "length", f"rare still waiting after {step} steps"
+    assert step < 100
+    for request_id in list(engine._live):
+        engine.abort(request_id)
+    run_to_completion(engine)
+    snap = engine.snapshot()
+    assert snap["total_refcounts"] == {"adapter_demand": 0, "adapter_device_refs": 0}

@@ -366,3 +366,40 @@ def test_retired_versions_are_counted_as_retired_not_as_evictions():
     assert (counters.retired, counters.host_evictions, counters.device_evictions) == (1, 0, 0)
     pool.retire(v1)  # unregister: nobody reads it, dropped at once
     assert (counters.retired, counters.host_evictions, counters.device_evictions) == (2, 0, 0)
+
+
+def test_a_read_waiting_for_a_host_tier_full_of_wanted_entries_drains_one():
+    """Every host entry is wanted: the pool names one to drain (host_drain) and, once no sequence
+    runs on it, evicts it for the queued read; its own waiting request then needs it read back."""
+    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=1, pool_rows=32)
+    a, b = new_ref(adapters, "a", 0, 8), new_ref(adapters, "b", 0, 8)
+    assert pool.insert_host(a, adapters[a])
+    pool.demand(a)
+    assert pool.acquire_device(a) is not None  # a request of a runs
+    assert pool.host_drain() is None  # nothing waits for room yet
+    assert pool.demand(b) == "disk" and pool.snapshot()["loads_queued"] == 1
+    assert pool.host_drain() == a
+    pool.demand(a)  # another request of a arrives and waits
+    pool.poll()
+    assert not pool.weights_ready(b)  # a still runs: nothing is evicted under it
+    pool.release_device(a)  # a's running request ends; its second request still waits
+    pool.undemand(a)
+    pool.poll()
+    assert pool.weights_ready(b) and not pool.weights_ready(a) and pool.demand_of(a) == 1
+    assert pool.snapshot()["loads_queued"] == 1  # a's read waits now
+    assert pool.host_drain() is None  # b has not run yet: draining it would evict it before it served anyone
+    assert pool.acquire_device(b) is not None
+    assert pool.host_drain() == b  # b runs: it is drained for a's read
+    assert pool.counters["a"].host_evictions == 1
+
+
+def test_a_retired_version_is_never_the_host_drain_victim():
+    pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=1, pool_rows=32)
+    a, b = new_ref(adapters, "a", 0, 8), new_ref(adapters, "b", 0, 8)
+    assert pool.insert_host(a, adapters[a])
+    pool.demand(a)
+    pool.retire(a)  # a hot update replaced it; its files may be gone
+    pool.demand(b)
+    assert pool.host_drain() is None
+    pool.poll()
+    assert pool.weights_ready(a) and not pool.weights_ready(b)

@@ -31,7 +31,12 @@ in-place update) or be gone. Host capacity counts resident entries plus loads in
 To make room the host evicts its least recently used entry that no request demands and no
 running sequence references, preferring entries not on the device; an idle device resident
 chosen this way leaves the device too. When every host entry is demanded, further loads
-wait in FIFO order until a request finishes.
+wait in FIFO order. So that they do not wait for ever behind adapters that never go idle
+under steady traffic, ``host_drain`` then names one demanded entry (a current version with
+running sequences, least recently used first, sticky until the oldest queued read starts):
+the scheduler admits no new
+request of it, its running sequences finish, and the read evicts it, although requests still
+wait for it; their adapter is read again from disk, queued behind the reads already waiting.
 
 A disk load that finishes after the same version reached the host some other way (the same
 content registered again, from another folder) is dropped, success or failure: the weights
@@ -175,6 +180,7 @@ class AdapterPool:
         self._device_lru: "OrderedDict[AdapterRef, None]" = OrderedDict()  # oldest first
         self._failures: list[PoolFailure] = []
         self.counters: dict[str, AdapterCounters] = {}
+        self._host_victim: Optional[AdapterRef] = None  # see host_drain
 
     # ---- host tier ---------------------------------------------------------------------
     def insert_host(self, ref: AdapterRef, adapter: Any) -> bool:
@@ -233,6 +239,24 @@ class AdapterPool:
         self._retired.add(ref)
         if self._demand.get(ref, 0) == 0:
             self._free_version(ref)
+
+    def host_drain(self) -> Optional[AdapterRef]:
+        """The demanded host entry that must stop taking new requests so the oldest queued disk
+        read can start (see the module docstring), or None when no read waits for room.
+
+        Sticky: the same entry until that read starts or the entry leaves the host, so its running
+        sequences can finish. Only a current version with running sequences is chosen: a retired
+        one may have no files left to read it back from (it leaves by itself once its demand ends),
+        and one that has not run yet would leave before serving its waiting requests. None while
+        no entry runs: the scheduler then starts one, and it can be chosen at the next step."""
+        if not self._load_queue or self._host_has_idle_room():
+            self._host_victim = None
+            return None
+        if self._host_victim is None or self._host_victim not in self._host or self._host_victim in self._retired:
+            # Only an entry with running sequences: one whose requests all still wait (e.g. just read
+            # for them) would be evicted before it served anyone, and the reads would take turns for ever.
+            self._host_victim = next((r for r in self._host if r not in self._retired and self._device_refs.get(r, 0) > 0), None)
+        return self._host_victim
 
     def weights_ready(self, ref: AdapterRef) -> bool:
         """The adapter's weights are in place to run (on the host, which holds every device resident)."""
@@ -379,22 +403,40 @@ class AdapterPool:
         if ref not in self._loading and ref not in self._load_queue:
             self._load_queue.append(ref)
 
-    def _make_host_room(self) -> bool:
+    def _host_has_idle_room(self) -> bool:
+        return len(self._host) + len(self._loading) < self.max_cpu_loras or any(
+            self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0 for r in self._host)
+
+    def _make_host_room(self, evict_drained: bool = False) -> bool:
         """Evict idle host entries until one more entry fits: least recently used first, entries
         not on the device before idle device residents (which then leave the device too, so the
-        host keeps holding every device resident)."""
+        host keeps holding every device resident). ``evict_drained`` (a queued read starting):
+        when no entry is idle, the ``host_drain`` victim goes once no sequence runs on it."""
         while len(self._host) + len(self._loading) >= self.max_cpu_loras:
             idle = [r for r in self._host if self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0]
             victim = next((r for r in idle if r not in self._slot_of), None) or next(iter(idle), None)
             if victim is None:
-                return False
+                drained = self._host_victim
+                if not evict_drained or drained is None or drained not in self._host or self._device_refs.get(drained, 0) > 0:
+                    return False
+                self._evict_drained(drained)
+                continue
             if victim in self._slot_of:
                 self._evict_device(victim)
             self._evict_host(victim)
         return True
 
+    def _evict_drained(self, ref: AdapterRef) -> None:
+        """Drop the drained entry from both tiers although requests wait for it; they need it read again."""
+        if ref in self._slot_of:
+            self._evict_device(ref)
+        del self._host[ref]
+        self._counters(ref).host_evictions += 1
+        self._host_victim = None
+        self._queue_load(ref)  # behind the reads already waiting
+
     def _start_loads(self) -> None:
-        while self._load_queue and self._make_host_room():
+        while self._load_queue and self._make_host_room(evict_drained=True):
             ref = self._load_queue.popleft()
             if self._executor is None:
                 future: Future = Future()
