@@ -213,7 +213,7 @@ class AsyncLLMEngine:
             time.sleep(0.01)
         with self._lock:
             self._stopping = True
-            self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {timeout}s)"))
+            self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {timeout}s)", "shutdown"))
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, timeout))

@@ -343,11 +343,11 @@ class LLMEngine:
         gone = set(request_ids)
         self._pending = [o for o in self._pending if o.request_id not in gone]
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Finish every request in flight with finish_reason "error" (engine failure or shutdown)."""
+    def fail_all(self, message: str, error_kind: ErrorKind = "engine") -> list[RequestOutput]:
+        """Finish every request in flight with finish_reason "error" (engine failure, or "shutdown")."""
         outputs, self._pending = self._pending, []
         for live in list(self._live.values()):
-            self._finish(live, "error", message)
+            self._finish(live, "error", message, error_kind)
             outputs.append(self._output(live, [], finished=True))
         return outputs
 

@@ -15,7 +15,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # Why a request finished with "error": "request" when its own parameters left nothing to do (a
 # client's mistake, e.g. min_tokens and penalties that ban every token); "engine" otherwise
 # (the model's logits, the adapter's files, an engine failure).
-ErrorKind = Literal["engine", "request"]
+ErrorKind = Literal["engine", "request", "shutdown"]  # whose side failed: the engine, the request's own parameters, or a server shutting down
 
 
 class UnknownAdapterError(ValueError):

@@ -14,8 +14,9 @@ from runtime.distributed.launcher import DEFAULT_REGISTRY_DIR  # stdlib imports 
 
 log = logging.getLogger("lorafleet.serve")
 DEMO_MODEL_NAME = "lorafleet-demo"
-GRACEFUL_SHUTDOWN_S = 30  # uvicorn: how long in-flight requests may run on after SIGTERM
-ENGINE_SHUTDOWN_S = 5.0  # then the engine fails whatever is still in flight
+GRACEFUL_SHUTDOWN_S = 30  # uvicorn: how long connections may stay open after SIGTERM
+ENGINE_DRAIN_S = 25.0  # in-flight requests may run this long after SIGTERM; then the engine fails them (a 503 / stream error event)
+ENGINE_SHUTDOWN_S = 5.0  # shutting the engine down when uvicorn stopped without starting a drain (e.g. it failed to start)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(settings)
     import uvicorn
 
+    from runtime.server.draining_server import DrainingServer
+
     from runtime.server.app import create_app
 
     # Bind first: a busy port or a bad --host is found in a moment, not after the model has loaded.
@@ -162,20 +165,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"lorafleet serve: {err}", file=sys.stderr)
         return 2
     previous = {sig: signal.signal(sig, _exit_after_drain) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = None
     try:
         app = create_app(engine, settings.server)
         host, port = sock.getsockname()[:2]  # the real port when --port 0 asked for any free one
         log.info("lorafleet serving on %s\n%s", _url(host, port), summary(settings, engine))
         config = uvicorn.Config(app, host=settings.server.host, port=port, log_level=settings.log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = DrainingServer(config, engine, drain_s=ENGINE_DRAIN_S)
+        server.run(sockets=[sock])
     except SystemExit as stop:
         if stop.code != 0:
             raise
     finally:
         sock.close()
-        log.info("lorafleet serve: HTTP server stopped; shutting down the engine")
-        engine.shutdown(timeout=ENGINE_SHUTDOWN_S)
+        drain = server.drain if server is not None else None
+        if drain is not None:
+            drain.join()
+            log.info("lorafleet serve: HTTP server and engine stopped")
+        else:
+            log.info("lorafleet serve: HTTP server stopped; shutting down the engine")
+            engine.shutdown(timeout=ENGINE_SHUTDOWN_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

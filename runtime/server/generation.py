@@ -267,11 +267,14 @@ def failure_event_body(err: Exception, request_id: str) -> dict[str, Any]:
 
 def failure_of(output: Any) -> APIError:
     """The HTTP error for an output that finished with "error": a 400 when the request's own
-    parameters left nothing to sample (``error_kind`` "request"), else a 500 (the engine's side,
-    e.g. a corrupted adapter file or non-finite logits)."""
+    parameters left nothing to sample (``error_kind`` "request"), a 503 when the server shut down
+    before it finished ("shutdown", as ``/health`` then), else a 500 (the engine's side, e.g. a
+    corrupted adapter file or non-finite logits)."""
     message = output.error or "the request failed in the engine"
     if output.error_kind == "request":
         return APIError(400, message, code="invalid_parameter")
+    if output.error_kind == "shutdown":
+        return APIError(503, message, code="engine_unavailable")
     return APIError(500, message, code="engine_error")
 
 
