@@ -52,13 +52,14 @@ head request starts within
 
 of arriving, provided its adapter is on the host and no KV-pressure preemption happens.
 
+With S = 1 a tied older head takes the only sequence slot for a whole request first, so
+the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
+up to that much with S = 1 and none over the plain bound with S >= 2).
+
 Host tier: an adapter read from disk needs a host entry. When every entry is wanted by some
 request, the pool names one of them (``host_drain``); it is drained like a device slot (no new
 request of it starts), its running requests end, and the read takes its place. Its own waiting
 requests then wait for it to be read back, behind the reads queued before.
-With S = 1 a tied older head takes the only sequence slot for a whole request first, so
-the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
-up to that much with S = 1 and none over the plain bound with S >= 2).
 
 Shared prompts in flight (prefix caching on): a head whose first prompt block the cache does
 not hold is being computed by a running request (``n`` choices of one prompt, a burst of

@@ -34,9 +34,9 @@ chosen this way leaves the device too. When every host entry is demanded, furthe
 wait in FIFO order. So that they do not wait for ever behind adapters that never go idle
 under steady traffic, ``host_drain`` then names one demanded entry (a current version with
 running sequences, least recently used first, sticky until the oldest queued read starts):
-the scheduler admits no new
-request of it, its running sequences finish, and the read evicts it, although requests still
-wait for it; their adapter is read again from disk, queued behind the reads already waiting.
+the scheduler admits no new request of it, its running sequences finish, and the read evicts
+it, although requests still wait for it; their adapter is read again from disk, queued behind
+the reads already waiting.
 
 A disk load that finishes after the same version reached the host some other way (the same
 content registered again, from another folder) is dropped, success or failure: the weights
