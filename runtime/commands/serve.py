@@ -148,9 +148,8 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(settings)
     import uvicorn
 
-    from runtime.server.draining_server import DrainingServer
-
     from runtime.server.app import create_app
+    from runtime.server.draining_server import DrainingServer
 
     # Bind first: a busy port or a bad --host is found in a moment, not after the model has loaded.
     try:
