@@ -252,7 +252,7 @@ def main() -> int:
     on = summarized(online)
     ttfts: dict[str, list[float]] = {}
     for rec in online.records:
-        if rec.ttft is not None:
+        if rec.ttft is not None and rec.error is None:  # as the summary's percentiles: failed requests are not timed
             ttfts.setdefault(rec.adapter or BASE, []).append(rec.ttft)
     popular = sorted((n for n in ttfts if n != BASE), key=lambda n: -len(ttfts[n]))  # adapters only, not the base rows
     fairness = None
