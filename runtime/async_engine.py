@@ -28,6 +28,7 @@ rather than hanging its consumers. A consumer whose event loop was closed is dro
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -125,6 +126,15 @@ class AdmissionGroup:
         self.size = size
         self.tickets: list[_Admission] = []
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop of its first request; the others must share it
+
+
+def admits_groups(engine: Any) -> bool:
+    """Whether ``engine.generate`` takes an admission ``group`` (AsyncLLMEngine does; a Ray
+    ingress, or a wrapper that forwards attributes but defines its own ``generate``, may not)."""
+    if not hasattr(engine, "admission_group"):
+        return False
+    parameters = inspect.signature(engine.generate).parameters.values()
+    return any(p.name == "group" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class AsyncLLMEngine:

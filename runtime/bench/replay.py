@@ -26,7 +26,6 @@ untimed base-model request warms the server up first.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
@@ -104,8 +103,10 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
     if metrics is None:
         metrics = {}
         engine.add_observer(lambda m: metrics.__setitem__(m.request_id, m))
+    from runtime.async_engine import admits_groups
+
     groups: dict[float, Any] = {}
-    if "group" in inspect.signature(engine.generate).parameters:
+    if admits_groups(engine):
         bursts = Counter(r.arrival_s for r in requests)
         groups = {at: engine.admission_group(n) for at, n in bursts.items() if n > 1}
 

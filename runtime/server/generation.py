@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from runtime.async_engine import EngineDeadError, GroupRefused
+from runtime.async_engine import EngineDeadError, GroupRefused, admits_groups
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import _SamplingFields
@@ -171,7 +170,7 @@ async def open_streams(
 
     # One admission group: every engine request of this HTTP request binds to the same adapter
     # version, even during a hot reload. An engine without groups (a Ray ingress) admits each alone.
-    group = engine.admission_group(len(prompts)) if len(prompts) > 1 and _admits_groups(engine) else None
+    group = engine.admission_group(len(prompts)) if len(prompts) > 1 and admits_groups(engine) else None
     tasks = [asyncio.ensure_future(open_stream(engine, f"{request_id}-{k}", p, ps, adapter, param(k), group)) for k, (p, ps) in enumerate(zip(prompts, params))]
     def failures() -> list[tuple[int, BaseException]]:
         return [(k, t.exception()) for k, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception() is not None]
@@ -192,13 +191,6 @@ async def open_streams(
         raise
 
 
-def _admits_groups(engine: Any) -> bool:
-    """Whether ``engine.generate`` takes an admission ``group`` (AsyncLLMEngine does; a Ray
-    ingress, or a wrapper that forwards attributes but defines its own ``generate``, may not)."""
-    if not hasattr(engine, "admission_group"):
-        return False
-    parameters = inspect.signature(engine.generate).parameters.values()
-    return any(p.name == "group" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 async def _close_opened(tasks: Sequence["asyncio.Future[tuple[Any, AsyncIterator[Any]]]"]) -> None:
