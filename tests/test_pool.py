@@ -393,6 +393,33 @@ def test_a_read_waiting_for_a_host_tier_full_of_wanted_entries_drains_one():
     assert pool.counters["a"].host_evictions == 1
 
 
+def test_the_host_drain_victim_is_the_running_entry_with_the_fewest_waiting_requests():
+    """Of the running host entries, the one holding back the fewest waiting requests is drained,
+    whatever the LRU order: draining the least recently demanded one took the adapter demanded
+    first, in a backlog the most popular, and its waiting requests then waited for a second
+    read behind every queued one (the 500-adapter sweep's most popular adapter started its last
+    request at step 523 instead of 140)."""
+    pool, writer, adapters = make_pool(max_loras=3, max_cpu_loras=3, pool_rows=32)
+    popular, rare, middle = (new_ref(adapters, name, 0, 8) for name in ("popular", "rare", "middle"))
+    for ref, waiting in ((popular, 3), (rare, 0), (middle, 1)):  # demanded in this order: popular is the LRU
+        assert pool.insert_host(ref, adapters[ref])
+        for _ in range(1 + waiting):
+            pool.demand(ref)
+        assert pool.acquire_device(ref) is not None  # one request of each runs
+    late = new_ref(adapters, "late", 0, 8)
+    assert pool.demand(late) == "disk"
+    assert pool.host_drain() == rare  # nobody waits for it: it leaves when its one request ends
+    pool.release_device(rare)
+    pool.undemand(rare)
+    pool.poll()
+    assert pool.weights_ready(late) and not pool.weights_ready(rare)
+    assert pool.counters["rare"].host_evictions == 1 and pool.snapshot()["loads_queued"] == 0  # no second read
+    assert pool.weights_ready(popular) and pool.weights_ready(middle)
+    second_late = new_ref(adapters, "second_late", 0, 8)
+    pool.demand(second_late)
+    assert pool.host_drain() == middle  # one waiting request against popular's three
+
+
 def test_a_retired_version_is_never_the_host_drain_victim():
     pool, writer, adapters = make_pool(max_loras=1, max_cpu_loras=1, pool_rows=32)
     a, b = new_ref(adapters, "a", 0, 8), new_ref(adapters, "b", 0, 8)

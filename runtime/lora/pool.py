@@ -33,7 +33,8 @@ running sequence references, preferring entries not on the device; an idle devic
 chosen this way leaves the device too. When every host entry is demanded, further loads
 wait in FIFO order. So that they do not wait for ever behind adapters that never go idle
 under steady traffic, ``host_drain`` then names one demanded entry (a current version with
-running sequences, least recently used first, sticky until the oldest queued read starts):
+running sequences and the fewest waiting requests, least recently used first on a tie, sticky
+until the oldest queued read starts):
 the scheduler admits no new request of it, its running sequences finish, and the read evicts
 it, although requests still wait for it; their adapter is read again from disk, queued behind
 the reads already waiting.
@@ -255,8 +256,18 @@ class AdapterPool:
         if self._host_victim is None or self._host_victim not in self._host or self._host_victim in self._retired:
             # Only an entry with running sequences: one whose requests all still wait (e.g. just read
             # for them) would be evicted before it served anyone, and the reads would take turns for ever.
-            self._host_victim = next((r for r in self._host if r not in self._retired and self._device_refs.get(r, 0) > 0), None)
+            # Of those, the one with the fewest waiting requests (least recently demanded on a tie): it
+            # holds back the fewest, and one with none leaves as soon as its running requests end,
+            # with no second read. Taking the least recently demanded alone drained the adapter
+            # demanded first, in a backlog the most popular one, whose many waiting requests then
+            # waited for a second read behind every queued one.
+            running = (r for r in self._host if r not in self._retired and self._device_refs.get(r, 0) > 0)
+            self._host_victim = min(running, key=self._waiting_requests, default=None)
         return self._host_victim
+
+    def _waiting_requests(self, ref: AdapterRef) -> int:
+        """Requests bound to ``ref`` that do not run yet: its demand less its running sequences."""
+        return max(0, self._demand.get(ref, 0) - self._device_refs.get(ref, 0))
 
     def weights_ready(self, ref: AdapterRef) -> bool:
         """The adapter's weights are in place to run (on the host, which holds every device resident)."""
