@@ -15,18 +15,23 @@ Prompt context: the last ``PROMPT_CONTEXT_TOKENS`` prompt ids start the token li
 right of the prompt's text (as vLLM does). SentencePiece / Metaspace decoders drop the
 leading space of the first token of a decode call: without context the completion " Paris"
 after "The capital of France is" would come back as "Paris". With context the text is
-``decode(prompt + output)[len(decode(prompt)):]``, the standard definition. Exception: a
-context whose text ends in U+FFFD (the prompt ends inside a multi-byte character) is not
-used, as its partial character would swallow the output's first character. Byte-level BPE
-decoding concatenates bytes, so its text is the same with or without context.
+``decode(prompt + output)[len(decode(prompt)):]``, the standard definition. The window
+starts on a whole character: when its first tokens are the tail of one (byte-fallback
+pieces ``<0xHH>``, which decode as one run, so the whole run, last character included,
+would read as U+FFFD), it reaches back up to ``MAX_CONTINUATION_BYTES`` more tokens, and
+failing that starts after them. A context whose text ends in U+FFFD (the prompt ends inside
+a multi-byte character) is not used, as its partial character would swallow the output's
+first character. Byte-level BPE decoding concatenates bytes, so its text is the same with or
+without context.
 
 Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
 previous text, so a stop string split over two deltas is found. The text is cut right
 before the first stop string, or right after it with ``include_stop`` (vLLM's
 ``include_stop_str_in_output``). The earliest match wins, then the longest of the matches
 that start at the same place and are complete by then. With ``min_tokens`` (vLLM's), stop
-strings are looked for only once that many tokens were generated, and then only in text from
-that point on (less the hold-back window). While running, the last ``len(longest stop) - 1``
+strings are looked for only once that many tokens were generated, and then only where they
+end in text from that point on (each stop string ``s`` from ``len(s) - 1`` characters before
+it, as vLLM does). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
 stop string that a later token completes.
 """
@@ -36,6 +41,24 @@ from typing import Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+MAX_CONTINUATION_BYTES = 3  # a UTF-8 character is one lead byte and at most three more
+
+
+def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> list[int]:
+    """The prompt's last ``PROMPT_CONTEXT_TOKENS`` ids, moved to start on a whole character, or
+    [] when the prompt ends inside one (see the module docstring)."""
+    def starts_whole(ids: list[int]) -> bool:
+        return not decode(ids).startswith(REPLACEMENT_CHAR)
+
+    context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+    if context and not starts_whole(context):
+        wider = (list(prompt_ids[-(PROMPT_CONTEXT_TOKENS + extra) :]) for extra in range(1, MAX_CONTINUATION_BYTES + 1))
+        narrower = (context[drop:] for drop in range(1, len(context)))
+        # A prompt that itself starts with U+FFFD (or is no valid UTF-8) keeps the plain window.
+        context = next((ids for ids in (*wider, *narrower) if starts_whole(ids)), context)
+    if context and decode(context).endswith(REPLACEMENT_CHAR):
+        return []
+    return context
 
 
 class IncrementalDetokenizer:
@@ -54,9 +77,7 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop
         self._min_tokens = min_tokens
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-        if context and decode(context).endswith(REPLACEMENT_CHAR):
-            context = []
+        context = prompt_context(decode, prompt_ids)
         self._context = context
         # Offsets index context + output ids.
         self._prefix = 0
@@ -93,10 +114,10 @@ class IncrementalDetokenizer:
         return self._context[start:end] + list(ids[max(start - skip, 0) : end - skip])
 
     def _find_stop(self, before: int) -> None:
-        for_start = max(0, before - self._hold)
+        """The earliest stop string that ends after ``before`` (text searched before has none)."""
         best, length = -1, 0
         for s in self._stop:
-            at = self.text.find(s, for_start)
+            at = self.text.find(s, max(0, before - len(s) + 1))
             if at != -1 and (best == -1 or at < best or (at == best and len(s) > length)):
                 best, length = at, len(s)
         if best != -1:

@@ -165,3 +165,86 @@ def test_byte_level_multibyte_character_waits_for_its_last_token(byte_tokenizer)
         assert d.take_delta(finished=False) == ("" if n > 1 else " ")
     d.add_tokens(euro)
     assert d.take_delta(finished=False) == "€" and d.text == " €"
+
+
+def write_byte_fallback_tokenizer(out_dir: Path) -> None:
+    """Llama-2's decoder (▁ -> space, byte fallback, strip the first space) over whole words
+    and the 256 byte pieces: CJK and emoji are byte runs. Ids 256/257/258 are <s>/</s>/<pad>."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+
+    pieces = [f"<0x{b:02X}>" for b in range(256)] + ["<s>", "</s>", "<pad>", "▁", "▁Hello", "▁world", "▁Say"]
+    pieces += [f"▁v{i}" for i in range(TINY_DIMS["vocab_size"] - len(pieces))]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    out = tmp_path_factory.mktemp("byte_fallback_tok")
+    write_byte_fallback_tokenizer(out)
+    return Tokenizer(out)
+
+
+def byte_run(tok: Tokenizer, text: str) -> list[int]:
+    return [tok.token_to_id(f"<0x{b:02X}>") for b in text.encode("utf-8")]
+
+
+@pytest.mark.parametrize("tail", ["日本", "🎉🎉", "日", "é日本"])
+def test_a_prompt_ending_in_byte_fallback_characters_keeps_the_completions_space(byte_fallback_tokenizer, tail):
+    """The last 5 prompt tokens can start inside a character (two CJK characters are 6 byte
+    pieces): ByteFallback then decodes the whole run, the complete last character too, as U+FFFD,
+    and the context used to be dropped, so the Strip decoder ate the completion's first space."""
+    tok = byte_fallback_tokenizer
+    prompt = [tok.bos_token_id, tok.token_to_id("▁Say"), tok.token_to_id("▁"), *byte_run(tok, tail)]
+    assert tok.decode(prompt) == "Say " + tail
+    output = [tok.token_to_id("▁Hello"), tok.token_to_id("▁world")]
+    assert stream(tok, prompt, output) == (" Hello world", False)
+    assert standard_text(tok, prompt, output) == " Hello world"
+
+
+def test_byte_fallback_streams_match_the_standard_definition(byte_fallback_tokenizer):
+    """Random prompts of words and byte-run characters, random outputs (characters split over
+    byte pieces included): the streamed text is the standard definition whenever that is valid text."""
+    tok = byte_fallback_tokenizer
+    rng = random.Random(1)
+    chars = ["日", "本", "🎉", "é", "a", " "]
+    words = [tok.token_to_id(w) for w in ("▁Hello", "▁world", "▁Say", "▁")]
+    checked = 0
+    for _ in range(300):
+        prompt = [tok.bos_token_id]
+        for _ in range(rng.randint(1, 5)):
+            prompt += [rng.choice(words)] if rng.random() < 0.4 else byte_run(tok, rng.choice(chars))
+        output = []
+        for _ in range(rng.randint(1, 4)):
+            output += [rng.choice(words)] if rng.random() < 0.5 else byte_run(tok, rng.choice(chars))
+        expected = standard_text(tok, prompt, output)
+        if "\ufffd" in tok.decode(prompt + output):
+            continue
+        assert stream(tok, prompt, output)[0] == expected, (prompt, output)
+        checked += 1
+    assert checked > 250
+
+
+def test_min_tokens_ignores_a_shorter_stop_string_generated_before_it():
+    """With min_tokens, a stop string must end in text generated from that point on. The search
+    started ``len(longest stop) - 1`` characters back for every stop, so a shorter one lying wholly
+    before the point still stopped the request (vLLM: each stop from ``len(stop) - 1`` back)."""
+    letters = {1: "x", 2: "y", 3: "z"}
+    decode = lambda ids: "".join(letters[i] for i in ids)  # noqa: E731
+    for stop in (("x",), ("x", "NEVER"), ("NEVER", "x")):
+        d = IncrementalDetokenizer(decode, stop, (), min_tokens=2)
+        d.add_tokens([1])
+        d.add_tokens([1, 2])
+        assert (d.text, d.stopped) == ("xy", False), stop
+        d.add_tokens([1, 2, 1])
+        assert (d.text, d.stopped) == ("xy", True), stop
+    d = IncrementalDetokenizer(decode, ("xy", "NEVER"), (), min_tokens=2)  # a stop that spans the point still counts
+    d.add_tokens([1])
+    d.add_tokens([1, 2])
+    assert (d.text, d.stopped) == ("", True)
