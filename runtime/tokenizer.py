@@ -53,6 +53,7 @@ def _byte_level_alphabet() -> Mapping[str, int]:
 
 BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 METASPACE = "\u2581"  # SentencePiece's visible space, "▁"
+REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenizerError(ValueError):
@@ -95,7 +96,9 @@ class Tokenizer:
             self.bos_token_id = _first_int(_read_json(root / "config.json").get("bos_token_id"))
         if self.add_bos_token and self.bos_token_id is None:
             raise TokenizerError(f"{root / 'tokenizer_config.json'}: add_bos_token is true but no bos token is defined")
-        self._special_ids = frozenset(self._tok.get_added_tokens_decoder())
+        # Only tokens marked special: an added token that is not (Qwen2's <tool_call>, <|fim_*|>)
+        # is text, which decoding keeps and text offsets must count.
+        self._special_ids = frozenset(i for i, added in self._tok.get_added_tokens_decoder().items() if added.special)
 
     @property
     def vocab_size(self) -> int:
@@ -125,7 +128,12 @@ class Tokenizer:
 
         A SentencePiece piece ``▁word`` keeps its space: decoding it alone, the decoder's Strip
         step takes off the space it would keep after other tokens (Llama 2, Mistral), so the
-        spaces its leading ``▁`` marks are put back, and the tokens add up to the text."""
+        spaces its leading ``▁`` marks are put back, and the tokens add up to the text. A
+        byte-fallback piece ``<0xHH>`` of an ASCII byte is that character (``<0x20>`` alone
+        would decode to "", the space stripped)."""
+        byte = self._fallback_byte(token_id)
+        if byte is not None:
+            return chr(byte) if byte < 0x80 else REPLACEMENT_CHAR
         text = self._tok.decode([token_id], skip_special_tokens=False)
         piece = self._tok.id_to_token(token_id) or ""
         spaces = len(piece) - len(piece.lstrip(METASPACE))
@@ -138,16 +146,21 @@ class Tokenizer:
         a byte-fallback piece ``<0xHH>`` is that byte, a byte-level BPE piece (GPT-2's
         printable-character alphabet) maps back through that alphabet. None when neither applies
         to a token that does not decode to whole characters."""
+        byte = self._fallback_byte(token_id)
+        if byte is not None:
+            return bytes([byte])
         text = self.token_text(token_id)
-        if "\ufffd" not in text:
+        if REPLACEMENT_CHAR not in text:
             return text.encode("utf-8")
         piece = self._tok.id_to_token(token_id) or ""
-        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
-        if match:
-            return bytes([int(match.group(1), 16)])
         if piece and all(ch in BYTE_LEVEL_ALPHABET for ch in piece):
             return bytes(BYTE_LEVEL_ALPHABET[ch] for ch in piece)
         return None
+
+    def _fallback_byte(self, token_id: int) -> int | None:
+        """The byte of a byte-fallback piece ``<0xHH>``, else None."""
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", self._tok.id_to_token(token_id) or "")
+        return int(match.group(1), 16) if match else None
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -161,3 +161,34 @@ def test_token_text_and_bytes_of_a_sentencepiece_vocabulary(tmp_path):
     assert [ours.token_bytes(i) for i in ids] == [b" ab", b" cd", b"a", b"  x", b"\xe2", b"\x82", b"\xac"]
     assert b"".join(ours.token_bytes(i) for i in ids).decode() == " ab cda  x€"
     assert ours.token_text(2) == "</s>" and ours.token_bytes(2) == b"</s>"
+
+
+def test_a_space_byte_piece_is_a_space_alone_too(tmp_path):
+    """``<0x20>`` decoded alone is "" under Llama-2's Strip decoder; its text and bytes are the
+    space, so chat's ``bytes`` and the text offsets count it."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x20>": 3, "<0xE2>": 4, "a": 5, "b": 6}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours = Tokenizer(tmp_path)
+    assert (ours.token_text(3), ours.token_bytes(3)) == (" ", b" ")
+    assert (ours.token_text(4), ours.token_bytes(4)) == ("\ufffd", b"\xe2")  # part of a character
+    assert "".join(ours.token_text(i) for i in (5, 3, 6)) == ours.decode([5, 3, 6]) == "a b"
+
+
+def test_only_added_tokens_marked_special_are_special(model_copy):
+    """An added token that is not special (Qwen2's <tool_call>) is text: decode keeps it, so the
+    text offsets must count it."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(model_copy / "tokenizer.json"))
+    hf.add_tokens(["<tool_call>"])
+    hf.add_special_tokens(["<|special|>"])
+    hf.save(str(model_copy / "tokenizer.json"))
+    ours = Tokenizer(model_copy)
+    tool, special = ours.token_to_id("<tool_call>"), ours.token_to_id("<|special|>")
+    assert not ours.is_special(tool) and ours.is_special(special)
+    assert ours.decode([tool, special, tool]) == "<tool_call><tool_call>"
