@@ -51,6 +51,26 @@ from runtime.request import ErrorKind, FinishReason, SamplingParams, TokenLogpro
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, generated token ids) of one request
 
+MASK_64 = (1 << 64) - 1
+
+
+def generator_for(seed: int) -> torch.Generator:
+    """A request's own CPU generator for ``seed`` in [0, 2^64).
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so ``s`` and
+    ``s + k * 2^32`` drew the same tokens. A seed below 2^32 seeds it as it is; a larger one
+    is first mixed down to 32 bits (splitmix64's finaliser, then the two halves xor-ed), so
+    seeds that differ only in their high bits get unrelated streams. There are still only
+    2^32 streams: two random 64-bit seeds share one with probability 2^-32.
+    """
+    if seed >= 1 << 32:
+        z = seed & MASK_64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
+        z ^= z >> 31
+        seed = (z ^ (z >> 32)) & 0xFFFFFFFF
+    return torch.Generator().manual_seed(seed)
+
 
 @dataclass(frozen=True)
 class NoToken:
@@ -71,7 +91,7 @@ class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         # Seeds for requests that bring none are drawn from this generator, so one engine
         # run is reproducible given the engine's seed.
-        self._seed_source = torch.Generator().manual_seed(seed)
+        self._seed_source = generator_for(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._eos_token_ids = tuple(eos_token_ids)  # what min_tokens holds back, besides stop_token_ids
         # Repetition penalty: each request's prompt ids as a tensor on the logits' device, built once.
@@ -82,8 +102,8 @@ class Sampler:
             return
         seed = params.seed
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
-        self._generators[request_id] = torch.Generator().manual_seed(seed)
+            seed = int(torch.randint(0, 2**32, (1,), generator=self._seed_source).item())  # as many streams as there are
+        self._generators[request_id] = generator_for(seed)
 
     def remove(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

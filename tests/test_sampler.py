@@ -160,3 +160,23 @@ def test_rows_with_nan_or_inf_logits_get_no_token_and_the_others_do():
         sampler.add(rid, p)
     out = sampler.sample(logits, ids, params)
     assert out[0] == int(logits[0].argmax()) and out[1:4] == [NON_FINITE_LOGITS] * 3 and isinstance(out[4], int)
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_different_tokens():
+    """torch's CPU generator keeps the low 32 bits of a seed: 5, 5 + 2^32 and 2^62 + 5 drew the
+    same tokens. Seeds below 2^32 keep their streams (generator_for seeds them as they are)."""
+    from runtime.sampler import generator_for
+
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler()
+        params = SamplingParams(temperature=1.0, seed=seed)
+        sampler.add("r", params)
+        return [sampler.sample(logits, ["r"], [params])[0] for _ in range(12)]
+
+    streams = [draws(s) for s in (5, 5 + 2**32, 5 + 7 * 2**32, 2**62 + 5, 2**64 - 1)]
+    assert len({tuple(s) for s in streams}) == len(streams)
+    assert draws(5) == streams[0]  # a seed gives the same tokens every time
+    plain = torch.Generator().manual_seed(5)
+    assert torch.equal(torch.rand(4, generator=generator_for(5)), torch.rand(4, generator=plain))
