@@ -185,6 +185,21 @@ def test_greedy_outputs_equal_single_server(app, tiny_llama_dir: Path) -> None:
     assert sum(expected[(name, prompt)] != expected[(None, prompt)] for name, prompt in adapter_cases) >= 2
 
 
+def test_replicas_draw_different_seeds_for_unseeded_requests(app) -> None:
+    """Both replicas run with the app's seed 0 in their config, yet each derives its own engine
+    seed (``replica_seed``): with the same seed, unseeded choices came back in identical pairs."""
+    cfg, _, _ = app
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name)
+    seen: dict[str, int] = {}
+    for _ in range(200):
+        info = handle.describe.remote().result(timeout_s=30)
+        seen[info["replica_id"]] = info["seed"]
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2, seen
+    assert len(set(seen.values())) == 2 and cfg.engine.seed not in seen.values(), seen
+
+
 def test_affinity_hit_rate_well_above_adapter_blind(app) -> None:
     cfg, _, adapters = app
     names = sorted(adapters)  # 4 adapters, 2 replicas with room for 2 each

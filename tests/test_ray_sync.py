@@ -25,7 +25,7 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.distributed import registry_client  # noqa: E402
 from runtime.distributed.registry_client import RegistryClient, ReplicasFailedToApply  # noqa: E402
 from runtime.distributed.registry_service import AdapterRegistryService  # noqa: E402
-from runtime.distributed.replica import LoraReplica  # noqa: E402
+from runtime.distributed.replica import LoraReplica, replica_seed  # noqa: E402
 from runtime.distributed.replica_set import replica_error  # noqa: E402
 from runtime.request import AdapterRef, SamplingParams  # noqa: E402
 from runtime.server.errors import APIError  # noqa: E402
@@ -581,3 +581,11 @@ def test_logprobs_cross_the_wire_per_step_and_survive_a_replay(replica, tiny_lla
     assert got[-1].token_ids == whole.token_ids and got[-1].logprobs == whole.logprobs
     assert all(d.logprobs == whole.logprobs[: len(d.token_ids)] and d.prompt_logprobs == whole.prompt_logprobs for d in got)
     assert [lp for d in got for lp in d.new_logprobs] == list(whole.logprobs)
+
+
+def test_each_replica_draws_its_own_seeds_for_unseeded_requests() -> None:
+    """Replicas share one config; their engine seeds must still differ, or the n unseeded
+    choices of one request, spread over replicas, come back in identical pairs."""
+    seeds = {replica_seed(0, f"replica-{i}") for i in range(64)}
+    assert len(seeds) == 64 and all(0 <= s < 2**62 for s in seeds)
+    assert replica_seed(0, "replica-1") == replica_seed(0, "replica-1") != replica_seed(1, "replica-1")

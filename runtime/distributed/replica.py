@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -81,6 +82,16 @@ def _pin_mismatch(adapter: Optional[str], here: Optional[str], pinned: str) -> s
     return f"adapter {adapter!r}: the request started on version {pinned}, and this replica {holds}"
 
 
+def replica_seed(engine_seed: int, replica_id: str) -> int:
+    """The engine seed of one replica: ``sha256(f"{engine_seed}:{replica_id}")``, first 62 bits.
+
+    Every replica gets the same config; with its seed unchanged they drew the same seeds for
+    requests that bring none, so the ``n`` unseeded choices of one HTTP request, spread over
+    replicas, came back in identical pairs. Serve's replica ids are unique, so the streams differ."""
+    digest = hashlib.sha256(f"{engine_seed}:{replica_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
+
+
 @dataclass(frozen=True)
 class AdapterLease:
     """What Serve's multiplexing cache holds for an adapter: its name and the version seen."""
@@ -96,9 +107,10 @@ class LoraReplica:
     SYNC_STALE_AFTER_S = 60.0
 
     async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25) -> None:
-        engine = AsyncLLMEngine(engine_config)
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        engine = AsyncLLMEngine(dataclasses.replace(engine_config, seed=replica_seed(engine_config.seed, replica_id)))
         engine.start()
-        self._setup(engine, ray.get_actor(registry_name, namespace=namespace), serve.get_replica_context().replica_id.unique_id, sync_interval_s)
+        self._setup(engine, ray.get_actor(registry_name, namespace=namespace), replica_id, sync_interval_s)
 
         async def load_adapter(name: str) -> AdapterLease:
             return await self._lease(name)
@@ -354,7 +366,8 @@ class LoraReplica:
         return {"version": adapter.version, "max_rank": adapter.max_rank}
 
     def describe(self) -> dict[str, Any]:
-        return {"model_name": self.engine.model_name, "max_model_len": self.engine.max_model_len, "replica_id": self.replica_id}
+        return {"model_name": self.engine.model_name, "max_model_len": self.engine.max_model_len, "replica_id": self.replica_id,
+                "seed": self.engine.config.seed}
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine loop died, or whose adapter sync stopped (``sync_problem``)."""
