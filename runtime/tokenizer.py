@@ -153,12 +153,18 @@ class Tokenizer:
         if REPLACEMENT_CHAR not in text:
             return text.encode("utf-8")
         piece = self._tok.id_to_token(token_id) or ""
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # byte fallback in a model that does not say so (Unigram)
+        if match:
+            return bytes([int(match.group(1), 16)])
         if piece and all(ch in BYTE_LEVEL_ALPHABET for ch in piece):
             return bytes(BYTE_LEVEL_ALPHABET[ch] for ch in piece)
         return None
 
     def _fallback_byte(self, token_id: int) -> int | None:
-        """The byte of a byte-fallback piece ``<0xHH>``, else None."""
+        """The byte of a byte-fallback piece ``<0xHH>`` (in a model with byte fallback on; in
+        another, such a piece is the text it spells), else None."""
+        if not getattr(self._tok.model, "byte_fallback", False):
+            return None
         match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", self._tok.id_to_token(token_id) or "")
         return int(match.group(1), 16) if match else None
 
