@@ -355,11 +355,13 @@ def unsupported_quote(capability: str, matrix: CapabilityMatrix | None = None) -
 
 
 def _apply(entry: Capability, violation: str | None, fallback_violation: str | None) -> Decision | None:
-    """Primary limits met -> None; else the declared fallback, or an error quoting the entry."""
-    if violation is None:
-        return None
+    """An error quoting the entry when it is declared unsupported (the caller is about to use
+    it, whatever its limits); None when the primary limits are met; else the declared fallback,
+    or an error quoting the entry."""
     if not entry.supported:
         raise CapabilityError(f"{entry.backend}: {entry.name} is not supported: {entry.note} ({entry.quote()})")
+    if violation is None:
+        return None
     if entry.fallback is not None and fallback_violation is None:
         return Decision(entry.backend, entry.name, f"{entry.name}: {violation}", entry.fallback.implementation, entry.quote())
     why = f"{violation} and no declared fallback admits it" if entry.fallback is not None else violation
@@ -367,9 +369,14 @@ def _apply(entry: Capability, violation: str | None, fallback_violation: str | N
 
 
 def check_engine_config(config: EngineConfig, backend_name: str, matrix: CapabilityMatrix | None = None) -> list[Decision]:
-    """Check dtype, max_lora_rank, max_loras, token budget and prefix caching against the backend's row."""
+    """Check dtype, max_lora_rank, max_loras, token budget and prefix caching against the backend's row.
+
+    Every engine uses the dtypes, max_rank, paged_attention, both LoRA op schedules and the
+    multi-slice expand (q/k/v and gate/up are fused projections): one declared unsupported
+    refuses the config, whatever its limits."""
     m = matrix or load_matrix()
     decisions: list[Decision] = []
+    require("multi_slice_expand", backend_name, m)
 
     def gate(entry: Capability, violation: str | None, fb_violation: str | None = None) -> None:
         decision = _apply(entry, violation, fb_violation)
@@ -382,8 +389,8 @@ def check_engine_config(config: EngineConfig, backend_name: str, matrix: Capabil
         fb = entry.fallback.limits.dtype_violation(config.dtype) if entry.fallback else None
         gate(entry, entry.limits.dtype_violation(config.dtype), fb)
     max_rank = m.entry(backend_name, "max_rank")
-    if max_rank.limits.max_rank is not None and config.max_lora_rank > max_rank.limits.max_rank:
-        gate(max_rank, f"max_lora_rank={config.max_lora_rank} exceeds max_rank {max_rank.limits.max_rank}")
+    top = max_rank.limits.max_rank
+    gate(max_rank, f"max_lora_rank={config.max_lora_rank} exceeds max_rank {top}" if top is not None and config.max_lora_rank > top else None)
     for cap in LORA_OP_CAPABILITIES:
         entry = m.entry(backend_name, cap)
         cap_n = entry.limits.max_adapters_per_batch
