@@ -101,6 +101,71 @@ def test_npu_row_verifies_on_emulated_torch_npu_ops(capability: str) -> None:
     assert _verified("npu", capability, result), f"{result.status}: {result.detail}"
 
 
+def _emulated_npu():
+    from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps
+
+    ops = EmulatedTorchNpuOps()
+    return backends.backend_class("npu")(device="cpu", npu_ops=ops, soc_name="Ascend910B2"), ops
+
+
+@pytest.mark.emulated
+def test_npu_op_verifiers_reach_the_primary_ops_and_force_the_fallback() -> None:
+    """The primary cases run the torch_npu ops (counted by the emulation) and note no fallback in
+    apply_lora; the fallback cases run on a backend forced onto the torch path (no op reachable)."""
+    for capability, op in (("lora_ops_per_token", "npu_batch_gather_matmul"), ("lora_ops_segment", "npu_grouped_matmul")):
+        backend, ops = _emulated_npu()
+        result = VERIFIERS[capability]("npu", MATRIX, backend)
+        assert result.status == "pass", result.detail
+        assert ops.calls[op] > 0, dict(ops.calls)
+        reason = "decode:soc" if capability == "lora_ops_per_token" else "prefill:soc"
+        assert f"apply_lora noted {reason}" in result.detail and "primary cases took no fallback" in result.detail, result.detail
+        assert all(k in result.metrics["max_err"] for k in ("fallback float16", "fallback bfloat16", "fallback float32"))
+    assert "op+fallback" in result.detail or capability == "lora_ops_segment"  # per-token: ranks 1 and 256 beside 16..128
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("capability", ["lora_ops_per_token", "mixed_ranks", "multi_slice_expand"])
+def test_npu_fused_decode_op_with_a_wrong_scale_fails_the_probe(monkeypatch: pytest.MonkeyPatch, capability: str) -> None:
+    """The audit's npu_fused_scale_bug.patch: weight_b doubled in the fused decode op's weights."""
+    import backends.ascend.batch_gather as bg
+
+    bucket_weights = bg.bucket_weights
+    monkeypatch.setattr(bg, "bucket_weights", lambda w, slots, rank: (lambda a, b: (a, (2 * b.float()).half()))(*bucket_weights(w, slots, rank)))
+    backend, ops = _emulated_npu()
+    result = VERIFIERS[capability]("npu", MATRIX, backend)
+    assert result.status == "fail" and ops.calls["npu_batch_gather_matmul"] > 0, result.detail
+
+
+@pytest.mark.emulated
+def test_npu_segment_fallback_bug_fails_the_fallback_cases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong prefill torch fallback (expand delta doubled) fails lora_ops_segment's fallback cases,
+    which therefore run it (on Atlas A2 every primary case takes npu_grouped_matmul)."""
+    import backends.ascend.torch_path as tp
+
+    expand_segments = tp.expand_segments
+    monkeypatch.setattr(tp, "expand_segments", lambda h_i, *args: expand_segments(2 * h_i, *args))
+    result = VERIFIERS["lora_ops_segment"]("npu", MATRIX, _emulated_npu()[0])
+    assert result.status == "fail" and "case 'fallback " in result.detail, result.detail
+
+
+@pytest.mark.emulated
+def test_npu_primary_case_that_silently_falls_back_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right numbers from the wrong path: a fused decode op never taken fails lora_ops_per_token."""
+    import backends.ascend.batch_gather as bg
+
+    monkeypatch.setattr(bg, "unsupported_reason", lambda *a, **k: ("decode:rank", "patched: never the fused op"))
+    result = VERIFIERS["lora_ops_per_token"]("npu", MATRIX, _emulated_npu()[0])
+    assert result.status == "fail" and "inside the primary limits, apply_lora took the fallback" in result.detail, result.detail
+
+
+def test_a_declared_fallback_the_verifier_cannot_force_fails(tmp_path: Path) -> None:
+    def add_fallback(d):
+        d["cpu"]["lora_ops_segment"]["fallback"] = {"when": "never", "implementation": "none", "limits": {"dtypes": ["float32"]}}
+
+    result = VERIFIERS["lora_ops_segment"]("cpu", load_matrix(_matrix_copy(tmp_path, add_fallback)))
+    assert result.status == "fail" and "cannot be verified" in result.detail, result.detail
+
+
 @dataclass(frozen=True)
 class InterpretedCudaBackend:
     """The cuda backend's Triton ops on CPU tensors (TRITON_INTERPRET=1); CudaBackend itself
@@ -115,7 +180,17 @@ class InterpretedCudaBackend:
         return None
 
 
-INTERPRETED_CUDA_CAPABILITIES = ("lora_ops_segment", "lora_ops_per_token", "mixed_ranks", "multi_slice_expand", "dtypes", "max_rank")
+# quantized_base_int8: the LoRA half through the Triton kernels; its int8 base matmul is the torch path on CPU tensors.
+INTERPRETED_CUDA_CAPABILITIES = ("lora_ops_segment", "lora_ops_per_token", "mixed_ranks", "multi_slice_expand", "dtypes", "max_rank",
+                                 "quantized_base_int8")
+
+
+def test_the_cuda_row_claims_the_interpreter_exactly_where_a_test_runs_it() -> None:
+    claimed = {c for c in MATRIX.capabilities("cuda") if MATRIX.entry("cuda", c).verified_on.how == "triton-interpreter"}
+    assert claimed == set(INTERPRETED_CUDA_CAPABILITIES)
+    for capability in claimed:
+        where = MATRIX.entry("cuda", capability).verified_on.where
+        assert "TRITON_INTERPRET=1" in where and "no GPU run" in where, where
 
 
 @pytest.mark.interpreter
@@ -217,6 +292,21 @@ def test_prefix_caching_declared_unsupported_refuses_the_config(tmp_path: Path) 
     path = _matrix_copy(tmp_path, lambda d: d["cpu"]["prefix_caching"].update(supported=False))
     with pytest.raises(CapabilityError, match=r"prefix_caching is not supported"):
         check_engine_config(EngineConfig(model="m", enable_prefix_caching=True), "cpu", load_matrix(path))
+
+
+@pytest.mark.parametrize("capability", ["paged_attention", "lora_ops_segment", "lora_ops_per_token", "multi_slice_expand", "dtypes", "max_rank"])
+def test_a_capability_every_engine_uses_declared_unsupported_refuses_the_config(tmp_path: Path, capability: str) -> None:
+    """Every engine uses these, so an entry declaring one unsupported refuses the config, whatever
+    its limits (the gate used to look at the limits only, and a config within them ran)."""
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"][capability].update(supported=False))
+    with pytest.raises(CapabilityError, match=rf"{capability} is not supported"):
+        check_engine_config(EngineConfig(model="m"), "cpu", load_matrix(path))
+
+
+def test_an_adapter_on_lora_ops_declared_unsupported_is_refused(tmp_path: Path) -> None:
+    path = _matrix_copy(tmp_path, lambda d: d["cpu"]["lora_ops_per_token"].update(supported=False))
+    with pytest.raises(CapabilityError, match=r"lora_ops_per_token is not supported"):
+        check_adapter(_adapter("a", {(0, "q_proj"): 8}), "cpu", load_matrix(path))
 
 
 @pytest.mark.parametrize("rank, dtype, fallback", [(16, "float16", False), (128, "float16", False), (8, "float16", True),
@@ -421,3 +511,133 @@ def test_not_applicable_is_only_for_unsupported_entries(tmp_path: Path) -> None:
     path = _matrix_copy(tmp_path, lambda d: d["cpu"]["dtypes"]["verified_on"].update(how="not applicable"))
     with pytest.raises(CapabilityMatrixError, match=r"cpu\.dtypes\.verified_on\.how: 'not applicable' is only for"):
         load_matrix(path)
+
+
+# ---- fp32 accumulate: cancelling sums, the tolerance on the result ------------------------------
+
+def _half_precision_row_ranges(monkeypatch: pytest.MonkeyPatch, summed_in_half: bool) -> None:
+    """Replace the cpu engine-order path (``apply_row_ranges``) for fp16/bf16 by one that either sums
+    in the compute dtype (a running sum over K, then over the rank), or, as the audit's half_accum.py
+    does, rounds h and the delta to it (torch's CPU half matmul itself accumulates in float32)."""
+    import backends.reference as ref
+
+    original = ref.apply_row_ranges
+
+    def running(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype)
+        for k in range(a.shape[1]):
+            acc += a[:, k : k + 1] * b[k : k + 1]
+        return acc
+
+    def half(x, y, weights, meta, offsets):
+        if y.dtype == torch.float32:
+            return original(x, y, weights, meta, offsets)
+        for k, slot in enumerate(meta.host_seg_slots):
+            rows = slice(meta.first_row + meta.host_seg_starts[k], meta.first_row + meta.host_seg_starts[k + 1])
+            for w, off in zip(weights, offsets):
+                r, s, scale = w.host_rank[slot], w.host_start[slot], w.host_scale[slot]
+                if r:
+                    a, b = w.a_rows[s : s + r].t(), w.b_rows[s : s + r]
+                    delta = running(running(x[rows], a), b) if summed_in_half else (x[rows] @ a) @ b
+                    y[rows, off : off + w.out_features] += delta * scale
+
+    monkeypatch.setattr(ref, "apply_row_ranges", half)
+
+
+@pytest.mark.parametrize("capability", ["lora_ops_segment", "lora_ops_per_token"])
+@pytest.mark.parametrize("summed_in_half, case", [(True, "fp32 accumulate"), (False, "fp32 h, cast once")])
+def test_half_precision_accumulation_fails_the_op_verifiers(monkeypatch: pytest.MonkeyPatch, capability: str,
+                                                            summed_in_half: bool, case: str) -> None:
+    _half_precision_row_ranges(monkeypatch, summed_in_half)
+    result = VERIFIERS[capability]("cpu", MATRIX)
+    assert result.status == "fail" and f"case '{case} " in result.detail and "rows in engine order" in result.detail, result.detail
+
+
+# ---- attention: a scale other than SDPA's default -----------------------------------------------
+
+def test_attention_problems_use_a_scale_other_than_the_default() -> None:
+    from runtime.verifiers.attention_problem import HEAD_DIM, random_step
+
+    g = torch.Generator().manual_seed(0)
+    scales = [random_step([1], [3], [[0]], torch.float32, torch.device("cpu"), g).scale for _ in range(20)]
+    assert all(0.3 * HEAD_DIM**-0.5 <= s <= 0.6 * HEAD_DIM**-0.5 for s in scales) and len(set(scales)) == 20
+
+
+@pytest.mark.parametrize("capability", ["paged_attention", "prefix_caching", "dtypes"])
+def test_attention_that_drops_the_callers_scale_fails(monkeypatch: pytest.MonkeyPatch, capability: str) -> None:
+    import torch.nn.functional as F
+
+    import backends.reference as ref
+
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(ref, "F", type("F", (), {"scaled_dot_product_attention": staticmethod(lambda *a, scale=None, **k: sdpa(*a, **k))}))
+    result = VERIFIERS[capability]("cpu", MATRIX)
+    assert result.status == "fail" and "paged_attention" in result.detail, result.detail
+
+
+# ---- cuda_graph_safety's replay check, with an eager stand-in for the graph -----------------------
+
+def _eager_capture(fn):
+    """Runs ``fn`` now and again at each "replay": the kernels of a replayed graph read the captured
+    device buffers, which an eager re-run also does; host values are whatever the backend kept."""
+    fn()
+    return fn
+
+
+class _DeviceSlotOps:
+    """The reference ops driven only by the device copy of the slots, as a graph-safe backend is;
+    ``stray`` also writes column 0 of y, which belongs to no slice."""
+
+    def __init__(self, stray: bool = False) -> None:
+        from backends.reference import ReferenceLoRAOps
+
+        self.ops, self.stray = ReferenceLoRAOps(), stray
+
+    def apply(self, x, y, weights, meta, offsets, workspace):
+        from runtime.lora.batch_meta import LoRABatchMeta
+
+        fresh = LoRABatchMeta.build(meta.token_slots.tolist(), x.device, decode_only=meta.decode_only)
+        self.ops.apply(x, y, weights, fresh, offsets, workspace)
+        if self.stray:
+            y[:, 0] += 1
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("ops, error", [("device", None), ("host", "exceeds tolerance"), ("stray", "columns outside the slices")])
+def test_graph_replay_check_changes_slots_and_checks_untouched_entries(decode_only: bool, ops: str, error: str | None) -> None:
+    """Replayed with other adapters in the rows: a backend reading the device slots passes; one that
+    keeps the slots it saw at capture (the reference ops plan from the host mirrors) fails, and so
+    does a stray write outside the slices."""
+    from types import SimpleNamespace
+
+    from backends.reference import ReferenceLoRAOps
+    from runtime.verifiers.cuda_graph import check_replay
+    from runtime.verifiers.lora_ops import QKV_OUTS
+    from runtime.verifiers.lora_problem import build_problem
+    from runtime.verifiers.result import VerificationFailure
+
+    lora = {"device": _DeviceSlotOps(), "host": ReferenceLoRAOps(), "stray": _DeviceSlotOps(stray=True)}[ops]
+    backend = SimpleNamespace(device=torch.device("cpu"), lora=lora, synchronize=lambda: None)
+    p = build_problem(backend.device, torch.float32, [4, 16, 9], QKV_OUTS, 32, seed=5)
+    if error is None:
+        assert check_replay(backend, p, decode_only, _eager_capture) < 1e-4
+    else:
+        with pytest.raises(VerificationFailure, match=error):
+            check_replay(backend, p, decode_only, _eager_capture)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
+def test_graph_replay_check_passes_the_triton_kernels_interpreted() -> None:
+    """The kernels read the slots, segments and tiles from device memory, so rewriting those in place
+    between capture and replay serves the new adapters (an eager stand-in: no GPU here)."""
+    from backends.cuda.backend import CudaLoRAOps
+    from backends.reference import ReferenceAttention
+    from runtime.verifiers.cuda_graph import check_replay
+    from runtime.verifiers.lora_ops import QKV_OUTS
+    from runtime.verifiers.lora_problem import build_problem
+
+    backend = InterpretedCudaBackend(lora=CudaLoRAOps(), attention=ReferenceAttention())
+    for decode_only in (False, True):
+        p = build_problem(backend.device, torch.float32, [4, 16, 9], QKV_OUTS, 32, seed=6)
+        assert check_replay(backend, p, decode_only, _eager_capture) < 1e-4

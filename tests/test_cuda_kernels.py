@@ -202,6 +202,22 @@ def test_largest_segment_tiles_interpreted() -> None:
 
 @interpreter
 @pytest.mark.interpreter
+@pytest.mark.parametrize("path", ["per_token", "segment"])
+def test_tiled_k_and_columns_interpreted(path: str) -> None:
+    """Past one tile in K and in columns: in 160 and a 144-wide slice at rank 64 give the per-token
+    kernels 64 x 128 tiles (``token_tiles``: two K tiles in shrink, two column blocks in expand) and
+    the segment kernels three 64-wide K tiles and two 128-column blocks; beside it a 24-wide slice,
+    whose second column block returns at once, and a slot of rank 0 in each slice."""
+    from backends.cuda.kernel_config import segment_tiles, token_tiles
+
+    assert (token_tiles(64, 160, 144).block_k, token_tiles(64, 160, 144).block_n) == (128, 128)
+    assert (segment_tiles(2, 64, 160, 144).block_k, segment_tiles(2, 64, 160, 144).block_n) == (64, 128)
+    ranks = [{0: 64, 1: 8, 2: 0}, {0: 0, 1: 8, 2: 40}]
+    run_case(path, torch.float32, "cpu", in_features=160, outs=(144, 24), ranks=ranks, slots=[0, -1, 2, 1, 0, 2], seed=11)
+
+
+@interpreter
+@pytest.mark.interpreter
 def test_backend_ops_pick_path_and_reuse_tables_interpreted() -> None:
     """CudaLoRAOps through apply_lora equals the reference ops on the same inputs, for a
     decode step (per-token kernels) and a prefill step (segment kernels)."""

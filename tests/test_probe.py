@@ -42,7 +42,7 @@ def test_probe_absent_device_prints_one_line_and_fails(device: str, capsys: pyte
     available, reason = backends.availability(device)
     if available:
         pytest.skip(f"{device} is present on this machine")
-    assert main(["probe", "--device", device]) != 0
+    assert main(["probe", "--device", device]) == 3  # absent: distinct from a failed capability (1)
     out = capsys.readouterr().out.strip()
     assert out.count("\n") == 0 and out.startswith(f"{device}:"), out
     assert " ".join(reason.split()) in out
@@ -53,7 +53,7 @@ def test_probe_absent_device_via_the_console_script_has_no_traceback() -> None:
         pytest.skip("npu is present on this machine")
     proc = subprocess.run([sys.executable, "-m", "runtime.cli", "probe", "--device", "npu", "--json"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 3
     assert "Traceback" not in proc.stderr + proc.stdout
     report = json.loads(proc.stdout)
     assert report["available"] is False and report["reason"].startswith("npu:") and "torch_npu" in report["reason"]
@@ -80,3 +80,23 @@ def test_probe_unreadable_matrix_is_one_line(tmp_path: Path, capsys: pytest.Capt
     assert main(["probe", "--device", "cpu", "--matrix", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "missing.yaml" in err
+
+
+def test_probe_unreadable_matrix_with_json_prints_a_json_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpu: [\n")
+    for path in (bad, tmp_path / "missing.yaml"):
+        assert main(["probe", "--device", "cpu", "--json", "--matrix", str(path)]) == 2
+        report = json.loads(capsys.readouterr().out)
+        assert report["ok"] is False and report["matrix"] == str(path) and str(path) in report["error"]
+
+
+def test_probe_help_lists_the_exit_codes() -> None:
+    from runtime.commands.probe import DEVICE_ABSENT, FAILED, MATRIX_UNREADABLE, OK
+
+    proc = subprocess.run([sys.executable, "-m", "runtime.cli", "probe", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    status = proc.stdout[proc.stdout.index("exit status:"):]
+    for code, words in ((OK, "verified"), (FAILED, "failed"), (MATRIX_UNREADABLE, "matrix is unreadable"), (DEVICE_ABSENT, "device is absent")):
+        assert f"  {code}  " in status and words in status, status
+    assert len({OK, FAILED, MATRIX_UNREADABLE, DEVICE_ABSENT}) == 4

@@ -8,10 +8,13 @@
 # loaded yet, the default toolkit set_env.sh is sourced. Writes:
 #   env.json                 torch / torch_npu versions, device name
 #   npu_tests.xml / .log     pytest -m "npu or emulated" on the Ascend test files
+#   npu_tests.json           their outcomes counted: hardware (tests/test_ascend_npu.py) and emulated
 #   probe.json               lorafleet probe --device npu --json
 #   lora_ops.json / .log     benchmarks/lora_ops.py --device npu
 #   summary.json             exit status of each part
-# Exits non-zero when any part failed; every part runs regardless.
+# Exits non-zero when any part failed; every part runs regardless. The tests count as failed
+# (tests_rc 3) when no hardware test passed: without a usable device they all skip, the emulated
+# ones pass, and pytest exits 0, which verifies nothing on the device.
 set -u -o pipefail
 
 OUT=${1:?usage: benchmarks/ascend/run_all.sh OUTDIR}
@@ -44,6 +47,26 @@ PYEOF
   tests/test_ascend_npu.py tests/test_ascend_emulated.py \
   --junitxml="$OUT/npu_tests.xml" > "$OUT/npu_tests.log" 2>&1
 tests_rc=$?
+"$PY" - "$OUT/npu_tests.xml" "$OUT/npu_tests.json" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+if not src.is_file():
+    dst.write_text(json.dumps({"error": f"{src} was not written (see npu_tests.log)"}))
+    sys.exit(3)
+counts = {kind: {"passed": 0, "failed": 0, "error": 0, "skipped": 0} for kind in ("hardware", "emulated")}
+for case in ET.parse(src).getroot().iter("testcase"):
+    where = case.get("classname") or case.get("name") or ""  # a module-level skip has only a name
+    kind = "hardware" if where.startswith("tests.test_ascend_npu") else "emulated"
+    tag = next((t for t in ("failure", "error", "skipped") if case.find(t) is not None), None)
+    counts[kind][{"failure": "failed", "error": "error", "skipped": "skipped", None: "passed"}[tag]] += 1
+dst.write_text(json.dumps(counts, indent=2))
+if counts["hardware"]["passed"] == 0:
+    print(f"npu tests: no hardware test passed ({counts['hardware']}); is an Ascend device visible, with torch_npu and CANN?", file=sys.stderr)
+    sys.exit(3)
+PYEOF
+guard_rc=$?
+[ "$tests_rc" -eq 0 ] && [ "$guard_rc" -ne 0 ] && tests_rc=$guard_rc
 
 "$PY" -m runtime.cli probe --device npu --json > "$OUT/probe.json" 2> "$OUT/probe.err"
 probe_rc=$?

@@ -2,8 +2,9 @@
 
 Prints one row per capability of the backend's matrix section: what is declared,
 what the verifier found (pass / fail / skipped with the reason) and its figures.
-Exit status: 0 when every declared capability verifies, 1 when one fails or the
-device is absent, 2 when the matrix itself is unreadable.
+Exit status (``EXIT_STATUS``, also in ``--help``): 0 when every declared capability
+verifies, 1 when one fails, 2 when the matrix is unreadable (or the arguments are
+wrong), 3 when the device is absent, so nothing could be checked.
 """
 from __future__ import annotations
 
@@ -16,9 +17,18 @@ import backends
 from runtime.capabilities import Capability, CapabilityMatrixError, load_matrix
 
 DEVICES = ("auto", *backends.NAMES)
+OK, FAILED, MATRIX_UNREADABLE, DEVICE_ABSENT = 0, 1, 2, 3
+EXIT_STATUS = f"""exit status:
+  {OK}  every capability the backend declares verified on this machine (skipped: not applicable)
+  {FAILED}  a declared capability failed its check
+  {MATRIX_UNREADABLE}  the capability matrix is unreadable or malformed (with --json: {{"ok": false, "error": ...}}),
+     or the arguments are wrong
+  {DEVICE_ABSENT}  the device is absent: one line says why, nothing was checked"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="backend to probe (auto: cuda, then npu, then cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -41,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         matrix = load_matrix(args.matrix)
     except CapabilityMatrixError as err:
         print(f"lorafleet probe: {err}", file=sys.stderr)
-        return 2
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(err), "matrix": args.matrix}))
+        return MATRIX_UNREADABLE
     name = backends.resolve_name(args.device)
     available, reason = backends.availability(name)
     if not available:
@@ -50,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"device": name, "available": False, "reason": line, "ok": False}))
         else:
             print(line)
-        return 1
+        return DEVICE_ABSENT
     from runtime.verifiers import run_all  # imports torch-heavy modules only when probing
 
     results = run_all(name, matrix, progress=_progress_to(sys.stderr))
@@ -72,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         _print_table(name, str(matrix.path), rows)
         failed = [r["capability"] for r in rows if r["status"] == "fail"]
         print(f"\n{name}: {'all declared capabilities verified' if ok else 'FAILED: ' + ', '.join(failed)}")
-    return 0 if ok else 1
+    return OK if ok else FAILED
 
 
 def _progress_to(stream: Any) -> Any:

@@ -7,6 +7,9 @@ history. The cache holds random history; the step writes its new K/V at
 (position p_i = ctx_b - q_len_b + i), query head j, kv head j // (Hq / Hkv):
 
     out[i, j] = softmax(scale * q_i,j . K[0..p_i, kv(j)]^T) @ V[0..p_i, kv(j)]      (float64)
+
+``scale`` is drawn in [0.3, 0.6] / sqrt(HEAD_DIM), never SDPA's default 1 / sqrt(head_dim), so an
+attention that drops the caller's scale (a model with a query_pre_attn_scalar, e.g.) fails.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def random_step(query_lens: Sequence[int], context_lens: Sequence[int], tables: 
     t = sum(query_lens)
     q, k, v = (torch.randn(t, h, HEAD_DIM, generator=g, dtype=torch.float64).to(dtype).to(device) for h in (HQ, HKV, HKV))
     meta = AttentionMeta.build(query_lens, context_lens, tables, BLOCK_SIZE, device)
-    return AttentionStep(q, k, v, meta, scale=HEAD_DIM**-0.5)
+    scale = float(0.3 + 0.3 * torch.rand((), generator=g, dtype=torch.float64)) * HEAD_DIM**-0.5
+    return AttentionStep(q, k, v, meta, scale=scale)
 
 
 def dense_reference(step: AttentionStep, cache_before: Tensor) -> tuple[Tensor, Tensor]:

@@ -2,13 +2,26 @@
 
 Each runs the backend's shrink/expand through the contract (``backend.lora``) on fresh
 random problems (``lora_problem.py``) and compares with float64, for every declared
-dtype and over ranks the declared limits admit (smallest, largest, random others). A
-declared fallback is exercised too, over its own limits.
+dtype and over ranks the declared limits admit (smallest, largest, random others).
+Slice offsets and widths sit on 16-column boundaries (``lora_problem.ALIGN``), as a model's
+do, so limits such as those of torch_npu's fused decode op hold and the primary path runs.
 
 Besides slices of different widths, every op verifier runs an equal-width case
 (``batched_expand_case``): the layout of real adapters on q/k/v without GQA or gate/up,
 one rank and one scale per adapter across its slices. On the CPU backend that is the
-one-``baddbmm_`` expand of ``apply_row_ranges``, and the verifier checks it ran.
+one-``baddbmm_`` expand of ``apply_row_ranges``, and the verifier checks it ran. The op
+verifiers (segment, per-token) also run
+
+- ``tiles``: in_features 160 and a 144-wide slice at rank >= 64 (several K tiles and column
+  blocks in the kernels) and, on the segment path, a 70-row segment (several row tiles);
+- ``fp32 accumulate`` (accumulation.py): sums that cancel, the tolerance on the result, per
+  half-precision dtype, so an op summing in fp16/bf16 fails;
+- the declared fallback, if any, on the backend forced onto it (``paths.forced_fallback``),
+  over the fallback's limits, and, where the fallback admits ranks the primary limits do not,
+  one step mixing both (``op+fallback``) on the backend as it is.
+
+Which path ran is checked (``paths.expect_path``, through the backend's fallback log): a case
+inside the primary limits must take no fallback in ``apply_lora``, a fallback case must take it.
 """
 from __future__ import annotations
 
@@ -17,7 +30,9 @@ from typing import Any
 import torch
 
 from runtime.capabilities import Capability, CapabilityMatrix, Limits
-from runtime.verifiers.lora_problem import build_problem, check_lora_ops
+from runtime.verifiers.accumulation import cancelling, keeps_h_in_fp32
+from runtime.verifiers.lora_problem import LoRAProblem, build_problem, check_lora_ops
+from runtime.verifiers.paths import expect_path, forced_fallback
 from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
 from runtime.verifiers.sampling import declared_dtypes, fresh_seed, pick_ranks, torch_dtype
 
@@ -25,50 +40,125 @@ IN_FEATURES = 32
 QKV_OUTS = (32, 16, 48)  # three slices of different widths (q, k, v)
 EQUAL_OUTS = (16, 16, 16)  # three slices of one width (q/k/v without GQA; gate/up likewise)
 DEFAULT_SLOTS = 4
+# ``tiles``: in 160 > the segment kernels' 64-wide and the per-token kernels' 128-wide K tile (8192 //
+# the 64-row rank tile); a 144-wide slice > one 128-column block; a 70-row segment > one 64-row tile.
+TILE_IN, TILE_OUTS, TILE_RANK, LONG_SEGMENT = 160, (144, 16), 64, 70
+HALF_DTYPES = ("float16", "bfloat16")
 
 
-def _summarise(runs: list[tuple[str, dict[str, float]]]) -> tuple[str, dict[str, Any]]:
+def _summarise(runs: list[tuple[str, dict[str, Any]]], notes: tuple[str, ...] = ()) -> tuple[str, dict[str, Any]]:
     worst = max(m["tol_used"] for _, m in runs)
     errs = {label: max(m["shrink_err"], m["expand_err"], m["apply_err"]) for label, m in runs}
     ms = sum(m["shrink_ms"] + m["expand_ms"] for _, m in runs)
     detail = f"{len(runs)} problems; max err " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items()) + f"; {worst:.0%} of tolerance"
-    return detail, {"max_err": errs, "tol_used": worst, "op_ms": round(ms, 2)}
+    return "; ".join((detail, *notes)), {"max_err": errs, "tol_used": worst, "op_ms": round(ms, 2)}
 
 
-def _op_cases(entry: Capability) -> list[tuple[str, Limits]]:
-    cases = [("", entry.limits)]
-    if entry.fallback is not None:
-        cases.append(("fallback ", entry.fallback.limits))
-    return cases
+def _checked(backend: Any, p: LoRAProblem, decode_only: bool, label: str, primary: bool,
+             reasons: frozenset[str] | None = None, tight: bool = False) -> tuple[str, dict[str, Any]]:
+    """``check_lora_ops`` and the path it took: ``primary`` -> no fallback (on the segment path not in the
+    direct shrink/expand either), else the fallback, with only ``reasons`` if given."""
+    try:
+        metrics = check_lora_ops(backend, p, decode_only, tight=tight)
+    except VerificationFailure as err:
+        raise VerificationFailure(f"case {label!r}: {err}") from None
+    tag = f"{label} ({'per-token' if decode_only else 'segment'}, seed {p.seed})"
+    expect_path(metrics["apply_fallbacks"], tag, primary, reasons)
+    if primary and not decode_only:
+        expect_path(metrics["ops_fallbacks"], tag + ", direct shrink/expand", primary)
+    return label, metrics
+
+
+def inside(limits: Limits, name: str, ranks: list[int]) -> bool:
+    """Whether a problem in dtype ``name`` with ``ranks`` lies within ``limits``."""
+    admissible = set(limits.admissible_ranks())
+    return (limits.dtypes is None or name in limits.dtypes) and all(r in admissible for r in ranks)
+
+
+def _accumulation_cases(backend: Any, names: tuple[str, ...], limits: Limits, decode_only: bool, label: str, primary: bool,
+                        reasons: frozenset[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """The fp32-accumulate problems (accumulation.py) for each half dtype among ``names``."""
+    runs = []
+    for name in (n for n in names if n in HALF_DTYPES):
+        seed = fresh_seed()
+        ranks = pick_ranks(limits, 3, seed, even=True)
+        if not ranks:
+            raise VerificationFailure(f"fp32 accumulate: the limits admit no even rank to pair rows in ({label}{name})")
+        for exact_h in (True, False) if keeps_h_in_fp32(backend) else (True,):
+            p = build_problem(backend.device, torch_dtype(name), ranks, (32,), IN_FEATURES, seed)
+            what = "fp32 accumulate" if exact_h else "fp32 h, cast once"
+            runs.append(_checked(backend, cancelling(p, exact_h), decode_only, f"{label}{what} {name}", primary, reasons, tight=True))
+    return runs
 
 
 def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix, decode_only: bool) -> VerifierResult:
-    runs = []
-    for label, limits in _op_cases(entry):
-        n_slots = limits.max_adapters_per_batch or DEFAULT_SLOTS
-        for name in declared_dtypes(entry, matrix, limits):
-            seed = fresh_seed()
-            ranks = pick_ranks(limits, n_slots, seed)
-            if not ranks:
-                raise VerificationFailure(f"{entry.key}: the declared limits admit no rank")
-            extra = 4
-            if limits.max_rows_per_launch is not None:  # verify exactly at the declared row limit
-                extra = max(0, limits.max_rows_per_launch - n_slots - 3)
-            p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
-                              extra_rows=extra, untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(backend))
-            runs.append((f"{label}{name}", check_lora_ops(backend, p, decode_only)))
-    for name in declared_dtypes(entry, matrix):
+    runs, notes = [], []
+    limits = entry.limits
+    n_slots = limits.max_adapters_per_batch or DEFAULT_SLOTS
+    names = declared_dtypes(entry, matrix)
+    for name in names:
         seed = fresh_seed()
-        runs.append((f"equal widths {name}", batched_expand_case(backend, name, pick_ranks(entry.limits, DEFAULT_SLOTS, seed), seed, decode_only)))
-    groups = entry.limits.max_groups_per_call
+        ranks = pick_ranks(limits, n_slots, seed)
+        if not ranks:
+            raise VerificationFailure(f"{entry.key}: the declared limits admit no rank")
+        extra = 4
+        if limits.max_rows_per_launch is not None:  # verify exactly at the declared row limit
+            extra = max(0, limits.max_rows_per_launch - n_slots - 3)
+        p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
+                          extra_rows=extra, untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(backend))
+        runs.append(_checked(backend, p, decode_only, name, primary=True))
+    for name in names:
+        seed = fresh_seed()
+        metrics = batched_expand_case(backend, name, pick_ranks(limits, DEFAULT_SLOTS, seed), seed, decode_only)
+        expect_path(metrics["apply_fallbacks"], f"equal widths {name} (seed {seed})", primary=True)
+        runs.append((f"equal widths {name}", metrics))
+    seed = fresh_seed()
+    admissible = limits.admissible_ranks()
+    big = next((r for r in admissible if r >= TILE_RANK), admissible[-1])
+    p = build_problem(backend.device, torch_dtype(names[0]), [big, admissible[0]], TILE_OUTS, TILE_IN, seed,
+                      extra_rows=2, slot_rows=() if decode_only else (LONG_SEGMENT,))
+    runs.append(_checked(backend, p, decode_only, f"tiles {names[0]}", primary=True))
+    runs += _accumulation_cases(backend, names, limits, decode_only, "", primary=True)
+    groups = limits.max_groups_per_call
     if groups is not None:  # one rank bucket with more groups than one call takes: the split must be right
         seed = fresh_seed()
-        rank = entry.limits.admissible_ranks()[0]
-        name = declared_dtypes(entry, matrix)[0]
-        p = build_problem(backend.device, torch_dtype(name), [rank] * (groups + 2), (16,), 16, seed, extra_rows=2, no_adapter_rows=2)
-        runs.append((f"{groups + 2} groups {name}", check_lora_ops(backend, p, decode_only)))
-    detail, metrics = _summarise(runs)
+        p = build_problem(backend.device, torch_dtype(names[0]), [admissible[0]] * (groups + 2), (16,), 16, seed, extra_rows=2, no_adapter_rows=2)
+        runs.append(_checked(backend, p, decode_only, f"{groups + 2} groups {names[0]}", primary=True))
+    if entry.fallback is not None:
+        runs += _fallback_cases(backend, entry, matrix, decode_only, notes)
+    if getattr(backend, "fallbacks", None) is not None:
+        notes.append("primary cases took no fallback (the backend's fallback log)")
+    detail, metrics = _summarise(runs, tuple(notes))
     return VerifierResult("pass", detail, metrics)
+
+
+def _fallback_cases(backend: Any, entry: Capability, matrix: CapabilityMatrix, decode_only: bool, notes: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The declared fallback over its own limits, on the backend forced onto it; then, where the fallback
+    admits ranks the primary limits do not, one step mixing both on the backend as it is."""
+    limits = entry.fallback.limits
+    forced, reasons, how = forced_fallback(backend, entry.name)
+    runs = []
+    names = declared_dtypes(entry, matrix, limits)
+    for name in names:
+        seed = fresh_seed()
+        ranks = pick_ranks(limits, limits.max_adapters_per_batch or DEFAULT_SLOTS, seed)
+        p = build_problem(forced.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
+                          untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(forced), align=1)
+        runs.append(_checked(forced, p, decode_only, f"fallback {name}", False, reasons))
+    runs += _accumulation_cases(forced, names, limits, decode_only, "fallback ", False, reasons)
+    taken = sorted(set().union(*(m["apply_fallbacks"].taken for _, m in runs)))
+    notes.append(f"fallback cases forced onto the fallback ({how}); apply_lora noted {', '.join(taken)}")
+    primary_ranks = set(entry.limits.admissible_ranks())
+    outside = [r for r in limits.admissible_ranks() if r not in primary_ranks]
+    shared = [n for n in declared_dtypes(entry, matrix) if n in names]
+    if outside and shared:
+        seed = fresh_seed()
+        ranks = pick_ranks(entry.limits, 2, seed) + [outside[0], outside[-1]]
+        p = build_problem(backend.device, torch_dtype(shared[0]), ranks, QKV_OUTS, IN_FEATURES, seed,
+                          untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(backend))
+        runs.append(_checked(backend, p, decode_only, f"op+fallback ranks {ranks} {shared[0]}", primary=False))
+        notes.append("op+fallback: ranks inside and outside the primary limits in one step, the fallback taken for the latter")
+    return runs
 
 
 def interleaved_a(backend: Any) -> bool:
@@ -124,37 +214,46 @@ def verify_lora_ops_per_token(backend: Any, entry: Capability, matrix: Capabilit
 
 @verifier("mixed_ranks")
 def verify_mixed_ranks(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
-    """Distinct ranks in one batch, buffers sized to the exact sum of ranks (no padding), both paths."""
-    seed = fresh_seed()
-    admissible = entry.limits.admissible_ranks()
-    ranks = sorted(set(pick_ranks(entry.limits, 5, seed)))
-    if len(ranks) < 2:
-        raise VerificationFailure(f"{entry.key}: the declared limits admit only {admissible[:2]}, not mixed ranks")
+    """Distinct ranks in one batch, buffers sized to the exact sum of ranks (no padding), both paths,
+    each with ranks its own limits admit (and ``entry``'s), so the primary implementation mixes them."""
     name = matrix.entry(entry.backend, "dtypes").limits.dtypes[0]
-    runs = []
+    runs, mixed = [], {}
     for decode_only, path in ((False, "lora_ops_segment"), (True, "lora_ops_per_token")):
+        limits = matrix.entry(entry.backend, path).limits
         if not matrix.entry(entry.backend, path).supported:
             continue
+        seed = fresh_seed()
+        ranks = sorted(set(pick_ranks(limits, 5, seed)) & set(entry.limits.admissible_ranks()))
+        if len(ranks) < 2:
+            raise VerificationFailure(f"{entry.key}: {path} and the declared limits admit {ranks}, not mixed ranks")
         p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS[:1], IN_FEATURES, seed)
-        runs.append(("per-token" if decode_only else "segment", check_lora_ops(backend, p, decode_only)))
+        label = "per-token" if decode_only else "segment"
+        runs.append(_checked(backend, p, decode_only, label, primary=True) if inside(limits, name, ranks)
+                    else (label, check_lora_ops(backend, p, decode_only)))
+        mixed[label] = ranks
     detail, metrics = _summarise(runs)
-    return VerifierResult("pass", f"ranks {ranks} ({name}); " + detail, metrics)
+    return VerifierResult("pass", "ranks " + ", ".join(f"{k} {v}" for k, v in mixed.items()) + f" ({name}); " + detail, metrics)
 
 
 @verifier("multi_slice_expand")
 def verify_multi_slice_expand(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
     """Three slices of different widths in one expand call, gaps between them, untargeted slices;
-    then three of one width side by side, one rank and scale per adapter (``batched_expand_case``)."""
+    then three of one width side by side, one rank and scale per adapter (``batched_expand_case``).
+    Ranks come from each path's own limits; a problem inside them must take no fallback."""
     runs = []
-    ops = matrix.entry(entry.backend, "lora_ops_segment").limits
     for name in declared_dtypes(entry, matrix):
-        seed = fresh_seed()
-        ranks = pick_ranks(ops, 3, seed)
-        for decode_only in (False, True):
+        for decode_only, path in ((False, "lora_ops_segment"), (True, "lora_ops_per_token")):
+            seed = fresh_seed()
+            limits = matrix.entry(entry.backend, path).limits
+            ranks = pick_ranks(limits, 3, seed)
+            label = f"{'per-token' if decode_only else 'segment'} {name}"
             p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
                               untargeted=frozenset({(1, 0), (2, 2)}), interleaved=interleaved_a(backend))
-            runs.append((f"{'per-token' if decode_only else 'segment'} {name}", check_lora_ops(backend, p, decode_only)))
-            runs.append((f"{'per-token' if decode_only else 'segment'} equal widths {name}",
-                         batched_expand_case(backend, name, ranks, seed, decode_only)))
+            metrics = check_lora_ops(backend, p, decode_only)
+            equal = batched_expand_case(backend, name, ranks, seed, decode_only)
+            if inside(limits, name, ranks):
+                expect_path(metrics["apply_fallbacks"], f"{label} (seed {seed})", primary=True)
+                expect_path(equal["apply_fallbacks"], f"{label} equal widths (seed {seed})", primary=True)
+            runs += [(label, metrics), (f"{label} equal widths", equal)]
     detail, metrics = _summarise(runs)
     return VerifierResult("pass", f"{len(QKV_OUTS)} slices of widths {QKV_OUTS} and of {EQUAL_OUTS}; " + detail, metrics)

@@ -4,7 +4,11 @@ The problem: ``T`` rows, each served by an adapter slot or by none (-1), rows of
 adapter scattered (not contiguous), adapters of different ranks stored at their own
 rank in flat row buffers sized exactly to the sum of ranks (no room for padding),
 several output slices with gaps between them, optionally a slot with rank 0 in a slice
-(module not targeted). Weights are scaled so every value is O(1):
+(module not targeted). Slice offsets and y's width are multiples of ``align`` (16 by default,
+as a model's projections are, and as torch_npu's fused decode op requires; 1 gives column
+0 and odd offsets), and the columns before the first slice and between slices belong to
+nobody. ``slot_rows`` gives chosen slots more rows (a segment longer than a kernel's row
+tile). Weights are scaled so every value is O(1):
 
     A_{i,s} ~ N(0, 1/in),  B_{i,s} ~ N(0, 1/r),  scale_{i,s} ~ U(0.5, 2),  x, y ~ N(0, 1)
 
@@ -20,7 +24,10 @@ Reference (float64, from the values as stored in the compute dtype):
 Checks: shrink against h, expand (fed the reference h) against y, ``apply_lora``
 end to end on the rows as drawn and again in engine order (grouped by slot, as
 ``ModelRunner`` runs a step), and that every entry the contract says is untouched is bit-identical
-(outputs are poisoned before each call).
+(outputs are poisoned before each call). ``tight``: the tolerance is on the result, not on the
+terms (``numerics.result_magnitude``), for problems whose sums cancel (``accumulation.py``).
+The fallbacks the backend noted are returned (``paths.FallbackWatch``): during the direct
+shrink/expand calls, and during the ``apply_lora`` calls, the engine's entry point.
 """
 from __future__ import annotations
 
@@ -35,12 +42,14 @@ from torch import Tensor
 from runtime.backend_api import apply_lora
 from runtime.lora.batch_meta import NO_ADAPTER, LoRABatchMeta, adapter_order
 from runtime.lora.slice_weights import LoRASliceWeights
-from runtime.verifiers.numerics import compare, unchanged
+from runtime.verifiers.numerics import compare, result_magnitude, unchanged
 from runtime.verifiers.observe import CallCounter
+from runtime.verifiers.paths import FallbackWatch
 from runtime.verifiers.result import VerificationFailure
 
 POISON = 7777.0  # finite, so a stray read shows up as a large error rather than NaN noise
 GAP = 3  # columns left between output slices; expand must not touch them
+ALIGN = 16  # slice offsets and y's width are multiples of this (build_problem's align)
 
 
 @dataclass(frozen=True)
@@ -80,15 +89,20 @@ def build_problem(
     interleaved: bool = False,
     gap: int = GAP,
     shared_scale: frozenset[int] = frozenset(),
+    align: int = ALIGN,
+    slot_rows: Sequence[int] = (),
 ) -> LoRAProblem:
     """Slot s has rank ``slot_ranks[s]`` in every slice except (slice, slot) in ``untargeted``.
-    Slots in ``shared_scale`` have one scale across slices; ``gap`` columns lie between slices.
+    Slots in ``shared_scale`` have one scale across slices; at least ``gap`` columns lie between
+    slices, whose offsets, like y's width, are multiples of ``align``; slot s gets ``slot_rows[s]``
+    rows on top of its one row and the ``extra_rows`` drawn among all slots.
     ``interleaved``: the slices' A rows share one buffer (``allocate_projection(..., interleaved=True)``; the B rows
     too when the slices have one width), as the model allocates them for ops that set ``interleaved_a``."""
     g = torch.Generator().manual_seed(seed)
     n_slots = len(slot_ranks)
     rows = list(range(n_slots)) + [NO_ADAPTER] * no_adapter_rows
     rows += torch.randint(0, n_slots, (extra_rows,), generator=g).tolist()
+    rows += [s for s, n in enumerate(slot_rows) for _ in range(n)]
     token_slots = tuple(rows[i] for i in torch.randperm(len(rows), generator=g).tolist())
     # Pack adapters in a shuffled order into a buffer of exactly sum(ranks) rows.
     order = torch.randperm(n_slots, generator=g).tolist()
@@ -113,10 +127,10 @@ def build_problem(
             r_i.append(r)
         weights.append(w)
         a64.append(a_i), b64.append(b_i), scales.append(sc_i), ranks.append(tuple(r_i))
-    offsets, col = [], 1  # column 0 and the gaps belong to nobody
+    offsets, col = [], align  # the columns before the first slice and the gaps belong to nobody
     for out_features in slice_outs:
         offsets.append(col)
-        col += out_features + gap
+        col = -(-(col + out_features + gap) // align) * align
     x = torch.randn(len(token_slots), in_features, generator=g, dtype=torch.float64).to(dtype)
     return LoRAProblem(
         dtype, device, x.to(device), token_slots, tuple(weights), tuple(offsets), col,
@@ -158,23 +172,36 @@ def reference_expand(p: LoRAProblem, h: Tensor, y0: Tensor) -> tuple[Tensor, Ten
     return y, mask, mag
 
 
-def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: bool = False) -> dict[str, Any]:
+def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: bool = False, tight: bool = False) -> dict[str, Any]:
     """Run shrink, expand and apply_lora on ``backend``; raise VerificationFailure on a mismatch.
     ``observe``: also return ``engine_order_calls``, the torch calls (name -> count) the
-    engine-order ``apply_lora`` ran (``observe.CallCounter``), for a verifier to check the path."""
+    engine-order ``apply_lora`` ran (``observe.CallCounter``), for a verifier to check the path.
+    ``tight``: tolerances on the results (module docstring). Returns the fallbacks noted as
+    ``ops_fallbacks`` (direct shrink/expand) and ``apply_fallbacks`` (both apply_lora calls), watches."""
     path = "per-token" if decode_only else "segment"
     tag = f"{path} {str(p.dtype).removeprefix('torch.')} ranks {sorted(set(r for rr in p.ranks for r in rr) - {0})} seed {p.seed}"
     meta = LoRABatchMeta.build(p.token_slots, p.device, decode_only=decode_only)
     n, t, width = len(p.weights), p.num_tokens, p.max_rank + 2
+    if tight:
+        tag = "cancelling sums, tolerance on the result: " + tag
+
+    def bound(ref: Tensor, terms: Tensor) -> Tensor:
+        """``compare``'s magnitude: the terms' (default), or the result's (``tight``)."""
+        return result_magnitude(ref, terms, p.dtype) if tight else terms
+
+    m = "|result| + 2eps32/tol*|terms|" if tight else "|terms|"
+
     h_ref, h_mask, h_mag = reference_shrink(p, width)
+    ops_fallbacks, apply_fallbacks = FallbackWatch(backend), FallbackWatch(backend)
 
     out = torch.full((n, t, width), POISON, dtype=torch.float32, device=p.device)
     t0 = time.perf_counter()
-    backend.lora.shrink(p.x, p.weights, meta, out)
+    with ops_fallbacks:
+        backend.lora.shrink(p.x, p.weights, meta, out)
     backend.synchronize()
     shrink_ms = (time.perf_counter() - t0) * 1e3
     got = out.cpu()
-    err_shrink = compare(f"shrink ({tag})", got[h_mask], h_ref[h_mask], p.dtype, magnitude=h_mag[h_mask])
+    err_shrink = compare(f"shrink ({tag})", got[h_mask], h_ref[h_mask], p.dtype, magnitude=bound(h_ref, h_mag)[h_mask], m=m)
     unchanged(f"shrink ({tag}): no-adapter rows, entries past a row's rank, untargeted slices", got[~h_mask], torch.full_like(got[~h_mask], POISON))
 
     g = torch.Generator().manual_seed(p.seed + 1)
@@ -182,19 +209,21 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: boo
     h_in = torch.where(h_mask, h_ref.float(), torch.full_like(h_ref, POISON).float()).to(p.device)
     y = y0.clone().to(p.device)  # clone: .to() on the same device would alias y0
     t0 = time.perf_counter()
-    backend.lora.expand(h_in, p.weights, meta, y, p.slice_offsets)
+    with ops_fallbacks:
+        backend.lora.expand(h_in, p.weights, meta, y, p.slice_offsets)
     backend.synchronize()
     expand_ms = (time.perf_counter() - t0) * 1e3
     y_ref, y_mask, y_mag = reference_expand(p, h_ref, y0)
     got_y = y.cpu()
     if got_y.dtype != p.dtype:
         raise VerificationFailure(f"expand ({tag}): y changed dtype to {got_y.dtype}")
-    err_expand = compare(f"expand ({tag})", got_y[y_mask], y_ref[y_mask], p.dtype, magnitude=y_mag[y_mask])
+    err_expand = compare(f"expand ({tag})", got_y[y_mask], y_ref[y_mask], p.dtype, magnitude=bound(y_ref, y_mag)[y_mask], m=m)
     unchanged(f"expand ({tag}): no-adapter rows, gap columns, untargeted slices", got_y[~y_mask], y0[~y_mask])
 
     y2 = y0.clone().to(p.device)
     workspace = torch.full((n, t, width), POISON, dtype=torch.float32, device=p.device)
-    apply_lora(backend.lora, p.x, y2, p.weights, meta, p.slice_offsets, workspace)
+    with apply_fallbacks:
+        apply_lora(backend.lora, p.x, y2, p.weights, meta, p.slice_offsets, workspace)
     backend.synchronize()
     # apply_lora rounds h to the op's intermediate precision too: the bound covers both
     # roundings through the shrink magnitudes carried into the expand's terms.
@@ -205,7 +234,8 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: boo
                 continue
             r, cols = p.ranks[i][s], slice(p.slice_offsets[i], p.slice_offsets[i] + w.out_features)
             apply_mag[row, cols] += p.scales[i][s] * (h_mag[i, row, :r] @ p.b64[i][s].abs().t())
-    err_apply = compare(f"apply_lora ({tag})", y2.cpu()[y_mask], y_ref[y_mask], p.dtype, scale=2.0, magnitude=apply_mag[y_mask])
+    apply_mag = bound(y_ref, apply_mag)  # tight: h is exact in the compute dtype (accumulation.py), rounding it costs nothing
+    err_apply = compare(f"apply_lora ({tag})", y2.cpu()[y_mask], y_ref[y_mask], p.dtype, scale=2.0, magnitude=apply_mag[y_mask], m=m)
     unchanged(f"apply_lora ({tag}): untouched entries", y2.cpu()[~y_mask], y0[~y_mask])
 
     # The same rows in engine order (grouped by slot, base rows last, as ModelRunner runs a step).
@@ -216,11 +246,11 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: boo
     workspace.fill_(POISON)
     x3 = p.x[perm.to(p.device)]
     calls = CallCounter()
-    with calls if observe else contextlib.nullcontext():
+    with calls if observe else contextlib.nullcontext(), apply_fallbacks:
         apply_lora(backend.lora, x3, y3, p.weights, grouped, p.slice_offsets, workspace)
         backend.synchronize()
     err_grouped = compare(f"apply_lora, rows in engine order ({tag})", y3.cpu()[y_mask[perm]], y_ref[perm][y_mask[perm]], p.dtype,
-                          scale=2.0, magnitude=apply_mag[perm][y_mask[perm]])  # fmt: skip
+                          scale=2.0, magnitude=apply_mag[perm][y_mask[perm]], m=m)  # fmt: skip
     unchanged(f"apply_lora, rows in engine order ({tag}): untouched entries", y3.cpu()[~y_mask[perm]], y0[perm][~y_mask[perm]])
     return {
         "shrink_err": err_shrink["max_abs_err"],
@@ -229,5 +259,7 @@ def check_lora_ops(backend: Any, p: LoRAProblem, decode_only: bool, observe: boo
         "tol_used": max(err_shrink["tol_used"], err_expand["tol_used"], err_apply["tol_used"], err_grouped["tol_used"]),
         "shrink_ms": shrink_ms,
         "expand_ms": expand_ms,
+        "ops_fallbacks": ops_fallbacks,
+        "apply_fallbacks": apply_fallbacks,
         **({"engine_order_calls": dict(calls.counts)} if observe else {}),
     }

@@ -12,9 +12,9 @@ def fresh_seed() -> int:
     return secrets.randbits(31)
 
 
-def pick_ranks(limits: Limits, count: int, seed: int) -> list[int]:
-    """``count`` ranks the limits admit: the smallest, the largest, then random others."""
-    admissible = limits.admissible_ranks()
+def pick_ranks(limits: Limits, count: int, seed: int, even: bool = False) -> list[int]:
+    """``count`` ranks the limits admit (``even``: even ones only): the smallest, the largest, then random others."""
+    admissible = [r for r in limits.admissible_ranks() if not even or r % 2 == 0]
     if not admissible:
         return []
     g = torch.Generator().manual_seed(seed)
