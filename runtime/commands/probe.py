@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backend to probe (auto: cuda, then npu, then cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--matrix", metavar="PATH", default=None,
-                        help="capability matrix to check (default: runtime/capability_matrix.yaml, in a checkout a symlink to the repo root's capability_matrix.yaml)")
+                        help="capability matrix whose entries the verifiers check (default: runtime/capability_matrix.yaml, in a checkout a "
+                             "symlink to the repo root's capability_matrix.yaml); a candidate file is checked against itself: "
+                             "serve and the adapter loader (the dora row's refusal) always read the default one")
 
 
 def _declared(entry: Capability) -> str:
