@@ -443,8 +443,8 @@ class LLMEngine:
             seq.last_token_time = now
             reason = token_stop_reason(token, len(seq.output_token_ids), seq.params, self._eos_ids)
             text_ids = seq.output_token_ids
-            if reason == "stop":  # the stopping token (eos or a stop id) is not part of the text
-                text_ids = text_ids[:-1]
+            if reason == "stop" and not seq.params.include_stop_str_in_output:
+                text_ids = text_ids[:-1]  # the stopping token (eos or a stop id) is not part of the text, unless asked for (vLLM)
             live.detok.add_tokens(text_ids)
             if reason is not None:
                 live.detok.finish_pending(text_ids)

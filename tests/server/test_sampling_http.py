@@ -120,3 +120,18 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(app, engine) -> 
         kept = await complete(c, model, temperature=0, stop=[stop], include_stop_str_in_output=True)
     assert stop and cut["finish_reason"] == kept["finish_reason"] == "stop"
     assert kept["text"] == cut["text"] + stop and full["text"].startswith(kept["text"])
+
+
+async def test_include_stop_str_in_output_keeps_a_stop_token_ids_text(app, engine) -> None:
+    """The text of the stop_token_ids token that ended the reply is kept with
+    include_stop_str_in_output, as vLLM does; it was dropped either way."""
+    model = engine.adapters()[0].name
+    tok = engine.tokenizer
+    async with client_for(app) as c:
+        full = await complete(c, model, temperature=0)
+        ids = full["token_ids"]
+        k = next(i for i in range(1, len(ids)) if tok.token_text(ids[i]) and not tok.is_special(ids[i]) and ids[i] not in ids[:i])
+        cut = await complete(c, model, temperature=0, stop_token_ids=[ids[k]])
+        kept = await complete(c, model, temperature=0, stop_token_ids=[ids[k]], include_stop_str_in_output=True)
+    assert cut["token_ids"] == kept["token_ids"] == ids[: k + 1]
+    assert cut["text"] == tok.decode(ids[:k]) and kept["text"] == tok.decode(ids[: k + 1]) != cut["text"]
