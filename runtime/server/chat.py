@@ -77,8 +77,10 @@ def build_router(state: Any) -> APIRouter:
             continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
             async def events() -> AsyncIterator[str]:
+                prompt_only = {"prompt_tokens": prompt_len, "completion_tokens": 0, "total_tokens": prompt_len}  # the role chunks' usage (vLLM)
                 for k in range(body.n):
-                    yield event(payload("chat.completion.chunk", [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+                    role = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    yield event(payload("chat.completion.chunk", [role], prompt_only if continuous else None))
                 last: dict[int, Any] = {}
                 pending: dict[int, list[Any]] = {k: [] for k in range(body.n)}  # with logprobs, tokens that added no text yet wait for the next chunk
                 try:

@@ -78,6 +78,11 @@ async def test_continuous_usage_gives_a_chunk_per_token(app, engine, path) -> No
         bad = await c.post(path, json={**body, "stream_options": {"continuous_usage_stats": True}})
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     counts = [ch["usage"]["completion_tokens"] for ch in chunks if ch["choices"] and "usage" in ch]
+    if "chat" in path:  # the role chunk comes first, with the prompt's usage (vLLM)
+        assert chunks[0]["choices"][0]["delta"].get("role") == "assistant" and counts[0] == 0
+        assert chunks[0]["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0
+        counts = counts[1:]
+    assert all("usage" in ch for ch in chunks)  # every chunk, as documented
     assert counts == list(range(1, 8))  # one chunk per generated token, one token per decode step
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 7
     assert bad.status_code == 400 and "include_usage" in bad.text
