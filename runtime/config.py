@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+DEFAULT_KV_CACHE_MB = 1024  # the KV memory cap when neither num_kv_blocks nor kv_cache_mb is given
 
 
 class ConfigError(ValueError):
@@ -32,7 +33,7 @@ class EngineConfig:
     max_model_len:          longest prompt + output; None = the model's limit (max_position_embeddings, capped to its sliding window if it has one)
     block_size:             tokens per KV block
     num_kv_blocks:          KV blocks in the pool; None = enough for max_num_seqs full-length sequences, capped by kv_cache_mb
-    kv_cache_mb:            cap on KV memory when num_kv_blocks is None
+    kv_cache_mb:            cap on KV memory when num_kv_blocks is None; None = DEFAULT_KV_CACHE_MB (1024); with num_kv_blocks it is refused
     enable_prefix_caching:  reuse full KV blocks across requests of the same (base, adapter, version)
     seed:                   seed for sampling when a request gives none
     """
@@ -49,7 +50,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_mb: int = 1024
+    kv_cache_mb: int | None = None
     enable_prefix_caching: bool = False
     seed: int = 0
 
@@ -60,12 +61,14 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
-        positive = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_mb")
+        positive = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "block_size")
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("lora_pool_rows", "max_model_len", "num_kv_blocks"):
+        for name in ("lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
+        if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
+            raise ConfigError("kv_cache_mb: only sizes the KV pool when num_kv_blocks is not given; drop one of them")
         _check_int("seed", self.seed, minimum=0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching: expected true or false, got {self.enable_prefix_caching!r}")
@@ -73,6 +76,11 @@ class EngineConfig:
             raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is below max_loras={self.max_loras}; the host tier must hold every device adapter")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:
             raise ConfigError(f"lora_pool_rows: {self.lora_pool_rows} cannot hold one adapter of max_lora_rank={self.max_lora_rank}")
+
+    @property
+    def kv_cache_cap_mb(self) -> int:
+        """The KV memory cap that sizes the pool when num_kv_blocks is None."""
+        return self.kv_cache_mb if self.kv_cache_mb is not None else DEFAULT_KV_CACHE_MB
 
     @property
     def pool_rows(self) -> int:

@@ -146,10 +146,10 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         wanted = self.config.max_num_seqs * blocks_per_seq
-        cap = (self.config.kv_cache_mb << 20) // self.kv_bytes_per_block()
+        cap = (self.config.kv_cache_cap_mb << 20) // self.kv_bytes_per_block()
         if cap < blocks_per_seq:
             raise ConfigError(
-                f"kv_cache_mb: {self.config.kv_cache_mb} MiB holds {cap} KV blocks, fewer than one sequence of "
+                f"kv_cache_mb: {self.config.kv_cache_cap_mb} MiB holds {cap} KV blocks, fewer than one sequence of "
                 f"max_model_len={self.max_model_len} needs ({blocks_per_seq})"
             )
         return min(wanted, cap)

@@ -376,3 +376,15 @@ def test_model_path_mistakes_get_a_hint(tmp_path: Path, tiny_llama_dir: Path, ti
 
     with pytest.raises(AdapterError, match=r"adapter_config\.json: is a file; give the adapter folder"):
         load_adapter(tiny_adapters["a"] / "adapter_config.json", "a", {}, num_layers=1, max_lora_rank=8)
+
+
+def test_engine_config_refuses_kv_cache_mb_with_num_kv_blocks() -> None:
+    """kv_cache_mb only sizes the pool when num_kv_blocks is not given; LLM / EngineConfig took both
+    and ignored the cap (serve already refused the pair)."""
+    from runtime.config import DEFAULT_KV_CACHE_MB, ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="kv_cache_mb: only sizes the KV pool"):
+        EngineConfig(model="m", num_kv_blocks=4000, kv_cache_mb=1)
+    assert EngineConfig(model="m").kv_cache_cap_mb == DEFAULT_KV_CACHE_MB
+    assert EngineConfig(model="m", kv_cache_mb=8).kv_cache_cap_mb == 8
+    assert EngineConfig(model="m", num_kv_blocks=4).kv_cache_mb is None

@@ -60,12 +60,11 @@ def test_broken_yaml_and_missing_file(tmp_path: Path) -> None:
 def test_a_model_that_is_not_a_path_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: {value}\n")
-    if value == "''":  # empty: no model, so the bundled demo
-        assert serve.load_settings(parse("--config", str(cfg))).uses_demo
-        return
     assert serve.run(parse("--config", str(cfg), "--port", "0")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lorafleet serve: model: expected a checkpoint folder (a path)") and "Traceback" not in err, err
+    # empty: refused too (it served the bundled demo, the wrong model, when a variable was unset)
+    expected = "lorafleet serve: model: empty" if value == "''" else "lorafleet serve: model: expected a checkpoint folder (a path)"
+    assert err.startswith(expected) and "Traceback" not in err, err
 
 
 def test_lora_module_forms() -> None:
@@ -85,6 +84,16 @@ def test_duplicate_adapter_names_rejected(tiny_llama_dir: Path) -> None:
 def test_no_model_without_demo_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="bundled demo"):
         build_settings({}, {}, demo_model=None)
+
+
+@pytest.mark.parametrize("key, value", [("model", ""), ("model", "  "), ("served_model_name", "")])
+def test_an_empty_model_or_served_name_is_refused(tiny_llama_dir: Path, key: str, value: str) -> None:
+    """--model "$MODEL" with MODEL unset served the bundled demo; an empty served name was the folder's."""
+    flags = {"model": str(tiny_llama_dir), key: value}
+    with pytest.raises(ConfigError, match=rf"{key}: empty"):
+        build_settings({}, normalize_keys(flags, "flags"), demo_model=str(tiny_llama_dir))
+    with pytest.raises(ConfigError, match=rf"{key}: empty"):
+        build_settings(flags, {}, demo_model=str(tiny_llama_dir))  # the same in the YAML file
 
 
 def test_cli_exit_code_and_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

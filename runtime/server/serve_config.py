@@ -158,13 +158,16 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"lora_modules: adapter name(s) given twice: {', '.join(dupes)}")
-    uses_demo = not merged.get("model")
+    if isinstance(merged.get("model"), str) and not merged["model"].strip():
+        # e.g. --model "$MODEL" with MODEL unset: serving the demo instead would answer with the wrong model
+        raise ConfigError("model: empty; give the model's folder (or leave model out to serve the bundled demo)")
+    if isinstance(merged.get("served_model_name"), str) and not merged["served_model_name"].strip():
+        raise ConfigError("served_model_name: empty; give a name, or leave it out to use the model folder's name")
+    uses_demo = merged.get("model") is None
     if uses_demo:
         if demo_model is None:
             raise ConfigError("model: no --model given and the bundled demo model is not installed")
         merged["model"] = demo_model
-    if merged.get("num_kv_blocks") is not None and merged.get("kv_cache_mb") is not None:
-        raise ConfigError("kv_cache_mb: only sizes the KV pool when num_kv_blocks is not given; drop one of them")
     engine = EngineConfig.from_dict({k: merged[k] for k in ENGINE_KEYS if k in merged})
     roots = adapter_roots(merged.get("adapter_root"))
     if roots and not merged.get("enable_adapter_admin"):
