@@ -44,7 +44,7 @@ from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_l
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
 from runtime.bench.summary import BASE, median, median_round, percentile, summarize, table  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
-from runtime.bench.workload import Workload, add_spec_arguments, generate, spec_from_args  # noqa: E402
+from runtime.bench.workload import Workload, add_spec_arguments, generate, ignored_spec_flags, spec_from_args  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
 # This process's torch work runs in threads that end with it, never on the main thread: an
@@ -52,6 +52,9 @@ from runtime.torch_threads import in_fresh_thread  # noqa: E402
 prepare = in_fresh_thread(suite.prepare)
 stepped_in_turn = in_fresh_thread(suite.stepped_in_turn)
 
+
+
+BASELINES = ("no-adapter", "loop", "peft")
 
 def in_turn_ratio(pairs: list[dict[str, dict]], num: str, den: str) -> float | None:
     """Median over rounds of num / den tokens/s from ``stepped_in_turn`` results; None if a
@@ -85,7 +88,7 @@ def main() -> int:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none')")
-    p.add_argument("--loop-requests", type=int, default=16, help="requests for the per-request loop (it is slow)")
+    p.add_argument("--loop-requests", type=int, default=None, help="requests for the per-request loop (it is slow; default 16)")
     p.add_argument("--peft-batch", type=int, default=None,
                    help="PEFT's static batch size (default: --max-num-seqs, the engine's batch cap, so both systems may batch "
                         "as many requests)")  # fmt: skip
@@ -113,13 +116,33 @@ def main() -> int:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
+    if not a.workload and ignored_spec_flags(a):
+        p.error("; ".join(ignored_spec_flags(a)))
+    chosen = [] if a.baselines == "none" else a.baselines.split(",")
+    unknown = [b for b in chosen if b not in BASELINES]
+    if unknown or (not chosen and a.baselines != "none"):
+        p.error(f"--baselines: {', '.join(map(repr, unknown)) or 'empty'} is not one of {', '.join(BASELINES)} (comma-separated), or 'none'")
+    # A flag that the chosen runs never read is a mistake, not a no-op: say so rather than run without it.
+    unused = [(flag, needs) for flag, given, needs in (
+        ("--loop-requests", a.loop_requests is not None, "loop" in chosen),
+        ("--peft-batch", a.peft_batch is not None, "peft" in chosen),
+        ("--sweep-requests", a.sweep_requests is not None, bool(a.sweep_adapters)),
+        ("--base-model", a.base_model is not None, a.url is not None),
+    ) if given and not needs]
+    if unused:
+        flag = unused[0][0]
+        why = {"--loop-requests": "the loop baseline", "--peft-batch": "the peft baseline", "--sweep-requests": "--sweep-adapters",
+               "--base-model": "--url"}[flag]
+        p.error(f"{flag}: only used with {why}, which this run does not have; drop it")
+    if a.loop_requests is None:
+        a.loop_requests = 16
     if a.peft_batch is None:
         a.peft_batch = a.max_num_seqs
     if a.peft_batch < 1:
         p.error(f"--peft-batch must be >= 1, got {a.peft_batch}")
-    if a.loop_requests < 1 and "loop" in a.baselines.split(","):
+    if a.loop_requests < 1 and "loop" in chosen:
         p.error(f"--loop-requests must be >= 1 with the loop baseline, got {a.loop_requests}")
-    if "peft" in a.baselines.split(",") and a.device not in ("cpu", "cuda"):
+    if "peft" in chosen and a.device not in ("cpu", "cuda"):
         p.error(f"the PEFT baseline runs on cpu or cuda, not {a.device!r}: drop it with --baselines no-adapter,loop")
 
     out = Path(a.out)

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -205,6 +206,23 @@ def test_alpha_is_refused_unless_popularity_is_zipf(tmp_path: Path, capsys: pyte
     for popularity in (["--popularity", "zipf"], []):
         rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, *popularity, "--alpha", "2", "--max-loras", "0")
         assert rc == 2 and one_error_line(err) == "lorafleet bench: --max-loras: must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rate", "0", "--cv", "3"], "--cv: only used with arrivals at a --rate above 0 (at 0 every request arrives at once)"),
+    (["--base-fraction", "1", "--ranks", "4,8"], "--ranks: no request uses an adapter with --base-fraction 1"),
+    (["--popularity", "identical", "--adapters", "40"], "--adapters: with --popularity identical every request uses the one adapter"),
+])
+def test_workload_flags_the_others_make_meaningless_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, message) -> None:
+    """Each changed no request (the workload came out the same with or without it), in
+    lorafleet bench and in python -m runtime.bench.workload alike."""
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, *flags)
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: {message}"
+    assert not work.exists()
+    proc = subprocess.run([sys.executable, "-m", "runtime.bench.workload", *flags, "--out", str(tmp_path / "w.jsonl")],
+                          cwd=ROOT, timeout=120, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr and not (tmp_path / "w.jsonl").exists()
 
 
 def test_every_ignored_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:

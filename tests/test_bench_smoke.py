@@ -314,6 +314,21 @@ def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: 
     assert proc.returncode == 2 and "--max-cpu-loras 4 is below --max-loras 8" in proc.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--baselines", "pef,lop"], "--baselines: 'pef', 'lop' is not one of no-adapter, loop, peft"),
+    (["--baselines", "none", "--base-model", "x"], "--base-model: only used with --url"),
+    (["--baselines", "no-adapter", "--loop-requests", "3"], "--loop-requests: only used with the loop baseline"),
+    (["--baselines", "loop", "--peft-batch", "3"], "--peft-batch: only used with the peft baseline"),
+    (["--sweep-adapters", "", "--sweep-requests", "3"], "--sweep-requests: only used with --sweep-adapters"),
+])
+def test_serve_benchmark_refuses_flags_its_runs_would_ignore(tmp_path: Path, flags: list[str], message: str) -> None:
+    """A misspelt baseline ran no comparison and exited 0; flags the chosen runs never read were dropped."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(tmp_path / "never"), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "never").exists()
+
+
 def test_decode_attention_benchmark_smoke(tmp_path: Path) -> None:
     """Both variants run on every context range and match a float64 dense reference (the
     script checks, and reports the error), with a group budget small enough that the grouped

@@ -315,11 +315,31 @@ def spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
         raise
 
 
+def ignored_spec_flags(a: argparse.Namespace) -> list[str]:
+    """One line per typed workload flag that the other flags make meaningless (it would change no
+    request): a mistake to report, not a no-op to run with."""
+    given = given_flags(a)
+    problems = []
+    if "--alpha" in given and a.popularity != "zipf":
+        problems.append(f"--alpha: only used with --popularity zipf, not {a.popularity}")
+    if "--cv" in given and a.rate <= 0:
+        problems.append(f"--cv: only used with arrivals at a --rate above 0 (at {a.rate:g} every request arrives at once)")
+    if a.base_fraction >= 1:
+        problems += [f"{f}: no request uses an adapter with --base-fraction {a.base_fraction:g}"
+                     for f in ("--adapters", "--popularity", "--alpha", "--ranks") if f in given and not (f == "--alpha" and a.popularity != "zipf")]
+    elif "--adapters" in given and a.popularity == "identical":
+        problems.append("--adapters: with --popularity identical every request uses the one adapter")
+    return problems
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_arguments(p)
     p.add_argument("--out", required=True, help="JSONL file to write")
     a = p.parse_args()
+    ignored = ignored_spec_flags(a)
+    if ignored:
+        p.error("; ".join(ignored))
     try:
         w = generate(spec_from_args(a))
     except ValueError as err:

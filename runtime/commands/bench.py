@@ -147,15 +147,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _ignored_flags(args: argparse.Namespace) -> list[str]:
     """One line per typed flag that this combination of flags would ignore."""
-    from runtime.bench.workload import SPEC_FLAGS
+    from runtime.bench.workload import SPEC_FLAGS, ignored_spec_flags
 
     given = given_flags(args)
     problems = []
     if args.workload:
         problems += [f"{f}: not used with --workload (the file fixes every request); drop it, or write a new workload "
                      "with python -m runtime.bench.workload" for f in SPEC_FLAGS.values() if f in given]  # fmt: skip
-    elif "--alpha" in given and args.popularity != "zipf":
-        problems.append(f"--alpha: only used with --popularity zipf, not {args.popularity}")
+    else:
+        problems += ignored_spec_flags(args)
     if args.url:
         problems += [f"{f}: not used with --url (the server's own settings apply)" for f in ENGINE_FLAGS if f in given]
     else:
