@@ -461,8 +461,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
-    clients = args.clients or (200 if args.full else 32)
-    duration = args.duration or (60.0 if args.full else 10.0)
+    if args.lora and args.model is None:
+        p.error("--lora: only used with --model (the tiny test model brings its own adapters)")
+    bad = next((f"--{name} must be > 0, got {v:g}" for name, v in (("clients", args.clients), ("duration", args.duration)) if v is not None and v <= 0), None)
+    if bad:
+        p.error(bad)
+    if any("=" not in spec or not spec.split("=", 1)[0] or not spec.split("=", 1)[1] for spec in args.lora):
+        p.error("--lora: expected NAME=PATH entries")
+    clients = args.clients if args.clients is not None else (200 if args.full else 32)
+    duration = args.duration if args.duration is not None else (60.0 if args.full else 10.0)
     with tempfile.TemporaryDirectory(prefix="lorafleet-load-") as tmp:
         if args.model is None:
             model, adapters = tiny_setup(Path(tmp))

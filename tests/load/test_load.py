@@ -35,3 +35,16 @@ def test_load_32_clients_nothing_lost(tiny_llama_dir: Path, tiny_adapters: dict[
     assert is_idle(report.idle_after), report.idle_after
     assert report.rss_after - report.rss_before < RSS_GROWTH_LIMIT
     assert server.returncode == 0 and not server.killed, server.log_tail()
+
+
+def test_flags_the_run_would_ignore_are_refused(capsys) -> None:
+    """--lora without --model was dropped (the tiny model's adapters ran); 0 clients or seconds meant the default."""
+    import pytest
+
+    from benchmarks.load import main
+
+    for argv, message in ((["--lora", "a=/x"], "--lora: only used with --model"), (["--clients", "0"], "--clients must be > 0"),
+                          (["--duration", "0"], "--duration must be > 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
