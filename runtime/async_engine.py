@@ -144,8 +144,16 @@ class AsyncLLMEngine:
     team, which slows every step (1.57x on 2 cores): do it through
     ``runtime.torch_threads.in_fresh_thread``."""
 
-    def __init__(self, config: EngineConfig, backend: Any = None, engine: Optional[LLMEngine] = None) -> None:
+    def __init__(self, config: Optional[EngineConfig], backend: Any = None, engine: Optional[LLMEngine] = None) -> None:
+        """Build an ``LLMEngine`` from ``config`` (on ``backend``, or the config's device) in the step
+        thread; or wrap ``engine``, already built, whose own config and backend then apply: a
+        different ``config`` or a ``backend`` beside it is refused, not ignored."""
         import torch
+
+        if engine is not None and (backend is not None or (config is not None and config != engine.config)):
+            raise ValueError("AsyncLLMEngine: engine= brings its own config and backend; pass config=None (or the engine's own) and no backend")
+        if engine is None and config is None:
+            raise ValueError("AsyncLLMEngine: give a config, or a built engine with engine=")
 
         self._torch_threads = torch.get_num_threads()
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-files", initializer=single_threaded_torch)

@@ -325,3 +325,19 @@ def test_add_checked_refuses_an_adapter_unregistered_since_the_check(tiny_llama_
     assert not engine.has_unfinished()
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=1.0, seed=3))  # the id is free: nothing was left behind
     assert len(run_to_completion(engine)["r"].token_ids) == 2
+
+
+def test_a_built_engine_with_another_config_or_a_backend_is_refused(tiny_llama_dir) -> None:
+    """engine= brings its own config and backend: another config beside it was ignored silently."""
+    import pytest
+
+    from runtime.async_engine import AsyncLLMEngine
+    from tests.engine_helpers import make_engine
+
+    built = make_engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match="engine= brings its own config"):
+        AsyncLLMEngine(built.config.replace(max_num_seqs=built.config.max_num_seqs + 1), engine=built)
+    with pytest.raises(ValueError, match="engine= brings its own config"):
+        AsyncLLMEngine(None, backend=object(), engine=built)
+    with pytest.raises(ValueError, match="give a config"):
+        AsyncLLMEngine(None)
