@@ -16,8 +16,15 @@ import torch
 from backends.ascend import import_guard
 from backends.ascend.fallback_log import FallbackLog
 from backends.ascend.lora_ops import AscendLoRAOps
-from backends.ascend.soc import classify
+from backends.ascend.soc import SocFamily, classify
 from backends.reference import ReferenceAttention
+
+
+CHIP_FALLBACK_REASONS = {
+    SocFamily.ATLAS_A2: frozenset(),
+    SocFamily.ATLAS_INFERENCE_310P: frozenset({"prefill:dtype", "prefill:n-multiple-16", "decode:soc"}),
+    SocFamily.OTHER: frozenset({"prefill:soc", "decode:soc"}),
+}
 
 
 class AscendBackend:
@@ -39,6 +46,14 @@ class AscendBackend:
         self.fallbacks = FallbackLog()
         self.lora = AscendLoRAOps(torch_npu if npu_ops is None else npu_ops, self.soc, self.fallbacks)
         self.attention = ReferenceAttention()
+
+    @property
+    def chip_fallback_reasons(self) -> frozenset[str]:
+        """The fallback reasons this chip family takes whatever the problem within the matrix's
+        primary limits (those limits hold for Atlas A2; the declared fallbacks name the others):
+        310P runs the grouped matmul in fp16 with N % 16 == 0 only and has no fused decode op; any
+        other chip has neither op."""
+        return CHIP_FALLBACK_REASONS[self.soc]
 
     @staticmethod
     def availability() -> tuple[bool, str]:
