@@ -47,18 +47,18 @@ MAX_CONTINUATION_BYTES = 3  # a UTF-8 character is one lead byte and at most thr
 def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> list[int]:
     """The prompt's last ``PROMPT_CONTEXT_TOKENS`` ids, moved to start on a whole character, or
     [] when the prompt ends inside one (see the module docstring)."""
-    def starts_whole(ids: list[int]) -> bool:
-        return not decode(ids).startswith(REPLACEMENT_CHAR)
-
     context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-    if context and not starts_whole(context):
+    text = decode(context) if context else ""
+    if text.startswith(REPLACEMENT_CHAR):
         wider = (list(prompt_ids[-(PROMPT_CONTEXT_TOKENS + extra) :]) for extra in range(1, MAX_CONTINUATION_BYTES + 1))
         narrower = (context[drop:] for drop in range(1, len(context)))
         # A prompt that itself starts with U+FFFD (or is no valid UTF-8) keeps the plain window.
-        context = next((ids for ids in (*wider, *narrower) if starts_whole(ids)), context)
-    if context and decode(context).endswith(REPLACEMENT_CHAR):
-        return []
-    return context
+        for ids in (*wider, *narrower):
+            ids_text = decode(ids)
+            if not ids_text.startswith(REPLACEMENT_CHAR):
+                context, text = ids, ids_text
+                break
+    return [] if text.endswith(REPLACEMENT_CHAR) else context
 
 
 class IncrementalDetokenizer:
