@@ -6,6 +6,7 @@ application; the 20-adapter test (marked slow) deploys its own.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import time
@@ -18,9 +19,11 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from runtime.async_engine import AsyncLLMEngine  # noqa: E402
+from runtime.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
+from runtime.distributed import application  # noqa: E402
 from runtime.distributed.application import NAMESPACE, REPLICA_DEPLOYMENT, ScaleOutConfig, deploy, stop  # noqa: E402
+from runtime.distributed.manifest import ManifestError  # noqa: E402
 from runtime.distributed.replica_set import ReplicaSetEngine  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
 from runtime.server.options import ServerOptions  # noqa: E402
@@ -136,6 +139,18 @@ def test_auto_device_is_resolved_before_replicas_reserve_resources(monkeypatch, 
     assert cfg.replica_engine() == cfg.engine.replace(device=device)
     explicit = ScaleOutConfig(**{**cfg.__dict__, "replica_resources": {"num_cpus": 0}})
     assert explicit.replica_actor_options() == {"num_cpus": 0}
+
+
+def test_serve_timeouts_outlast_the_drain_and_a_hung_replica_is_given_up_soon() -> None:
+    """Serve force-killed replicas 10 s into a shutdown, before the drain ended; and gave a hung
+    replica's health check 30 s (x3 failures) before replacing it. No Ray needed."""
+    cfg = ScaleOutConfig(engine=EngineConfig(model="m", device="cpu"), server=ServerOptions(), num_replicas=2, registry_dir="unused")
+    ingress = application.build(cfg)._bound_deployment
+    replica = next(arg for arg in ingress.init_args if isinstance(arg, serve.Application))._bound_deployment
+    ingress_cfg, replica_cfg = ingress._deployment_config, replica._deployment_config
+    assert application.DRAIN_S + application.DRAIN_MARGIN_S <= replica_cfg.graceful_shutdown_timeout_s < ingress_cfg.graceful_shutdown_timeout_s
+    assert replica_cfg.health_check_period_s == application.HEALTH_CHECK_PERIOD_S
+    assert replica_cfg.health_check_timeout_s == application.HEALTH_CHECK_TIMEOUT_S <= 5
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +293,79 @@ def test_killed_replica_requests_complete_or_fail_retryably(app) -> None:
     assert any(status == 200 for status, _ in results)
     assert wait_until(lambda: running_replicas(cfg.app_name) == 2 and len(replica_actor_names(cfg.app_name)) == 2, timeout_s=90, interval_s=1.0)
     assert token_ids(complete(url, "b", PROMPTS[0], 3))
+
+
+def test_replicas_report_their_sequence_limit(app) -> None:
+    cfg, _, _ = app
+    info = serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name).describe.remote().result(timeout_s=30)
+    assert info["max_seq_tokens"] == min(96, 96 * 8)  # max_model_len; the pool (96 blocks x 8) holds more
+
+
+def test_serve_running_elsewhere_or_a_bad_manifest_refuse_to_start_in_one_line(app, tmp_path: Path) -> None:
+    """Serve already runs here (the module's app) with its proxy on the app's port: a deploy on
+    another port used to print that port and serve on Serve's. A manifest the registry cannot
+    load surfaced as Ray's ActorDiedError with the actor's traceback."""
+    cfg, url, _ = app
+    elsewhere = ScaleOutConfig(**{**cfg.__dict__, "server": ServerOptions(port=free_port()), "app_name": "lorafleet-elsewhere"})
+    with pytest.raises(application.StartError) as refused:
+        deploy(elsewhere)
+    message = str(refused.value)
+    assert f"HTTP proxy on 127.0.0.1:{cfg.server.port}" in message and f"cannot serve on 127.0.0.1:{elsewhere.server.port}" in message
+    assert "\n" not in message
+    assert "lorafleet-elsewhere" not in serve.status().applications  # nothing deployed
+    (tmp_path / "adapters.json").write_text('{"format": 1, "revision": "x", "adapters": {}}')
+    corrupt = ScaleOutConfig(**{**cfg.__dict__, "registry_dir": str(tmp_path), "app_name": "lorafleet-corrupt"})
+    with pytest.raises(ManifestError) as bad:
+        application.start_registry(corrupt)
+    assert str(bad.value) == f"{tmp_path / 'adapters.json'}: 'revision' must be a non-negative integer, got 'x'"
+    assert token_ids(complete(url, "a", PROMPTS[0], 2))  # the app was left alone
+
+
+def test_drain_ends_requests_with_503_and_shuts_every_replica_engine_down(app) -> None:
+    """SIGTERM's first step (``application.drain``): requests in flight finish or get a JSON 503
+    engine_unavailable (never a plain-text 500 or a cut stream), new ones and /health get that
+    503, and the replicas' engines refuse requests. Runs last but one: the next test restarts
+    the application."""
+    cfg, url, _ = app
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, Any]:
+        body = {"model": "abcd"[i % 4], "prompt": PROMPTS[i % 4], "max_tokens": 70, "ignore_eos": True, "temperature": 0, "stream": i % 2 == 1}
+        resp = await client.post(f"{url}/v1/completions", json=body)
+        if not body["stream"]:
+            return resp.status_code, resp.json()
+        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", resp.text[-300:]
+        return resp.status_code, [json.loads(e) for e in events[:-1]]
+
+    async def scenario() -> tuple[list[tuple[int, Any]], int]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(6)]
+            await asyncio.sleep(0.3)
+            left = await asyncio.to_thread(application.drain, cfg, 1.0)
+            return await asyncio.gather(*tasks), left
+
+    results, left = asyncio.run(scenario())
+    print("drained:", [(status, body[-1] if isinstance(body, list) else body.get("error", {}).get("code")) for status, body in results])
+    assert left == 0
+    for status, body in results:
+        if isinstance(body, list):  # a stream: complete, or ended by an error event
+            assert status == 200
+            errors = [e["error"] for e in body if "error" in e]
+            assert errors == [] or (len(errors) == 1 and "error" in body[-1] and errors[0]["code"] == "engine_unavailable"), body[-2:]
+        else:
+            assert status == 200 or (status == 503 and body["error"]["code"] == "engine_unavailable"), body
+    for resp in (httpx.get(f"{url}/health", timeout=10), complete(url, "a", PROMPTS[0], 2)):
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_unavailable", resp.text
+    engine = driver_engine(cfg, "adapter_blind")  # straight to the replicas, past the ingress
+
+    async def refused(i: int) -> str:
+        with pytest.raises(EngineDeadError) as err:
+            async for _ in engine.generate(f"after-drain-{i}", PROMPTS[0], SamplingParams(max_tokens=2), None):
+                pass
+        return str(err.value)
+
+    messages = {asyncio.run(refused(i)) for i in range(6)}
+    assert all("shut" in m for m in messages), messages  # "is shutting down" while it drains, "was shut down" after
 
 
 def test_registered_set_survives_application_restart(app) -> None:

@@ -589,3 +589,204 @@ def test_each_replica_draws_its_own_seeds_for_unseeded_requests() -> None:
     seeds = {replica_seed(0, f"replica-{i}") for i in range(64)}
     assert len(seeds) == 64 and all(0 <= s < 2**62 for s in seeds)
     assert replica_seed(0, "replica-1") == replica_seed(0, "replica-1") != replica_seed(1, "replica-1")
+
+
+# ---- shutdown, start-up and defaults at the ingress: create_app around a ReplicaSetEngine ---------
+def slow_steps(rep: LoraReplica, seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine step of ``rep`` takes ``seconds`` longer, so tiny-model requests stay in flight."""
+    import time
+
+    step = rep.engine.engine.step
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        time.sleep(seconds)
+        return out
+
+    monkeypatch.setattr(rep.engine.engine, "step", slow)
+
+
+def test_replica_drains_its_engine_once_the_registry_says_the_application_stops(replica, service, monkeypatch) -> None:
+    """SIGTERM used to delete the application at once: Serve force-killed replicas after 10 s and
+    their engines never shut down, so requests in flight were cut without an error. Now the
+    registry tells every replica (heartbeat) and each shuts its engine down as a single server
+    does: those in flight end with a "shutdown" error (HTTP 503), new ones are refused."""
+    slow_steps(replica, 0.05, monkeypatch)
+
+    async def run() -> tuple[list[tuple], list[tuple]]:
+        stream = replica.generate("long", "hello there", SamplingParams(max_tokens=50, ignore_eos=True), None)
+        first = await stream.__anext__()
+        service.begin_drain(0.0)  # no time left: what is in flight fails at once
+        await replica._sync_once()  # the heartbeat carries the drain
+        assert replica.check_health() is None, "a draining replica must not be restarted by Serve"
+        rest = [item async for item in stream]
+        late = [item async for item in replica.generate("late", "hello", SamplingParams(max_tokens=2), None)]
+        return [first, *rest], late
+
+    sent, late = asyncio.run(run())
+    last = sent[-1][1]
+    assert last.finished and last.finish_reason == "error" and last.error_kind == "shutdown", last
+    assert len(last.token_ids) < 50
+    assert len(late) == 1 and late[0][:2] == ("error", "engine_dead") and "shut" in late[0][2], late  # shutting down, or shut down by now
+    replica._drain.join(10)
+    assert replica.engine.dead_error is not None and replica.check_health() is None
+
+
+def ingress_app(replicas: Any, model_dir: Path, **kwargs: Any) -> tuple[Any, Any]:
+    """A ReplicaSetEngine over ``replicas`` and the app the ingress deployment builds around it."""
+    from runtime.distributed.ingress import build_app
+    from runtime.distributed.replica_set import ReplicaSetEngine
+    from runtime.server.options import ServerOptions
+
+    ingress = ReplicaSetEngine(replicas, None, str(model_dir), "tiny", 64, **kwargs)
+    return ingress, build_app(ingress, ServerOptions())
+
+
+def assert_engine_unavailable(body: dict[str, Any], fragment: str) -> None:
+    err = body["error"]
+    assert err["code"] == "engine_unavailable" and err["type"] == "service_unavailable" and fragment in err["message"], err
+
+
+def sse_events(text: str) -> list[Any]:
+    import json
+
+    return [data if data == "[DONE]" else json.loads(data) for data in (line[6:] for line in text.splitlines() if line.startswith("data: "))]
+
+
+def test_ingress_shutdown_refuses_new_requests_and_fails_those_the_drain_cuts_with_503(replica, service, tiny_llama_dir, monkeypatch) -> None:
+    """What a client sees at SIGTERM: requests in flight that the replica's drain ends get a 503
+    engine_unavailable (a stream: an error event, then [DONE]), not a plain-text 500 or a cut
+    stream; new requests and /health get that 503 too, not Serve's plain-text 404."""
+    from tests.server.conftest import client_for
+
+    slow_steps(replica, 0.05, monkeypatch)
+    ingress, app = ingress_app(ScriptedReplicas(replica.generate, replica.generate), tiny_llama_dir)
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 50, "ignore_eos": True, "temperature": 0}
+
+    async def run() -> tuple[Any, ...]:
+        async with client_for(app) as c:
+            assert (await c.get("/health")).status_code == 200
+            unary = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            streamed = asyncio.ensure_future(c.post("/v1/completions", json={**body, "stream": True}))
+            for _ in range(2000):  # until both run on the replica's engine
+                if ingress.active == 2 and (await asyncio.to_thread(replica.engine.snapshot))["running"] == 2:
+                    break
+                await asyncio.sleep(0.005)
+            assert ingress.active == 2
+            ingress.begin_shutdown()
+            health, late = await c.get("/health"), await c.post("/v1/completions", json=body)
+            service.begin_drain(0.0)
+            await replica._sync_once()
+            return health, late, await unary, await streamed
+
+    health, late, unary, streamed = asyncio.run(run())
+    assert health.status_code == 503 and late.status_code == 503
+    assert_engine_unavailable(health.json(), "shutting down")
+    assert_engine_unavailable(late.json(), "shutting down")
+    assert unary.status_code == 503, unary.text
+    assert_engine_unavailable(unary.json(), "shut down before the request finished")
+    assert streamed.status_code == 200
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert_engine_unavailable(events[-2], "shut down before the request finished")
+    assert ingress.active == 0
+
+
+def test_ingress_retries_nothing_once_shutting_down(tiny_llama_dir) -> None:
+    """A replica that dies during the shutdown (Serve kills what outlives its graceful timeout)
+    used to be retried on a deployment with no replicas left; now the request gets its 503."""
+    import ray
+
+    holder: dict[str, Any] = {}
+
+    async def dies_during_shutdown(*args: Any) -> Any:
+        holder["ingress"].begin_shutdown()
+        raise ray.exceptions.RayActorError()
+        yield
+
+    replicas = ScriptedReplicas(dies_during_shutdown)  # a retry would find no second script: IndexError
+    ingress, _ = ingress_app(replicas, tiny_llama_dir)
+    holder["ingress"] = ingress
+
+    async def run() -> None:
+        async for _ in ingress.generate("req", "hello", SamplingParams(max_tokens=2), None):
+            pass
+
+    with pytest.raises(APIError) as refused:
+        asyncio.run(run())
+    assert refused.value.status == 503 and refused.value.code == "engine_unavailable", refused.value.message
+    assert len(replicas.calls) == 1 and ingress.active == 0
+
+
+def test_ingress_answers_503_until_the_initial_adapters_are_registered(service, tiny_llama_dir) -> None:
+    """deploy marks the registry not ready while it registers --lora-modules: /health answered
+    200 and requests for those adapters 404 model_not_found meanwhile."""
+    from tests.server.conftest import client_for
+
+    async def nothing(*args: Any) -> Any:
+        return
+        yield
+
+    service.set_ready(False)
+    ingress, app = ingress_app(ScriptedReplicas(nothing), tiny_llama_dir)
+    ingress._take(service.view())
+    body = {"model": "A", "prompt": "hello", "max_tokens": 2}
+
+    async def run() -> tuple[Any, ...]:
+        async with client_for(app) as c:
+            health, request, models = await c.get("/health"), await c.post("/v1/completions", json=body), await c.get("/v1/models")
+            service.set_ready(True)
+            ingress._take(service.view())
+            return health, request, models, await c.get("/health"), await c.post("/v1/completions", json=body)
+
+    health, request, models, later, unknown = asyncio.run(run())
+    for reply in (health, request, models):
+        assert reply.status_code == 503, reply.text
+        assert_engine_unavailable(reply.json(), "starting")
+    assert later.status_code == 200 and later.json() == {"status": "ok"}
+    assert unknown.status_code == 404  # ready, and "A" is not registered: the usual answer
+
+
+def test_chat_default_max_tokens_is_capped_to_the_replicas_kv_pool(service, tiny_llama_dir) -> None:
+    """With a KV pool smaller than max_model_len, chat without max_tokens asked a replica for all
+    of max_model_len and got a 400; a single server caps it to the pool. The replica reports its
+    limit (describe), and the ingress caps the default exactly as a single server does."""
+    from runtime.server.app import create_app
+    from runtime.server.options import ServerOptions
+    from tests.server.conftest import client_for
+
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_loras=2, max_lora_rank=16,
+                          max_cpu_loras=4, max_num_seqs=4, max_model_len=64, block_size=8, num_kv_blocks=4)  # fmt: skip
+    engine = AsyncLLMEngine(config)
+    rep = LoraReplica.__new__(LoraReplica)
+    rep._setup(engine, LocalHandle(service), "replica-1", sync_interval_s=0.0)
+    try:
+        info = rep.describe()
+        assert info["max_seq_tokens"] == 32 < info["max_model_len"] == 64
+        _, app = ingress_app(ScriptedReplicas(rep.generate), tiny_llama_dir, max_seq_tokens=info["max_seq_tokens"])
+        single = create_app(engine, ServerOptions())
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
+
+        async def run() -> tuple[Any, Any]:
+            async with client_for(app) as c, client_for(single) as s:
+                return await c.post("/v1/chat/completions", json=body), await s.post("/v1/chat/completions", json={**body, "model": engine.model_name})
+
+        ray_reply, single_reply = asyncio.run(run())
+    finally:
+        engine.shutdown()
+        rep.registry = rep.engine = None
+    assert single_reply.status_code == 200, single_reply.text
+    assert ray_reply.status_code == 200, ray_reply.text
+    assert ray_reply.json()["usage"] == single_reply.json()["usage"]
+    assert ray_reply.json()["usage"]["total_tokens"] == 32
+
+
+def test_registry_tells_replicas_about_the_drain_and_the_ingress_about_readiness(service) -> None:
+    assert service.view()["ready"] is True  # one that deploy did not create (a RayService's) serves at once
+    assert service.heartbeat("r1", -1, {}) == {"state": service.state(), "drain_s": None}
+    service.set_ready(False)
+    assert service.view()["ready"] is False
+    service.begin_drain(20.0)
+    service.begin_drain(100.0)  # the first call sets the deadline
+    reply = service.heartbeat("r1", service.state()["revision"], {})
+    assert reply["state"] is None and 19.0 < reply["drain_s"] <= 20.0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -217,7 +218,7 @@ def test_help_states_the_registry_dir_default() -> None:
     assert f"default: ./{DEFAULT_REGISTRY_DIR}" in action.help
 
 
-def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_llama_dir: Path, tiny_adapters, capsys, monkeypatch) -> None:
+def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_llama_dir: Path, tmp_path: Path, tiny_adapters, capsys, monkeypatch) -> None:
     ray = pytest.importorskip("ray")
     from runtime.distributed import application
     from runtime.distributed.launcher import run_ray
@@ -230,8 +231,11 @@ def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_
     monkeypatch.setattr(application, "stop", lambda cfg: None)
     monkeypatch.setattr(ray, "init", lambda **kw: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
+    from tests.server_harness import free_port
+
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules",
-                                         f"a={tiny_adapters['a']}", "--ray"))  # fmt: skip
+                                         f"a={tiny_adapters['a']}", "--ray", "--port", str(free_port()),
+                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
     assert run_ray(settings) == 2
     err = capsys.readouterr().err
     assert "the initial adapters could not be applied" in err and "replica replica-1" in err and "Traceback" not in err
@@ -380,3 +384,138 @@ def test_summary_states_the_kv_pool_and_where_admin_loads_from(tiny_llama_dir: P
     assert f"admin      on, loads from {tmp_path.resolve()}" in text
     no_root = serve.load_settings(parse("--model", str(tiny_llama_dir), "--enable-adapter-admin"))
     assert serve._admin_line(no_root.server).startswith("on, unload only")
+
+
+class FakeRay:
+    """``lorafleet serve --ray`` without a cluster: ray.init/shutdown and the application's
+    deploy/drain/stop replaced, every call recorded in ``calls``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, deploy: Any = None) -> None:
+        ray = pytest.importorskip("ray")
+        from runtime.distributed import application
+
+        self.calls: list[str] = []
+        monkeypatch.setattr(ray, "init", lambda **kw: self.calls.append("init"))
+        monkeypatch.setattr(ray, "shutdown", lambda: self.calls.append("shutdown"))
+        monkeypatch.setattr(application, "deploy", lambda cfg: (self.calls.append("deploy"), deploy and deploy(cfg)))
+        monkeypatch.setattr(application, "drain", lambda cfg, drain_s, interrupted: self.calls.append(f"drain {drain_s:.0f}"))
+        monkeypatch.setattr(application, "stop", lambda cfg: self.calls.append("stop"))
+
+
+class SignalLeaked(Exception):
+    """The test's own SIGTERM handler ran: the launcher had not installed its handlers yet."""
+
+
+@pytest.fixture
+def sigterm_guard():
+    """A SIGTERM the launcher does not handle raises SignalLeaked here instead of ending pytest."""
+    import signal
+
+    def leaked(signum: int, frame: Any) -> None:
+        raise SignalLeaked()
+
+    previous = signal.signal(signal.SIGTERM, leaked)
+    yield leaked
+    signal.signal(signal.SIGTERM, previous)
+
+
+def ray_settings(tiny_llama_dir: Path, tmp_path: Path, *extra: str) -> Any:
+    from tests.server_harness import free_port
+
+    return serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", str(free_port()), "--registry-dir", str(tmp_path / "reg"), *extra))
+
+
+def test_ray_sigterm_during_start_up_stops_once_deployed(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch, sigterm_guard) -> None:
+    """SIGTERM while deploying hit Ray's own handler: the launcher aborted (SIGABRT in
+    ray.shutdown) and left Ray's agents behind. Its handlers are in force from ray.init on."""
+    import os
+    import signal
+
+    from runtime.distributed.launcher import run_ray
+
+    fake = FakeRay(monkeypatch, deploy=lambda cfg: os.kill(os.getpid(), signal.SIGTERM))
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
+    assert fake.calls == ["init", "deploy", "stop", "shutdown"]  # no drain: nothing was served
+    out = capsys.readouterr()
+    assert "serving on" not in out.out and "stopped during start-up" in out.err
+    assert signal.getsignal(signal.SIGTERM) is sigterm_guard  # the launcher's handlers are gone again
+
+
+def test_ray_second_signal_during_start_up_interrupts_the_deployment(tiny_llama_dir: Path, tmp_path: Path, monkeypatch, sigterm_guard) -> None:
+    import os
+    import signal
+    import time
+
+    from runtime.distributed.launcher import run_ray
+
+    finished = []
+
+    def deploy(cfg: Any) -> None:  # a deployment that would not end by itself (e.g. replicas that cannot be placed)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        finished.append(True)
+
+    fake = FakeRay(monkeypatch, deploy=deploy)
+    started = time.monotonic()
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
+    assert time.monotonic() - started < 10 and not finished
+    assert fake.calls == ["init", "deploy", "stop", "shutdown"]
+
+
+def test_ray_sigterm_drains_the_application_then_stops_it(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch, sigterm_guard) -> None:
+    import os
+    import signal
+    import threading
+
+    from runtime.distributed.application import DRAIN_S
+    from runtime.distributed.launcher import run_ray
+
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))  # once serving (started by deploy)
+    fake = FakeRay(monkeypatch, deploy=lambda cfg: timer.start())
+    try:
+        assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
+    finally:
+        timer.cancel()
+    assert fake.calls == ["init", "deploy", f"drain {DRAIN_S:.0f}", "stop", "shutdown"]
+    out = capsys.readouterr()
+    assert "serving on" in out.out and f"requests in flight get up to {DRAIN_S:.0f} s" in out.err
+
+
+def test_ray_busy_port_and_unusable_registry_dir_are_one_line_before_ray_starts(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """They surfaced as Serve's "Failed to bind" and Ray's ActorDiedError: tracebacks and exit 1."""
+    import socket
+
+    from runtime.distributed.launcher import run_ray
+
+    fake = FakeRay(monkeypatch)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert run_ray(serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", str(port), "--registry-dir", str(tmp_path / "r")))) == 2
+    assert capsys.readouterr().err.strip() == f"lorafleet serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    (tmp_path / "afile").write_text("")
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path, "--registry-dir", str(tmp_path / "afile" / "sub"))) == 2
+    assert capsys.readouterr().err.strip() == f"lorafleet serve: registry_dir {tmp_path / 'afile' / 'sub'}: cannot create: Not a directory"
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "adapters.json").write_text('{"format": 1, "revision": "x", "adapters": {}}')
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path, "--registry-dir", str(tmp_path / "corrupt"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"lorafleet serve: {tmp_path / 'corrupt' / 'adapters.json'}: 'revision' must be a non-negative integer, got 'x'"
+    assert fake.calls == []  # Ray never started
+
+
+def test_ray_start_error_is_one_line_and_deletes_nothing(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """E.g. Serve already runs on the cluster with its proxy on another port: refused before
+    anything is deployed, so the finally must not delete an application of that name either."""
+    from runtime.distributed.application import StartError
+    from runtime.distributed.launcher import run_ray
+
+    def deploy(cfg: Any) -> None:
+        raise StartError("Ray Serve already runs on this cluster with its HTTP proxy on 127.0.0.1:8140, and keeps that address")
+
+    fake = FakeRay(monkeypatch, deploy=deploy)
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path, "--ray-address", "auto")) == 2
+    assert capsys.readouterr().err.strip() == "lorafleet serve: Ray Serve already runs on this cluster with its HTTP proxy on 127.0.0.1:8140, and keeps that address"
+    assert fake.calls == ["init", "deploy"]  # joined, not started here: nothing to shut down either

@@ -9,12 +9,22 @@ pinned to the node that deploys (its manifest folder lives there; on a multi-nod
 cluster use a folder on shared storage so a restart on another node finds it).
 ``stop`` deletes the application and the actor; the manifest stays, and the next
 ``deploy`` with the same ``registry_dir`` serves the same adapter set.
+
+Shutdown (``lorafleet serve --ray`` on SIGTERM): ``drain`` first, as a single server drains
+its engine: the ingress answers new requests and /health with a 503 ``engine_unavailable``,
+each replica's engine lets its requests in flight run for ``DRAIN_S`` and fails the rest
+(503 ``engine_unavailable``; a stream: an error event, then [DONE]); then ``stop``. Serve's
+own graceful shutdown timeouts are longer than the drain (the ingress's longer than the
+replicas'), so it never cuts what the drain still relays.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ray
 from ray import serve
@@ -23,15 +33,38 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import backends
 from runtime.config import EngineConfig
 from runtime.distributed.ingress import LoraIngress
+from runtime.distributed.manifest import ManifestError
 from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.registry_service import AdapterRegistryService
 from runtime.distributed.replica import LoraReplica
 from runtime.distributed.replica_set import ROUTINGS
 from runtime.server.options import ServerOptions
 
+logger = logging.getLogger("lorafleet.application")
+
 NAMESPACE = "lorafleet"
 REPLICA_DEPLOYMENT = "LoraReplica"
 INGRESS_DEPLOYMENT = "LoraIngress"
+
+# Shutdown: requests in flight get DRAIN_S to finish (a single server's ENGINE_DRAIN_S), and the
+# ingress up to DRAIN_MARGIN_S more to pass the last outputs and errors on. Serve's graceful
+# shutdown of a replica waits for its requests in flight, then kills it: longer than the drain,
+# and the ingress's longer than the replicas', so a request cut by that kill still gets its 503.
+DRAIN_S = 25.0
+DRAIN_MARGIN_S = 5.0
+REPLICA_GRACEFUL_SHUTDOWN_S = 30.0
+INGRESS_GRACEFUL_SHUTDOWN_S = 40.0
+# Serve calls check_health every HEALTH_CHECK_PERIOD_S and gives up on a call after
+# HEALTH_CHECK_TIMEOUT_S; 3 failures in a row (a hung replica: ~15 s) and it replaces the replica.
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 5.0
+# Serve stops an unhealthy replica gracefully by default, i.e. waits up to its graceful shutdown
+# timeout for a replica that does not answer any more; a Serve started here stops it at once.
+SERVE_CONTROLLER_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
+
+
+class StartError(Exception):
+    """The application cannot start as configured (the message is one line, for the CLI)."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +125,42 @@ class ScaleOutConfig:
         return {"num_cpus": 1}
 
 
+def start_serve(cfg: ScaleOutConfig) -> None:
+    """Start Serve with its HTTP proxy on cfg.server.host:port, or join the Serve running on the
+    cluster. Raises StartError when the proxy cannot listen there, or when the running Serve's
+    proxy listens elsewhere (Serve keeps its address: the application would not be served on
+    the address asked for). Nothing is deployed or deleted here."""
+    host, port = cfg.server.host, cfg.server.port
+    try:
+        serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": dict(SERVE_CONTROLLER_ENV)}})
+    except RuntimeError as err:  # ray.exceptions.RayTaskError(RuntimeError) from the proxy actor's start
+        cause = getattr(err, "cause", err)
+        if "Failed to bind" not in str(cause):
+            raise
+        serve.shutdown()  # the Serve instance started just now, with no proxy: do not leave it behind
+        raise StartError(f"cannot listen on {host}:{port}: {cause}") from err
+    actual_host, actual_port = serve_http_address()
+    if (actual_host, actual_port) != (host, port):
+        raise StartError(
+            f"Ray Serve already runs on this cluster with its HTTP proxy on {actual_host}:{actual_port}, and keeps that address: "
+            f"cannot serve on {host}:{port}; pass --host {actual_host} --port {actual_port}, or shut that Serve down first (serve shutdown)"
+        )
+
+
+def serve_http_address() -> tuple[str, int]:
+    """The host and port Serve's HTTP proxy was started with (on a cluster where Serve already
+    ran, that instance's; a new ``serve.start`` does not change them)."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    return config.host, config.port
+
+
 def start_registry(cfg: ScaleOutConfig) -> Any:
-    """The application's registry actor (created, or the running one); loads the manifest."""
+    """The application's registry actor (created, or the running one); loads the manifest.
+
+    Raises ManifestError (one line, naming the file) when the manifest cannot be loaded or the
+    folder cannot be created: the actor's constructor failed with it."""
     node = ray.get_runtime_context().get_node_id()
     actor = (
         ray.remote(AdapterRegistryService)
@@ -109,8 +176,25 @@ def start_registry(cfg: ScaleOutConfig) -> Any:
         )
         .remote(cfg.registry_dir)
     )
-    ray.get(actor.state.remote())  # surface a bad manifest here, with its file and field
+    try:
+        ray.get(actor.state.remote())  # surface a bad manifest here, with its file and field
+    except ray.exceptions.RayActorError as err:
+        if not err.actor_init_failed:
+            raise
+        raise ManifestError(creation_error(err)) from err
     return actor
+
+
+def creation_error(err: Exception) -> str:
+    """The error an actor's constructor raised, in one line, from Ray's report of it (Ray keeps
+    only its text: the traceback, whose last line is ``module.Error: message``)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    last = lines[-1] if lines else repr(err)
+    kind, sep, message = last.partition(": ")
+    if not sep or not re.fullmatch(r"[\w.]+", kind):
+        return f"the adapter registry actor failed to start: {last}"
+    kind = kind.rsplit(".", 1)[-1]
+    return message if kind == ManifestError.__name__ else f"the adapter registry actor failed to start: {kind}: {message}"
 
 
 def build(cfg: ScaleOutConfig) -> Any:
@@ -121,30 +205,68 @@ def build(cfg: ScaleOutConfig) -> Any:
         num_replicas=cfg.num_replicas,
         ray_actor_options=cfg.replica_actor_options(),
         max_ongoing_requests=max_ongoing,
-        health_check_period_s=2,
-        graceful_shutdown_timeout_s=10,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_S,
     ).bind(cfg.replica_engine(), cfg.registry_name, NAMESPACE)
     ingress = serve.deployment(
-        LoraIngress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, max_ongoing * cfg.num_replicas)
+        LoraIngress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, max_ongoing * cfg.num_replicas),
+        graceful_shutdown_timeout_s=INGRESS_GRACEFUL_SHUTDOWN_S,
     ).bind(replica, cfg.engine.model, cfg.server, cfg.registry_name, NAMESPACE, cfg.routing, cfg.apply_timeout_s)
     return ingress
 
 
 def deploy(cfg: ScaleOutConfig) -> Any:
-    """Start Serve's HTTP proxy on cfg.server.host:port, deploy, register ``initial_adapters``.
+    """Start Serve's HTTP proxy on cfg.server.host:port (``start_serve``), deploy, register
+    ``initial_adapters``.
 
     Returns the ingress handle. Blocks until every replica is up and the ingress serves
-    the initial adapters.
+    the initial adapters; until then it answers /health and requests with a 503
+    ``engine_unavailable`` (the registry is not ready), never a 404 for an initial adapter.
     """
-    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
+    start_serve(cfg)
     registry = start_registry(cfg)
+    if cfg.initial_adapters:
+        ray.get(registry.set_ready.remote(False))
     handle = serve.run(build(cfg), name=cfg.app_name, route_prefix="/")
     if cfg.initial_adapters:
         client = RegistryClient(registry, serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), cfg.apply_timeout_s)
         for name, path in cfg.initial_adapters:
             client.register(name, path)
-        handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not serve a stale set first
+        ray.get(registry.set_ready.remote(True))
+        handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not wait for that
     return handle
+
+
+def drain(cfg: ScaleOutConfig, drain_s: float = DRAIN_S, interrupted: Callable[[], bool] = lambda: False) -> int:
+    """Begin the application's shutdown and wait for its requests in flight (call ``stop`` next).
+
+    The ingress refuses new requests (503 ``engine_unavailable``, /health too) and retries
+    nothing any more; each replica's engine stops taking requests, lets those in flight run
+    for ``drain_s`` and fails the rest with 503 ``engine_unavailable``. Returns once the
+    ingress has no request in flight, after ``drain_s + DRAIN_MARGIN_S`` at the latest, or as
+    soon as ``interrupted()`` (a second signal); returns how many were still in flight.
+    """
+    try:
+        ingress = serve.get_app_handle(cfg.app_name)
+        ingress.begin_shutdown.remote(drain_s).result(timeout_s=10)
+    except Exception as err:  # noqa: BLE001 - no application (it never started), or its ingress is gone: nothing to drain
+        logger.warning("lorafleet: could not begin the drain of application %r (%s: %s); stopping it now", cfg.app_name, type(err).__name__, err)
+        return 0
+    deadline = time.monotonic() + drain_s + DRAIN_MARGIN_S
+    active = -1
+    while time.monotonic() < deadline and not interrupted():
+        try:
+            active = ingress.active_requests.remote().result(timeout_s=5)
+        except Exception as err:  # noqa: BLE001 - the ingress died meanwhile: nothing left to wait for there
+            logger.warning("lorafleet: the ingress stopped answering during the drain (%s: %s)", type(err).__name__, err)
+            return 0
+        if active == 0:
+            return 0
+        time.sleep(0.2)
+    if active != 0:
+        logger.warning("lorafleet: %s request(s) still in flight at the ingress after the drain; stopping anyway", "some" if active < 0 else active)
+    return max(active, 0)
 
 
 def stop(cfg: ScaleOutConfig) -> None:

@@ -1,7 +1,11 @@
 """``lorafleet serve --ray``: start a local Ray (or join ``--ray-address``), deploy, block.
 
-Ctrl-C or SIGTERM deletes the application and its registry actor (the manifest in
-``--registry-dir`` stays) and, for a Ray started here, stops Ray.
+Ctrl-C or SIGTERM drains the application (``application.drain``: new requests and /health
+get a 503 ``engine_unavailable``, requests in flight get ``DRAIN_S`` to finish, the rest a
+503), then deletes it and its registry actor (the manifest in ``--registry-dir`` stays)
+and, for a Ray started here, stops Ray; exit status 0. A second signal stops waiting for
+the drain. A signal during start-up stops once the deployment is done (a second one at
+once). Start-up errors print one line and exit 2.
 """
 from __future__ import annotations
 
@@ -15,6 +19,34 @@ RAY_MISSING = "--ray needs the 'ray' extra: pip install 'lorafleet[ray]'"
 DEFAULT_REGISTRY_DIR = "lorafleet-registry"
 
 
+class StartupInterrupted(BaseException):
+    """A second signal while the application was still being deployed."""
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handlers for the launcher's whole life once Ray runs.
+
+    Installed right after ``ray.init``: Ray's own SIGTERM handler for a driver would end the
+    process mid-start (``ray.shutdown`` then aborts with SIGABRT and Ray's agents stay behind).
+    The first signal sets ``event``; a second one during start-up raises StartupInterrupted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.event = threading.Event()
+        self.starting = True
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        self.event.set()
+        if self.starting and self.count > 1:
+            raise StartupInterrupted()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def run_ray(settings: Any) -> int:
     try:
         import ray
@@ -23,12 +55,11 @@ def run_ray(settings: Any) -> int:
         print(f"lorafleet serve: {RAY_MISSING}", file=sys.stderr)
         return 2
     from runtime.config import ConfigError
-    from runtime.distributed.application import ScaleOutConfig, deploy, stop
-    from runtime.distributed.manifest import ManifestError
+    from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
+    from runtime.distributed.manifest import ManifestError, check_folder
+    from runtime.distributed.registry_client import ReplicasFailedToApply
     from runtime.models.hf_config import load_model_config
     from runtime.server.serve_config import check_base_model_names
-
-    from runtime.distributed.registry_client import ReplicasFailedToApply
 
     declared = any(m.base_model_name for m in settings.lora_modules)
     if settings.lora_modules and (settings.server.served_model_name is None or declared):
@@ -56,17 +87,38 @@ def run_ray(settings: Any) -> int:
         registry_dir=registry_dir,
         initial_adapters=tuple((m.name, m.path) for m in settings.lora_modules),
     )
+    host, port = settings.server.host, settings.server.port
     started_here = settings.ray_address is None
+    if started_here:
+        # Serve's proxy and the registry actor will run on this machine: find a busy port or an
+        # unusable --registry-dir now, as a single server does, not after Ray has started.
+        from runtime.commands.serve import bind_socket
+
+        try:
+            bind_socket(host, port).close()
+        except OSError as err:
+            print(f"lorafleet serve: cannot listen on {host}:{port}: {err.strerror or err}", file=sys.stderr)
+            return 2
+        try:
+            check_folder(registry_dir)
+        except ManifestError as err:
+            print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
     try:
         ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
     except (ConnectionError, TimeoutError, ValueError) as err:  # no cluster there (or it did not answer), or a malformed address
         where = f"--ray-address {settings.ray_address}" if settings.ray_address else "starting a local Ray cluster"
         print(f"lorafleet serve: {where}: {err}", file=sys.stderr)
         return 2
-    stopped = threading.Event()
+    signals = StopSignals()
+    deployed = True  # whether the finally below has an application to delete
     try:
         try:
             deploy(cfg)
+        except StartError as err:  # raised before anything was deployed (e.g. Serve runs elsewhere on this cluster)
+            deployed = False
+            print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
         except (ManifestError, ValueError) as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
@@ -75,16 +127,26 @@ def run_ray(settings: Any) -> int:
             print(f"lorafleet serve: the initial adapters could not be applied ({detail}). They stay recorded in the "
                   f"registry at {registry_dir}: fix the files, or start with another --registry-dir", file=sys.stderr)  # fmt: skip
             return 2
+        signals.starting = False
+        if signals.event.is_set():
+            print("lorafleet serve: stopped during start-up", file=sys.stderr, flush=True)
+            return 0
         print(
-            f"lorafleet serving on http://{settings.server.host}:{settings.server.port} "
+            f"lorafleet serving on http://{host}:{port} "
             f"(Ray Serve app {cfg.app_name!r}, {cfg.num_replicas} replica(s), adapter registry {registry_dir}); Ctrl-C stops it",
             flush=True,
         )
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stopped.set())
-        stopped.wait()
+        signals.event.wait()
+        print(f"lorafleet serve: stopping; requests in flight get up to {DRAIN_S:.0f} s to finish (a second signal stops at once)", file=sys.stderr, flush=True)
+        drain(cfg, DRAIN_S, interrupted=lambda: signals.count > 1)
+        return 0
+    except StartupInterrupted:
+        print("lorafleet serve: stopped during start-up", file=sys.stderr, flush=True)
         return 0
     finally:
-        stop(cfg)
+        signals.starting = False
+        if deployed:
+            stop(cfg)
         if started_here:
             ray.shutdown()
+        signals.restore()

@@ -95,6 +95,22 @@ class ManifestStore:
             os.close(dir_fd)
 
 
+def check_folder(folder: str | Path) -> None:
+    """Raise the ManifestError the registry would start with in ``folder`` (a manifest it cannot
+    load, a folder it cannot create), without creating anything."""
+    folder = Path(folder).expanduser().resolve()
+    if folder.is_dir():
+        ManifestStore(folder).load()
+        return
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if existing == folder:
+        raise ManifestError(f"registry_dir {folder}: cannot create: File exists")
+    if not existing.is_dir():
+        raise ManifestError(f"registry_dir {folder}: cannot create: Not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ManifestError(f"registry_dir {folder}: cannot create: Permission denied")
+
+
 def _entry(path: Path, name: str, value: Any) -> ManifestEntry:
     where = f"{path}: adapters.{name}"
     if not isinstance(value, dict):

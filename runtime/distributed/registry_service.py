@@ -7,9 +7,11 @@ the manifest *before* it becomes visible, so what replicas apply is always durab
 Replicas call ``heartbeat(replica_id, applied_revision, snapshot, errors,
 attempted_revision)`` every ``sync_interval`` seconds: it records that they are alive,
 which revision they have applied in full, which one they tried (and what failed), and
-their engine snapshot (for /metrics), and returns the registered set when they are
-behind. A replica whose entries failed stays behind, so it is sent the set again, and
-retries, at every heartbeat. A replica is *live* while its last heartbeat is younger than
+their engine snapshot (for /metrics), and returns ``{"state", "drain_s"}``: the registered
+set when they are behind (else None), and, once the application began shutting down
+(``begin_drain``), how long their requests in flight may still run (else None). A
+replica whose entries failed stays behind, so it is sent the set again, and retries, at
+every heartbeat. A replica is *live* while its last heartbeat is younger than
 ``live_after_s``. ``wait_applied(R)`` returns once every live replica has applied a
 revision >= R or reported errors for one, or at the timeout with the lagging replicas named.
 
@@ -17,6 +19,10 @@ Version rules are the single server's: re-registering a name with other content 
 hot update (a new version; requests in flight finish on the old one, each replica's
 engine keeps it until its last reader is done); registering identical content is a
 no-op; unregistering removes the name for new requests.
+
+``ready`` (in ``view()``): False while ``deploy`` registers the initial adapters (it sets
+it, ``set_ready``); the ingress answers 503 meanwhile. Not persisted: a restarted actor,
+or one created by someone else than ``deploy``, is ready.
 """
 from __future__ import annotations
 
@@ -51,6 +57,8 @@ class AdapterRegistryService:
         self.manifest: Manifest = self.store.load()
         self.live_after_s = live_after_s
         self.replicas: dict[str, ReplicaStatus] = {}
+        self.ready = True
+        self.drain_deadline: Optional[float] = None  # time.monotonic() when the drain ends; None: not shutting down
 
     # ---- the registered set --------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -87,8 +95,9 @@ class AdapterRegistryService:
         snapshot: dict[str, Any],
         errors: tuple[str, ...] = (),
         attempted_revision: Optional[int] = None,
-    ) -> Optional[dict[str, Any]]:
-        """Record a replica's progress; returns ``state()`` when it is behind, else None.
+    ) -> dict[str, Any]:
+        """Record a replica's progress; returns {"state": ``state()`` when it is behind, else
+        None, "drain_s": ``drain_left()``}.
 
         A replica whose entries failed stays behind (``applied_revision`` does not advance),
         so it gets the state again at every heartbeat and retries them.
@@ -101,7 +110,21 @@ class AdapterRegistryService:
         else:
             status.applied_revision, status.last_seen, status.snapshot, status.errors = applied_revision, now, snapshot, tuple(errors)
             status.attempted_revision = attempted
-        return self.state() if applied_revision < self.manifest.revision else None
+        return {"state": self.state() if applied_revision < self.manifest.revision else None, "drain_s": self.drain_left()}
+
+    # ---- start and shutdown ------------------------------------------------------------------------
+    def set_ready(self, ready: bool) -> None:
+        self.ready = bool(ready)
+
+    def begin_drain(self, drain_s: float) -> None:
+        """The application is shutting down: replicas learn it at their next heartbeat, and let
+        their requests in flight run for what is left of ``drain_s`` (the first call sets it)."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + max(0.0, float(drain_s))
+
+    def drain_left(self) -> Optional[float]:
+        """Seconds the replicas' requests in flight may still run; None while not shutting down."""
+        return None if self.drain_deadline is None else max(0.0, self.drain_deadline - time.monotonic())
 
     def forget(self, replica_id: str) -> None:
         """A replica shutting down says goodbye, so waits need not time it out."""
@@ -126,7 +149,7 @@ class AdapterRegistryService:
 
     def view(self) -> dict[str, Any]:
         """What the ingress caches: the registered set and the live replicas (with snapshots)."""
-        return {**self.state(), "replicas": self.live_replicas()}
+        return {**self.state(), "replicas": self.live_replicas(), "ready": self.ready}
 
     async def wait_applied(self, revision: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
         """Wait until every live replica is done with ``revision``: applied it, or tried and

@@ -16,6 +16,11 @@ applied keeps the revision unapplied (retried at every heartbeat), and the name 
 served meanwhile unless the replica already holds the registered version. A request
 carries the registry revision the ingress knows, and a replica behind it syncs first.
 
+Shutdown: once the registry says the application is draining (a heartbeat's ``drain_s``),
+the replica shuts its engine down as a single server does at SIGTERM: no new request,
+those in flight run for ``drain_s``, the rest end with a "shutdown" error (HTTP 503
+``engine_unavailable`` at the ingress). Serve deletes the replica after that.
+
 Wire format of ``generate``: a stream of tuples, so that admission errors cross the
 process boundary as data, not as pickled exception classes:
     ("out", RequestOutput, RequestMetrics | None)   metrics with the final output
@@ -140,6 +145,7 @@ class LoraReplica:
         self._sync_error: Optional[str] = None  # why the last sync failed (None: it succeeded)
         self._metrics_lock = threading.Lock()
         self._finished: dict[str, Any] = {}
+        self._drain: Optional[threading.Thread] = None  # the engine's shutdown, once the application began draining
         self.engine.add_observer(self._observe)
 
     # ---- the registered set ------------------------------------------------------------------
@@ -202,7 +208,19 @@ class LoraReplica:
     async def _heartbeat(self) -> Optional[dict[str, Any]]:
         """Report progress to the registry; returns its state when this replica is behind."""
         report = await asyncio.to_thread(self.report)  # snapshot() takes the engine lock: never on the event loop
-        return await self.registry.heartbeat.remote(self.replica_id, self.applied_revision, report, self.apply_errors, self.attempted_revision)
+        reply = await self.registry.heartbeat.remote(self.replica_id, self.applied_revision, report, self.apply_errors, self.attempted_revision)
+        if reply["drain_s"] is not None:
+            self.begin_drain(reply["drain_s"])
+        return reply["state"]
+
+    def begin_drain(self, drain_s: float) -> None:
+        """The application is shutting down: shut the engine down in a thread (no new requests;
+        those in flight get ``drain_s`` to finish, then fail with a "shutdown" error). Once."""
+        if self._drain is not None:
+            return
+        logger.info("replica %s: the application is shutting down; requests in flight get up to %.1f s to finish", self.replica_id, drain_s)
+        self._drain = threading.Thread(target=self.engine.shutdown, kwargs={"timeout": drain_s}, name="lorafleet-drain", daemon=True)
+        self._drain.start()
 
     async def _sync_once(self, unless_tried: Optional[int] = None) -> None:
         """Heartbeat, and apply the registry's state when this replica is behind it (skipped when
@@ -366,11 +384,19 @@ class LoraReplica:
         return {"version": adapter.version, "max_rank": adapter.max_rank}
 
     def describe(self) -> dict[str, Any]:
+        """What the ingress builds its app from. ``max_seq_tokens``: the most tokens one request
+        can have here (max_model_len, or less when the KV pool holds less), which caps the
+        default max_tokens as on a single server."""
+        from runtime.server.app import sequence_token_limit
+
         return {"model_name": self.engine.model_name, "max_model_len": self.engine.max_model_len, "replica_id": self.replica_id,
-                "seed": self.engine.config.seed}
+                "seed": self.engine.config.seed, "max_seq_tokens": sequence_token_limit(self.engine)}
 
     def check_health(self) -> None:
-        """Serve restarts a replica whose engine loop died, or whose adapter sync stopped (``sync_problem``)."""
+        """Serve restarts a replica whose engine loop died, or whose adapter sync stopped (``sync_problem``).
+        A replica draining for the application's shutdown is healthy: its engine stops on purpose."""
+        if self._drain is not None:
+            return
         if self.engine.dead_error is not None:
             raise RuntimeError(f"replica {self.replica_id}: {self.engine.dead_error}")
         problem = self.sync_problem()
@@ -383,5 +409,7 @@ class LoraReplica:
             task.cancel()
         if getattr(self, "registry", None) is not None:
             self.registry.forget.remote(self.replica_id)
-        if getattr(self, "engine", None) is not None:
+        if getattr(self, "_drain", None) is not None:
+            self._drain.join(timeout=5.0)  # the engine is already shutting down
+        elif getattr(self, "engine", None) is not None:
             self.engine.shutdown(timeout=5.0)

@@ -17,6 +17,11 @@ reproduce the emitted prefix). The replay is pinned to the adapter version the e
 tokens came from: a replica holding another version (a hot update happened meanwhile)
 refuses it, and the request fails with HTTP 503 rather than continue a v1 prefix on v2.
 Any other request fails with HTTP 503 and a message to retry. Nothing waits forever on a dead replica: Ray fails the stream when its actor dies.
+
+Availability (``accepting``, ``dead_error``: what /health and new requests see, as for a
+single server's engine): unavailable (503 ``engine_unavailable``) while the registry is not
+ready (``deploy`` is still registering the initial adapters) and once ``begin_shutdown`` was
+called; a replica that dies after that fails its requests with that 503, without a retry.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import ray
 
+from runtime.async_engine import EngineDeadError
 from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.replica import ERROR_KINDS
 from runtime.lora.registry import AdapterInfo
@@ -38,6 +44,8 @@ from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("lorafleet.replica_set")
 ROUTINGS = ("affinity", "adapter_blind")
+STARTING = "the application is starting (registering its initial adapters); retry shortly"
+SHUTTING_DOWN = "engine is shutting down; no new requests are accepted"
 
 
 class ReplicaUnavailable(APIError):
@@ -65,7 +73,10 @@ class ReplicaSetEngine:
         routing: str = "affinity",
         apply_timeout_s: float = 30.0,
         refresh_s: float = 0.5,
+        max_seq_tokens: Optional[int] = None,
     ) -> None:
+        """``max_seq_tokens``: the most tokens one request can have on a replica (its
+        ``describe()``), which the app caps default max_tokens to; None: max_model_len."""
         if routing not in ROUTINGS:
             raise ValueError(f"routing: {routing!r} is not one of {', '.join(ROUTINGS)}")
         self.replicas = replicas
@@ -73,12 +84,15 @@ class ReplicaSetEngine:
         self.client = RegistryClient(registry, replicas, apply_timeout_s)
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_seq_tokens = max_seq_tokens
         self.tokenizer = Tokenizer(model_dir)
         self.routing = routing
         self.refresh_s = refresh_s
         self._observers: list[Callable[[Any], None]] = []
-        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}}
+        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}, "ready": True}
         self._refresh_task: Optional[asyncio.Task] = None
+        self.shutting_down = False
+        self.active = 0  # generate() calls not finished yet (requests in flight here)
 
     # ---- registry view ---------------------------------------------------------------------------
     def _take(self, view: dict[str, Any]) -> None:
@@ -98,6 +112,21 @@ class ReplicaSetEngine:
                     logger.warning("registry unavailable (%s); serving the last known adapter set", err)
 
         self._refresh_task = asyncio.create_task(loop())
+
+    # ---- availability ------------------------------------------------------------------------------
+    @property
+    def dead_error(self) -> Optional[str]:
+        """Why no request can be served yet (the application is starting), else None."""
+        return None if self._view.get("ready", True) else STARTING
+
+    @property
+    def accepting(self) -> bool:
+        """False while starting and once shutting down: new requests get a 503 ``engine_unavailable``."""
+        return self.dead_error is None and not self.shutting_down
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on, and retry none on another replica."""
+        self.shutting_down = True
 
     def adapters(self) -> list[AdapterInfo]:
         return [AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e["registered_at"]) for e in self._view["entries"]]
@@ -147,6 +176,20 @@ class ReplicaSetEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request from a replica. ``group``: pin it, with the group's other requests, to
         one adapter version (``VersionGroup``)."""
+        if not self.accepting:
+            raise EngineDeadError(self.dead_error or SHUTTING_DOWN)
+        self.active += 1
+        stream = self._generate(request_id, prompt, params, adapter, group)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            self.active -= 1
+            await stream.aclose()  # now, not when collected: it aborts the replica's request if the client went away
+
+    async def _generate(
+        self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams], adapter: Optional[str], group: Optional["VersionGroup"],
+    ) -> AsyncIterator[RequestOutput]:
         params = params or SamplingParams()
         emitted_ids: tuple[int, ...] = ()
         emitted_text = ""
@@ -196,6 +239,9 @@ class ReplicaSetEngine:
                         observer(metrics)
                 raise
             except ray.exceptions.RayActorError as err:
+                if self.shutting_down:  # the replicas are going away; another one would not serve it either
+                    raise APIError(503, f"request {request_id}: the server is shutting down, and the replica serving the request stopped "
+                                        f"before it finished ({type(err).__name__})", code="engine_unavailable") from err
                 replayable = not emitted_ids or params.greedy
                 if attempt >= 1 or not replayable:
                     raise ReplicaUnavailable(request_id, type(err).__name__) from err

@@ -23,8 +23,8 @@ from runtime.server.security import GuardMiddleware
 def unavailable_reason(engine: Any) -> str | None:
     """Why the engine cannot take requests (it died, or is shutting down), or None. Takes no lock.
 
-    An engine without ``dead_error``/``accepting`` (a replica set: Serve restarts dead
-    replicas itself) is always available.
+    An engine without ``dead_error``/``accepting`` is always available. (A Ray replica set
+    has both: unavailable while the application starts and once it shuts down.)
     """
     dead = getattr(engine, "dead_error", None)
     if dead is not None:
@@ -36,8 +36,11 @@ def unavailable_reason(engine: Any) -> str | None:
 
 def sequence_token_limit(engine: Any) -> int:
     """Most tokens (prompt + output) one request can have: max_model_len, or what the KV pool
-    holds for one sequence (num_kv_blocks * block_size) when that is less. An engine that reports
-    no pool (a replica set) gives max_model_len: its replicas refuse what their pool cannot hold."""
+    holds for one sequence (num_kv_blocks * block_size) when that is less. An engine spread over
+    replicas (Ray) has no pool of its own: it reports its replicas' limit as ``max_seq_tokens``."""
+    reported = getattr(engine, "max_seq_tokens", None)
+    if reported is not None:
+        return min(engine.max_model_len, reported)
     block_size = getattr(getattr(engine, "config", None), "block_size", None)
     blocks = engine.snapshot().get("kv_blocks_total") if block_size else None
     return min(engine.max_model_len, blocks * block_size) if blocks else engine.max_model_len
