@@ -209,6 +209,7 @@ def test_replicas_draw_different_seeds_for_unseeded_requests(app) -> None:
     for _ in range(200):
         info = handle.describe.remote().result(timeout_s=30)
         seen[info["replica_id"]] = info["seed"]
+        assert info["log_level"] == cfg.log_level.upper()  # --log-level reaches lorafleet's loggers in the actor (Ray's default: WARNING)
         if len(seen) == 2:
             break
     assert len(seen) == 2, seen

@@ -519,3 +519,37 @@ def test_ray_start_error_is_one_line_and_deletes_nothing(tiny_llama_dir: Path, t
     assert run_ray(ray_settings(tiny_llama_dir, tmp_path, "--ray-address", "auto")) == 2
     assert capsys.readouterr().err.strip() == "lorafleet serve: Ray Serve already runs on this cluster with its HTTP proxy on 127.0.0.1:8140, and keeps that address"
     assert fake.calls == ["init", "deploy"]  # joined, not started here: nothing to shut down either
+
+
+def test_ray_log_level_reaches_the_scale_out_config(tiny_llama_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """--log-level went to ray.init only (Ray's own logger): the actors' lorafleet loggers stayed at
+    Ray's WARNING, so the INFO request lines (with user=) were never written under --ray."""
+    from runtime.distributed.launcher import run_ray
+
+    seen = []
+    monkeypatch.setattr("signal.signal", lambda *a: None)  # no handlers left behind by this run
+    fake = FakeRay(monkeypatch, deploy=lambda cfg: (seen.append(cfg.log_level), (_ for _ in ()).throw(KeyboardInterrupt)))
+    try:
+        run_ray(ray_settings(tiny_llama_dir, tmp_path, "--log-level", "debug"))
+    except KeyboardInterrupt:
+        pass
+    assert seen == ["debug"] and "deploy" in fake.calls
+
+
+def test_apply_log_level_sets_lorafleets_loggers_only() -> None:
+    import logging
+
+    from runtime.distributed.log_level import apply_log_level
+
+    names = ("lorafleet", "runtime", "backends", "ray")
+    before = {n: logging.getLogger(n).level for n in names}
+    try:
+        apply_log_level("debug")
+        assert [logging.getLogger(n).level for n in names[:3]] == [logging.DEBUG] * 3
+        assert logging.getLogger("lorafleet.requests").getEffectiveLevel() == logging.DEBUG
+        assert logging.getLogger("ray").level == before["ray"]
+        with pytest.raises(ValueError, match="not one of"):
+            apply_log_level("loud")
+    finally:
+        for n, level in before.items():
+            logging.getLogger(n).setLevel(level)

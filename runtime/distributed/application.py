@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import backends
 from runtime.config import EngineConfig
 from runtime.distributed.ingress import LoraIngress
+from runtime.distributed.log_level import LOG_LEVELS
 from runtime.distributed.manifest import ManifestError
 from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.registry_service import AdapterRegistryService
@@ -80,6 +81,7 @@ class ScaleOutConfig:
                        one GPU for device cuda, one "NPU" resource for npu, else {"num_cpus": 1},
                        after ``replica_device`` resolves "auto"
     apply_timeout_s:   how long an admin change waits for live replicas to apply it
+    log_level:         lorafleet's log level inside the ingress and replica actors (``log_level.py``)
     """
 
     engine: EngineConfig
@@ -92,8 +94,11 @@ class ScaleOutConfig:
     apply_timeout_s: float = 30.0
     max_ongoing_requests: int | None = None
     initial_adapters: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas: expected >= 1, got {self.num_replicas}")
         if self.routing not in ROUTINGS:
@@ -208,11 +213,11 @@ def build(cfg: ScaleOutConfig) -> Any:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_S,
-    ).bind(cfg.replica_engine(), cfg.registry_name, NAMESPACE)
+    ).bind(cfg.replica_engine(), cfg.registry_name, NAMESPACE, log_level=cfg.log_level)
     ingress = serve.deployment(
         LoraIngress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, max_ongoing * cfg.num_replicas),
         graceful_shutdown_timeout_s=INGRESS_GRACEFUL_SHUTDOWN_S,
-    ).bind(replica, cfg.engine.model, cfg.server, cfg.registry_name, NAMESPACE, cfg.routing, cfg.apply_timeout_s)
+    ).bind(replica, cfg.engine.model, cfg.server, cfg.registry_name, NAMESPACE, cfg.routing, cfg.apply_timeout_s, log_level=cfg.log_level)
     return ingress
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from runtime.distributed.log_level import apply_log_level
 from runtime.distributed.replica_set import ReplicaSetEngine
 from runtime.server.app import create_app
 from runtime.server.errors import error_response
@@ -56,7 +57,9 @@ class LoraIngress:
         namespace: str,
         routing: str = "affinity",
         apply_timeout_s: float = 30.0,
+        log_level: str = "info",
     ) -> None:
+        apply_log_level(log_level)
         info = await replicas.describe.remote()
         self.options = options
         self.engine = ReplicaSetEngine(

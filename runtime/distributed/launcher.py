@@ -86,6 +86,7 @@ def run_ray(settings: Any) -> int:
         num_replicas=settings.num_replicas,
         registry_dir=registry_dir,
         initial_adapters=tuple((m.name, m.path) for m in settings.lora_modules),
+        log_level=settings.log_level,
     )
     host, port = settings.server.host, settings.server.port
     started_here = settings.ray_address is None

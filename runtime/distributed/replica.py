@@ -46,6 +46,7 @@ from ray import serve
 
 from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
+from runtime.distributed.log_level import apply_log_level
 from runtime.lora.registry import AdapterInfo
 from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, SamplingParams, UnknownAdapterError
 
@@ -111,7 +112,9 @@ class LoraReplica:
     # help). Long enough for a slow apply (validating a large adapter on shared storage).
     SYNC_STALE_AFTER_S = 60.0
 
-    async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25) -> None:
+    async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25,
+                       log_level: str = "info") -> None:
+        apply_log_level(log_level)
         replica_id = serve.get_replica_context().replica_id.unique_id
         engine = AsyncLLMEngine(dataclasses.replace(engine_config, seed=replica_seed(engine_config.seed, replica_id)))
         engine.start()
@@ -390,7 +393,8 @@ class LoraReplica:
         from runtime.server.app import sequence_token_limit
 
         return {"model_name": self.engine.model_name, "max_model_len": self.engine.max_model_len, "replica_id": self.replica_id,
-                "seed": self.engine.config.seed, "max_seq_tokens": sequence_token_limit(self.engine)}
+                "seed": self.engine.config.seed, "max_seq_tokens": sequence_token_limit(self.engine),
+                "log_level": logging.getLevelName(logging.getLogger("lorafleet").getEffectiveLevel())}
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine loop died, or whose adapter sync stopped (``sync_problem``).
