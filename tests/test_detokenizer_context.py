@@ -24,6 +24,14 @@ from tests.fixtures.tiny_models import TINY_DIMS, build_tiny_model
 WORDS = ["▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ".", ",", "▁café", "é", "▁Hello", "▁world"]
 
 
+def save_with_specials(tok, out_dir: Path) -> None:
+    """Add <s>, </s>, <pad> as special tokens, save ``tok`` and a tokenizer_config.json naming them."""
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 def write_metaspace_tokenizer(out_dir: Path, vocab_size: int = TINY_DIMS["vocab_size"]) -> None:
     """A SentencePiece-style tokenizer: WordLevel + Metaspace pre-tokenizer and decoder.
 
@@ -41,10 +49,7 @@ def write_metaspace_tokenizer(out_dir: Path, vocab_size: int = TINY_DIMS["vocab_
     tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    save_with_specials(tok, out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +183,7 @@ def write_byte_fallback_tokenizer(out_dir: Path) -> None:
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    save_with_specials(tok, out_dir)
 
 
 @pytest.fixture(scope="module")
