@@ -790,3 +790,15 @@ def test_registry_tells_replicas_about_the_drain_and_the_ingress_about_readiness
     service.begin_drain(100.0)  # the first call sets the deadline
     reply = service.heartbeat("r1", service.state()["revision"], {})
     assert reply["state"] is None and 19.0 < reply["drain_s"] <= 20.0
+
+
+def test_a_new_deploy_resets_readiness_and_the_drain_left_in_the_detached_registry(service) -> None:
+    """The registry outlives applications: a start that never finished left ready False (every
+    route 503 for ever), a drain whose stop never ran shut the next deployment's engines down."""
+    service.set_ready(False)
+    service.begin_drain(0.0)
+    service.begin_deploy()
+    assert service.view()["ready"] is False and service.drain_left() is None
+    assert service.heartbeat("r1", -1, {})["drain_s"] is None
+    service.set_ready(True)
+    assert service.view()["ready"] is True

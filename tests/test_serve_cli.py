@@ -553,3 +553,34 @@ def test_apply_log_level_sets_lorafleets_loggers_only() -> None:
     finally:
         for n, level in before.items():
             logging.getLogger(n).setLevel(level)
+
+
+def test_apply_log_level_writes_info_lines_where_the_root_logger_has_no_handler() -> None:
+    """A Serve replica's root logger has no handler, so Python's last resort printed WARNING and
+    up only: setting the level alone still lost the INFO request lines."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from runtime.distributed.log_level import apply_log_level; apply_log_level('info'); "
+            "apply_log_level('info'); logging.getLogger('lorafleet.requests').info('request line user=alice'); "
+            "logging.getLogger('lorafleet.requests').debug('not at info')")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("INFO lorafleet.requests: request line user=alice") == 1 and "not at info" not in proc.stderr
+
+
+def test_a_second_signal_inside_ray_get_during_start_up_stops_cleanly(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Inside ray.get the handler's StartupInterrupted comes back as a SystemError with it as context:
+    it was a traceback and exit 1."""
+    from runtime.distributed.launcher import StartupInterrupted, run_ray
+
+    def deploy(cfg):
+        try:
+            raise StartupInterrupted()
+        except StartupInterrupted:
+            raise SystemError("<built-in method __new__> returned a result with an exception set")
+
+    monkeypatch.setattr("signal.signal", lambda *a: None)
+    fake = FakeRay(monkeypatch, deploy=deploy)
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
+    assert "stopped during start-up" in capsys.readouterr().err and fake.calls[:2] == ["init", "deploy"]

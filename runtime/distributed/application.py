@@ -231,15 +231,14 @@ def deploy(cfg: ScaleOutConfig) -> Any:
     """
     start_serve(cfg)
     registry = start_registry(cfg)
-    if cfg.initial_adapters:
-        ray.get(registry.set_ready.remote(False))
+    ray.get(registry.begin_deploy.remote())  # not ready, no drain: whatever an earlier deployment left in the detached actor
     handle = serve.run(build(cfg), name=cfg.app_name, route_prefix="/")
     if cfg.initial_adapters:
         client = RegistryClient(registry, serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), cfg.apply_timeout_s)
         for name, path in cfg.initial_adapters:
             client.register(name, path)
-        ray.get(registry.set_ready.remote(True))
-        handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not wait for that
+    ray.get(registry.set_ready.remote(True))
+    handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not wait for that
     return handle
 
 

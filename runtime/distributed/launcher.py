@@ -141,7 +141,11 @@ def run_ray(settings: Any) -> int:
         print(f"lorafleet serve: stopping; requests in flight get up to {DRAIN_S:.0f} s to finish (a second signal stops at once)", file=sys.stderr, flush=True)
         drain(cfg, DRAIN_S, interrupted=lambda: signals.count > 1)
         return 0
-    except StartupInterrupted:
+    except (StartupInterrupted, SystemError) as err:
+        # A second signal while the main thread waits in ray.get comes back from Ray as a
+        # SystemError whose context is the StartupInterrupted the handler raised.
+        if not isinstance(err, StartupInterrupted) and not isinstance(err.__context__, StartupInterrupted):
+            raise
         print("lorafleet serve: stopped during start-up", file=sys.stderr, flush=True)
         return 0
     finally:

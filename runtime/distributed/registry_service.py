@@ -116,6 +116,13 @@ class AdapterRegistryService:
     def set_ready(self, ready: bool) -> None:
         self.ready = bool(ready)
 
+    def begin_deploy(self) -> None:
+        """A new ``deploy`` starts: not ready until it says so, and no drain. The actor is detached
+        and outlives applications: a start that never finished, or a drain whose ``stop`` never
+        ran, must not hold the next deployment at 503 or shut its engines down."""
+        self.ready = False
+        self.drain_deadline = None
+
     def begin_drain(self, drain_s: float) -> None:
         """The application is shutting down: replicas learn it at their next heartbeat, and let
         their requests in flight run for what is left of ``drain_s`` (the first call sets it)."""
