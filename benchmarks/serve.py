@@ -103,7 +103,7 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.5)
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
-    p.add_argument("--base-model", help="with --url: the served base model's name (default: the first entry of /v1/models)")
+    p.add_argument("--base-model", help="with --url: the served base model's name (default: the /v1/models entry with parent null, else the first entry)")
     a = p.parse_args()
     try:
         max_cpu_loras = host_tier_size(a.max_loras, a.max_cpu_loras)

@@ -29,9 +29,9 @@ previous text, so a stop string split over two deltas is found. The text is cut 
 before the first stop string, or right after it with ``include_stop`` (vLLM's
 ``include_stop_str_in_output``). The earliest match wins, then the longest of the matches
 that start at the same place and are complete by then. With ``min_tokens`` (vLLM's), stop
-strings are looked for only once that many tokens were generated, and then only where they
-end in text from that point on (each stop string ``s`` from ``len(s) - 1`` characters before
-it, as vLLM does). While running, the last ``len(longest stop) - 1``
+strings are looked for only from the token that reaches it on, and only those that end in
+its text or later (each stop string ``s`` from ``len(s) - 1`` characters before that text, as
+vLLM does). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
 stop string that a later token completes.
 """

@@ -59,7 +59,8 @@ class SamplingParams:
     seed:        seeds this request's own torch.Generator (None: drawn from the engine's seed).
     stop:        strings that end generation; the returned text is cut before the stop string
                  (after it with ``include_stop_str_in_output``, vLLM's).
-    stop_token_ids: token ids that end generation (finish_reason "stop").
+    stop_token_ids: token ids that end generation (finish_reason "stop"); the token's text is left
+                 out unless ``include_stop_str_in_output``.
     ignore_eos:  keep generating past the tokenizer's eos tokens.
     max_tokens:  most new tokens (finish_reason "length" when reached); 0 computes the prompt
                  and generates nothing (with ``prompt_logprobs``: scores the prompt), and the
@@ -79,7 +80,8 @@ class SamplingParams:
                  to those logits first, before the penalties; -100 all but bans a token.
     min_tokens:  nothing ends the request before this many tokens (vLLM's): eos (unless
                  ignore_eos) and ``stop_token_ids`` get -inf logits until then, and stop strings
-                 are looked for only from then on.
+                 are looked for only from the token that reaches it on, and only those that end
+                 in its text or later (one may start before it), as in vLLM.
     prompt_logprobs: None = off; k in 0..20: the same for every prompt token after the first
                  (``RequestOutput.prompt_logprobs``: what the model, with this request's adapter,
                  gave each prompt token given the ones before it). Such a request computes its

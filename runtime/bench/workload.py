@@ -272,7 +272,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """The workload flags. Defaults are WorkloadSpec's; each flag records its explicit use (``given_flags``)."""
     d = WorkloadSpec()
     p.add_argument("--num-requests", type=int, default=d.num_requests, action=Given, help="requests in the workload (default: %(default)s)")
-    p.add_argument("--adapters", type=int, default=d.num_adapters, action=Given, help="number of adapters (default: %(default)s)")
+    p.add_argument("--adapters", type=int, default=d.num_adapters, action=Given, help="number of adapters; not with --popularity identical (default: %(default)s)")
     p.add_argument("--popularity", choices=POPULARITIES, default=d.popularity, action=Given,
                    help="which adapter each request uses: identical (all adapter 0), distinct (round robin), uniform, or zipf "
                         "(see --alpha) (default: %(default)s)")  # fmt: skip
@@ -280,13 +280,13 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=_arg_type(parse_ranks), metavar="R,R,...", default=",".join(map(str, d.ranks)), action=Given,
                    help="comma-separated rank set; each adapter's rank is drawn from it (default: %(default)s)")
     p.add_argument("--rate", type=float, default=d.rate, action=Given, help="mean arrivals per second; <= 0: all at once (default: %(default)s)")
-    p.add_argument("--cv", type=float, default=d.cv, action=Given, help="inter-arrival coefficient of variation; 1 = Poisson (default: %(default)s)")
+    p.add_argument("--cv", type=float, default=d.cv, action=Given, help="inter-arrival coefficient of variation; 1 = Poisson; only with --rate above 0 (default: %(default)s)")
     p.add_argument("--input-len", type=_arg_type(parse_pair), metavar="LO,HI", default=",".join(map(str, d.input_len)), action=Given,
                    help="prompt words, uniform in lo,hi (default: %(default)s)")
     p.add_argument("--output-len", type=_arg_type(parse_pair), metavar="LO,HI", default=",".join(map(str, d.output_len)), action=Given,
                    help="output tokens, uniform in lo,hi (default: %(default)s)")
     p.add_argument("--base-fraction", type=float, default=d.base_fraction, action=Given,
-                   help="share of requests that name no adapter (default: %(default)s)")
+                   help="share of requests that name no adapter; at 1 the adapter flags are refused (default: %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, action=Given, help="seed of every random draw (default: %(default)s)")
 
 

@@ -386,15 +386,15 @@ def _check_served(args: argparse.Namespace, workload: Any, mapping: dict[str, st
         offered = [str(c["id"]) for c in cards if c["id"] != base and c.get("parent", base) is not None]
         n = len(workload.adapter_ranks)
         if not offered:
-            fix = "the server lists no adapters: load some, or pass --base-fraction 1 to send every request to the base"
+            fix = "the server lists no adapters: load some, or pass --base-fraction 1 to send every request to the base (without --adapters, --ranks, --popularity, --alpha)"
         elif args.workload:
             fix = (f"map them onto served adapters with --adapter-names {','.join(offered[:n])}" if len(offered) >= n else
                    f"it has {len(offered)} adapters for the workload's {n}: write a workload with --adapters {len(offered)} and pass "
                    f"--adapter-names {','.join(offered)}")  # fmt: skip
         elif len(offered) >= n:
-            fix = f"map them onto served adapters with --adapter-names {','.join(offered[:n])}, or pass --base-fraction 1"
+            fix = f"map them onto served adapters with --adapter-names {','.join(offered[:n])}, or pass --base-fraction 1 (without --adapters, --ranks, --popularity, --alpha)"
         else:
-            fix = f"map them onto served adapters with --adapters {len(offered)} --adapter-names {','.join(offered)}, or pass --base-fraction 1"
+            fix = f"map them onto served adapters with --adapters {len(offered)} --adapter-names {','.join(offered)}, or pass --base-fraction 1 (without --adapters, --ranks, --popularity, --alpha)"
         raise SetupError(where_url, f"does not serve the adapter{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}"
                                     f"{', ...' if len(missing) > 4 else ''} that the workload's requests name (GET /v1/models lists: "
                                     f"{_models_text(cards)}); {fix}")  # fmt: skip

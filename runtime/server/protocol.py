@@ -91,7 +91,7 @@ class _SamplingFields(BaseModel):
                                                   "(after it with include_stop_str_in_output).")
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")
     ignore_eos: StrictBool = False
-    include_stop_str_in_output: StrictBool = Field(False, description="vLLM's extension: keep the stop string that ended the reply at its end.")
+    include_stop_str_in_output: StrictBool = Field(False, description="vLLM's extension: keep the stop string that ended the reply at its end; likewise the text of a stop_token_ids token that ended it (special tokens have none).")
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream: true.")
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt, 1 to {MAX_CHOICES} (each is its own engine request; "

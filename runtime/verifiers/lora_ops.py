@@ -21,7 +21,8 @@ verifiers (segment, per-token) also run
   one step mixing both (``op+fallback``) on the backend as it is.
 
 Which path ran is checked (``paths.expect_path``, through the backend's fallback log): a case
-inside the primary limits must take no fallback in ``apply_lora``, a fallback case must take it.
+inside the primary limits must take no fallback in ``apply_lora`` other than the chip's own
+(``chip_fallback_reasons``; the result then says so), a fallback case must take it.
 """
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ def verify_mixed_ranks(backend: Any, entry: Capability, matrix: CapabilityMatrix
 def verify_multi_slice_expand(backend: Any, entry: Capability, matrix: CapabilityMatrix) -> VerifierResult:
     """Three slices of different widths in one expand call, gaps between them, untargeted slices;
     then three of one width side by side, one rank and scale per adapter (``batched_expand_case``).
-    Ranks come from each path's own limits; a problem inside them must take no fallback."""
+    Ranks come from each path's own limits; a problem inside them must take no fallback (but the chip's own)."""
     runs = []
     for name in declared_dtypes(entry, matrix):
         for decode_only, path in ((False, "lora_ops_segment"), (True, "lora_ops_per_token")):

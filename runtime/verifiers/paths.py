@@ -6,7 +6,8 @@ fallback. A backend with declared fallbacks counts every fallback it takes, by r
 (``backend.fallbacks.counts``: backends/ascend/fallback_log.py). ``FallbackWatch`` reads the
 reasons noted inside its ``with`` block, so a verifier can require
 
-    a problem inside the primary limits   -> apply_lora noted no fallback
+    a problem inside the primary limits   -> apply_lora noted no fallback (or only those this
+                                             chip takes there: chip_fallback_reasons)
     a case run for the fallback           -> it noted the fallback's reason, and only that
 
 ``forced_fallback(backend)`` builds the backend that takes its fallback for every call, with
