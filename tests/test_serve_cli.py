@@ -313,9 +313,12 @@ def test_unreachable_ray_cluster_is_one_line(tiny_llama_dir: Path, capsys, monke
     assert err.strip() == "lorafleet serve: --ray-address ray://nohost:10001: ray client connection timeout"
 
 
-def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signal_name, count", [("SIGTERM", 1), ("SIGINT", 2)])
+def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path, signal_name: str, count: int) -> None:
     """The real CLI end to end: `--port 0` picks a free port and the log names it; a request
-    is answered; SIGTERM stops the HTTP server, shuts the engine down and exits 0."""
+    is answered; SIGTERM stops the HTTP server, shuts the engine down and exits 0. Ctrl-C twice
+    (stop at once) too, with no traceback: uvicorn skipped the app's lifespan shutdown then,
+    and the cancelled lifespan task was logged as an ERROR traceback."""
     import re
     import signal
     import subprocess
@@ -342,13 +345,20 @@ def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path) -> None
             except httpx.ConnectError:
                 time.sleep(0.1)
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == " HELLO WORLD", reply.text
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, signal_name))
+        if count == 2:  # the second once shutdown has begun: uvicorn then forces the exit
+            deadline = time.monotonic() + 30
+            while "shutting down the engine" not in log_path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(getattr(signal, signal_name))
         assert proc.wait(timeout=60) == 0, log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "shutting down the engine" in log_path.read_text()
+    text = log_path.read_text()
+    assert "shutting down the engine" in text and "HTTP server and engine stopped" in text
+    assert "Traceback" not in text and "ERROR" not in text, text
 
 
 def test_kv_cache_mb_with_num_kv_blocks_is_refused(tiny_llama_dir: Path) -> None:

@@ -32,3 +32,8 @@ class DrainingServer(uvicorn.Server):
         self.drain = threading.Thread(target=self._engine.shutdown, kwargs={"timeout": self._drain_s}, name="lorafleet-drain", daemon=True)
         self.drain.start()
         await super().shutdown(sockets=sockets)
+        if self.force_exit and self.config.lifespan != "off":
+            # A second signal (force_exit): uvicorn skips the app's lifespan shutdown, and its task
+            # is cancelled when the loop closes, which starlette logs as an ERROR traceback. The
+            # app's lifespan holds nothing to wait for, so it is ended as on a first signal.
+            await self.lifespan.shutdown()
