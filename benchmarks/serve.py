@@ -51,10 +51,8 @@ from runtime.torch_threads import in_fresh_thread  # noqa: E402
 # OpenMP team left there slows every AsyncLLMEngine replay after it (runtime/torch_threads.py).
 prepare = in_fresh_thread(suite.prepare)
 stepped_in_turn = in_fresh_thread(suite.stepped_in_turn)
-
-
-
 BASELINES = ("no-adapter", "loop", "peft")
+
 
 def in_turn_ratio(pairs: list[dict[str, dict]], num: str, den: str) -> float | None:
     """Median over rounds of num / den tokens/s from ``stepped_in_turn`` results; None if a
@@ -116,24 +114,22 @@ def main() -> int:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
-    if not a.workload and ignored_spec_flags(a):
-        p.error("; ".join(ignored_spec_flags(a)))
+    ignored = [] if a.workload else ignored_spec_flags(a)
+    if ignored:
+        p.error("; ".join(ignored))
     chosen = [] if a.baselines == "none" else a.baselines.split(",")
     unknown = [b for b in chosen if b not in BASELINES]
     if unknown or (not chosen and a.baselines != "none"):
         p.error(f"--baselines: {', '.join(map(repr, unknown)) or 'empty'} is not one of {', '.join(BASELINES)} (comma-separated), or 'none'")
     # A flag that the chosen runs never read is a mistake, not a no-op: say so rather than run without it.
-    unused = [(flag, needs) for flag, given, needs in (
-        ("--loop-requests", a.loop_requests is not None, "loop" in chosen),
-        ("--peft-batch", a.peft_batch is not None, "peft" in chosen),
-        ("--sweep-requests", a.sweep_requests is not None, bool(a.sweep_adapters)),
-        ("--base-model", a.base_model is not None, a.url is not None),
-    ) if given and not needs]
-    if unused:
-        flag = unused[0][0]
-        why = {"--loop-requests": "the loop baseline", "--peft-batch": "the peft baseline", "--sweep-requests": "--sweep-adapters",
-               "--base-model": "--url"}[flag]
-        p.error(f"{flag}: only used with {why}, which this run does not have; drop it")
+    for flag, given, used, by in (
+        ("--loop-requests", a.loop_requests is not None, "loop" in chosen, "the loop baseline"),
+        ("--peft-batch", a.peft_batch is not None, "peft" in chosen, "the peft baseline"),
+        ("--sweep-requests", a.sweep_requests is not None, bool(a.sweep_adapters), "--sweep-adapters"),
+        ("--base-model", a.base_model is not None, a.url is not None, "--url"),
+    ):
+        if given and not used:
+            p.error(f"{flag}: only used with {by}, which this run does not have; drop it")
     if a.loop_requests is None:
         a.loop_requests = 16
     if a.peft_batch is None:

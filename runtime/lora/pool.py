@@ -34,10 +34,9 @@ chosen this way leaves the device too. When every host entry is demanded, furthe
 wait in FIFO order. So that they do not wait for ever behind adapters that never go idle
 under steady traffic, ``host_drain`` then names one demanded entry (a current version with
 running sequences and the fewest waiting requests, least recently used first on a tie, sticky
-until the oldest queued read starts):
-the scheduler admits no new request of it, its running sequences finish, and the read evicts
-it, although requests still wait for it; their adapter is read again from disk, queued behind
-the reads already waiting.
+until the oldest queued read starts): the scheduler admits no new request of it, its running
+sequences finish, and the read evicts it, although requests still wait for it; their adapter
+is read again from disk, queued behind the reads already waiting.
 
 A disk load that finishes after the same version reached the host some other way (the same
 content registered again, from another folder) is dropped, success or failure: the weights
@@ -414,9 +413,12 @@ class AdapterPool:
         if ref not in self._loading and ref not in self._load_queue:
             self._load_queue.append(ref)
 
+    def _idle(self, ref: AdapterRef) -> bool:
+        """No request wants ``ref`` and no sequence runs on it: the host may evict it."""
+        return self._demand.get(ref, 0) == 0 and self._device_refs.get(ref, 0) == 0
+
     def _host_has_idle_room(self) -> bool:
-        return len(self._host) + len(self._loading) < self.max_cpu_loras or any(
-            self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0 for r in self._host)
+        return len(self._host) + len(self._loading) < self.max_cpu_loras or any(self._idle(r) for r in self._host)
 
     def _make_host_room(self, evict_drained: bool = False) -> bool:
         """Evict idle host entries until one more entry fits: least recently used first, entries
@@ -424,7 +426,7 @@ class AdapterPool:
         host keeps holding every device resident). ``evict_drained`` (a queued read starting):
         when no entry is idle, the ``host_drain`` victim goes once no sequence runs on it."""
         while len(self._host) + len(self._loading) >= self.max_cpu_loras:
-            idle = [r for r in self._host if self._demand.get(r, 0) == 0 and self._device_refs.get(r, 0) == 0]
+            idle = [r for r in self._host if self._idle(r)]
             victim = next((r for r in idle if r not in self._slot_of), None) or next(iter(idle), None)
             if victim is None:
                 drained = self._host_victim

@@ -191,8 +191,6 @@ async def open_streams(
         raise
 
 
-
-
 async def _close_opened(tasks: Sequence["asyncio.Future[tuple[Any, AsyncIterator[Any]]]"]) -> None:
     """Cancel the admissions still pending and close the streams that opened (aborting their requests)."""
     for task in tasks:
