@@ -217,6 +217,13 @@ class AsyncLLMEngine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def shutdown_in_background(self, timeout: float) -> threading.Thread:
+        """``shutdown(timeout)`` in a daemon thread, started; join it to wait (a server's drain:
+        its event loop keeps relaying the last outputs and the 503s meanwhile)."""
+        drain = threading.Thread(target=self.shutdown, kwargs={"timeout": timeout}, name="lorafleet-drain", daemon=True)
+        drain.start()
+        return drain
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to ``timeout`` s, fail the rest."""
         with self._lock:

@@ -222,8 +222,7 @@ class LoraReplica:
         if self._drain is not None:
             return
         logger.info("replica %s: the application is shutting down; requests in flight get up to %.1f s to finish", self.replica_id, drain_s)
-        self._drain = threading.Thread(target=self.engine.shutdown, kwargs={"timeout": drain_s}, name="lorafleet-drain", daemon=True)
-        self._drain.start()
+        self._drain = self.engine.shutdown_in_background(drain_s)
 
     async def _sync_once(self, unless_tried: Optional[int] = None) -> None:
         """Heartbeat, and apply the registry's state when this replica is behind it (skipped when

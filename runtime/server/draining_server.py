@@ -29,8 +29,7 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: Any = None) -> None:
         logging.getLogger("lorafleet.serve").info(
             "lorafleet serve: stopping; shutting down the engine (requests in flight get up to %s s to finish)", self._drain_s)
-        self.drain = threading.Thread(target=self._engine.shutdown, kwargs={"timeout": self._drain_s}, name="lorafleet-drain", daemon=True)
-        self.drain.start()
+        self.drain = self._engine.shutdown_in_background(self._drain_s)
         await super().shutdown(sockets=sockets)
         if self.force_exit and self.config.lifespan != "off":
             # A second signal (force_exit): uvicorn skips the app's lifespan shutdown, and its task
