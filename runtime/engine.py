@@ -454,7 +454,7 @@ class LLMEngine:
                 self._finish(live, reason, None)
             outputs.append(self._output(live, seq.output_token_ids[live.emitted_tokens :], finished=reason is not None))
             live.emitted_tokens = len(seq.output_token_ids)
-        self.pool.prefetch(self.scheduler.waiting_adapters()[: self.config.max_loras])
+        self.pool.prefetch(self.scheduler.waiting_adapters(self.config.max_loras))
         return outputs
 
     def _collect_prompt_logprobs(self, chunks: Seq[Any], steps: Seq[SeqStep], logits: torch.Tensor) -> torch.Tensor:

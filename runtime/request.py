@@ -37,6 +37,19 @@ class AdapterRef:
     name: str
     version: str
 
+    def __post_init__(self) -> None:
+        # Hashed once: the scheduler and the pool key dicts by it thousands of times a step when
+        # hundreds of adapters wait (the generated __hash__ rebuilds and hashes a tuple each call).
+        object.__setattr__(self, "_hash", hash((self.name, self.version)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Rebuilt through __init__ when pickled (Ray), so the hash is the receiving process's own:
+        # str hashes differ between processes.
+        return (AdapterRef, (self.name, self.version))
+
     def __str__(self) -> str:
         return f"{self.name}@{self.version[:12]}"
 

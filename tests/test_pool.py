@@ -430,3 +430,49 @@ def test_a_retired_version_is_never_the_host_drain_victim():
     assert pool.host_drain() is None
     pool.poll()
     assert pool.weights_ready(a) and not pool.weights_ready(b)
+
+
+def test_no_room_is_forgotten_when_a_slot_frees_and_never_refuses_a_smaller_adapter():
+    """The pool keeps a "no room" answer until its slots or references change: a request that
+    finds no slot gets one as soon as a resident's last reader releases it, and an adapter with
+    fewer rows than one that found no room is still placed where it fits."""
+    pool, _, adapters = make_pool(max_loras=3, max_cpu_loras=6, pool_rows=48)
+    big, small, rank8, rank16 = (new_ref(adapters, n, 0, r) for n, r in (("big", 32), ("small", 8), ("r8", 8), ("r16", 16)))
+    for ref in (big, small, rank8, rank16):
+        pool.demand(ref)
+    pool.poll()
+    assert pool.acquire_device(big) is not None and pool.acquire_device(small) is not None  # 40 of 48 rows
+    assert pool.acquire_device(rank16) is None  # 8 rows left
+    assert pool.acquire_device(rank16) is None  # the kept answer
+    assert pool.acquire_device(rank8) is not None  # fewer rows than the refused one: placed
+    assert pool.acquire_device(rank16) is None  # no slot left
+    assert pool.device_blockers(rank16, [small, rank8, big]) == [small, rank8]  # 16 rows once both drain
+    pool.release_device(small)  # its last reader: evictable now
+    assert pool.acquire_device(rank16) is None  # 8 free rows after evicting it: still too few
+    assert pool.device_blockers(rank16, [rank8, big]) == [rank8]
+    pool.release_device(rank8)
+    assert pool.acquire_device(rank16) is not None
+
+
+def test_adapter_refs_pickled_into_another_process_hash_as_its_own():
+    """AdapterRef keeps its hash; pickled (Ray) it is rebuilt, so a process with another string
+    hash seed finds it in a dict keyed by refs it built itself."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent("""
+        import pickle, sys
+        from runtime.request import AdapterRef
+        ref = pickle.loads(sys.stdin.buffer.read())
+        print({AdapterRef("sql", "v1"): "found"}.get(ref, "missing"), hash(ref) == hash(AdapterRef("sql", "v1")))
+    """)
+    root = Path(__file__).resolve().parents[1]
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", script], cwd=root, input=pickle.dumps(AdapterRef("sql", "v1")),
+                              capture_output=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr.decode()
+        assert done.stdout.decode().split() == ["found", "True"]

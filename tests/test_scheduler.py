@@ -278,6 +278,90 @@ def test_forgetting_idle_counters_bounds_the_table_and_changes_no_decision():
         assert len(ref_sched.counters) > 60  # over a hundred keys were served: without forgetting, one counter each
 
 
+class _CountingPool(AdapterPool):
+    """Counts placement searches (``_plan``), the work a slot request costs the pool."""
+
+    plans = 0
+
+    def _plan(self, rows, removable):
+        type(self).plans += 1
+        return super()._plan(rows, removable)
+
+
+class _AnswerEveryTimePool(_CountingPool):
+    """The pool without its kept answers: every slot request searches again (the reference below)."""
+
+    plans = 0
+
+    def acquire_device(self, ref):
+        self._layout_changed()
+        return super().acquire_device(ref)
+
+    def device_blockers(self, ref, prefer):
+        self._layout_changed()
+        return super().device_blockers(ref, prefer)
+
+
+def _slot_contention_traffic(pool_cls, seed: int):
+    """Requests of 20 adapters of ranks 8-32 (and some base-model ones) for 3 slots of 64 rows,
+    arriving faster than they finish: most steps, several adapters find no slot. Returns every
+    step's (planned chunks, drained adapters)."""
+    import random
+
+    rng = random.Random(seed)
+    adapters: dict = {}
+    pool = pool_cls(FakeWriter(), lambda r: adapters[r], 3, 24, 64, 32, async_loads=False)
+    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=24, max_loras=3)
+    steps, idx = [], 0
+    for step in range(300):
+        for _ in range(rng.randrange(4) if step < 240 else 0):
+            ref = None if rng.random() < 0.15 else AdapterRef(f"a{rng.randrange(20)}", "v")
+            if ref is not None:
+                adapters.setdefault(ref, FakeAdapter(ref.name, ref.version, rng.choice([8, 16, 32])))
+                pool.demand(ref)
+                pool.poll()
+            sched.add(Sequence(f"r{idx}", idx, list(range(rng.randint(1, 9))), SamplingParams(max_tokens=rng.randint(1, 6)), ref, 0.0))
+            idx += 1
+        out = _run_step(sched, pool)
+        steps.append(([(c.seq.request_id, c.num_tokens) for c in out.chunks], [str(r) for r in out.drained]))
+    assert not sched.has_unfinished()
+    return steps
+
+
+def test_kept_slot_answers_change_no_decision():
+    """The pool keeps "no room" and ``device_blockers`` answers until its slots or references
+    change; under slot contention every schedule matches a pool that searches again for every
+    request, with fewer searches."""
+    _CountingPool.plans = _AnswerEveryTimePool.plans = 0
+    for seed in range(5):
+        kept = _slot_contention_traffic(_CountingPool, seed)
+        searched = _slot_contention_traffic(_AnswerEveryTimePool, seed)
+        assert kept == searched, f"seed {seed}: a kept answer changed a schedule"
+        assert sum(1 for _, drained in kept if drained) > 50  # contention: many steps drain a slot
+    assert _CountingPool.plans < _AnswerEveryTimePool.plans, (_CountingPool.plans, _AnswerEveryTimePool.plans)
+
+
+def test_a_step_with_hundreds_of_adapters_waiting_for_slots_searches_them_a_few_times():
+    """200 adapters on the host each wait with one request while both slots are held: one step
+    used to search the slots once or twice for each of them (and scan every ready adapter for each
+    admission), 0.5 s a step with 2000 adapters; now the answer is kept until the slots change."""
+    adapters: dict = {}
+    pool = _CountingPool(FakeWriter(), lambda r: adapters[r], 2, 256, 64, 32, async_loads=False)
+    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=64, max_loras=2)
+    refs = [_ref(adapters, pool, f"a{i}", rank=16) for i in range(202)]
+    for i, ref in enumerate(refs):
+        pool.demand(ref)
+        pool.poll()
+        sched.add(_seq(i, 4, ref, max_tokens=50))
+    _run_step(sched, pool)  # the first two adapters take both slots
+    assert len(sched.running) == 2
+    _CountingPool.plans = 0
+    out = _run_step(sched, pool)
+    assert not out.admitted and len(sched.waiting) == 200  # nobody got a slot
+    assert out.drained  # the adapters that wait still ask for the held slots
+    assert _CountingPool.plans <= 4, _CountingPool.plans
+
+
 def test_fairness_bound_is_the_documented_formula():
     """The tests above compare waits with ``fairness_bound_steps``; pin that method to the
     formula in the module docstring, computed here independently."""

@@ -181,6 +181,12 @@ class AdapterPool:
         self._failures: list[PoolFailure] = []
         self.counters: dict[str, AdapterCounters] = {}
         self._host_victim: Optional[AdapterRef] = None  # see host_drain
+        # A step's admission loop asks for slots for many adapters that find none. Between two
+        # changes to the slots or their references the answers cannot change, so they are kept:
+        # the fewest rows that found no room, and device_blockers' answers (see _layout_changed).
+        self._layout_version = 0
+        self._no_room: tuple[int, int] = (-1, 0)  # (layout version, fewest rows that did not fit then)
+        self._blockers_memo: dict[tuple[int, tuple[AdapterRef, ...]], Optional[list[AdapterRef]]] = {}
 
     # ---- host tier ---------------------------------------------------------------------
     def insert_host(self, ref: AdapterRef, adapter: Any) -> bool:
@@ -305,14 +311,23 @@ class AdapterPool:
         if slot is None:
             if ref not in self._host:
                 return None
-            plan = self._plan(self._host[ref].max_rank, self._evictable())
+            rows = self._host[ref].max_rank
+            version, fewest = self._no_room
+            if version == self._layout_version and rows >= fewest:
+                return None  # nothing changed since fewer rows found no room
+            evictable = self._evictable()
+            plan = self._plan(rows, evictable)
             if plan is None:
+                if not evictable and all(e is not None for e in self._slots):
+                    rows = 1  # every slot is held by a running request: no adapter fits, whatever its rank
+                self._no_room = (self._layout_version, min(rows, fewest) if version == self._layout_version else rows)
                 return None
             evict, slot, row_start = plan
             for victim in evict:
                 self._evict_device(victim)
             self._write(ref, slot, row_start)
         self._device_refs[ref] = self._device_refs.get(ref, 0) + 1
+        self._layout_changed()
         self._device_lru.move_to_end(ref)
         return slot
 
@@ -321,6 +336,7 @@ class AdapterPool:
         if left < 0:
             raise AssertionError(f"adapter {ref}: device refs went negative")
         self._device_refs[ref] = left
+        self._layout_changed()
         if left == 0 and ref in self._retired and self._demand.get(ref, 0) == 0:
             self._free_version(ref)
 
@@ -334,11 +350,13 @@ class AdapterPool:
             return []  # already resident
         if ref not in self._host:
             return None
-        referenced = [r for r in prefer if r in self._slot_of and self._device_refs.get(r, 0) > 0]
-        plan = self._plan(self._host[ref].max_rank, self._evictable() + referenced)
-        if plan is None:
-            return None
-        return [r for r in plan[0] if self._device_refs.get(r, 0) > 0]
+        memo_key = (self._host[ref].max_rank, tuple(prefer))
+        if memo_key not in self._blockers_memo:
+            referenced = [r for r in prefer if r in self._slot_of and self._device_refs.get(r, 0) > 0]
+            plan = self._plan(memo_key[0], self._evictable() + referenced)
+            self._blockers_memo[memo_key] = None if plan is None else [r for r in plan[0] if self._device_refs.get(r, 0) > 0]
+        found = self._blockers_memo[memo_key]
+        return None if found is None else list(found)
 
     def prefetch(self, refs: Sequence[AdapterRef]) -> None:
         """Copy host-ready adapters that the next steps want (``refs``, most wanted first) to the
@@ -489,6 +507,16 @@ class AdapterPool:
             return
         self._host[ref] = adapter
 
+    def _layout_changed(self) -> None:
+        """The slots or their references changed: forget the answers kept since the last change.
+
+        They depend on nothing else. Whether ``rows`` fit depends on which slots are taken and
+        which residents have no reader; the eviction order among the readerless ones (least
+        recently used, demanded last) decides which of them a placement evicts, never whether it
+        fits or which residents with readers must drain first."""
+        self._layout_version += 1
+        self._blockers_memo.clear()
+
     def _plan(self, rows: int, removable: Sequence[AdapterRef]) -> Optional[tuple[list[AdapterRef], int, int]]:
         """(adapters to evict, slot, row_start) to place ``rows`` rows, evicting a prefix of ``removable``."""
         for k in range(len(removable) + 1):
@@ -506,6 +534,7 @@ class AdapterPool:
         adapter = self._host[ref]
         self._fence.copy(slot, lambda: self.writer.write_adapter(slot, adapter, row_start))
         self._slots[slot] = _DeviceEntry(ref, row_start, adapter.max_rank)
+        self._layout_changed()
         self._slot_of[ref] = slot
         self._device_lru[ref] = None
         self._host.move_to_end(ref)
@@ -516,6 +545,7 @@ class AdapterPool:
             raise AssertionError(f"adapter {ref} is referenced by a running request and cannot be evicted")
         slot = self._slot_of.pop(ref)
         self._slots[slot] = None
+        self._layout_changed()
         self._device_lru.pop(ref, None)
         self._device_refs.pop(ref, None)
         self.writer.clear_slot(slot)
