@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmarks in one go (about 10 minutes on 2 cores): the LoRA op benchmark, decode attention, the serving
+# CPU benchmarks in one go (about 10 minutes on 2 cores): the LoRA op benchmark, the base GEMM, decode attention, the serving
 # benchmark with baselines, sweeps and plots (hidden 512: max_loras 8 and 16; hidden 1024: max_loras 16,
 # offline comparisons and the online replay, no sweeps), and engine throughput at hidden 512 and 1024.
 # Usage: benchmarks/cpu/run_all.sh OUTDIR
@@ -16,6 +16,9 @@ mkdir -p "$out"
 cat "$out/env.txt"
 echo "== LoRA ops (cpu)"
 "$py" "$root/benchmarks/lora_ops.py" --device cpu --json "$out/lora_ops.json" | tee "$out/lora_ops.txt"
+echo "== base GEMM (cpu): dense_linear (oneDNN) vs F.linear (MKL), hidden 512 and 1024"
+"$py" "$root/benchmarks/cpu_gemm.py" --json "$out/cpu_gemm.json" | tee "$out/cpu_gemm.txt"
+"$py" "$root/benchmarks/cpu_gemm.py" --hidden 1024 --rows 1,11,32,128 --json "$out/cpu_gemm_h1024.json" | tee "$out/cpu_gemm_h1024.txt"
 echo "== decode attention (cpu): one padded group vs cache-sized groups"
 "$py" "$root/benchmarks/decode_attention.py" --json "$out/decode_attention.json" | tee "$out/decode_attention.txt"
 echo "== serving benchmark (cpu)"

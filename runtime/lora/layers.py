@@ -18,12 +18,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.backend_api import LoRAOps, apply_lora
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
+from runtime.models.dense import dense_linear
 from runtime.quant.int8 import Int8Weight, fuse_int8, int8_linear
 
 
@@ -63,7 +63,7 @@ class LoRALinear:
         if isinstance(self.weight, Int8Weight):
             y = int8_linear(x, self.weight, self.bias)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = dense_linear(x, self.weight, self.bias)
         apply_lora(ops, x, y, self.slices, meta, self.slice_offsets, workspace)
         return y
 

@@ -31,6 +31,7 @@ from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.layers import LoRALinear, fuse
 from runtime.lora.slice_weights import LoRASliceWeights
+from runtime.models.dense import dense_linear
 from runtime.models.hf_config import ModelConfig
 from runtime.models.rope import RotaryEmbedding
 from runtime.quant.int8 import Int8Weight
@@ -148,7 +149,7 @@ class LlamaModel:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[N, H] -> float32 [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return dense_linear(hidden, self.lm_head).float()
 
     def lora_linear(self, layer: int, module: str) -> tuple[LoRALinear, int]:
         """The fused projection holding HF module ``module`` of ``layer``, and its slice index."""

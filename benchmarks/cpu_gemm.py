@@ -1,0 +1,102 @@
+"""The CPU base GEMM: ``dense_linear`` (oneDNN where torch has it) vs ``F.linear`` (MKL's sgemm).
+
+    python benchmarks/cpu_gemm.py [--hidden 512] [--layers 4] [--rows 1,11,32,128,512] [--rounds 5] [--json FILE]
+
+The projections of the benchmark llama (``--hidden``, ``--layers``; intermediate 2 x hidden, as
+``runtime.bench.synthetic.LlamaShape.sized``): per layer the fused q/k/v, o, the fused gate/up and
+down, float32, random. For each row count, one pass calls every projection once on random
+[rows, in] inputs; both kernels run in alternating passes and the median of ``--rounds`` is
+printed with their ratio. Both are first checked against a float64 product (relative error below
+1e-5), and a disagreement exits 1. ``dense_linear`` takes oneDNN only for weights of at least
+``ONEDNN_MIN_WEIGHT`` elements (and only when torch has it); for the others it is ``F.linear``
+and the ratio is 1 by construction. The header says which.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.models.dense import ONEDNN_LINEAR, ONEDNN_MIN_WEIGHT, dense_linear  # noqa: E402
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def projections(hidden: int, layers: int, gen: torch.Generator) -> list[torch.Tensor]:
+    inter = 2 * hidden
+    shapes = [(3 * hidden, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    return [torch.randn(out, inp, generator=gen) / inp**0.5 for _ in range(layers) for out, inp in shapes]
+
+
+def worst_relative_error(linear: Linear, weights: Sequence[torch.Tensor], rows: int, gen: torch.Generator) -> float:
+    worst = 0.0
+    for w in weights:
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        want = x.double() @ w.double().T
+        worst = max(worst, ((linear(x, w).double() - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+def one_pass_ms(linear: Linear, weights: Sequence[torch.Tensor], inputs: dict[int, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for w in weights:
+        linear(inputs[w.shape[1]], w)
+    return (time.perf_counter() - start) * 1000
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rows", default="1,11,32,128,512", help="rows per GEMM, comma separated (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="passes per kernel and row count; the median is printed (default: %(default)s)")
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args(argv)
+    try:
+        row_counts = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows: expected comma-separated integers, got {a.rows!r}")
+    if a.hidden < 1 or a.layers < 1 or a.rounds < 1 or any(r < 1 for r in row_counts):
+        p.error("--hidden, --layers, --rounds and every --rows count must be at least 1")
+    gen = torch.Generator().manual_seed(0)
+    weights = projections(a.hidden, a.layers, gen)
+    kernels: dict[str, Linear] = {"dense_linear": dense_linear, "F.linear": F.linear}
+    errors = {name: worst_relative_error(fn, weights, 7, gen) for name, fn in kernels.items()}
+    bad = {name: err for name, err in errors.items() if not err < 1e-5}
+    if bad:
+        print(f"the kernels differ from the float64 product by more than 1e-5 (relative): {bad}", file=sys.stderr)
+        return 1
+    large = sum(w.numel() >= ONEDNN_MIN_WEIGHT for w in weights)
+    kernel_name = (f"oneDNN (torch.ops.mkldnn._linear_pointwise) for the {large} weights of >= {ONEDNN_MIN_WEIGHT} elements, F.linear for the rest"
+                   if ONEDNN_LINEAR else "F.linear: this torch has no oneDNN linear")
+    print(f"{len(weights)} projections, hidden {a.hidden}, {a.layers} layers, {torch.get_num_threads()} threads; dense_linear = {kernel_name}")
+    print(f"{'rows':>6} {'dense_linear ms':>16} {'F.linear ms':>12} {'F.linear / dense_linear':>24}")
+    results = []
+    for rows in row_counts:
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}
+        for fn in kernels.values():
+            one_pass_ms(fn, weights, inputs)  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(a.rounds):
+            for name, fn in kernels.items():
+                times[name].append(one_pass_ms(fn, weights, inputs))
+        dense, plain = statistics.median(times["dense_linear"]), statistics.median(times["F.linear"])
+        results.append({"rows": rows, "dense_linear_ms": round(dense, 3), "f_linear_ms": round(plain, 3), "ratio": round(plain / dense, 3)})
+        print(f"{rows:>6} {dense:>16.2f} {plain:>12.2f} {plain / dense:>23.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "threads": torch.get_num_threads(),
+                                            "onednn": ONEDNN_LINEAR, "onednn_weights": large, "relative_error": errors, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
