@@ -239,15 +239,20 @@ class _RememberingScheduler(Scheduler):
         return None
 
 
+def _traffic_setup(seed: int, sched_cls=Scheduler, pool_cls=AdapterPool, max_cpu_loras: int = 8, max_num_seqs: int = 4, budget: int = 12):
+    """(rng, adapters, pool, scheduler) for the random traffics below: 3 slots of 64 rows."""
+    import random
+
+    adapters: dict = {}
+    pool = pool_cls(FakeWriter(), lambda r: adapters[r], 3, max_cpu_loras, 64, 32, async_loads=False)
+    sched = sched_cls(BlockManager(4096, 4), pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_loras=3)
+    return random.Random(seed), adapters, pool, sched
+
+
 def _random_traffic(sched_cls, seed: int):
     """A base-model backlog plus random adapter requests over many hot-update versions, with
     idle spells (the backlog empties); returns every step's (request id, tokens) plan and the scheduler."""
-    import random
-
-    rng = random.Random(seed)
-    adapters: dict = {}
-    pool = AdapterPool(FakeWriter(), lambda r: adapters[r], 3, 8, 64, 32, async_loads=False)
-    sched = sched_cls(BlockManager(4096, 4), pool, max_num_seqs=4, max_num_batched_tokens=12, max_loras=3)
+    rng, adapters, pool, sched = _traffic_setup(seed, sched_cls)
     plans, idx = [], 0
     for step in range(400):
         if step % 100 >= 80:  # the last 20 of every 100 steps: no new requests, the engine drains and idles
@@ -306,12 +311,7 @@ def _slot_contention_traffic(pool_cls, seed: int):
     """Requests of 20 adapters of ranks 8-32 (and some base-model ones) for 3 slots of 64 rows,
     arriving faster than they finish: most steps, several adapters find no slot. Returns every
     step's (planned chunks, drained adapters)."""
-    import random
-
-    rng = random.Random(seed)
-    adapters: dict = {}
-    pool = pool_cls(FakeWriter(), lambda r: adapters[r], 3, 24, 64, 32, async_loads=False)
-    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=24, max_loras=3)
+    rng, adapters, pool, sched = _traffic_setup(seed, pool_cls=pool_cls, max_cpu_loras=24, max_num_seqs=8, budget=24)
     steps, idx = [], 0
     for step in range(300):
         for _ in range(rng.randrange(4) if step < 240 else 0):
