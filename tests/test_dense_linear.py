@@ -67,3 +67,46 @@ def test_the_script_refuses_a_wrong_kernel(monkeypatch, capsys):
     monkeypatch.setattr(cpu_gemm, "dense_linear", lambda x, w: F.linear(x, w) * 1.001)
     assert cpu_gemm.main(["--hidden", "64", "--layers", "1", "--rows", "2", "--rounds", "1"]) == 1
     assert "differ from the float64 product" in capsys.readouterr().err
+
+
+def _onednn_calls(monkeypatch) -> list:
+    calls: list = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(args[0].shape) or onednn(*args))
+    return calls
+
+
+@pytest.mark.parametrize("bias_kind", ["strided", "column", "scalar", "one"])
+def test_a_bias_that_is_not_one_contiguous_vector_takes_f_linear(bias_kind, monkeypatch):
+    """The oneDNN op reads the bias's memory as if contiguous: a strided bias gave sums off by ~5,
+    a 0-d one read past its storage, a [1] one raised. Such biases go to F.linear."""
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(6, 256, generator=gen), torch.randn(1024, 256, generator=gen)
+    bias = {"strided": torch.randn(2048, generator=gen)[::2], "column": torch.randn(1024, 4, generator=gen)[:, 1],
+            "scalar": torch.tensor(0.5), "one": torch.randn(1, generator=gen)}[bias_kind]  # fmt: skip
+    assert torch.equal(dense_linear(x, w, bias), F.linear(x, w, bias)) and not calls
+
+
+def test_only_steps_of_at_most_128_rows_take_onednn(monkeypatch):
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(1024, 256, generator=gen)
+    for rows in ((128,), (2, 64), (129,), (3, 50)):
+        x = torch.randn(*rows, 256, generator=gen)
+        y = dense_linear(x, w)
+        assert ((y.double() - x.double() @ w.double().T).abs().max() / y.abs().max()).item() < 1e-6
+    assert calls == ([torch.Size([128, 256]), torch.Size([2, 64, 256])] if dense.ONEDNN_LINEAR else [])
+
+
+def test_gradients_and_a_switched_off_onednn_take_f_linear(monkeypatch):
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(4, 256, generator=gen), torch.randn(1024, 256, generator=gen)
+    xg = x.clone().requires_grad_()
+    dense_linear(xg, w).sum().backward()
+    assert torch.allclose(xg.grad, w.sum(0).expand(4, 256), rtol=1e-5, atol=1e-4) and not calls
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(dense_linear(x, w), F.linear(x, w)) and not calls
+    dense_linear(x, w)
+    assert len(calls) == (1 if dense.ONEDNN_LINEAR else 0)
