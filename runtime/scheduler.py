@@ -176,12 +176,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running) or any(self.waiting.values())
 
-    def waiting_adapters(self, limit: Optional[int] = None) -> list[AdapterRef]:
-        """Adapters of waiting requests in the order admission would consider them (for prefetch);
-        the first ``limit`` of them when given (without sorting every waiting adapter each step)."""
+    def waiting_adapters(self, limit: int) -> list[AdapterRef]:
+        """The first ``limit`` adapters of waiting requests in the order admission would consider
+        them (for prefetch), without sorting every waiting adapter each step."""
         keys = [k for k, q in self.waiting.items() if q and k is not None]
-        order = lambda k: (self.counters.get(k, 0.0), self.waiting[k][0].arrival_index)  # noqa: E731
-        return sorted(keys, key=order) if limit is None else heapq.nsmallest(limit, keys, key=order)
+        return heapq.nsmallest(limit, keys, key=lambda k: (self.counters.get(k, 0.0), self.waiting[k][0].arrival_index))
 
     def fairness_bound_steps(self, longest_prompt: int, max_tokens: int) -> int:
         """The documented admission bound (module docstring) for this scheduler's budgets."""

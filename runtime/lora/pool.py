@@ -184,8 +184,7 @@ class AdapterPool:
         # A step's admission loop asks for slots for many adapters that find none. Between two
         # changes to the slots or their references the answers cannot change, so they are kept:
         # the fewest rows that found no room, and device_blockers' answers (see _layout_changed).
-        self._layout_version = 0
-        self._no_room: tuple[int, int] = (-1, 0)  # (layout version, fewest rows that did not fit then)
+        self._no_room_rows: Optional[int] = None
         self._blockers_memo: dict[tuple[int, tuple[AdapterRef, ...]], Optional[list[AdapterRef]]] = {}
 
     # ---- host tier ---------------------------------------------------------------------
@@ -312,15 +311,14 @@ class AdapterPool:
             if ref not in self._host:
                 return None
             rows = self._host[ref].max_rank
-            version, fewest = self._no_room
-            if version == self._layout_version and rows >= fewest:
+            if self._no_room_rows is not None and rows >= self._no_room_rows:
                 return None  # nothing changed since fewer rows found no room
             evictable = self._evictable()
             plan = self._plan(rows, evictable)
             if plan is None:
-                if not evictable and all(e is not None for e in self._slots):
-                    rows = 1  # every slot is held by a running request: no adapter fits, whatever its rank
-                self._no_room = (self._layout_version, min(rows, fewest) if version == self._layout_version else rows)
+                # Fewer rows than any that found no room before (or the first): kept until the layout changes.
+                every_slot_held = not evictable and all(e is not None for e in self._slots)
+                self._no_room_rows = 1 if every_slot_held else rows  # 1: no adapter fits, whatever its rank
                 return None
             evict, slot, row_start = plan
             for victim in evict:
@@ -514,7 +512,7 @@ class AdapterPool:
         which residents have no reader; the eviction order among the readerless ones (least
         recently used, demanded last) decides which of them a placement evicts, never whether it
         fits or which residents with readers must drain first."""
-        self._layout_version += 1
+        self._no_room_rows = None
         self._blockers_memo.clear()
 
     def _plan(self, rows: int, removable: Sequence[AdapterRef]) -> Optional[tuple[list[AdapterRef], int, int]]:
