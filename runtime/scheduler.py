@@ -14,16 +14,25 @@ budgets, ``max_num_batched_tokens`` (C) and ``max_num_seqs``:
    ``max_loras``, so a step never has more than ``max_loras`` distinct adapters.
 
 Fairness (virtual token counter, after Sheng et al., "Fairness in Serving Large
-Language Models", OSDI'24). Each adapter key (an ``AdapterRef``, or None for the base
-model) has a counter ``c`` of tokens it was served (prefill and decode tokens, weight
-1). Admission always picks the backlogged key with the smallest ``(c, arrival of its
-oldest waiting request)``. A key that becomes backlogged (no waiting or running request
-before) is lifted to ``c = max(c, m)``: m is the smallest counter over backlogged keys or, when
-none is, the largest such minimum seen so far (the scheduler's virtual time; it never falls), so
-idle time is never banked as credit, not even across a moment when the engine has nothing to do.
-After every step, keys with no waiting or running request and ``c <= m`` are forgotten: on their
-return they would be lifted to at least m anyway, so no decision changes, and the counter table
-does not grow with every adapter version ever served (each hot update is a new key).
+Language Models", OSDI'24, with a fair-share virtual time as in fair queueing). Each adapter
+key (an ``AdapterRef``, or None for the base model) has a counter ``c`` of tokens it was served
+(prefill and decode tokens, weight 1). Admission always picks the backlogged key with the
+smallest ``(c, arrival of its oldest waiting request)``. The virtual time V advances after every
+step by that step's tokens over the number of backlogged keys (each one's fair share), and never
+stays below the smallest backlogged counter:
+
+    V <- max(V + tokens / |backlogged|, min over backlogged keys of c)
+
+A key that becomes backlogged (no waiting or running request before) starts at
+``c = max(c, V, m)``, m the smallest backlogged counter: idle time is never banked as credit,
+and service it had before counts against it only until V catches up with it. Keys entering
+later enter at a later V, so a stream of new adapters cannot overtake a key for ever. (Entering
+at m alone, as VTC does, let a steady stream of new adapters pin m: an adapter served once,
+its counter above m, then never ran again while they kept coming; a soak of 2000 adapters
+measured 8-16 s waits for it against under 1 s for one-off adapters.) After every step, keys
+with no waiting or running request and ``c <= V`` are forgotten: on their return they would
+start at V or more anyway, so no decision changes, and the counter table does not grow with
+every adapter version ever served (each hot update is a new key).
 
 If the chosen key X cannot get a device slot (every slot, or the rows it needs, are held by
 running requests), the scheduler computes the resident adapters whose rows X needs
@@ -44,13 +53,18 @@ a slot, no new request of a drained adapter starts. Each step, decodes take at m
 S - 1 tokens, so prefills get at least C - S + 1 tokens, served oldest first; the drained
 requests are older than anything admitted after the drain began, so their prefills are
 done within ceil(S * P / (C - S + 1)) steps and their decodes within M more. Then the
-slot is free and X, still the minimum, takes it. A newly backlogged X holds the minimum
-after at most one more step (ties with older heads are served first). In total, X's
-head request starts within
+slot is free and X, still the minimum, takes it. So once X's head is first in admission order,
+it starts within
 
     ceil(S * P / (C - S + 1)) + M + 2 steps          (``Scheduler.fairness_bound_steps``)
 
-of arriving, provided its adapter is on the host and no KV-pressure preemption happens.
+provided its adapter is on the host and no KV-pressure preemption happens. A newly backlogged
+X enters at V, so what comes first in that order is bounded too: keys below V (served less than
+their fair share; each admission charges them, so they pass V), ties with older heads, and X's
+own counter above V when it was served recently (V passes it at the fair-share rate, after
+which no key that arrives later goes first). With a few adapters competing (steady traffic on
+two, max_loras 2, a third arriving) X's head started within the bound above in random fuzzes
+(tests/test_scheduler.py); with many adapters waiting for slots it waits its turn among them.
 
 With S = 1 a tied older head takes the only sequence slot for a whole request first, so
 the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
@@ -137,7 +151,7 @@ class Scheduler:
         self.waiting: dict[Optional[AdapterRef], deque[Sequence]] = {}
         self.running: list[Sequence] = []  # sorted by arrival_index (oldest first)
         self.counters: dict[Optional[AdapterRef], float] = {}
-        self._virtual_time = 0.0  # the largest minimum counter over backlogged keys seen so far
+        self._virtual_time = 0.0  # V: the fair-share clock a newly backlogged key starts at (module docstring)
         # Sticky drains: blocked adapter -> the residents it waits for. Kept across steps
         # so the victim does not flip between adapters (which would never free a slot).
         self._drains: dict[AdapterRef, list[AdapterRef]] = {}
@@ -147,7 +161,7 @@ class Scheduler:
         key = seq.adapter
         if not self._backlogged(key):
             active = [self.counters.get(k, 0.0) for k in self._backlogged_keys()]
-            self.counters[key] = max(self.counters.get(key, 0.0), min(active) if active else self._virtual_time)
+            self.counters[key] = max(self.counters.get(key, 0.0), self._virtual_time, min(active, default=self._virtual_time))
         self.waiting.setdefault(key, deque()).append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -225,7 +239,7 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
             self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
         backlogged = self._backlogged_keys()
-        self._advance_virtual_time(backlogged)
+        self._advance_virtual_time(backlogged, out.num_tokens)
         self._forget_idle_counters(backlogged)
         if len(out.adapters) > self.max_loras:
             raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
@@ -307,9 +321,11 @@ class Scheduler:
                 ready.discard(key)
         return budget
 
-    def _advance_virtual_time(self, backlogged: set) -> None:
+    def _advance_virtual_time(self, backlogged: set, tokens: int) -> None:
+        """V <- max(V + tokens / |backlogged|, smallest backlogged counter): each backlogged key's
+        fair share of the step, and never below every backlogged counter."""
         if backlogged:
-            self._virtual_time = max(self._virtual_time, min(self.counters.get(k, 0.0) for k in backlogged))
+            self._virtual_time = max(self._virtual_time + tokens / len(backlogged), min(self.counters.get(k, 0.0) for k in backlogged))
 
     def _forget_idle_counters(self, backlogged: set) -> None:
         """Drop idle keys at or below the virtual time: ``add`` would lift them to at least that."""
