@@ -49,7 +49,7 @@ from runtime.request import (
 )
 from runtime.sampler import NoToken, Sampler, token_logprobs, token_stop_reason
 from runtime.scheduler import Scheduler
-from runtime.stats import BASE_LABEL, AdapterRequestCounters, RequestMetrics
+from runtime.stats import BASE_LABEL, OTHER_LABEL, AdapterRequestCounters, RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ class LLMEngine:
         """Read and validate an adapter (no engine state touched; may run outside the engine lock)."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
-        if name == BASE_LABEL:
-            raise ValueError(f"adapter name: {name!r} is reserved (it labels the base model in per-adapter metrics)")
+        if name in (BASE_LABEL, OTHER_LABEL):
+            raise ValueError(f"adapter name: {name!r} is reserved (a label of its own in per-adapter metrics)")
         adapter = load_adapter(
             str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
         )

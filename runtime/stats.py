@@ -14,6 +14,8 @@ from runtime.request import Sequence
 
 # The base model's label in per-adapter metrics; no adapter may take this name.
 BASE_LABEL = "__base__"
+# The one label the adapters past the metrics' adapter-label cap share (ServerMetrics); reserved too.
+OTHER_LABEL = "__other__"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
                                       "api_key in --config keeps it out of `ps`)")
     p.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
+    p.add_argument("--metrics-max-adapters", type=int, metavar="N", help="adapters with /metrics series of their own, the first N to get a request; "
+                   "the others share adapter=\"__other__\" (default 100: each adapter adds ~80 lines, and rendering ~8 us a line holds up serving)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     p.add_argument("--ray", action="store_const", const=True, help="run as a Ray Serve application (needs the 'ray' extra)")
     p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (with --ray; default 1)")

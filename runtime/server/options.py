@@ -14,6 +14,8 @@ class ServerOptions:
     api_key:               when set, every route but /health needs ``Authorization: Bearer <key>``
     adapter_roots:         folders that admin-loaded adapter paths must resolve into
     max_request_bytes:     largest accepted request body
+    metrics_max_adapters:  adapters with series of their own in /metrics (the first to get a
+                           request); the others share ``adapter="__other__"``
     """
 
     host: str = "127.0.0.1"
@@ -23,3 +25,4 @@ class ServerOptions:
     api_key: str | None = None
     adapter_roots: tuple[Path, ...] = field(default_factory=tuple)
     max_request_bytes: int = 1 << 20
+    metrics_max_adapters: int = 100

@@ -20,7 +20,7 @@ ENGINE_KEYS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
     "kv_cache_mb", "enable_prefix_caching", "seed",
 )
-SERVER_KEYS = ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "adapter_root", "max_request_bytes")
+SERVER_KEYS = ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "adapter_root", "max_request_bytes", "metrics_max_adapters")
 OTHER_KEYS = ("lora_modules", "log_level", "ray", "num_replicas", "ray_address", "registry_dir")
 ALL_KEYS = ENGINE_KEYS + SERVER_KEYS + OTHER_KEYS
 # Keys a YAML file could set to any type (flags are always strings): key -> (type, what to say).
@@ -172,13 +172,17 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     roots = adapter_roots(merged.get("adapter_root"))
     if roots and not merged.get("enable_adapter_admin"):
         raise ConfigError("adapter_root: only used by the adapter admin routes; add --enable-adapter-admin (or 'enable_adapter_admin: true'), or drop it")
-    server_kwargs = {k: merged[k] for k in ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "max_request_bytes") if k in merged}
+    server_kwargs = {k: merged[k] for k in ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "max_request_bytes", "metrics_max_adapters")
+                     if k in merged}
     port = server_kwargs.get("port", 8000)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"port: expected 0..65535, got {port!r}")
     max_bytes = server_kwargs.get("max_request_bytes", 1 << 20)
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1024:
         raise ConfigError(f"max_request_bytes: expected an integer >= 1024, got {max_bytes!r}")
+    metrics_max = server_kwargs.get("metrics_max_adapters", 0)
+    if isinstance(metrics_max, bool) or not isinstance(metrics_max, int) or metrics_max < 0:
+        raise ConfigError(f"metrics_max_adapters: expected an integer >= 0, got {metrics_max!r}")
     for root in roots:
         if not Path(root).is_dir():
             raise ConfigError(f"adapter_root: {root!r} is not a directory")

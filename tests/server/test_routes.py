@@ -197,8 +197,9 @@ async def test_metrics_have_adapter_labels(app, engine) -> None:
         text = (await c.get("/metrics")).text
     assert 'lorafleet_requests_total{adapter="__base__"' in text
     assert 'adapter="__base__"' not in "".join(line for line in text.splitlines(True) if line.startswith("lorafleet_adapter_"))  # no pool series
-    with pytest.raises(ValueError, match="'__base__' is reserved"):  # the label could not tell the base from it
-        engine.register_adapter("__base__", str(engine.adapters()[0].path))
+    for reserved in ("__base__", "__other__"):  # the labels could not tell the base model, or the adapters past the cap, from it
+        with pytest.raises(ValueError, match=f"'{reserved}' is reserved"):
+            engine.register_adapter(reserved, str(engine.adapters()[0].path))
 
 
 async def test_openapi_describes_request_bodies(app) -> None:
