@@ -120,6 +120,15 @@ def _admin_line(server: Any) -> str:
     return f"on, loads from {', '.join(str(r) for r in server.adapter_roots)}"
 
 
+def _adapters_line(adapters: Any, shown: int = 10) -> str:
+    """Each adapter as name@version r=rank, the first ``shown`` only: with thousands the line
+    would pass log shippers' line limits (2000 adapters: 62 KB)."""
+    if not adapters:
+        return "none"
+    listed = ", ".join(f"{a.name}@{a.version} r={a.max_rank}" for a in adapters[:shown])
+    return listed if len(adapters) <= shown else f"{len(adapters)}: {listed} and {len(adapters) - shown} more (GET /v1/models lists them)"
+
+
 def summary(settings: Any, engine: Any) -> str:
     core = engine.engine
     mem = core.runner.memory_report()
@@ -127,7 +136,7 @@ def summary(settings: Any, engine: Any) -> str:
     lines = [
         f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}",
         f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}",
-        f"adapters   {', '.join(f'{a.name}@{a.version} r={a.max_rank}' for a in engine.adapters()) or 'none'}",
+        f"adapters   {_adapters_line(engine.adapters())}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
         f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} max_model_len={engine.max_model_len}",
         f"kv pool    {core.runner.num_kv_blocks} blocks x {core.runner.block_size} tokens = {pool_tokens} tokens"

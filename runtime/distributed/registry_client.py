@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from runtime.lora.registry import some_names
 from runtime.request import AdapterRef, UnknownAdapterError
 from runtime.server.errors import APIError
 
@@ -58,8 +59,8 @@ class RegistryClient:
     def unregister(self, name: str) -> None:
         revision = ray.get(self.registry.unregister.remote(name))
         if revision is None:
-            registered = sorted(e["name"] for e in ray.get(self.registry.state.remote())["entries"])
-            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {registered or 'none'}")
+            registered = some_names(e["name"] for e in ray.get(self.registry.state.remote())["entries"])
+            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {registered}")
         self._wait(revision, f"unregister {name}", name)
 
     def _wait(self, revision: int, what: str, name: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from runtime.request import AdapterRef, UnknownAdapterError
 
@@ -34,6 +34,16 @@ class _VersionRecord:
     max_rank: int
     readers: int = 0
     registered_at: float = 0.0
+
+
+def some_names(names: Iterable[str], shown: int = 10) -> str:
+    """The first ``shown`` of ``names`` in sorted order, then how many more there are ('none' if
+    empty): an error message or log line that names adapters stays short with thousands of them."""
+    ordered = sorted(names)
+    if not ordered:
+        return "none"
+    head = ", ".join(ordered[:shown])
+    return head if len(ordered) <= shown else f"{head} and {len(ordered) - shown} more (GET /v1/models lists them)"
 
 
 class AdapterRegistry:
@@ -61,14 +71,14 @@ class AdapterRegistry:
         """Remove ``name``; returns its last version. Unknown names raise UnknownAdapterError."""
         ref = self._current.pop(name, None)
         if ref is None:
-            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {sorted(self._current) or 'none'}")
+            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {some_names(self._current)}")
         self._drop_if_unused(ref)
         return ref
 
     def resolve(self, name: str) -> AdapterRef:
         ref = self._current.get(name)
         if ref is None:
-            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {sorted(self._current) or 'none'}")
+            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {some_names(self._current)}")
         return ref
 
     def acquire(self, ref: AdapterRef) -> None:
