@@ -9,9 +9,11 @@ counters), and prometheus_client renders ~8 us a line while holding the GIL, so 
 adapters made every scrape 0.6-1.2 s that the step thread and event loop waited through (a
 soak measured streams' inter-token gaps going from 17 to 215 ms at p99). The first
 ``max_adapters`` adapters to get a request keep series of their own; every later one is
-counted under ``adapter="__other__"``. Once the cap is full the set never changes, so no
-series ever goes back: ``__other__`` only grows, and an adapter never moves between labels
-except from its own (shown while the cap was not full, before its first request) into it.
+counted under ``adapter="__other__"``. An adapter's pool counters show only once it has had a
+request, or once the cap is full (under ``__other__``), so a server with thousands of adapters
+registered and few used stays small too. The set never changes once full, so no series goes
+back: ``__other__`` only grows. (The set lives in this process: under Ray it is the ingress's,
+and an ingress restart chooses it again, which can move counts between series.)
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class AdapterLabels:
-    """Which adapters get a label of their own: the first ``max_adapters`` to get a request."""
+    """Which adapters get a label of their own: the first ``max_adapters`` seen with a request (a
+    finished one, or at a scrape one the pool counted on arrival)."""
 
     def __init__(self, max_adapters: int) -> None:
         if max_adapters < 0:
@@ -52,12 +55,17 @@ class AdapterLabels:
                 self._own.add(adapter)
             return adapter if adapter in self._own else OTHER_LABEL
 
-    def for_counters(self, adapter: str, had_requests: bool) -> str:
-        """The label for an adapter's pool counters at scrape time: its own while the cap is not
-        full (claimed once it has had a request), else ``__other__`` unless it holds one."""
+    def for_counters(self, adapter: str, had_requests: bool) -> str | None:
+        """The label for an adapter's pool counters at scrape time: once it has had a request, its
+        own if it holds or can claim one, else ``__other__``. Before that, none (not shown) while
+        the cap is not full: it may still claim a label, and moving its counts out of ``__other__``
+        would make that series go back; once the cap is full it is counted under ``__other__``."""
         if had_requests:
             return self.requested(adapter)
-        return adapter if adapter in self._own or not self.full else OTHER_LABEL
+        with self._lock:
+            if adapter in self._own:
+                return adapter
+            return OTHER_LABEL if self.full else None
 
 
 class ServerMetrics:
@@ -163,8 +171,10 @@ class _SnapshotCollector:
             for name, counters in sorted(snap.get("adapters", {}).items()):
                 if not name:  # the base model's request counters: it has no adapter pool series
                     continue
-                had_requests = any(counters.get(k, 0) for k in REQUEST_KEYS)
-                values = summed.setdefault(self.adapter_labels.for_counters(name, had_requests), dict.fromkeys(families, 0.0))
+                label = self.adapter_labels.for_counters(name, any(counters.get(k, 0) for k in REQUEST_KEYS))
+                if label is None:
+                    continue
+                values = summed.setdefault(label, dict.fromkeys(families, 0.0))
                 for key in families:
                     values[key] += float(counters.get(key, 0))
             for label, values in summed.items():
