@@ -19,32 +19,33 @@ key (an ``AdapterRef``, or None for the base model) has a counter ``c`` of token
 (prefill and decode tokens, weight 1). Admission always picks the backlogged key with the
 smallest ``(c, arrival of its oldest waiting request)``. The virtual time V advances after every
 step by that step's tokens over the number of backlogged keys (each one's fair share), never
-falls below the smallest backlogged counter m, and never advances to more than C (one step's
-token budget) above m:
+falls below the smallest backlogged counter m, and never passes s, the smallest counter among
+the keys served in the step:
 
-    V <- max(V, min(max(V + tokens / |backlogged|, m), m + C))
+    V <- max(V, min(max(V + tokens / |backlogged|, m), max(s, m)))
 
 A key that becomes backlogged (no waiting or running request before) starts at
 ``c = max(c, V, m)``: idle time is never banked as credit, and service it had before counts
 against it only until V catches up with it. Keys entering later enter at a later V, so a stream
-of new adapters cannot overtake a key for ever. (Entering at m, as VTC does, let a steady stream
-of new adapters pin m: an adapter served once, its counter above m, then never ran again while
-they kept coming; a soak of 2000 adapters measured 8-16 s waits for it against under 1 s for
-one-off adapters. Without the cap, V ran ahead of adapters held back by device slots while the
-base model, which needs none, took the tokens they could not: a new adapter then waited behind
-them for longer the longer the server had been up.) After every step, keys with no waiting or
-running request and ``c <= V`` are forgotten: on their return they would start at V or more
-anyway, so no decision changes, and the counter table does not grow with every adapter version
-ever served (each hot update is a new key). Fairness is per adapter key, not per client: the
-clients of one adapter share its share.
+of new adapters cannot overtake a key for ever. Why each part:
+- entering at m alone, as VTC does, let a steady stream of new adapters pin m: an adapter served
+  once, its counter above m, then never ran again while they kept coming (a soak of 2000
+  adapters measured 8-16 s waits for it against under 1 s for one-off adapters);
+- without the bound s, V ran ahead of adapters held back by device slots while the base model,
+  which needs none, took the tokens they could not, and a new adapter entered behind them all
+  (it never started; with V bounded by m plus one step's token budget instead, it waited ~740
+  steps at the default budget). Keys that cannot run neither hold V back nor fall behind it.
+After every step, keys with no waiting or running request and ``c <= V`` are forgotten: on their
+return they would start at V or more anyway, so no decision changes, and the counter table does
+not grow with every adapter version ever served (each hot update is a new key). Offline work
+(every request added before the first step) schedules exactly as under VTC. Fairness is per
+adapter key, not per client: the clients of one adapter share its share.
 
 If the chosen key X cannot get a device slot (every slot, or the rows it needs, are held by
 running requests), the scheduler computes the resident adapters whose rows X needs
 and stops admitting *new* requests of those adapters ("drain", sticky until X is placed, so
 the victim cannot flip between adapters from step to step); their running requests finish
-and free the slot, and X takes it at the start of the next step. The drain holds from the
-start of every step, also against a victim that comes before X in admission order (one served
-less than its fair share), and in the step its slot frees. Victims: adapters with no waiting request first, then the most served, then the one whose
+and free the slot, and X takes it when admission next reaches it. Victims: adapters with no waiting request first, then the most served, then the one whose
 running requests free its slot soonest (ties are never left to set order, which follows string hashes). Draining an
 adapter that nobody waits for stops no admission (its slot frees as its requests end), while
 draining one with a queue holds that queue back and makes it take a slot again later (on the
@@ -64,15 +65,17 @@ it starts within
     ceil(S * P / (C - S + 1)) + M + 2 steps          (``Scheduler.fairness_bound_steps``)
 
 provided its adapter is on the host and no KV-pressure preemption happens. A newly backlogged
-X enters at V, at most C above the smallest counter; what comes before it in that order is ties
-with older heads, and keys below its counter (served less than their fair share: each admission
-or decode charges them, and each needs at most C tokens to reach it). So X's wait has no part
-that grows with uptime or with a stream of later arrivals, but the formula above covers only
-part of it. Measured with random fuzzes (the two-adapter one is in tests/test_scheduler.py):
-steady traffic on two adapters with max_loras 2 and a third arriving, the formula held in 600 of
-600 runs; with max_loras 1-3, closed-loop and deep-queue clients and base-model traffic, it held in
-381 of 400 (the old entry rule: 397, and it starved returning adapters), the worst wait 2.8 times
-the formula, the mean 14.4 steps against 10.6.
+X enters at V, which is at most the counter of a key served in the last step; what comes before
+it in that order is ties with older heads, and keys below its counter (served less than their
+fair share: each admission or decode charges them up to it). The formula covers only part of
+that. Measured with random fuzzes (the two-adapter one is in tests/test_scheduler.py):
+- steady traffic on two adapters with max_loras 2 and a third arriving: within the formula in
+  600 of 600 runs;
+- max_loras 1-3, closed-loop and deep-queue clients and base-model traffic: within it in 389 of
+  400 (VTC: 397, but it starved returning adapters), the worst 1.9 times it, the mean wait 13.3
+  steps against 10.6;
+- slot-bound adapters beside a base-model backlog at the default budget: 8-16 steps, the
+  formula 43, whenever the new adapter arrives.
 
 With S = 1 a tied older head takes the only sequence slot for a whole request first, so
 the bound adds one request, ceil(P / C) + M steps (a random-schedule fuzz found waits of
@@ -247,7 +250,7 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
             self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
         backlogged = self._backlogged_keys()
-        self._advance_virtual_time(backlogged, out.num_tokens)
+        self._advance_virtual_time(backlogged, out.num_tokens, {seq.adapter for seq in planned})
         self._forget_idle_counters(backlogged)
         if len(out.adapters) > self.max_loras:
             raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
@@ -272,21 +275,6 @@ class Scheduler:
 
         def charged(k: Optional[AdapterRef]) -> float:
             return self.counters.get(k, 0.0) + planned_tokens.get(k, 0)
-
-        # Drains are sticky. A drained adapter that comes before the key waiting for its slot in admission
-        # order (served less than its fair share: that key entered at the virtual time) would otherwise
-        # start a new request before the key is reached, or take its own slot back in the step it frees;
-        # so it is held back from the start of the step. (One after the key is held back when it is reached.)
-        def order(k: Optional[AdapterRef]) -> tuple[float, int]:
-            return charged(k), self.waiting[k][0].arrival_index
-
-        for key, victims in self._drains.items():
-            if key in ready:
-                for victim in victims:
-                    if victim in ready and order(victim) < order(key):
-                        ready.discard(victim)
-                        if victim not in out.drained:
-                            out.drained.append(victim)
 
         # Ready keys by (charged, arrival of the head): a heap whose entries go stale when a key leaves
         # ``ready`` or is charged for an admission (it is pushed again then). Picking the minimum by a
@@ -344,14 +332,15 @@ class Scheduler:
                 ready.discard(key)
         return budget
 
-    def _advance_virtual_time(self, backlogged: set, tokens: int) -> None:
-        """V <- max(V, min(max(V + tokens / |backlogged|, m), m + C)), m the smallest backlogged
-        counter: each backlogged key's fair share of the step, never below m, and never more than
-        one step's token budget above it by its own advance (module docstring)."""
+    def _advance_virtual_time(self, backlogged: set, tokens: int, served: set) -> None:
+        """V <- max(V, min(max(V + tokens / |backlogged|, m), max(s, m))): each backlogged key's fair
+        share of the step, never below the smallest backlogged counter m, and never past s, the
+        smallest counter among the keys served in the step (module docstring)."""
         if backlogged:
             m = min(self.counters.get(k, 0.0) for k in backlogged)
             advanced = max(self._virtual_time + tokens / len(backlogged), m)
-            self._virtual_time = max(self._virtual_time, min(advanced, m + self.max_num_batched_tokens))
+            least_served = min((self.counters.get(k, 0.0) for k in served), default=m)
+            self._virtual_time = max(self._virtual_time, min(advanced, max(least_served, m)))
 
     def _forget_idle_counters(self, backlogged: set) -> None:
         """Drop idle keys at or below the virtual time: ``add`` would lift them to at least that."""
