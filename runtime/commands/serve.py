@@ -11,6 +11,7 @@ from typing import Any
 
 from runtime.config import ConfigError
 from runtime.distributed.launcher import DEFAULT_REGISTRY_DIR  # stdlib imports only: ray is imported when --ray runs
+from runtime.lora.registry import first_of
 
 log = logging.getLogger("lorafleet.serve")
 DEMO_MODEL_NAME = "lorafleet-demo"
@@ -121,12 +122,10 @@ def _admin_line(server: Any) -> str:
 
 
 def _adapters_line(adapters: Any, shown: int = 10) -> str:
-    """Each adapter as name@version r=rank, the first ``shown`` only: with thousands the line
-    would pass log shippers' line limits (2000 adapters: 62 KB)."""
-    if not adapters:
-        return "none"
-    listed = ", ".join(f"{a.name}@{a.version} r={a.max_rank}" for a in adapters[:shown])
-    return listed if len(adapters) <= shown else f"{len(adapters)}: {listed} and {len(adapters) - shown} more (GET /v1/models lists them)"
+    """Each adapter as name@version r=rank, the first ``shown`` only (``first_of``): with thousands
+    the line would pass log shippers' line limits (2000 adapters: 62 KB)."""
+    listed = first_of([f"{a.name}@{a.version} r={a.max_rank}" for a in adapters], shown)
+    return listed if len(adapters) <= shown else f"{len(adapters)}: {listed}"
 
 
 def summary(settings: Any, engine: Any) -> str:

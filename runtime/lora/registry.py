@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from runtime.request import AdapterRef, UnknownAdapterError
 
@@ -36,14 +36,18 @@ class _VersionRecord:
     registered_at: float = 0.0
 
 
-def some_names(names: Iterable[str], shown: int = 10) -> str:
-    """The first ``shown`` of ``names`` in sorted order, then how many more there are ('none' if
-    empty): an error message or log line that names adapters stays short with thousands of them."""
-    ordered = sorted(names)
-    if not ordered:
+def first_of(items: Sequence[str], shown: int = 10) -> str:
+    """The first ``shown`` of ``items``, then how many more there are ('none' if empty): an error
+    message or log line that lists adapters stays short with thousands of them."""
+    if not items:
         return "none"
-    head = ", ".join(ordered[:shown])
-    return head if len(ordered) <= shown else f"{head} and {len(ordered) - shown} more (GET /v1/models lists them)"
+    head = ", ".join(items[:shown])
+    return head if len(items) <= shown else f"{head} and {len(items) - shown} more (GET /v1/models lists them)"
+
+
+def some_names(names: Iterable[str]) -> str:
+    """``first_of`` the names in sorted order."""
+    return first_of(sorted(names))
 
 
 class AdapterRegistry:
