@@ -217,9 +217,13 @@ def main() -> int:
         runs.append(("(c) transformers+peft", f"(c) transformers + PEFT mixed-adapter generate, static batches of {a.peft_batch}",
                      lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device, a.dtype)))  # fmt: skip
     # PEFT gets an untimed warm-up in its process; so does lorafleet: the first engine run of a
-    # process pays one-off initialisation (allocator, thread pools) and would bias round 1.
-    log("warm-up: one untimed lorafleet run on the first 4 requests")
-    run_lorafleet(dataclasses.replace(off, requests=off.requests[:4]), setup, model_dir, adapters, "warm-up")
+    # process pays one-off initialisation (allocator, thread pools) and would bias round 1. Off the
+    # CPU the warm-up is the whole workload: the first launch of each Triton kernel variant (tile
+    # sizes follow segment lengths and ranks) compiles it, up to 2.6 s a step on an H200, and four
+    # requests reach only a few of the variants the timed runs need.
+    warm = off.requests if a.device != "cpu" else off.requests[:4]
+    log(f"warm-up: one untimed lorafleet run on {'the whole workload' if a.device != 'cpu' else 'the first 4 requests'}")
+    run_lorafleet(dataclasses.replace(off, requests=warm), setup, model_dir, adapters, "warm-up")
     rounds: list[dict[str, dict]] = []
     for r in range(a.repeats):
         rounds.append({})

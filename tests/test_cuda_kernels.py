@@ -386,6 +386,16 @@ def test_kernels_match_oracle_on_gpu(rows: int, path: str, dtype: torch.dtype) -
 
 @on_gpu
 @pytest.mark.cuda
+def test_cuda_backend_attention_keeps_sdpa_off_cudnn() -> None:
+    """The backend's attention is CudaAttention (cuDNN's SDPA builds a plan per new shape)."""
+    from backends import get_backend
+    from backends.cuda.attention import CudaAttention
+
+    assert isinstance(get_backend("cuda").attention, CudaAttention)
+
+
+@on_gpu
+@pytest.mark.cuda
 def test_per_token_kernels_replay_in_cuda_graph() -> None:
     """Capture shrink+expand once, then replay with other slots written into the same
     meta tensors: the result follows the new slots (no host reads were baked in)."""

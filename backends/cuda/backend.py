@@ -1,4 +1,5 @@
-"""The CUDA backend: Triton LoRA kernels, attention through the reference gather + SDPA.
+"""The CUDA backend: Triton LoRA kernels, attention through the reference gather + SDPA (kept off
+cuDNN's SDPA, which builds a plan per shape: ``backends/cuda/attention.py``).
 
 ``CudaLoRAOps`` picks the schedule per step: per-token (BGMV) kernels when
 ``meta.decode_only`` (every row is one decode token), segment (SGMV) kernels
@@ -23,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from backends.reference import ReferenceAttention
+from backends.cuda.attention import CudaAttention
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
 
@@ -59,7 +60,7 @@ class CudaLoRAOps:
 
 
 class CudaBackend:
-    """NVIDIA GPUs: Triton LoRA kernels; attention = gather + SDPA (``ReferenceAttention``)."""
+    """NVIDIA GPUs: Triton LoRA kernels; attention = gather + SDPA without cuDNN (``CudaAttention``)."""
 
     name = "cuda"
 
@@ -77,7 +78,7 @@ class CudaBackend:
             raise ValueError(f"CudaBackend: {self.device} is not the current CUDA device (cuda:{current}); the kernels launch on the "
                              f"current one. Select the GPU with CUDA_VISIBLE_DEVICES or torch.cuda.set_device({self.device.index}) first")
         self.lora = CudaLoRAOps()
-        self.attention = ReferenceAttention()
+        self.attention = CudaAttention()
 
     @staticmethod
     def availability() -> tuple[bool, str]:
