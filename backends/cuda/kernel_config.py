@@ -77,14 +77,16 @@ def expand_warps(tiles: SegmentTiles) -> int:
 
     Compiled for sm_90 with Triton 3.9's ptxas (no GPU run), the 64 x 64 x 128 tile at 4 warps
     needs 255 registers and spills (64 B of stack in fp16, 208 B in fp32); at 8 warps it
-    takes 196 / 182 registers and spills nothing. Speed on hardware is not measured."""
+    takes 196 / 182 registers and spills nothing. The kernels ran on an H200 (2026-11-30); the warp
+    counts were not timed against each other there."""
     return 8 if tiles.block_m * tiles.block_n >= 64 * 128 else 4
 
 
 def shrink_warps(tiles: SegmentTiles) -> int:
     """Warps for sgmv_shrink: 8 for the 64 x 64 (rows x rank) tile, 4 below. Compiled for sm_90
     (Triton 3.9's ptxas, no GPU run), fp32 at 4 warps needs 255 registers and spills 88 B; at
-    8, 162 registers (fp16: 246 -> 128) and no spill. Speed on hardware is not measured."""
+    8, 162 registers (fp16: 246 -> 128) and no spill. Ran on an H200 (2026-11-30); the warp counts
+    were not timed against each other there."""
     return 8 if tiles.block_m * tiles.block_r >= 64 * 64 else 4
 
 
