@@ -221,8 +221,9 @@ def main() -> int:
     # CPU the warm-up is the whole workload: the first launch of each Triton kernel variant (tile
     # sizes follow segment lengths and ranks) compiles it, up to 2.6 s a step on an H200, and four
     # requests reach only a few of the variants the timed runs need.
-    warm = off.requests if a.device != "cpu" else off.requests[:4]
-    log(f"warm-up: one untimed lorafleet run on {'the whole workload' if a.device != 'cpu' else 'the first 4 requests'}")
+    on_cpu = resolve_name(a.device) == "cpu"
+    warm = off.requests[:4] if on_cpu else off.requests
+    log(f"warm-up: one untimed lorafleet run on {'the first 4 requests' if on_cpu else 'the whole workload'}")
     run_lorafleet(dataclasses.replace(off, requests=warm), setup, model_dir, adapters, "warm-up")
     rounds: list[dict[str, dict]] = []
     for r in range(a.repeats):
