@@ -42,8 +42,7 @@ def replay_steps(workload: Workload, setup: BenchSetup) -> dict[str, Any]:
     """Run ``workload`` offline (every request at t=0) on ``setup``'s tiny model; count steps."""
     from runtime.engine import LLMEngine
 
-    requests = tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests)
-    workload = dataclasses.replace(workload, requests=requests)
+    workload = workload.all_at_once()
     model_dir, adapters = suite.prepare(workload, setup)
     used, jobs = workload_jobs(workload, adapters)
     engine = LLMEngine(engine_config(setup, model_dir))

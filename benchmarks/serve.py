@@ -62,11 +62,6 @@ def in_turn_ratio(pairs: list[dict[str, dict]], num: str, den: str) -> float | N
     return median([pr[num]["tokens_per_s"] / pr[den]["tokens_per_s"] for pr in pairs])
 
 
-def offline(workload: Workload) -> Workload:
-    """The same requests, all arriving at t=0."""
-    return dataclasses.replace(workload, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
-
-
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -202,7 +197,7 @@ def main() -> int:
         results["peft_batch"] = a.peft_batch
 
     # 1. Offline throughput, side by side, in --repeats interleaved rounds.
-    off = offline(workload)
+    off = workload.all_at_once()
     sub = dataclasses.replace(off, requests=off.requests[: a.loop_requests])
     runs = [("lorafleet offline", "lorafleet (mixed adapters)", lambda: run_lorafleet(off, setup, model_dir, adapters, "lorafleet offline"))]
     if "no-adapter" in baselines:
@@ -301,7 +296,7 @@ def main() -> int:
         counts = [int(x) for x in a.sweep_adapters.split(",")]
         prepared = {}
         for n in counts:
-            w = offline(generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf", num_requests=a.sweep_requests or spec.num_requests)))
+            w = generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf", num_requests=a.sweep_requests or spec.num_requests)).all_at_once()
             prepared[n] = (w, *prepare(w, setup))
         sweep_rounds: list[dict[int, dict]] = []
         for r in range(a.repeats):

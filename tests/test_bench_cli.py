@@ -378,6 +378,32 @@ def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open() makes it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "w"]
     assert "requests failed" not in err
+    assert "warming up" not in err  # the CPU backend compiles nothing: no untimed run first
+
+
+def test_off_the_cpu_an_untimed_run_of_the_same_requests_comes_first(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the first launch of each kernel variant compiles it; the timed run must not pay that.
+    Stood in for on the CPU: the warm-up decision says cuda, the runs still use the CPU engine."""
+    from runtime.bench import suite
+
+    calls = []
+    real = suite.run_lorafleet
+
+    def spy(workload, setup, model_dir, adapters, label="lorafleet", **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((label, [(r.index, r.arrival_s) for r in workload.requests]))
+        return real(workload, setup, model_dir, adapters, label, **kwargs)
+
+    monkeypatch.setattr(suite, "run_lorafleet", spy)
+    monkeypatch.setattr(bench, "_warm_up_device", lambda device: "cuda")
+    rc, err = bench_cli(capsys, "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "50",
+                        "--input-len", "2,3", "--output-len", "2,3")  # fmt: skip
+    assert rc == 0, err
+    assert "warming up on cuda: one untimed run of the 4 requests" in err
+    assert [label for label, _ in calls] == ["warm-up", "lorafleet"]
+    (_, warm), (_, timed) = calls
+    assert [i for i, _ in warm] == [i for i, _ in timed] and all(t == 0.0 for _, t in warm)
+    assert any(t > 0 for _, t in timed)  # the timed run keeps the workload's arrival times
 
 
 # ---- help ------------------------------------------------------------------------------------

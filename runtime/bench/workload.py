@@ -22,7 +22,7 @@ import argparse
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -88,6 +88,10 @@ class Workload:
             f.write(json.dumps({"spec": asdict(self.spec), "adapter_ranks": self.adapter_ranks}) + "\n")
             for r in self.requests:
                 f.write(json.dumps(asdict(r)) + "\n")
+
+    def all_at_once(self) -> "Workload":
+        """The same requests, every one arriving at t=0 (an offline run)."""
+        return replace(self, requests=tuple(replace(r, arrival_s=0.0) for r in self.requests))
 
     @classmethod
     def load(cls, path: str | Path) -> "Workload":

@@ -10,6 +10,11 @@ Over HTTP the adapter pool counters (swaps, cache hits) are not measured: read t
 the server's /metrics.
 benchmarks/serve.py runs the full suite with baselines and plots.
 
+Off the CPU (cuda, npu, or auto resolving to either) the timed in-process run follows one
+untimed run of the same requests, all arriving at once: the first launch of each Triton
+kernel variant compiles it, which on an H200 made single steps of the first run take up to
+2.6 s. The CPU backend compiles nothing and starts timing at once.
+
 Everything that can be checked before the run is (flags, the workload file, the engine
 configuration, the backend and its capability limits, --json's folder), before any synthetic
 weights are written. With --url the server's model list (GET /v1/models) is read before any
@@ -143,6 +148,15 @@ def run(args: argparse.Namespace) -> int:
     except SetupError as err:
         print(f"lorafleet bench: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _warm_up_device(device: str) -> str | None:
+    """The backend an in-process run on ``device`` uses, when it needs an untimed warm-up run
+    first (every backend but the CPU's, see the module docstring); None on the CPU."""
+    import backends
+
+    resolved = backends.resolve_name(device)
+    return None if resolved == "cpu" else resolved
 
 
 def _ignored_flags(args: argparse.Namespace) -> list[str]:
@@ -498,6 +512,14 @@ def _run(args: argparse.Namespace) -> int:
             model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
         except OSError as err:  # a read-only or pseudo file system, a full disk: what the up-front check cannot see
             raise SetupError(f"--workdir {args.workdir}", f"cannot write the synthetic weights: {err.strerror or err}") from None
+        device = _warm_up_device(setup.device)
+        if device is not None:
+            print(f"warming up on {device}: one untimed run of the {len(workload.requests)} requests, all at once "
+                  "(each kernel variant compiles on its first launch)...", file=sys.stderr, flush=True)
+            try:
+                run_lorafleet(workload.all_at_once(), setup, model_dir, adapters, label="warm-up")
+            except (ConfigError, CapabilityError, BackendUnavailable) as err:
+                raise SetupError("engine setup", f"{type(err).__name__}: {err}") from None
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if setup is None:
