@@ -90,8 +90,8 @@ def apply_lora(
     strided ``b_rows`` views, when the slices have one width)
     (``LoRASliceWeights.allocate_projection``), so one shrink can serve all its slices.
     """
-    if not meta.has_lora:
-        return
+    if not meta.has_lora or not any(any(w.host_rank) for w in weights):
+        return  # no row has an adapter, or no resident adapter targets this projection
     fused = getattr(ops, "apply", None)
     if fused is not None:
         fused(x, y, weights, meta, slice_offsets, workspace)

@@ -468,3 +468,31 @@ def test_row_ranges_batched_expand_matches_float64():
     weights[2].b_rows = weights[2].b_rows.clone()  # B of slice 2 leaves the group
     check()
     assert all(v.b_block is None for v in SlotViews.cache_for(weights).values())
+
+
+class _RecordingOps:
+    """LoRA ops that record every call (shrink, expand, fused apply) and do nothing else."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def shrink(self, x, weights, meta, out) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append("shrink")
+
+    def expand(self, h, weights, meta, y, slice_offsets) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append("expand")
+
+
+def test_apply_lora_calls_no_op_for_a_projection_no_resident_adapter_targets():
+    """Adapters on q/k/v/o only leave gate/up and down with rank 0 in every slot: the backend's
+    launchers (table lookup, checks) are not reached there; once a slot targets the projection, they are."""
+    weights = [LoRASliceWeights.allocate(IN, out, SLOTS, 64, torch.float32, "cpu") for out in OUTS[:2]]
+    meta = LoRABatchMeta.build([0, -1, 3, 0], "cpu", decode_only=True)
+    x, y = torch.randn(4, IN), torch.randn(4, sum(OUTS[:2]))
+    before = y.clone()
+    ops = _RecordingOps()
+    apply_lora(ops, x, y, weights, meta, [0, OUTS[0]], torch.zeros(2, 4, MAX_RANK))
+    assert ops.calls == [] and torch.equal(y, before)
+    weights[1].write_slot(3, 0, torch.randn(4, IN), torch.randn(OUTS[1], 4), 1.0)  # one slot, one slice
+    apply_lora(ops, x, y, weights, meta, [0, OUTS[0]], torch.zeros(2, 4, MAX_RANK))
+    assert ops.calls == ["shrink", "expand"]
