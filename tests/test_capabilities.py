@@ -203,12 +203,15 @@ INTERPRETED_CUDA_CAPABILITIES = ("lora_ops_segment", "lora_ops_per_token", "mixe
 
 
 def test_the_cuda_row_claims_the_interpreter_exactly_where_a_test_runs_it() -> None:
-    """Every cuda entry was verified on an H200; the ones whose verifier CI also runs under the
-    Triton interpreter (below) say so, and no other entry claims it."""
+    """An entry that names the Triton interpreter (as how it was verified, or as what CI re-runs
+    after a hardware run) is one whose verifier the interpreter test below runs, and each of those
+    names it; a hardware claim names the GPU it ran on."""
     for capability in MATRIX.capabilities("cuda"):
         verified = MATRIX.entry("cuda", capability).verified_on
-        assert verified.how == "hardware" and "NVIDIA H200" in verified.where, (capability, verified)
-        assert ("TRITON_INTERPRET=1" in verified.where) == (capability in INTERPRETED_CUDA_CAPABILITIES), (capability, verified.where)
+        names_interpreter = verified.how == "triton-interpreter" or "TRITON_INTERPRET=1" in verified.where
+        assert names_interpreter == (capability in INTERPRETED_CUDA_CAPABILITIES), (capability, verified)
+        if verified.how == "hardware":
+            assert "NVIDIA" in verified.where, (capability, verified.where)
 
 
 @pytest.mark.interpreter
@@ -216,10 +219,10 @@ def test_the_cuda_row_claims_the_interpreter_exactly_where_a_test_runs_it() -> N
 @pytest.mark.parametrize("capability", INTERPRETED_CUDA_CAPABILITIES)
 def test_cuda_row_lora_capabilities_verify_in_the_triton_interpreter(capability: str) -> None:
     """The cuda row's op claims, checked by the same verifiers, on the real kernels in the interpreter."""
+    from backends.cuda.attention import CudaAttention
     from backends.cuda.backend import CudaLoRAOps
-    from backends.reference import ReferenceAttention
 
-    backend = InterpretedCudaBackend(lora=CudaLoRAOps(), attention=ReferenceAttention())
+    backend = InterpretedCudaBackend(lora=CudaLoRAOps(), attention=CudaAttention())
     result = VERIFIERS[capability]("cuda", MATRIX, backend)
     assert result.status == "pass", result.detail
 
@@ -649,13 +652,13 @@ def test_graph_replay_check_changes_slots_and_checks_untouched_entries(decode_on
 def test_graph_replay_check_passes_the_triton_kernels_interpreted() -> None:
     """The kernels read the slots, segments and tiles from device memory, so rewriting those in place
     between capture and replay serves the new adapters (an eager stand-in: no GPU here)."""
+    from backends.cuda.attention import CudaAttention
     from backends.cuda.backend import CudaLoRAOps
-    from backends.reference import ReferenceAttention
     from runtime.verifiers.cuda_graph import check_replay
     from runtime.verifiers.lora_ops import QKV_OUTS
     from runtime.verifiers.lora_problem import build_problem
 
-    backend = InterpretedCudaBackend(lora=CudaLoRAOps(), attention=ReferenceAttention())
+    backend = InterpretedCudaBackend(lora=CudaLoRAOps(), attention=CudaAttention())
     for decode_only in (False, True):
         p = build_problem(backend.device, torch.float32, [4, 16, 9], QKV_OUTS, 32, seed=6)
         assert check_replay(backend, p, decode_only, _eager_capture) < 1e-4

@@ -431,12 +431,12 @@ class InterpretedCudaBackend:
     name = "cuda"
 
     def __init__(self) -> None:
+        from backends.cuda.attention import CudaAttention
         from backends.cuda.backend import CudaLoRAOps
-        from backends.reference import ReferenceAttention
 
         self.device = torch.device("cpu")
         self.lora = CudaLoRAOps()
-        self.attention = ReferenceAttention()
+        self.attention = CudaAttention()
 
     def synchronize(self) -> None:
         return None
