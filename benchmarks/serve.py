@@ -211,11 +211,11 @@ def main() -> int:
     if "peft" in baselines:
         runs.append(("(c) transformers+peft", f"(c) transformers + PEFT mixed-adapter generate, static batches of {a.peft_batch}",
                      lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device, a.dtype)))  # fmt: skip
-    # PEFT gets an untimed warm-up in its process; so does lorafleet: the first engine run of a
-    # process pays one-off initialisation (allocator, thread pools) and would bias round 1. Off the
-    # CPU the warm-up is the whole workload: the first launch of each Triton kernel variant (tile
-    # sizes follow segment lengths and ranks) compiles it, up to 2.6 s a step on an H200, and four
-    # requests reach only a few of the variants the timed runs need.
+    # An untimed lorafleet run first: the first engine run of a process pays one-off initialisation
+    # (allocator, thread pools) and would bias round 1. Off the CPU it is the whole workload: the
+    # first launch of each Triton kernel variant (tile sizes follow segment lengths and ranks)
+    # compiles it (steps of 0.7-1.6 s on an H200), and four requests reach only a few of the
+    # variants the timed runs need. PEFT's own warm-up (in its process) is one 2-token batch.
     on_cpu = resolve_name(a.device) == "cpu"
     warm = off.requests[:4] if on_cpu else off.requests
     log(f"warm-up: one untimed lorafleet run on {'the first 4 requests' if on_cpu else 'the whole workload'}")

@@ -131,8 +131,8 @@ PYEOF
 
 step lora_ops 200 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
 
-# On one H200 (2026-11-30) this step took 202 s before the attention fix and about 120 s after,
-# most of it the PEFT baseline (34 s) and building the weights (docs/benchmarks.md, "NVIDIA H200").
+# On one H200 (2026-11-30) this step took 202 s before the attention fix and about 115 s after
+# (weights already built; the PEFT baseline about 47 s of it; docs/benchmarks.md, "NVIDIA H200").
 # The 16 -> 500 adapter sweep builds only the adapters its requests use (about 60 of 500).
 step serve 300 "$PY" benchmarks/serve.py --out "$WORK/serve" --workdir "$WORK/weights" --device cuda --dtype bfloat16 \
   --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 \

@@ -12,8 +12,8 @@ benchmarks/serve.py runs the full suite with baselines and plots.
 
 Off the CPU (cuda, npu, or auto resolving to either) the timed in-process run follows one
 untimed run of the same requests, all arriving at once: the first launch of each Triton
-kernel variant compiles it, which on an H200 made single steps of the first run take up to
-2.6 s. The CPU backend compiles nothing and starts timing at once.
+kernel variant compiles it, which on an H200 made single steps of the first run take 0.7-1.6 s.
+The CPU backend compiles nothing and starts timing at once.
 
 Everything that can be checked before the run is (flags, the workload file, the engine
 configuration, the backend and its capability limits, --json's folder), before any synthetic
