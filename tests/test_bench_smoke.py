@@ -389,3 +389,22 @@ print(json.dumps(res))
     assert lora["adapters_loaded"] == 3 and lora["device_loads"] >= 3
     assert lora["host_loads"] > 3  # one load per registration, and the adapter evicted by the third loaded again in the run
     assert base["adapters_loaded"] == base["host_loads"] == base["device_loads"] == 0
+
+
+def test_step_times_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/step_times.py: both runs, two passes each, summaries consistent with themselves (no timings asserted)."""
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_times.py"), "--hidden", "64", "--layers", "1", "--num-requests", "8",
+           "--adapters", "3", "--input-len", "2,4", "--output-len", "3,6", "--workdir", str(tmp_path / "w"), "--json", str(out)]
+    done = subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    res = json.loads(out.read_text())
+    assert res["workload"]["requests"] == 8 and res["shape"]["hidden_size"] == 64
+    spec = WorkloadSpec(num_requests=8, num_adapters=3, popularity="zipf", alpha=1.0, input_len=(2, 4), output_len=(3, 6), rate=0.0)
+    longest = max(r.output_tokens for r in generate(spec).requests)  # one token a step at most
+    for label in ("lora", "no_adapters"):
+        assert len(res[label]) == 2, res[label]
+        for n, p in enumerate(res[label]):
+            assert p["steps"] >= longest, (p, longest)
+            assert 0 < p["mean_ms"] and 0 < p["last60_mean_ms"] and len(p["slowest_ms"]) == min(5, p["steps"]), p
+            assert p["slowest_ms"] == sorted(p["slowest_ms"], reverse=True) and p["slowest_ms"][0] >= p["mean_ms"], p
+            assert f"{label:12s} pass {n}: {p['steps']} steps" in done.stdout

@@ -45,14 +45,14 @@ def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "", 
 def test_every_step_runs_and_outdir_stays_small_and_flat(tmp_path: Path):
     out, work = _run(tmp_path, budget=540)
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["probe.json", "pytest_cuda.json", "results.tar.gz", "serve_summary.json", "status.json"]
+    assert files == ["probe.json", "pytest_cuda.json", "results.tar.gz", "serve_summary.json", "status.json"]  # the stand-in writes no JSON of its own
     assert all(p.is_file() for p in out.iterdir()) and len(files) <= 8
     status = json.loads((out / "status.json").read_text())
-    assert list(status["steps"]) == ["probe", "pytest_cuda", "lora_ops", "serve"]
+    assert list(status["steps"]) == ["probe", "pytest_cuda", "lora_ops", "step_times", "serve"]
     assert all(s["rc"] == 0 and s["timeout_s"] <= 540 for s in status["steps"].values())
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
-    assert {"logs/probe.log", "logs/pytest_cuda.log", "logs/lora_ops.log", "logs/serve.log", "serve/summary.json"} <= set(names)
+    assert {"logs/probe.log", "logs/pytest_cuda.log", "logs/lora_ops.log", "logs/step_times.log", "logs/serve.log", "serve/summary.json"} <= set(names)
     calls = (tmp_path / "calls").read_text()
     assert "tests/test_cuda_kernels.py tests/test_capabilities.py" in calls  # not the whole tests/ tree
     assert f"--workdir {work}/weights" in calls and "--dtype bfloat16" in calls
@@ -64,7 +64,7 @@ def test_steps_past_the_budget_are_skipped_and_recorded(tmp_path: Path):
     steps = json.loads((out / "status.json").read_text())["steps"]
     ran = [name for name, s in steps.items() if s.get("rc") == 0]
     skipped = [name for name, s in steps.items() if s.get("skipped") == "budget spent"]
-    assert ran and skipped and ran + skipped == ["probe", "pytest_cuda", "lora_ops", "serve"]
+    assert ran and skipped and ran + skipped == ["probe", "pytest_cuda", "lora_ops", "step_times", "serve"]
     assert all(s["timeout_s"] <= 37 - 15 for name, s in steps.items() if name in ran)
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU verification in one go, inside a time budget (default 540 s, RUN_ALL_BUDGET_S): the
 # capability probe first (one real launch of every kernel: the quickest sign of a broken
-# device), the `cuda`-marked tests, the LoRA op benchmark, and the serving benchmark
-# (lorafleet vs the same engine without adapters vs transformers+PEFT, bf16).
+# device), the `cuda`-marked tests, the LoRA op benchmark, step times on a fresh and a warm
+# engine (a per-shape cache such as cuDNN's SDPA plans shows as a slow first pass), and the
+# serving benchmark (lorafleet vs the same engine without adapters vs transformers+PEFT, bf16).
 #
-# OUTDIR gets at most 6 files, none in subfolders, so a remote runner that returns only a few
+# OUTDIR gets at most 7 files, none in subfolders, so a remote runner that returns only a few
 # files gets all of them; status.json and results.tar.gz are rewritten after every step, so a
 # run killed midway still leaves what finished:
 #
@@ -12,6 +13,7 @@
 #   OUTDIR/probe.json        `lorafleet probe --device cuda --json`
 #   OUTDIR/pytest_cuda.json  summary of `pytest -m cuda` (per test: outcome, seconds, message)
 #   OUTDIR/lora_ops.json     `benchmarks/lora_ops.py --device cuda --json`
+#   OUTDIR/step_times.json   `benchmarks/step_times.py --device cuda --json`
 #   OUTDIR/serve_summary.json  `benchmarks/serve.py --device cuda` summary.json
 #   OUTDIR/results.tar.gz    every log, the junit XML, and serve's records, workload and plots
 #
@@ -130,6 +132,10 @@ PYEOF
 [ $? -eq 3 ] && INCOMPLETE+=("pytest_cuda (no test passed)")
 
 step lora_ops 200 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
+
+# The serving step's model and workload (the weights are shared with it); about 40 s on an H200.
+step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 \
+  --workdir "$WORK/weights" --json "$OUT/step_times.json"
 
 # On one H200 (2026-11-30) this step took 202 s before the attention fix and about 115 s after
 # (weights already built; the PEFT baseline about 47 s of it; docs/benchmarks.md, "NVIDIA H200").

@@ -1,0 +1,121 @@
+"""Engine step times on a fresh engine and again on the same requests, with and without adapters.
+
+    python benchmarks/step_times.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 [--json OUT]
+
+One LLMEngine per run (LoRA, then no adapters), two passes of the same offline workload each
+(every request at t=0): pass 0 on the fresh engine, pass 1 the same requests again. Each step
+is timed on its own (a step ends with its sampled tokens on the host, so no extra sync). It reports, per pass,
+the steps, the mean step, the mean of the last 60 steps (decode of the longest requests) and
+the slowest steps.
+
+What it is for: costs that a per-shape cache hides on a warm engine. On an H200 (2026-11-30)
+cuDNN's SDPA built a plan for every new attention shape, and pass 0's last 60 steps took
+46.8-48.9 ms against 6-9 ms in pass 1; ``backends/cuda/attention.py`` now keeps SDPA off cuDNN,
+and pass 0 took 6.3 ms (no adapters) and 11.4 ms (with). A pass 0 far slower than pass 1 in its
+last steps means such a cache is back. Triton's first-launch compiles also land in the LoRA run's
+pass 0 on a fresh machine (its slowest steps).
+
+The workload defaults to the one ``benchmarks/cuda/run_all.sh``'s serving step uses (96
+requests, 16 adapters, zipf 1, prompts of 16-64 words, 32-128 output tokens, seed 0).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.bench import suite  # noqa: E402
+from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
+from runtime.bench.synthetic import LlamaShape  # noqa: E402
+from runtime.bench.workload import WorkloadSpec, generate  # noqa: E402
+
+LAST = 60  # steps averaged at the end of a pass
+SLOWEST = 5  # slowest steps listed per pass
+
+
+def pass_summary(times: list[float]) -> dict[str, Any]:
+    """Step times (seconds) of one pass -> steps, mean, mean of the last ``LAST``, slowest, in ms."""
+    tail = times[-LAST:]
+    return {"steps": len(times), "mean_ms": round(1000 * sum(times) / len(times), 2),
+            f"last{LAST}_mean_ms": round(1000 * sum(tail) / len(tail), 2),
+            "slowest_ms": [round(1000 * t, 1) for t in sorted(times, reverse=True)[:SLOWEST]]}  # fmt: skip
+
+
+def two_passes(setup: BenchSetup, model_dir: Path, adapters: dict[str, Path], workload: Any, base_only: bool) -> list[dict[str, Any]]:
+    """Pass 0 on a fresh engine, pass 1 with the same requests on it again."""
+    import torch
+
+    from runtime.engine import LLMEngine
+
+    def sync() -> None:
+        if setup.device == "cuda":
+            torch.cuda.synchronize()
+
+    used, jobs = workload_jobs(workload, adapters, without_adapters=base_only)
+    engine = LLMEngine(engine_config(setup, model_dir))
+    passes = []
+    try:
+        for n in range(2):
+            if n == 0:
+                suite.submit_all(engine, used, jobs)  # adapter reads that can start up front finish before timing
+            else:
+                for i, (prompt, adapter, params) in enumerate(jobs):
+                    engine.add_request(f"p1-{i}", prompt, params, adapter)
+            times = []
+            sync()
+            while engine.has_unfinished():  # a step ends with its sampled tokens on the host: no sync needed
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            passes.append(pass_summary(times))
+    finally:
+        engine.close()
+    return passes
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu", help="backend (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=512, help="synthetic llama hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="synthetic llama layers (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=96, help="(default: %(default)s)")
+    p.add_argument("--adapters", type=int, default=16, help="zipf 1 over this many adapters (default: %(default)s)")
+    p.add_argument("--input-len", default="16,64", help="prompt words lo,hi (default: %(default)s)")
+    p.add_argument("--output-len", default="32,128", help="output tokens lo,hi (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, default=16, help="device adapter slots (default: %(default)s)")
+    p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args()
+    try:
+        lens = [tuple(int(v) for v in text.split(",")) for text in (a.input_len, a.output_len)]
+        spec = WorkloadSpec(num_requests=a.num_requests, num_adapters=a.adapters, popularity="zipf", alpha=1.0,
+                            input_len=lens[0], output_len=lens[1], rate=0.0)  # fmt: skip
+        shape = LlamaShape.sized(a.hidden, a.layers)
+    except ValueError as err:
+        p.error(str(err))
+    workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="step-times-"))
+    setup = BenchSetup(workdir, shape, a.device, a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None))
+    workload = generate(spec).all_at_once()
+    model_dir, adapters = suite.prepare(workload, setup)
+    result: dict[str, Any] = {"device": a.device, "dtype": a.dtype, "shape": dataclasses.asdict(shape), "workload": {
+        "requests": a.num_requests, "adapters": a.adapters, "input_len": a.input_len, "output_len": a.output_len}}  # fmt: skip
+    for label, base_only in (("lora", False), ("no_adapters", True)):
+        result[label] = two_passes(setup, model_dir, adapters, workload, base_only)
+        for n, summary in enumerate(result[label]):
+            print(f"{label:12s} pass {n}: {summary['steps']} steps, mean {summary['mean_ms']} ms, "
+                  f"last {LAST} {summary[f'last{LAST}_mean_ms']} ms, slowest {summary['slowest_ms']}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
