@@ -43,6 +43,7 @@ def replay_steps(workload: Workload, setup: BenchSetup) -> dict[str, Any]:
     from runtime.engine import LLMEngine
 
     workload = workload.all_at_once()
+    requests = workload.requests
     model_dir, adapters = suite.prepare(workload, setup)
     used, jobs = workload_jobs(workload, adapters)
     engine = LLMEngine(engine_config(setup, model_dir))
