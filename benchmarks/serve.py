@@ -197,6 +197,11 @@ def main() -> int:
         results["peft_batch"] = a.peft_batch
 
     # 1. Offline throughput, side by side, in --repeats interleaved rounds.
+    # Every system warms up untimed first. On the CPU: lorafleet on four requests, PEFT on one 2-token
+    # batch (first-call initialisation: allocator, thread pools). Off it, both on the whole workload:
+    # the first launch of each Triton kernel variant compiles it (tile sizes follow segment lengths and
+    # ranks; steps of 0.7-1.6 s on an H200), and both stacks' SDPA may build per-shape plans.
+    on_cpu = resolve_name(a.device) == "cpu"
     off = workload.all_at_once()
     sub = dataclasses.replace(off, requests=off.requests[: a.loop_requests])
     runs = [("lorafleet offline", "lorafleet (mixed adapters)", lambda: run_lorafleet(off, setup, model_dir, adapters, "lorafleet offline"))]
@@ -210,13 +215,8 @@ def main() -> int:
                      lambda: run_lorafleet(sub, setup, model_dir, adapters, "lorafleet on loop subset")))  # fmt: skip
     if "peft" in baselines:
         runs.append(("(c) transformers+peft", f"(c) transformers + PEFT mixed-adapter generate, static batches of {a.peft_batch}",
-                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device, a.dtype)))  # fmt: skip
-    # An untimed lorafleet run first: the first engine run of a process pays one-off initialisation
-    # (allocator, thread pools) and would bias round 1. Off the CPU it is the whole workload: the
-    # first launch of each Triton kernel variant (tile sizes follow segment lengths and ranks)
-    # compiles it (steps of 0.7-1.6 s on an H200), and four requests reach only a few of the
-    # variants the timed runs need. PEFT's own warm-up (in its process) is one 2-token batch.
-    on_cpu = resolve_name(a.device) == "cpu"
+                     lambda: run_peft_in_subprocess(model_dir, adapters, off.requests, a.peft_batch, "(c) transformers+peft", a.device, a.dtype,
+                                                    full_warmup=not on_cpu)))  # fmt: skip
     warm = off.requests[:4] if on_cpu else off.requests
     log(f"warm-up: one untimed lorafleet run on {'the first 4 requests' if on_cpu else 'the whole workload'}")
     run_lorafleet(dataclasses.replace(off, requests=warm), setup, model_dir, adapters, "warm-up")

@@ -139,6 +139,8 @@ step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat1
 
 # On one H200 (2026-11-30) this step took 202 s before the attention fix and about 115 s after
 # (weights already built; the PEFT baseline about 47 s of it; docs/benchmarks.md, "NVIDIA H200").
+# PEFT has warmed up on the whole workload since, as lorafleet does off the CPU: expect its part to
+# roughly double (not measured).
 # The 16 -> 500 adapter sweep builds only the adapters its requests use (about 60 of 500).
 step serve 300 "$PY" benchmarks/serve.py --out "$WORK/serve" --workdir "$WORK/weights" --device cuda --dtype bfloat16 \
   --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 \
