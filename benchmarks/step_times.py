@@ -15,8 +15,10 @@ and pass 0 took 6.3 ms (no adapters) and 11.4 ms (with). A pass 0 far slower tha
 last steps means such a cache is back. Triton's first-launch compiles also land in the LoRA run's
 pass 0 on a fresh machine (its slowest steps).
 
-The workload defaults to the one ``benchmarks/cuda/run_all.sh``'s serving step uses (96
-requests, 16 adapters, zipf 1, prompts of 16-64 words, 32-128 output tokens, seed 0).
+The workload flags are ``benchmarks/serve.py``'s (and their defaults the workload generator's);
+``benchmarks/cuda/run_all.sh`` passes its serving step's workload (96 requests, 16 adapters, zipf
+1, prompts of 16-64 words, 32-128 output tokens, seed 0), whose weights the two steps share.
+``--rate`` and ``--cv`` are refused: every request arrives at once.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
-from runtime.bench.workload import WorkloadSpec, generate  # noqa: E402
+from backends import availability, resolve_name  # noqa: E402
+from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
 
 LAST = 60  # steps averaged at the end of a pass
 SLOWEST = 5  # slowest steps listed per pass
@@ -82,36 +85,45 @@ def two_passes(setup: BenchSetup, model_dir: Path, adapters: dict[str, Path], wo
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_spec_arguments(p)  # the workload flags, as benchmarks/serve.py's
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu", help="backend (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="(default: %(default)s)")
     p.add_argument("--hidden", type=int, default=512, help="synthetic llama hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=4, help="synthetic llama layers (default: %(default)s)")
-    p.add_argument("--num-requests", type=int, default=96, help="(default: %(default)s)")
-    p.add_argument("--adapters", type=int, default=16, help="zipf 1 over this many adapters (default: %(default)s)")
-    p.add_argument("--input-len", default="16,64", help="prompt words lo,hi (default: %(default)s)")
-    p.add_argument("--output-len", default="32,128", help="output tokens lo,hi (default: %(default)s)")
     p.add_argument("--max-loras", type=int, default=16, help="device adapter slots (default: %(default)s)")
-    p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one)")
+    p.add_argument("--workdir", default=None, help="synthetic weights folder, kept for later runs (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
+    # Everything that can be refused is refused before any weights are written.
+    problems = ignored_spec_flags(a)
+    problems += [f"{flag}: every request runs at once here (offline); arrival times are not used"
+                 for flag in ("--rate", "--cv") if flag in given_flags(a)]  # fmt: skip
+    if problems:
+        p.error("; ".join(problems))
+    if a.max_loras < 1:
+        p.error(f"--max-loras: must be >= 1, got {a.max_loras}")
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        p.error(f"--json: the folder {Path(a.json).resolve().parent} does not exist")
+    ok, reason = availability(resolve_name(a.device))
+    if not ok:
+        p.error(f"--device {a.device}: {reason}")
     try:
-        lens = [tuple(int(v) for v in text.split(",")) for text in (a.input_len, a.output_len)]
-        spec = WorkloadSpec(num_requests=a.num_requests, num_adapters=a.adapters, popularity="zipf", alpha=1.0,
-                            input_len=lens[0], output_len=lens[1], rate=0.0)  # fmt: skip
+        spec = spec_from_args(a)
         shape = LlamaShape.sized(a.hidden, a.layers)
     except ValueError as err:
         p.error(str(err))
-    workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="step-times-"))
-    setup = BenchSetup(workdir, shape, a.device, a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None))
-    workload = generate(spec).all_at_once()
-    model_dir, adapters = suite.prepare(workload, setup)
-    result: dict[str, Any] = {"device": a.device, "dtype": a.dtype, "shape": dataclasses.asdict(shape), "workload": {
-        "requests": a.num_requests, "adapters": a.adapters, "input_len": a.input_len, "output_len": a.output_len}}  # fmt: skip
-    for label, base_only in (("lora", False), ("no_adapters", True)):
-        result[label] = two_passes(setup, model_dir, adapters, workload, base_only)
-        for n, summary in enumerate(result[label]):
-            print(f"{label:12s} pass {n}: {summary['steps']} steps, mean {summary['mean_ms']} ms, "
-                  f"last {LAST} {summary[f'last{LAST}_mean_ms']} ms, slowest {summary['slowest_ms']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="step-times-") as scratch:
+        workdir = Path(a.workdir) if a.workdir else Path(scratch)
+        setup = BenchSetup(workdir, shape, a.device, a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None))
+        workload = generate(spec).all_at_once()
+        model_dir, adapters = suite.prepare(workload, setup)
+        result: dict[str, Any] = {"device": a.device, "dtype": a.dtype, "shape": dataclasses.asdict(shape),
+                                  "workload": dataclasses.asdict(spec)}  # fmt: skip
+        for label, base_only in (("lora", False), ("no_adapters", True)):
+            result[label] = two_passes(setup, model_dir, adapters, workload, base_only)
+            for n, summary in enumerate(result[label]):
+                print(f"{label:12s} pass {n}: {summary['steps']} steps, mean {summary['mean_ms']} ms, "
+                      f"last {LAST} {summary[f'last{LAST}_mean_ms']} ms, slowest {summary['slowest_ms']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0

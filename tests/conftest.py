@@ -42,7 +42,10 @@ INTERPRETER_MIN_TRITON = (3, 9)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if importlib.util.find_spec("triton") is None:
         return
-    import triton
+    try:
+        import triton
+    except Exception:  # a broken install: the tests that need it fail on their own, with its error
+        return
 
     found = re.match(r"(\d+)\.(\d+)", triton.__version__)
     if found is None or (int(found[1]), int(found[2])) >= INTERPRETER_MIN_TRITON:

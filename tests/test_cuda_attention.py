@@ -89,18 +89,20 @@ def test_flags_come_back_when_attention_raises(monkeypatch: pytest.MonkeyPatch) 
 
 def test_two_threads_in_attention_at_once_leave_the_flags_as_they_found_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each engine steps on its own thread. Thread A pauses inside its first SDPA call until B is
-    inside attention too (or 0.5 s have passed), and B pauses there until A has finished. Without
-    serialized windows A restores the flags while B is inside (cuDNN back on for B's next call) and
-    B restores A's changed flags last (cuDNN off for the whole process)."""
+    about to enter attention (and 0.2 s more, for B to get in if nothing stops it), and B pauses in
+    its first SDPA call until A has finished. Without serialized windows A restores the flags while
+    B is inside (cuDNN back on for B's next call) and B restores A's changed flags last (cuDNN off
+    for the whole process)."""
     seen: list = []
     real = F.scaled_dot_product_attention
-    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+    a_inside, b_entering, b_inside, a_done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
 
     def spy(*args, **kwargs):
         seen.append((threading.current_thread().name, _flags()))
         if threading.current_thread().name == "A" and not a_inside.is_set():
             a_inside.set()
-            b_inside.wait(timeout=0.5)
+            assert b_entering.wait(timeout=5)
+            b_inside.wait(timeout=0.2)  # without the lock B is inside by now; with it, B waits for A
         elif threading.current_thread().name == "B" and not b_inside.is_set():
             b_inside.set()
             a_done.wait(timeout=5)
@@ -110,7 +112,9 @@ def test_two_threads_in_attention_at_once_leave_the_flags_as_they_found_them(mon
     (cache_a, step_a), (cache_b, step_b) = _step(11), _step(12)
     errors: list = []
 
-    def run(cache, step, done):  # type: ignore[no-untyped-def]
+    def run(cache, step, done, entering=None):  # type: ignore[no-untyped-def]
+        if entering is not None:
+            entering.set()
         try:
             CudaAttention().paged_attention(step.q, step.k, step.v, cache, step.meta, step.scale)
         except Exception as err:  # surfaced below, not lost in the thread
@@ -119,7 +123,7 @@ def test_two_threads_in_attention_at_once_leave_the_flags_as_they_found_them(mon
 
     with _flags_set_to((True, True, True, True)):
         a = threading.Thread(target=run, args=(cache_a, step_a, a_done), name="A")
-        b = threading.Thread(target=run, args=(cache_b, step_b, threading.Event()), name="B")
+        b = threading.Thread(target=run, args=(cache_b, step_b, threading.Event(), b_entering), name="B")
         a.start()
         assert a_inside.wait(timeout=5)
         b.start()

@@ -56,6 +56,8 @@ def test_every_step_runs_and_outdir_stays_small_and_flat(tmp_path: Path):
     calls = (tmp_path / "calls").read_text()
     assert "tests/test_cuda_kernels.py tests/test_capabilities.py" in calls  # not the whole tests/ tree
     assert f"--workdir {work}/weights" in calls and "--dtype bfloat16" in calls
+    step_times = next(line for line in calls.splitlines() if "benchmarks/step_times.py" in line)
+    assert f"--workdir {work}/weights" in step_times and f"--json {out}/step_times.json" in step_times  # shares serve's weights
     assert json.loads((out / "pytest_cuda.json").read_text())["error"].startswith(str(work))  # no junit from the stand-in
 
 

@@ -2,8 +2,8 @@
 
 The math is ``ReferenceAttention``'s (gather each sequence's KV blocks, then SDPA with a
 mask per row's context). Only the SDPA backend changes: every call runs with cuDNN
-attention excluded, so torch picks flash attention where no mask is needed (a decode group
-whose contexts are all one length), and memory-efficient or math attention otherwise.
+attention excluded, so torch picks flash attention where it applies (fp16/bf16 with no mask: a
+decode group whose contexts are all one length), and memory-efficient or math attention otherwise.
 
 Why: a decode step's attention has a new shape almost every step (the longest context
 grows by one token, the batch changes as requests come and go), and the masks are
@@ -38,7 +38,7 @@ from runtime.kv.attention_meta import AttentionMeta
 # Every SDPA backend but cuDNN's, in torch's own order of preference among them.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # torch's SDPA flags are process-wide: one window at a time (see the module docstring).
-_SDPA_FLAGS = threading.Lock()
+_SDPA_FLAGS = threading.RLock()  # re-entrant: a nested call on the same thread cannot hang
 
 
 class CudaAttention(ReferenceAttention):

@@ -8,13 +8,15 @@ through a per-slice pointer table cached per slice group (see ``slice_table``), 
 steady-state forward does no host->device copies and reads no device data on the host.
 
 CUDA graphs (the engine does not capture any; ``runtime/verifiers/cuda_graph.py`` checks
-capture and replay): capture after one warm-up forward (which builds the tables and
-compiles the kernels). The per-token grids depend only on the batch size and the slices'
-widths, so a replay with other adapters in the rows stays correct, with one condition:
-the launchers decide on the host whether to launch at all (no kernel when no row has an
-adapter, or when no slot of a slice group holds one), so a graph captured in such a state
-holds no LoRA kernel and a replay after adapters are loaded would skip LoRA. Capture with
-an adapter resident in every slice group and at least one adapter row.
+capture and replay): capture after one warm-up forward in the state to be captured (it
+builds the tables and compiles the kernels). The per-token grids depend only on the batch
+size and the slices' widths, so a replay with other adapters in the rows stays correct,
+with one condition: the host decides whether to launch at all (``runtime.backend_api.apply_lora``
+skips a slice group when no row has an adapter or no resident adapter targets it, and
+reaches no launcher, so no table is built for it either), so a graph captured in such a state
+holds no LoRA kernel there and a replay after adapters are loaded would skip LoRA; and a
+group first reached during capture would build its table (a host->device copy) inside it.
+Warm up and capture with an adapter resident in every slice group and at least one adapter row.
 """
 from __future__ import annotations
 

@@ -133,8 +133,10 @@ PYEOF
 
 step lora_ops 200 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_ops.json"
 
-# The serving step's model and workload (the weights are shared with it); about 40 s on an H200.
-step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 \
+# The serving step's model and workload (the weights are shared with it); an estimated 40-60 s on an
+# H200 (not run there yet).
+step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --max-loras 16 \
+  --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --input-len 16,64 --output-len 32,128 \
   --workdir "$WORK/weights" --json "$OUT/step_times.json"
 
 # On one H200 (2026-11-30) this step took 202 s before the attention fix and about 115 s after
