@@ -198,10 +198,10 @@ def main() -> int:
 
     # 1. Offline throughput, side by side, in --repeats interleaved rounds.
     # Every system warms up untimed first. On the CPU: lorafleet on four requests, PEFT on one 2-token
-    # batch (first-call initialisation: allocator, thread pools). Off it, both on the whole workload:
-    # the first launch of each Triton kernel variant compiles it (tile sizes follow segment lengths and
-    # ranks; steps of 0.7-1.6 s on an H200), and both stacks' SDPA may build per-shape plans.
-    on_cpu = resolve_name(a.device) == "cpu"
+    # batch (first-call initialisation: allocator, thread pools). Off it (suite.full_warmup_device),
+    # both on the whole workload: Triton compiles each kernel variant on its first launch (tile sizes
+    # follow segment lengths and ranks), and both stacks' SDPA may build per-shape plans.
+    on_cpu = suite.full_warmup_device(a.device) is None
     off = workload.all_at_once()
     sub = dataclasses.replace(off, requests=off.requests[: a.loop_requests])
     runs = [("lorafleet offline", "lorafleet (mixed adapters)", lambda: run_lorafleet(off, setup, model_dir, adapters, "lorafleet offline"))]

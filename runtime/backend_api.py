@@ -91,7 +91,7 @@ def apply_lora(
     (``LoRASliceWeights.allocate_projection``), so one shrink can serve all its slices.
     """
     if not meta.has_lora or not any(any(w.host_rank) for w in weights):
-        return  # no row has an adapter, or no resident adapter targets this projection
+        return  # no row has an adapter, or no resident adapter targets this projection (the MLP under q/k/v/o adapters)
     fused = getattr(ops, "apply", None)
     if fused is not None:
         fused(x, y, weights, meta, slice_offsets, workspace)

@@ -395,7 +395,7 @@ def test_off_the_cpu_an_untimed_run_of_the_same_requests_comes_first(tmp_path: P
         return real(workload, setup, model_dir, adapters, label, **kwargs)
 
     monkeypatch.setattr(suite, "run_lorafleet", spy)
-    monkeypatch.setattr(bench, "_warm_up_device", lambda device: "cuda")
+    monkeypatch.setattr(suite, "full_warmup_device", lambda device: "cuda")
     rc, err = bench_cli(capsys, "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "50",
                         "--input-len", "2,3", "--output-len", "2,3")  # fmt: skip
     assert rc == 0, err

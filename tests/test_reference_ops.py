@@ -395,7 +395,7 @@ def test_row_ranges_see_slot_rewrites(layout):
 
 def test_fused_apply_with_no_targeted_slot_adds_nothing_then_sees_a_new_slot():
     """Rows with adapters, but no slot holds weights for these slices (e.g. an MLP no adapter
-    targets): the CPU ``apply`` returns early and ``y`` is untouched; once a slot is written,
+    targets): ``apply_lora`` returns before the ops and ``y`` is untouched; once a slot is written,
     the very next call adds exactly its update (float64 reference), and clearing it stops it."""
     gen = torch.Generator().manual_seed(5)
     weights = LoRASliceWeights.allocate_projection(IN, list(OUTS), 4, 64, torch.float32, "cpu", interleaved=True)

@@ -37,6 +37,16 @@ class BenchSetup:
     targets: tuple[str, ...] = ATTENTION
 
 
+def full_warmup_device(device: str) -> Optional[str]:
+    """The backend an in-process run on ``device`` resolves to, when it warms up on the whole workload
+    before timing (every backend but the CPU's: the first launch of each Triton kernel variant compiles
+    it, steps of 0.7-1.6 s on an H200); None on the CPU, which compiles nothing."""
+    from backends import resolve_name
+
+    resolved = resolve_name(device)
+    return None if resolved == "cpu" else resolved
+
+
 def host_tier_size(max_loras: int, max_cpu_loras: int | None) -> int:
     """``--max-cpu-loras``, or max(32, max_loras) when not given; below max_loras is an error
     (the host tier backs every device slot), never silently raised."""

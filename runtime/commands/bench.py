@@ -150,15 +150,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
 
 
-def _warm_up_device(device: str) -> str | None:
-    """The backend an in-process run on ``device`` uses, when it needs an untimed warm-up run
-    first (every backend but the CPU's, see the module docstring); None on the CPU."""
-    import backends
-
-    resolved = backends.resolve_name(device)
-    return None if resolved == "cpu" else resolved
-
-
 def _ignored_flags(args: argparse.Namespace) -> list[str]:
     """One line per typed flag that this combination of flags would ignore."""
     from runtime.bench.workload import SPEC_FLAGS, ignored_spec_flags
@@ -498,7 +489,7 @@ def _run(args: argparse.Namespace) -> int:
         setup = _check_engine(args, workload)
 
     from runtime.bench.replay import replay_http
-    from runtime.bench.suite import prepare, run_lorafleet
+    from runtime.bench.suite import full_warmup_device, prepare, run_lorafleet
     from runtime.bench.summary import summarize, table
     from runtime.capabilities import CapabilityError
     from runtime.config import ConfigError
@@ -512,7 +503,7 @@ def _run(args: argparse.Namespace) -> int:
             model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
         except OSError as err:  # a read-only or pseudo file system, a full disk: what the up-front check cannot see
             raise SetupError(f"--workdir {args.workdir}", f"cannot write the synthetic weights: {err.strerror or err}") from None
-        device = _warm_up_device(setup.device)
+        device = full_warmup_device(setup.device)
         if device is not None:
             print(f"warming up on {device}: one untimed run of the {len(workload.requests)} requests, all at once "
                   "(each kernel variant compiles on its first launch)...", file=sys.stderr, flush=True)
