@@ -19,13 +19,16 @@ the run's label, its round (offline runs and the adapter sweep; null for the onl
 the request's RequestRecord fields (index, adapter, prompt/output tokens, client-side ttft, tpot
 and latency, adapter_location, error, and the engine's own engine_ttft, null where not measured:
 over HTTP and for PEFT).
-With --url the online replay goes over HTTP to a running server instead (TTFT real).
+With --url the online replay goes over HTTP to a running server instead (TTFT real); with
+--spawn-server it goes over HTTP to a `lorafleet serve` this script starts with the run's own model,
+adapters and limits (its log: OUT/server.log), after an untimed warm-up over HTTP.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -38,6 +41,7 @@ from backends import availability, resolve_name  # noqa: E402
 from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, base_model_of, replay_http, served_base_model, served_models  # noqa: E402
+from runtime.bench.server_process import ServerStartError, spawned_server  # noqa: E402
 from runtime.commands.bench import SetupError, check_lengths  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
@@ -97,6 +101,9 @@ def main() -> int:
     p.add_argument("--slo-tpot", type=float, default=0.5)
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
     p.add_argument("--base-model", help="with --url: the served base model's name (default: the /v1/models entry with parent null, else the first entry)")
+    p.add_argument("--spawn-server", action="store_true",
+                   help="replay the online run over HTTP against a `lorafleet serve` started here with this run's model, adapters, "
+                        "device and limits on a free local port (log: OUT/server.log); not with --url")  # fmt: skip
     a = p.parse_args()
     try:
         max_cpu_loras = host_tier_size(a.max_loras, a.max_cpu_loras)
@@ -107,6 +114,10 @@ def main() -> int:
         p.error(reason)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.spawn_server and a.url:
+        p.error("--spawn-server and --url: the online replay goes to one server; give one of them")
+    if a.spawn_server and importlib.util.find_spec("fastapi") is None:
+        p.error("--spawn-server: the server needs fastapi and uvicorn, which this Python lacks (pip install -e .)")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
     ignored = [] if a.workload else ignored_spec_flags(a)
@@ -263,9 +274,20 @@ def main() -> int:
         print(f"{k:<45} " + (f"{v:6.2f}x" if v is not None else "     - (the baseline produced no tokens)"))
 
     # 2. Online replay at the workload's arrival rate.
-    log(f"online: replay at {spec.rate} req/s" + (f" over HTTP to {a.url}" if a.url else " in-process"))
+    log(f"online: replay at {spec.rate} req/s" + (f" over HTTP to {a.url}" if a.url else " over HTTP to a spawned server" if a.spawn_server else " in-process"))
     if a.url:
         online = asyncio.run(replay_http(a.url, a.base_model or served_base_model(a.url), workload.requests, "lorafleet online (http)"))
+    elif a.spawn_server:
+        log(f"starting lorafleet serve --device {a.device} (log: {out / 'server.log'})")
+        try:
+            with spawned_server(setup, model_dir, adapters, out / "server.log") as url:
+                base = served_base_model(url)
+                log(f"warm-up over HTTP: {'the first 4 requests' if on_cpu else 'the whole workload'}, all at once, untimed")
+                asyncio.run(replay_http(url, base, warm, "warm-up (http)"))
+                online = asyncio.run(replay_http(url, base, workload.requests, "lorafleet online (http)"))
+        except ServerStartError as err:
+            print(f"serve.py: --spawn-server: {err}", file=sys.stderr)
+            return 1
     else:
         online = run_lorafleet(workload, setup, model_dir, adapters, "lorafleet online")
     on = summarized(online)

@@ -283,6 +283,41 @@ def test_serve_benchmark_replays_a_saved_workload(tmp_path: Path) -> None:
     assert json.loads((out / "summary.json").read_text())["online"]["requests_ok"] == 4
 
 
+def test_serve_benchmark_over_http_to_a_server_it_spawns(tmp_path: Path) -> None:
+    """--spawn-server: the online replay streams over HTTP from a `lorafleet serve` started with the
+    run's model and adapters; every request comes back whole, and the server is stopped afterwards."""
+    saved = tmp_path / "w.jsonl"
+    generate(WorkloadSpec(num_requests=6, num_adapters=3, ranks=(8, 16), input_len=(2, 4), output_len=(2, 5), rate=30, base_fraction=0.3,
+                          seed=4)).save(saved)  # fmt: skip
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
+           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", "", "--spawn-server"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    workload = Workload.load(saved)
+    assert {r.adapter for r in workload.requests} > {None}  # adapter rows and base rows
+    online = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    online = [r for r in online if r["label"] == "lorafleet online (http)"]
+    assert sorted(r["index"] for r in online) == [r.index for r in workload.requests]
+    want = {r.index: (r.adapter, r.output_tokens) for r in workload.requests}
+    for r in online:
+        assert r["error"] is None and (r["adapter"], r["output_tokens"]) == want[r["index"]], r
+        assert r["engine_ttft"] is None and 0 < r["ttft"] <= r["latency"], r  # timed by the client, over the wire
+    assert json.loads((out / "summary.json").read_text())["online"]["requests_ok"] == 6
+    assert "HTTP server and engine stopped" in (out / "server.log").read_text()
+
+
+def test_a_spawned_server_that_cannot_start_is_an_error_with_its_log(tmp_path: Path) -> None:
+    from runtime.bench.server_process import ServerStartError, spawned_server
+    from runtime.bench.suite import BenchSetup
+
+    log = tmp_path / "server.log"
+    with pytest.raises(ServerStartError, match="exited with status") as err:
+        with spawned_server(BenchSetup(tmp_path), tmp_path / "no-model", {}, log, start_timeout_s=120):
+            raise AssertionError("never ready")
+    assert str(tmp_path / "no-model") in str(err.value)  # the server's own message, quoted from its log
+
+
 def test_rate_sweep_of_a_saved_workload_builds_the_adapters_its_own_requests_use(tmp_path: Path) -> None:
     """A saved file whose requests use other adapters than its spec generates: the rate sweep
     regenerates from the spec, so it must build the adapters those requests use too."""
@@ -322,6 +357,7 @@ def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: 
     (["--baselines", "no-adapter", "--loop-requests", "3"], "--loop-requests: only used with the loop baseline"),
     (["--baselines", "loop", "--peft-batch", "3"], "--peft-batch: only used with the peft baseline"),
     (["--sweep-adapters", "", "--sweep-requests", "3"], "--sweep-requests: only used with --sweep-adapters"),
+    (["--spawn-server", "--url", "http://127.0.0.1:9"], "--spawn-server and --url"),
 ])
 def test_serve_benchmark_refuses_flags_its_runs_would_ignore(tmp_path: Path, flags: list[str], message: str) -> None:
     """A misspelt baseline ran no comparison and exited 0; flags the chosen runs never read were dropped."""

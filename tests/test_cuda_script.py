@@ -14,9 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cuda" / "run_all.sh"
 
 
-def _fake_python(tmp_path: Path, work: Path, failing_step: str = "", junit: str = "") -> Path:
+# How the stand-in answers `-c "import fastapi, uvicorn"`: installed, missing, or importable only
+# from WORKDIR/site (where run_all.sh installs the carried wheels) when PYTHONPATH names it.
+HAS_FASTAPI, NO_FASTAPI, FASTAPI_FROM_SITE = "exit 0", "exit 1", 'case ":$PYTHONPATH:" in *":{work}/site:"*) exit 0;; esac; exit 1'
+
+
+def _fake_python(tmp_path: Path, work: Path, failing_step: str = "", junit: str = "", fastapi: str = HAS_FASTAPI) -> Path:
     """Records its arguments; runs inline scripts (`-`) with the real interpreter; serve.py writes a summary;
-    exits 1 when called with ``failing_step`` among its arguments; pytest writes ``junit`` as its report when given."""
+    exits 1 when called with ``failing_step`` among its arguments; pytest writes ``junit`` as its report when given;
+    answers the fastapi import check as ``fastapi`` says; every other `-c` check fails."""
     fake = tmp_path / "fakepy"
     if junit:
         (tmp_path / "junit.xml").write_text(junit)
@@ -25,17 +31,24 @@ echo "$@" >> {tmp_path}/calls
 for a in "$@"; do [ -n "{failing_step}" ] && [ "$a" = "{failing_step}" ] && exit 1; done
 for a in "$@"; do case "$a" in --junitxml=*) [ -f {tmp_path}/junit.xml ] && cp {tmp_path}/junit.xml "${{a#--junitxml=}}";; esac; done
 if [ "$1" = "-" ]; then exec {sys.executable} "$@"; fi
-if [ "$1" = "-c" ]; then exit 1; fi
+if [ "$1" = "-c" ]; then case "$2" in *fastapi*) {fastapi.format(work=work)};; esac; exit 1; fi
 for a in "$@"; do [ "$a" = benchmarks/serve.py ] && mkdir -p {work}/serve && echo '{{"ok": 1}}' > {work}/serve/summary.json; done
+for a in "$@"; do [ "$a" = --spawn-server ] && mkdir -p {work}/serve_http && echo '{{"ok": 1}}' > {work}/serve_http/summary.json; done
 sleep 1
 """)
     fake.chmod(0o755)
     return fake
 
 
-def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "", junit: str = "") -> tuple[Path, Path]:
+def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "", junit: str = "", fastapi: str = HAS_FASTAPI,
+         wheels: tuple[str, ...] = ()) -> tuple[Path, Path]:
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, work, failing_step, junit)), "WORKDIR": str(work), "RUN_ALL_BUDGET_S": str(budget)}
+    wheel_dir = tmp_path / "wheels"  # never the checkout's own .whl
+    wheel_dir.mkdir()
+    for name in wheels:
+        (wheel_dir / name).write_text("")
+    env = {**os.environ, "PYTHON": str(_fake_python(tmp_path, work, failing_step, junit, fastapi)), "WORKDIR": str(work),
+           "RUN_ALL_BUDGET_S": str(budget), "SERVER_WHEELS": str(wheel_dir)}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == want_rc, done.stderr
@@ -45,14 +58,15 @@ def _run(tmp_path: Path, budget: int, want_rc: int = 0, failing_step: str = "", 
 def test_every_step_runs_and_outdir_stays_small_and_flat(tmp_path: Path):
     out, work = _run(tmp_path, budget=540)
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["probe.json", "pytest_cuda.json", "results.tar.gz", "serve_summary.json", "status.json"]  # the stand-in writes no JSON of its own
+    assert files == ["probe.json", "pytest_cuda.json", "results.tar.gz", "serve_http_summary.json", "serve_summary.json", "status.json"]  # the stand-in writes no JSON of its own
     assert all(p.is_file() for p in out.iterdir()) and len(files) <= 8
     status = json.loads((out / "status.json").read_text())
-    assert list(status["steps"]) == ["probe", "pytest_cuda", "lora_ops", "step_times", "serve"]
+    assert list(status["steps"]) == ["probe", "pytest_cuda", "lora_ops", "step_times", "serve", "serve_http"]
     assert all(s["rc"] == 0 and s["timeout_s"] <= 540 for s in status["steps"].values())
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
-    assert {"logs/probe.log", "logs/pytest_cuda.log", "logs/lora_ops.log", "logs/step_times.log", "logs/serve.log", "serve/summary.json"} <= set(names)
+    assert {"logs/probe.log", "logs/pytest_cuda.log", "logs/lora_ops.log", "logs/step_times.log", "logs/serve.log", "serve/summary.json",
+            "logs/serve_http.log", "serve_http/summary.json"} <= set(names)
     calls = (tmp_path / "calls").read_text()
     assert "tests/test_cuda_kernels.py tests/test_capabilities.py" in calls  # not the whole tests/ tree
     assert f"--workdir {work}/weights" in calls and "--dtype bfloat16" in calls
@@ -66,7 +80,7 @@ def test_steps_past_the_budget_are_skipped_and_recorded(tmp_path: Path):
     steps = json.loads((out / "status.json").read_text())["steps"]
     ran = [name for name, s in steps.items() if s.get("rc") == 0]
     skipped = [name for name, s in steps.items() if s.get("skipped") == "budget spent"]
-    assert ran and skipped and ran + skipped == ["probe", "pytest_cuda", "lora_ops", "step_times", "serve"]
+    assert ran and skipped and ran + skipped == ["probe", "pytest_cuda", "lora_ops", "step_times", "serve", "serve_http"]
     assert all(s["timeout_s"] <= 37 - 15 for name, s in steps.items() if name in ran)
 
 
@@ -91,3 +105,30 @@ def test_a_run_where_every_cuda_test_skipped_fails(tmp_path: Path):
 def test_a_run_where_cuda_tests_passed_succeeds(tmp_path: Path):
     out, _ = _run(tmp_path, budget=540, junit=_junit("passed", "skipped"))
     assert json.loads((out / "pytest_cuda.json").read_text())["counts"]["passed"] == 1
+
+
+def test_the_http_step_runs_the_spawned_server_replay_on_the_serving_workload(tmp_path: Path):
+    _, work = _run(tmp_path, budget=540)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    serve = next(line for line in calls if "benchmarks/serve.py" in line and "--spawn-server" not in line)
+    http = next(line for line in calls if "--spawn-server" in line)
+    workload = lambda line: line.split("--num-requests", 1)[1].split("--baselines")[0]  # noqa: E731
+    assert workload(http) == workload(serve)  # the same requests, model and limits as the serve step
+    assert f"--workdir {work}/weights" in http and "--baselines none" in http and "--device cuda" in http
+    assert not any("pip install" in line for line in calls)  # fastapi was there: nothing installed
+
+
+def test_without_fastapi_or_wheels_the_http_step_is_skipped_and_the_run_incomplete(tmp_path: Path):
+    out, _ = _run(tmp_path, budget=540, want_rc=1, fastapi=NO_FASTAPI)
+    steps = json.loads((out / "status.json").read_text())["steps"]
+    assert steps["serve_http"]["rc"] is None and "server_wheels.sh" in steps["serve_http"]["skipped"]
+    assert all(steps[name]["rc"] == 0 for name in ("probe", "pytest_cuda", "lora_ops", "step_times", "serve"))
+    assert "--spawn-server" not in (tmp_path / "calls").read_text()
+
+
+def test_carried_wheels_are_installed_offline_for_the_http_step_only(tmp_path: Path):
+    _, work = _run(tmp_path, budget=540, fastapi=FASTAPI_FROM_SITE, wheels=("fastapi-0-py3-none-any.whl", "uvicorn-0-py3-none-any.whl"))
+    calls = (tmp_path / "calls").read_text().splitlines()
+    install = next(line for line in calls if "-m pip install" in line)
+    assert "--no-index" in install and f"--target {work}/site" in install and install.endswith("uvicorn-0-py3-none-any.whl")
+    assert any("--spawn-server" in line for line in calls)  # importable from WORKDIR/site: the step ran

@@ -2,10 +2,12 @@
 # GPU verification in one go, inside a time budget (default 540 s, RUN_ALL_BUDGET_S): the
 # capability probe first (one real launch of every kernel: the quickest sign of a broken
 # device), the `cuda`-marked tests, the LoRA op benchmark, step times on a fresh and a warm
-# engine (a per-shape cache such as cuDNN's SDPA plans shows as a slow first pass), and the
-# serving benchmark (lorafleet vs the same engine without adapters vs transformers+PEFT, bf16).
+# engine (a per-shape cache such as cuDNN's SDPA plans shows as a slow first pass), the
+# serving benchmark (lorafleet vs the same engine without adapters vs transformers+PEFT, bf16),
+# and the same workload over HTTP to a `lorafleet serve --device cuda` (needs the server's wheels,
+# below).
 #
-# OUTDIR gets at most 7 files, none in subfolders, so a remote runner that returns only a few
+# OUTDIR gets at most 8 files, none in subfolders, so a remote runner that returns only a few
 # files gets all of them; status.json and results.tar.gz are rewritten after every step, so a
 # run killed midway still leaves what finished:
 #
@@ -15,6 +17,7 @@
 #   OUTDIR/lora_ops.json     `benchmarks/lora_ops.py --device cuda --json`
 #   OUTDIR/step_times.json   `benchmarks/step_times.py --device cuda --json`
 #   OUTDIR/serve_summary.json  `benchmarks/serve.py --device cuda` summary.json
+#   OUTDIR/serve_http_summary.json  the same with --spawn-server: the online replay over HTTP
 #   OUTDIR/results.tar.gz    every log, the junit XML, and serve's records, workload and plots
 #
 # Usage: benchmarks/cuda/run_all.sh OUTDIR      (PYTHON=... to pick the interpreter; default .venv/bin/python
@@ -22,7 +25,12 @@
 # and passed, 1 when one failed or was skipped (status.json says which), 2 for a usage error.
 # Work files (synthetic weights, about 2 GB; logs) go to WORKDIR (default /tmp/lorafleet-cuda-run),
 # never to OUTDIR. Runs real kernels: TRITON_INTERPRET is removed from the environment, never set.
-# Needs torch, triton, transformers, peft, pytest (the GPU image has them); no server modules.
+# Needs torch, triton, transformers, peft, pytest (the GPU image has them). The serve_http step also
+# needs fastapi, starlette, uvicorn and pydantic, which the GPU image lacks: run
+# benchmarks/cuda/server_wheels.sh where pip reaches an index and carry the .whl folder it fills;
+# they are installed offline into WORKDIR/site for that step only (SERVER_WHEELS=DIR to take them
+# from elsewhere). Without them the step is
+# skipped, and the run reports it as incomplete.
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -64,6 +72,7 @@ write_status() {  # status.json and results.tar.gz as of now
   } > "$OUT/status.json"
   local parts=(logs)
   [ -d "$WORK/serve" ] && parts+=(serve)
+  [ -d "$WORK/serve_http" ] && parts+=(serve_http)
   tar -czf "$OUT/results.tar.gz" -C "$WORK" "${parts[@]}"
 }
 
@@ -148,6 +157,27 @@ step serve 300 "$PY" benchmarks/serve.py --out "$WORK/serve" --workdir "$WORK/we
   --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 \
   --hidden 2048 --layers 8 --max-loras 16 --repeats 1 --baselines no-adapter,peft --sweep-adapters 16,500 --sweep-rates ''
 [ -f "$WORK/serve/summary.json" ] && cp "$WORK/serve/summary.json" "$OUT/serve_summary.json"
+
+# The same workload's online replay over HTTP (streaming, TTFT as a client sees it) to a `lorafleet
+# serve --device cuda` that serve.py starts with the run's model, adapters and limits (--spawn-server;
+# the server's log lands in results.tar.gz). Last, so that Triton's disk cache is warm.
+WHEELS=${SERVER_WHEELS:-$ROOT/.whl}
+SERVER_PATH=$PYTHONPATH
+if ! "$PY" -c "import fastapi, uvicorn" 2>/dev/null && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" "$WHEELS"/*.whl \
+    && SERVER_PATH="$WORK/site:$PYTHONPATH"
+fi
+if PYTHONPATH=$SERVER_PATH "$PY" -c "import fastapi, uvicorn" 2>/dev/null; then
+  step serve_http 150 env PYTHONPATH="$SERVER_PATH" "$PY" benchmarks/serve.py --out "$WORK/serve_http" --workdir "$WORK/weights" \
+    --device cuda --dtype bfloat16 --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 \
+    --output-len 32,128 --hidden 2048 --layers 8 --max-loras 16 --repeats 1 --baselines none --sweep-adapters '' --sweep-rates '' \
+    --spawn-server
+  [ -f "$WORK/serve_http/summary.json" ] && cp "$WORK/serve_http/summary.json" "$OUT/serve_http_summary.json"
+else
+  STEPS+=("\"serve_http\": {\"rc\": null, \"skipped\": \"fastapi/uvicorn not importable: carry the wheels of benchmarks/cuda/server_wheels.sh as .whl\"}")
+  INCOMPLETE+=("serve_http (skipped: no fastapi/uvicorn)")
+  echo "== serve_http: skipped, fastapi/uvicorn not importable and no .whl to install them from" >&2
+fi
 write_status
 cat "$OUT/status.json"
 if [ ${#INCOMPLETE[@]} -gt 0 ]; then
