@@ -233,12 +233,15 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
             )
-        need = self.block_manager.blocks_for(max(n, n + params.max_tokens - 1))  # the last sampled token never gets KV
-        if need > self.block_manager.num_blocks:
-            pool = f"the KV pool has only {self.block_manager.num_blocks} (num_kv_blocks) of {self.config.block_size} tokens"
-            if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
-                raise RequestRejected(f"prompt: {n} tokens need {self.block_manager.blocks_for(n)} KV blocks, but {pool}")
-            raise RequestRejected(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) need {need} KV blocks, but {pool}")
+        # One request holds at most the whole pool, prompt + output, like max_model_len: the limit the
+        # server's banner and its default max_tokens use. (The last sampled token never gets KV, so the
+        # engine could run one token more; one number everywhere is worth that token.)
+        pool_tokens = self.block_manager.num_blocks * self.config.block_size
+        if n + params.max_tokens > pool_tokens:
+            pool = f"the KV pool holds {pool_tokens} tokens ({self.block_manager.num_blocks} num_kv_blocks of {self.config.block_size})"
+            if n > pool_tokens or (params.max_tokens > 0 and n == pool_tokens):
+                raise RequestRejected(f"prompt: {n} tokens (+ at least 1 of output) do not fit one request, and {pool}")
+            raise RequestRejected(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} tokens, but {pool}")
         ref = self.registry.resolve(adapter) if adapter is not None else None
         return CheckedRequest(request_id, prompt_ids, params, ref)
 

@@ -253,18 +253,22 @@ def test_add_request_rejects_at_once(tiny_llama_dir, tiny_adapters):
         engine.add_request("long2", [1] * 60, SamplingParams(max_tokens=8))
     with pytest.raises(RequestRejected, match=r"^max_tokens: .*num_kv_blocks"):  # the prompt fits; with its output it does not
         engine.add_request("huge", [1] * 14, SamplingParams(max_tokens=8))
-    with pytest.raises(RequestRejected, match=r"^prompt: 17 tokens need 5 KV blocks.*num_kv_blocks"):
+    with pytest.raises(RequestRejected, match=r"^prompt: 17 tokens .*holds 16 tokens \(4 num_kv_blocks of 4\)"):
         engine.add_request("huge-prompt", [1] * 17, SamplingParams(max_tokens=1))
+    with pytest.raises(RequestRejected, match=r"^prompt: 16 tokens \(\+ at least 1 of output\)"):  # fills the pool: no room left
+        engine.add_request("full-prompt", [1] * 16, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="prompt: empty"):
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(ValueError, match="prompt: token ids"):
         engine.add_request("vocab", [10**6], GREEDY)
     assert not engine.has_unfinished()
-    # The boundary: the last sampled token never gets KV, so 9 + 8 tokens need 16 slots = the whole pool.
-    with pytest.raises(RequestRejected, match="num_kv_blocks"):
-        engine.add_request("one-too-many", [1] * 10, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.add_request("fits", [1] * 9, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert len(run_to_completion(engine)["fits"].token_ids) == 8
+    # The boundary: prompt + max_tokens up to the pool's 16 tokens, as the server's banner and default max_tokens say.
+    with pytest.raises(RequestRejected, match=r"^max_tokens: prompt \(9 tokens\) \+ max_tokens \(8\) = 17 tokens"):
+        engine.add_request("one-too-many", [1] * 9, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("fits", [1] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("scores-a-full-pool", [1] * 16, SamplingParams(max_tokens=0))  # prompt only (echo scoring): no output
+    finals = run_to_completion(engine)
+    assert len(finals["fits"].token_ids) == 8 and finals["scores-a-full-pool"].token_ids == ()
 
 
 def test_observer_metrics_and_stop_strings(tiny_llama_dir):

@@ -63,6 +63,11 @@ async def test_defaults_fit_a_kv_pool_smaller_than_max_model_len(small_pool_engi
         chat = await c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})
         completion = await c.post("/v1/completions", json={**body, "prompt": list(range(5, 25))})  # 20 + 16 > 32
         explicit = await c.post("/v1/completions", json={**body, "prompt": list(range(5, 25)), "max_tokens": 16})
+        # The largest explicit max_tokens accepted is the default's: prompt + output = the pool's 32 tokens, one more is a 400.
+        filling = await c.post("/v1/completions", json={**body, "prompt": list(range(5, 25)), "max_tokens": pool_tokens - 20})
+        one_over = await c.post("/v1/completions", json={**body, "prompt": list(range(5, 25)), "max_tokens": pool_tokens - 19})
+    assert filling.status_code == 200 and filling.json()["usage"]["total_tokens"] == pool_tokens, filling.text
+    assert one_over.status_code == 400 and one_over.json()["error"]["code"] == "context_length_exceeded", one_over.text
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["total_tokens"] == pool_tokens  # all the room the pool has, not max_model_len's
     assert completion.status_code == 200, completion.text
