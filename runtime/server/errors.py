@@ -103,7 +103,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8)
             return error_response(400, f"the request body is not valid JSON: {err.detail}", code="invalid_json")
-        return error_response(err.status_code, str(err.detail))
+        response = error_response(err.status_code, str(err.detail))
+        response.headers.update(err.headers or {})  # e.g. the Allow header Starlette's router sets on a 405
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected_error(request: Request, err: Exception) -> JSONResponse:

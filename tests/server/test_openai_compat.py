@@ -119,6 +119,7 @@ async def test_error_fields(app, demo_engine) -> None:
     assert bad_json.status_code == 400 and err["param"] is None and "not valid JSON" in err["message"] and err["code"] == "invalid_json"
     assert no_route.json()["error"]["code"] == "not_found" and wrong_method.json()["error"]["code"] == "method_not_allowed"
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"  # RFC 9110: a 405 names the allowed methods
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens", too_long.text
     assert chat_long.status_code == 400 and chat_long.json()["error"]["param"] == "messages", chat_long.text
     assert second.status_code == 400 and second.json()["error"]["param"] == "prompt.1", second.text
