@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
-from runtime.server.logprobs import chat_logprobs
+from runtime.server.logprobs import StreamedEntries, chat_logprobs
 from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -82,18 +82,18 @@ def build_router(state: Any) -> APIRouter:
                     role = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                     yield event(payload("chat.completion.chunk", [role], prompt_only if continuous else None))
                 last: dict[int, Any] = {}
-                pending: dict[int, list[Any]] = {k: [] for k in range(body.n)}  # with logprobs, tokens that added no text yet wait for the next chunk
+                pending = {k: StreamedEntries(state.tokenizer) for k in range(body.n)}  # an entry waits for its token's text
                 try:
                     async for k, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":
                             failure = gen.failure_of(out)
                             yield event(error_body(failure.status, failure.message, code=failure.code))
                             break
-                        pending[k].extend(out.new_logprobs or ())
+                        pending[k].add(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
                             delta = {"content": out.new_text} if out.new_text else {}
-                            logprobs = chat_logprobs(state.tokenizer, pending[k]) if body.logprobs else None
-                            pending[k] = []
+                            released = pending[k].release(out.new_text, out.finished)
+                            logprobs = chat_logprobs(state.tokenizer, released) if body.logprobs else None
                             choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
                             if out.finished:
                                 with_ids(choice, out)

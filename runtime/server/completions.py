@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
-from runtime.server.logprobs import TextOffsets, completion_logprobs
+from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -127,8 +127,8 @@ def build_router(state: Any) -> APIRouter:
 
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
-                # With logprobs, a token that adds no text yet waits for the next chunk of its choice.
-                pending: dict[int, list[Any]] = {i: [] for i in range(len(choices_in))}
+                # With logprobs, an entry waits for the chunk that carries its token's text (StreamedEntries).
+                pending = {i: StreamedEntries(state.tokenizer) for i in range(len(choices_in))}
                 offsets = {i: TextOffsets(state.tokenizer) for i in range(len(choices_in))}
                 started: set[int] = set()
                 try:
@@ -144,12 +144,11 @@ def build_router(state: Any) -> APIRouter:
                             prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
                             yield event(chunk([echo_choice], prompt_only if continuous else None))
                         started.add(index)
-                        pending[index].extend(out.new_logprobs or ())
+                        pending[index].add(out.new_logprobs or ())
                         if out.new_text or out.finished or (continuous and out.new_token_ids):
                             logprobs = None
                             if body.logprobs is not None:
-                                logprobs = completion_logprobs(state.tokenizer, pending[index], offsets[index])
-                                pending[index] = []
+                                logprobs = completion_logprobs(state.tokenizer, pending[index].release(out.new_text, out.finished), offsets[index])
                             choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
                             yield event(chunk([choice], _choice_usage(out) if continuous else None))
                         if out.finished:

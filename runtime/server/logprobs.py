@@ -39,6 +39,11 @@ class TextOffsets:
         self.position = position
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    @property
+    def in_character(self) -> bool:
+        """The tokens so far end inside a character (bytes of it are waiting for the rest)."""
+        return bool(self._utf8.getstate()[0])
+
     def advance(self, token_id: int) -> int:
         """The offset of ``token_id``, the next token; moves past it."""
         offset = self.position
@@ -46,6 +51,46 @@ class TextOffsets:
             raw = self._tokenizer.token_bytes(token_id)
             self.position += len(self._utf8.decode(raw if raw is not None else self._tokenizer.token_text(token_id).encode("utf-8")))
         return offset
+
+
+class StreamedEntries:
+    """One streamed choice's logprob entries, each sent with the chunk that carries the end of its
+    token's text, never before.
+
+    The text of a chunk can trail its tokens: a stop string holds back text that may be its start,
+    and a character split over tokens shows once complete. An entry waits until the text sent so
+    far reaches the end of its token's text (``TextOffsets`` over the generated tokens): the tokens
+    of a split character end where the character does; a special token, which adds no text, goes
+    with the first chunk at or past where it stands. The last chunk of the choice takes every entry
+    left (the token that completed a stop string, whose text is never sent, among them)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._ends = TextOffsets(tokenizer)
+        self._waiting: list[tuple[Optional[int], TokenLogprobs]] = []  # (where its text ends, None: inside a character; entry)
+        self._sent = 0  # characters of generated text sent so far
+
+    def add(self, entries: Sequence[TokenLogprobs]) -> None:
+        for entry in entries:
+            self._ends.advance(entry.token_id)
+            if self._ends.in_character:
+                self._waiting.append((None, entry))
+                continue
+            # The character is complete: its earlier tokens end where it does.
+            for i in range(len(self._waiting) - 1, -1, -1):
+                if self._waiting[i][0] is not None:
+                    break
+                self._waiting[i] = (self._ends.position, self._waiting[i][1])
+            self._waiting.append((self._ends.position, entry))
+
+    def release(self, new_text: str, finished: bool) -> list[TokenLogprobs]:
+        """The entries to send with a chunk of ``new_text`` (the choice's last chunk when ``finished``)."""
+        self._sent += len(new_text)
+        n = len(self._waiting)
+        if not finished:
+            n = next((i for i, (end, _) in enumerate(self._waiting) if end is None or end > self._sent), n)
+        released = [entry for _, entry in self._waiting[:n]]
+        del self._waiting[:n]
+        return released
 
 
 def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs]], offsets: TextOffsets,

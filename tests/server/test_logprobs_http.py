@@ -6,6 +6,8 @@ whole reply, bytes that rebuild the text, and the penalties reaching the engine.
 """
 from __future__ import annotations
 
+import codecs
+
 import math
 from pathlib import Path
 
@@ -80,6 +82,43 @@ async def test_streamed_completion_logprobs_add_up_to_the_whole(app, engine) -> 
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for p in parts for x in p[key]] == pytest.approx(whole["logprobs"][key]) if key == "token_logprobs" else \
             [x for p in parts for x in p[key]] == whole["logprobs"][key]
+
+
+def assert_entries_never_lead_the_text(texts: list[str], tokens: list[list[str]]) -> None:
+    """Chunk by chunk, the entries' token texts so far are a prefix of the text sent so far: an
+    entry comes with the chunk that carries its token's text or after it, never before (a stop
+    string holds text back; here nothing in the text is special or a split character)."""
+    sent = entries = ""
+    for text, toks in zip(texts, tokens):
+        sent, entries = sent + text, entries + "".join(toks)
+        assert sent.startswith(entries), (sent, entries)
+
+
+async def test_streamed_logprobs_wait_for_text_a_stop_string_holds_back(app, engine) -> None:
+    """A three-character stop string that never matches holds the last two characters of the text
+    back until the end; the entries of their tokens wait with them (they came two chunks early)."""
+    model = engine.model_name
+    async with client_for(app) as c:
+        done = await stream(c, "/v1/completions", completion_body(model, logprobs=0, temperature=0, stop=["\x00\x01\x02"]))
+        chat = await stream(c, "/v1/chat/completions", chat_body(model, logprobs=True, temperature=0, stop=["\x00\x01\x02"]))
+    parts = [ch["choices"][0] for ch in done if ch["choices"]]
+    # The text is exactly its tokens' texts (no special token, no split character), so the prefix check below applies.
+    assert len(parts) >= 3 and "".join(t for p in parts for t in p["logprobs"]["tokens"]) == "".join(p["text"] for p in parts)
+    assert_entries_never_lead_the_text([p["text"] for p in parts], [p["logprobs"]["tokens"] for p in parts])
+    assert [o for p in parts for o in p["logprobs"]["text_offset"]] == sorted(o for p in parts for o in p["logprobs"]["text_offset"])
+    sent = "".join(p["text"] for p in parts)
+    for p in parts:  # each offset indexes the text as the client has it when the entry arrives
+        for token, offset in zip(p["logprobs"]["tokens"], p["logprobs"]["text_offset"]):
+            assert sent[offset:].startswith(token)
+    # Chat, where this model's reply has split characters: counted in characters, the entries' bytes
+    # decoded so far never pass the text sent so far.
+    deltas = [ch["choices"][0] for ch in chat if ch["choices"] and ch["choices"][0]["logprobs"] is not None]
+    utf8, sent_chars, entry_chars = codecs.getincrementaldecoder("utf-8")(errors="replace"), 0, 0
+    for d in deltas[:-1]:  # the last chunk flushes whatever is left
+        sent_chars += len(d["delta"].get("content", ""))
+        entry_chars += len(utf8.decode(bytes(b for e in d["logprobs"]["content"] for b in e["bytes"] or ())))
+        assert entry_chars <= sent_chars, (entry_chars, sent_chars, d)
+    assert sum(len(d["logprobs"]["content"]) for d in deltas) == MAX_TOKENS  # every entry still comes, the last ones at the end
 
 
 async def test_chat_logprobs_bytes_rebuild_the_reply(app, engine) -> None:
@@ -312,3 +351,32 @@ async def test_min_tokens_holds_back_stop_strings_too(app, engine) -> None:
         held = (await post(c, "/v1/completions", completion_body(model, temperature=0, stop=[stop], min_tokens=MAX_TOKENS)))["choices"][0]
     assert early["text"] == "" and early["finish_reason"] == "stop"
     assert held["token_ids"] == full["token_ids"] and len(held["token_ids"]) == MAX_TOKENS
+
+
+def test_streamed_entries_wait_for_the_character_their_bytes_complete() -> None:
+    """StreamedEntries on a stand-in tokenizer: a character's first byte waits for the token that
+    completes it; a special token goes with the next chunk at or past where it stands."""
+    from runtime.request import TokenLogprobs
+    from runtime.server.logprobs import StreamedEntries
+
+    class Bytes:
+        raw = {1: b"\xcf", 2: b"\x9a", 3: b"a", 4: None}  # 1 + 2: "Ϛ"; 4: special
+
+        def is_special(self, token_id: int) -> bool:
+            return token_id == 4
+
+        def token_bytes(self, token_id: int):
+            return self.raw[token_id]
+
+        def token_text(self, token_id: int) -> str:
+            return "<s>" if token_id == 4 else self.raw[token_id].decode("latin-1")
+
+    entry = lambda t: TokenLogprobs(token_id=t, logprob=-1.0, top=())  # noqa: E731
+    streamed = StreamedEntries(Bytes())
+    streamed.add([entry(3), entry(1)])
+    assert [e.token_id for e in streamed.release("a", False)] == [3]  # byte 0xcf is half a character: it waits
+    streamed.add([entry(2), entry(4)])
+    assert [e.token_id for e in streamed.release("", False)] == []  # no text sent: "Ϛ" is not out yet
+    assert [e.token_id for e in streamed.release("Ϛ", False)] == [1, 2, 4]  # the character, then the special token at its end
+    streamed.add([entry(3)])
+    assert [e.token_id for e in streamed.release("", True)] == [3]  # the last chunk takes what is left
