@@ -66,6 +66,7 @@ def test_add_bos_token_without_post_processor(model_copy):
     (model_copy / "tokenizer.json").write_text(json.dumps(raw))
     tok = Tokenizer(model_copy)
     assert tok.encode("hi") == [tok.bos_token_id] + tok.encode("hi", add_special_tokens=False)
+    assert tok.encode_with_starts("hi") == (tok.encode("hi"), [0, 0, 1])  # the bos put first here starts at 0 too
     cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
     cfg["add_bos_token"] = False
     (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))

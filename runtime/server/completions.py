@@ -49,15 +49,23 @@ def _echoed(prompt: str | list[int], tokenizer: Any) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-def _prompt_logprobs(out: Any, tokenizer: Any, offsets: TextOffsets, echoed: str) -> dict[str, Any]:
+def _prompt_logprobs(out: Any, tokenizer: Any, offsets: TextOffsets, prompt: str | list[int], echoed: str) -> dict[str, Any]:
     """The legacy logprobs object of the prompt's tokens (echo); ``offsets`` then continues
-    after ``echoed``, the prompt's text in the reply."""
-    head = completion_logprobs(tokenizer, out.prompt_logprobs, offsets, out.prompt_token_ids)
+    after ``echoed``, the prompt's text in the reply.
+
+    A text prompt is echoed as sent, so its tokens' offsets are where the tokenizer found them in
+    it: counting token texts would drift where the text spells a special token (``<eos>``) or has
+    characters the vocabulary lacks, which decoding drops. Token ids are echoed decoded, and counted."""
+    starts = None
+    if isinstance(prompt, str):
+        ids, found = tokenizer.encode_with_starts(prompt)
+        starts = found if ids == list(out.prompt_token_ids) else None  # the engine's own encoding: always the same ids
+    head = completion_logprobs(tokenizer, out.prompt_logprobs, offsets, out.prompt_token_ids, starts)
     offsets.restart_at(len(echoed))
     return head
 
 
-def _whole_logprobs(out: Any, tokenizer: Any, echoed: str | None) -> dict[str, Any] | None:
+def _whole_logprobs(out: Any, tokenizer: Any, prompt: str | list[int], echoed: str | None) -> dict[str, Any] | None:
     """A finished choice's logprobs object: with ``echoed`` (the prompt's text, echo), the
     prompt's tokens first, then the generated ones."""
     if out.logprobs is None:
@@ -65,7 +73,7 @@ def _whole_logprobs(out: Any, tokenizer: Any, echoed: str | None) -> dict[str, A
     offsets = TextOffsets(tokenizer)
     if echoed is None:
         return completion_logprobs(tokenizer, out.logprobs, offsets)
-    head = _prompt_logprobs(out, tokenizer, offsets, echoed)
+    head = _prompt_logprobs(out, tokenizer, offsets, prompt, echoed)
     tail = completion_logprobs(tokenizer, out.logprobs, offsets)
     return {key: head[key] + tail[key] for key in head}
 
@@ -139,7 +147,7 @@ def build_router(state: Any) -> APIRouter:
                             break
                         if body.echo and index not in started:  # the prompt first, in a chunk of its own
                             echoed = _echoed(choices_in[index], state.tokenizer)
-                            logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], echoed) if body.logprobs is not None else None
+                            logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed) if body.logprobs is not None else None
                             echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
                             prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
                             yield event(chunk([echo_choice], prompt_only if continuous else None))
@@ -174,7 +182,7 @@ def build_router(state: Any) -> APIRouter:
         choices = []
         for k, o in sorted(finals.items()):
             echoed = _echoed(choices_in[k], state.tokenizer) if body.echo else None
-            choices.append(_choice(k, o, body.return_token_ids, (echoed or "") + o.text, _whole_logprobs(o, state.tokenizer, echoed)))
+            choices.append(_choice(k, o, body.return_token_ids, (echoed or "") + o.text, _whole_logprobs(o, state.tokenizer, choices_in[k], echoed)))
         return JSONResponse(chunk(choices, _usage(finals, body.n)))
 
     return router

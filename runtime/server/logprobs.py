@@ -94,19 +94,20 @@ class StreamedEntries:
 
 
 def completion_logprobs(tokenizer: Any, entries: Sequence[Optional[TokenLogprobs]], offsets: TextOffsets,
-                        token_ids: Optional[Sequence[int]] = None) -> dict[str, Any]:  # fmt: skip
-    """The legacy ``logprobs`` object for ``entries``, their ``text_offset`` from ``offsets``.
+                        token_ids: Optional[Sequence[int]] = None, starts: Optional[Sequence[int]] = None) -> dict[str, Any]:  # fmt: skip
+    """The legacy ``logprobs`` object for ``entries``, their ``text_offset`` from ``offsets``, or
+    ``starts`` when given (a prompt echoed as sent: where the tokenizer found each token in it).
 
     ``token_ids``: the tokens, when some entry is None (the first prompt token with ``echo``:
     nothing predicts it, so its logprob and its top_logprobs are null)."""
     ids = list(token_ids) if token_ids is not None else [e.token_id for e in entries if e is not None]
-    if len(ids) != len(entries):
-        raise ValueError(f"completion_logprobs: {len(entries)} entries for {len(ids)} tokens")
+    if len(ids) != len(entries) or (starts is not None and len(starts) != len(ids)):
+        raise ValueError(f"completion_logprobs: {len(entries)} entries for {len(ids)} tokens" + (f" and {len(starts)} starts" if starts is not None else ""))
     tokens, token_logprobs, top, text_offsets = [], [], [], []
-    for token_id, entry in zip(ids, entries):
+    for i, (token_id, entry) in enumerate(zip(ids, entries)):
         text = tokenizer.token_text(token_id)
         tokens.append(text)
-        text_offsets.append(offsets.advance(token_id))
+        text_offsets.append(offsets.advance(token_id) if starts is None else starts[i])
         if entry is None:
             token_logprobs.append(None)
             top.append(None)

@@ -380,3 +380,27 @@ def test_streamed_entries_wait_for_the_character_their_bytes_complete() -> None:
     assert [e.token_id for e in streamed.release("Ϛ", False)] == [1, 2, 4]  # the character, then the special token at its end
     streamed.add([entry(3)])
     assert [e.token_id for e in streamed.release("", True)] == [3]  # the last chunk takes what is left
+
+
+async def test_echoed_text_offsets_index_a_prompt_that_spells_a_special_token(app, engine) -> None:
+    """A text prompt is echoed as sent; where it spells a special token (the eos's text here), the
+    tokenizer reads that token, which decoding drops: the offsets are where each token was found in
+    the prompt, so every one (the special token too) starts where its text sits in the reply."""
+    model = engine.adapters()[0].name
+    eos_text = engine.tokenizer.token_text(engine.tokenizer.eos_token_ids[0])
+    prompt = f"{eos_text}ab =>"
+    assert engine.tokenizer.eos_token_ids[0] in engine.tokenizer.encode(prompt)  # the text does spell it
+    async with client_for(app) as c:
+        whole = (await post(c, "/v1/completions", completion_body(model, prompt=prompt, echo=True, logprobs=0, max_tokens=3, temperature=0)))
+        chunks = await stream(c, "/v1/completions", completion_body(model, prompt=prompt, echo=True, logprobs=0, max_tokens=3, temperature=0))
+    choice = whole["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt)
+    prompt_tokens = len(choice["prompt_token_ids"])
+    bos = engine.tokenizer.bos_token_id
+    for token_id, token, offset in zip(choice["prompt_token_ids"], lp["tokens"], lp["text_offset"]):
+        if token_id != bos:  # the bos is not in the text; it starts at 0
+            assert choice["text"][offset:].startswith(token), (token, offset, choice["text"])
+    assert lp["text_offset"][prompt_tokens:][0] == len(prompt)  # the generated tokens start after the prompt as sent
+    streamed = [o for ch in chunks if ch["choices"] for o in ch["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]
