@@ -32,7 +32,7 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import PrefixCache
-from runtime.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from runtime.lora.adapter import AdapterError, LoRAAdapter, load_adapter, resolved_files
 from runtime.lora.pool import AdapterPool
 from runtime.lora.registry import AdapterInfo, AdapterRegistry
 from runtime.model_runner import ModelRunner, SeqStep
@@ -152,7 +152,7 @@ class LLMEngine:
     def install_adapter(self, adapter: LoRAAdapter, path: str) -> AdapterRef:
         """Make a loaded adapter the current version of its name (hot update if the name exists)."""
         ref = AdapterRef(adapter.name, adapter.version)
-        previous = self.registry.register(ref, str(path), adapter.max_rank)
+        previous = self.registry.register(ref, str(path), adapter.max_rank, adapter.files)
         self.pool.revive(ref)  # same content registered again after an unregister: current, not retired
         self.pool.insert_host(ref, adapter)
         if previous is not None:
@@ -169,16 +169,30 @@ class LLMEngine:
         return self.registry.infos()
 
     def _load_registered(self, ref: AdapterRef) -> LoRAAdapter:
-        """Pool loader (runs in the pool's load thread): re-read a registered version from disk."""
+        """Pool loader (runs in the pool's load thread): re-read a registered version from disk.
+
+        Its error reaches the requests of that version, i.e. any API caller: it names the folder
+        (as ``GET /v1/models`` does) but never quotes what the files hold, which the server log
+        gets instead. Files that now resolve elsewhere than when the version was registered (a
+        symlink swapped to point outside ``--adapter-root``) are not read at all."""
         try:
-            path = self.registry.path_of(ref)
+            path, files = self.registry.path_of(ref), self.registry.files_of(ref)
         except KeyError:
             raise AdapterError(f"adapter {ref.name!r} (version {ref.version[:12]}) is no longer registered") from None
         try:
+            moved = resolved_files(path) != files
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, or a path no longer usable
+            moved = True
+        if files and moved:
+            logger.warning("adapter %r (version %s): not re-read from %s: its files resolve elsewhere than %s", ref.name, ref.version[:12], path, files)
+            raise AdapterError(f"{path}: the adapter's files resolve to other paths than when it was registered (version {ref.version[:12]}); "
+                               f"nothing was read; register it again to serve what is there now")  # fmt: skip
+        try:
             adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
         except AdapterError as err:  # it loaded when registered: its files changed (or went) since
+            logger.warning("adapter %r (version %s): re-reading %s failed: %s", ref.name, ref.version[:12], path, err)
             raise AdapterError(f"{path}: the adapter changed on disk since it was registered (version {ref.version[:12]}) and no "
-                               f"longer loads: {err}; register it again to serve the new content") from None
+                               f"longer loads (the server log has why); register it again to serve the new content") from None
         if adapter.version != ref.version:
             raise AdapterError(
                 f"{path}: the adapter changed on disk since it was registered (registered version {ref.version[:12]}, "

@@ -2,6 +2,7 @@
 adapter lifetime (hot update, unregister, abort, corrupted files) and fairness."""
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -226,7 +227,7 @@ def test_an_aborted_id_stays_taken_until_its_final_output_is_returned(tiny_llama
     assert [o.request_id for o in engine.step()] == ["r1"]
 
 
-def test_corrupted_adapter_fails_only_its_requests(tiny_llama_dir, tiny_adapters, tmp_path):
+def test_corrupted_adapter_fails_only_its_requests(tiny_llama_dir, tiny_adapters, tmp_path, caplog):
     engine = make_engine(tiny_llama_dir, max_loras=1, max_cpu_loras=1)
     broken = copy_adapter(Path(tiny_adapters["a"]), tmp_path / "broken")
     engine.register_adapter("broken", str(broken))
@@ -236,9 +237,11 @@ def test_corrupted_adapter_fails_only_its_requests(tiny_llama_dir, tiny_adapters
     engine.add_request("bad", [5, 6, 7], GREEDY, "broken")
     engine.add_request("good", [5, 6, 7], GREEDY, "b")
     engine.add_request("base", [5, 6, 7], GREEDY, None)
-    finals = run_to_completion(engine)
+    with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+        finals = run_to_completion(engine)
     assert finals["bad"].finish_reason == "error"
-    assert "broken" in finals["bad"].error and "adapter_model.safetensors" in finals["bad"].error
+    assert str(broken) in finals["bad"].error and "changed on disk" in finals["bad"].error
+    assert any("adapter_model.safetensors" in r.getMessage() for r in caplog.records)  # the file and the reason: in the log only
     assert finals["good"].finish_reason == "length" and finals["base"].finish_reason == "length"
     assert engine.snapshot()["total_refcounts"]["adapter_demand"] == 0
 

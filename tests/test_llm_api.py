@@ -1,6 +1,7 @@
 """Offline API: LLM(...).generate over the continuous-batching engine."""
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -53,7 +54,7 @@ def test_generate_validates_arguments(tiny_llama_dir):
     llm.close()
 
 
-def test_failed_requests_raise_with_every_result_unless_asked_not_to(tiny_llama_dir, tiny_adapters, tmp_path):
+def test_failed_requests_raise_with_every_result_unless_asked_not_to(tiny_llama_dir, tiny_adapters, tmp_path, caplog):
     """An adapter whose files changed on disk before its first read fails its requests; the
     base-model request in the same call still succeeds and is not lost."""
     live = copy_adapter(tiny_adapters["a"], tmp_path / "live")
@@ -68,14 +69,45 @@ def test_failed_requests_raise_with_every_result_unless_asked_not_to(tiny_llama_
         assert good.finish_reason == "length" and len(good.token_ids) == 3 and bad.finish_reason == "error"
         kept = llm.generate(["x", "y"], params, adapter=[None, "live"], raise_on_error=False)
         assert [r.finish_reason for r in kept] == ["length", "error"] and kept[0].token_ids == good.token_ids
-        # Files replaced by ones that no longer validate (another adapter's targets): still "changed on disk", with the reason.
+        # Files replaced by ones that no longer validate (another adapter's targets): still "changed on disk"; the
+        # reason goes to the log, not into the request's error, which any API caller of that adapter reads.
         llm.register_adapter("gone", str(copy_adapter(tiny_adapters["a"], tmp_path / "gone")))
         llm.register_adapter("other2", str(copy_adapter(tiny_adapters["b"], tmp_path / "other2")))  # drops "gone" from the host tier
         shutil.copyfile(tiny_adapters["c"] / "adapter_model.safetensors", tmp_path / "gone" / "adapter_model.safetensors")  # a's config, c's tensors
-        (failed,) = llm.generate(["y"], params, adapter="gone", raise_on_error=False)
+        with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+            (failed,) = llm.generate(["y"], params, adapter="gone", raise_on_error=False)
         assert failed.finish_reason == "error" and "changed on disk since it was registered" in failed.error, failed.error
-        assert "no longer loads" in failed.error
+        assert "no longer loads (the server log has why)" in failed.error
+        assert any("re-reading" in r.getMessage() and "gone" in r.getMessage() for r in caplog.records)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_re_read_never_follows_files_swapped_to_point_elsewhere(tiny_llama_dir, tiny_adapters, tmp_path, caplog):
+    """After registration, an adapter's file replaced by a symlink to a file elsewhere (outside
+    --adapter-root, say): the host tier's re-read reads nothing and the request's error quotes none
+    of that file (it used to: a parse error showed its first bytes to any caller)."""
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text('{"peft_type": "TOPSECRET-hunter2"}')
+    live = copy_adapter(tiny_adapters["a"], tmp_path / "root" / "live")
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4, max_loras=1, max_cpu_loras=1) as llm:
+        llm.register_adapter("live", str(live))
+        llm.register_adapter("other", str(tiny_adapters["b"]))  # the 1-entry host tier drops "live": the next request re-reads it
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            saved = (live / name).read_bytes()
+            (live / name).unlink()
+            (live / name).symlink_to(secret)
+            with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+                (failed,) = llm.generate(["y"], params, adapter="live", raise_on_error=False)
+            assert failed.finish_reason == "error" and "resolve to other paths than when it was registered" in failed.error, failed.error
+            assert "TOPSECRET" not in failed.error and "nothing was read" in failed.error
+            (live / name).unlink()
+            (live / name).write_bytes(saved)  # the same content at the same place: served again
+            (ok,) = llm.generate(["y"], params, adapter="live")
+            assert ok.finish_reason == "length"
+            llm.generate(["y"], params, adapter="other")  # and dropped from the host tier again
+        assert all("TOPSECRET" not in r.getMessage() for r in caplog.records)  # not read at all: not even the log has it
 
 
 def test_close_and_a_failed_constructor_release_the_engine(tiny_llama_dir, tiny_adapters, monkeypatch):

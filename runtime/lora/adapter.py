@@ -99,10 +99,17 @@ class LoRAAdapter:
     rank_pattern: Mapping[str, int] = field(default_factory=dict)
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
+    files: tuple[str, ...] = ()  # the config and weights files it was read from, symlinks resolved (``resolved_files``)
 
     @property
     def nbytes(self) -> int:
         return sum(m.lora_a.numel() * 4 + m.lora_b.numel() * 4 for m in self.modules.values())
+
+
+def resolved_files(folder: str | Path) -> tuple[str, ...]:
+    """Where the files ``load_adapter`` reads in ``folder`` are, symlinks resolved (nothing is
+    opened): a re-read from disk checks that they still resolve there before reading them."""
+    return tuple(str((Path(folder) / name).resolve()) for name in (CONFIG_FILE, WEIGHTS_FILE))
 
 
 def load_adapter(
@@ -134,6 +141,7 @@ def load_adapter(
                 f"save the adapter with safe_serialization=True to get {WEIGHTS_FILE}"
             )
         raise AdapterError(f"{weights_path}: missing (a PEFT adapter folder needs {WEIGHTS_FILE})")
+    files = resolved_files(root)
     raw = _read_config(config_path)
     cfg = _parse_config(raw, config_path, max_lora_rank)
     modules = _resolve_modules(cfg, config_path, targets, num_layers)
@@ -157,6 +165,7 @@ def load_adapter(
         rank_pattern=dict(cfg.rank_pattern),
         alpha_pattern=dict(cfg.alpha_pattern),
         base_model_name_or_path=raw.get("base_model_name_or_path"),
+        files=files,
     )
 
 

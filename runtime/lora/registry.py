@@ -34,6 +34,7 @@ class _VersionRecord:
     max_rank: int
     readers: int = 0
     registered_at: float = 0.0
+    files: tuple[str, ...] = ()  # the files the version was read from, symlinks resolved (a re-read checks them)
 
 
 def first_of(items: Sequence[str], shown: int = 10) -> str:
@@ -59,15 +60,16 @@ class AdapterRegistry:
         # every register and unregister under the engine lock.
         self._infos: dict[str, AdapterInfo] = {}
 
-    def register(self, ref: AdapterRef, path: str, max_rank: int) -> Optional[AdapterRef]:
-        """Make ``ref`` the current version of ``ref.name``; returns the version it replaces (or None)."""
+    def register(self, ref: AdapterRef, path: str, max_rank: int, files: tuple[str, ...] = ()) -> Optional[AdapterRef]:
+        """Make ``ref`` the current version of ``ref.name``; returns the version it replaces (or None).
+        ``files``: where its files were read from, symlinks resolved (``LoRAAdapter.files``)."""
         previous = self._current.get(ref.name)
         self._current[ref.name] = ref
         record = self._records.get(ref)
         if record is None:
-            record = self._records[ref] = _VersionRecord(ref, path, max_rank)
+            record = self._records[ref] = _VersionRecord(ref, path, max_rank, files=files)
         else:
-            record.path = path
+            record.path, record.files = path, files
         if previous != ref:  # registering the current version again keeps its time
             record.registered_at = time.time()
         self._infos[ref.name] = AdapterInfo(ref.name, ref.version, record.path, record.max_rank, record.registered_at)
@@ -106,6 +108,9 @@ class AdapterRegistry:
 
     def path_of(self, ref: AdapterRef) -> str:
         return self._records[ref].path
+
+    def files_of(self, ref: AdapterRef) -> tuple[str, ...]:
+        return self._records[ref].files
 
     def readers(self, ref: AdapterRef) -> int:
         record = self._records.get(ref)
