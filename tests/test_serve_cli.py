@@ -82,6 +82,20 @@ def test_duplicate_adapter_names_rejected(tiny_llama_dir: Path) -> None:
         build_settings({}, normalize_keys({"model": str(tiny_llama_dir), "lora_modules": ["a=/1", "a=/2"]}, "flags"), None)
 
 
+@pytest.mark.parametrize("name", ["bad\ud800name", "a b", "org/tuned", "L" * 129, "line\nbreak", "nul\x00", "-dash", "__base__"])
+def test_adapter_names_the_admin_api_refuses_are_refused_at_start_up(tiny_llama_dir: Path, name: str) -> None:
+    """A name the admin route refuses could not be hot-updated or unloaded there; a lone surrogate
+    made GET /v1/models a 500 for everyone, a newline split the start-up summary."""
+    with pytest.raises(ConfigError, match="must be 1-128 letters, digits"):
+        build_settings({}, normalize_keys({"model": str(tiny_llama_dir), "lora_modules": [{"name": name, "path": "/x"}]}, "flags"), None)
+
+
+def test_adapter_names_the_admin_api_accepts_are_accepted_at_start_up(tiny_llama_dir: Path) -> None:
+    names = ["x", "1", "x.y-z_w", "L" * 128]
+    settings = build_settings({}, normalize_keys({"model": str(tiny_llama_dir), "lora_modules": [f"{n}=/x" for n in names]}, "flags"), None)
+    assert [m.name for m in settings.lora_modules] == names
+
+
 def test_no_model_without_demo_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="bundled demo"):
         build_settings({}, {}, demo_model=None)

@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# An adapter's name in the API: what the admin route accepts, and what --lora-modules must give too,
+# so that every served adapter can be listed, hot-updated and unloaded (and labels metrics safely).
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
+ADAPTER_NAME_MAX_LEN = 128
+
 
 @dataclass(frozen=True)
 class ServerOptions:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator, model_validator
 
 from runtime.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from runtime.server.options import ADAPTER_NAME_MAX_LEN, ADAPTER_NAME_PATTERN
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
@@ -258,13 +259,13 @@ class ChatCompletionRequest(_SamplingFields):
 
 class LoadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    lora_name: str = Field(..., min_length=1, max_length=ADAPTER_NAME_MAX_LEN, pattern=ADAPTER_NAME_PATTERN)
     lora_path: str = Field(..., min_length=1, max_length=4096)
 
 
 class UnloadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(..., min_length=1, max_length=128)
+    lora_name: str = Field(..., min_length=1, max_length=ADAPTER_NAME_MAX_LEN)
 
 
 class TokenizeRequest(BaseModel):

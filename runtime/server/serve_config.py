@@ -6,6 +6,7 @@ bad values are errors that name the key. Keys may be written with dashes or unde
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -13,7 +14,7 @@ from typing import Any, Mapping
 import yaml
 
 from runtime.config import ConfigError, EngineConfig
-from runtime.server.options import ServerOptions
+from runtime.server.options import ADAPTER_NAME_MAX_LEN, ADAPTER_NAME_PATTERN, ServerOptions
 
 ENGINE_KEYS = (
     "model", "device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_pool_rows",
@@ -102,6 +103,15 @@ def adapter_roots(value: Any) -> list[str]:
     return roots
 
 
+def check_adapter_name(name: str) -> None:
+    """The admin route's rule for names (``options.ADAPTER_NAME_PATTERN``), at start-up: a name it
+    refuses could not be hot-updated or unloaded there, and some (a lone surrogate) broke
+    ``GET /v1/models`` for every caller."""
+    if len(name) > ADAPTER_NAME_MAX_LEN or not re.fullmatch(ADAPTER_NAME_PATTERN, name):
+        raise ConfigError(f"lora_modules: adapter name {name!r} must be 1-{ADAPTER_NAME_MAX_LEN} letters, digits, '.', '_' or '-', "
+                          "starting with a letter or digit (as /v1/load_lora_adapter requires)")  # fmt: skip
+
+
 def check_adapter_names(modules: "tuple[LoRAModule, ...]", served_name: str) -> None:
     """Refuse an adapter named like the served base model: a request's ``model`` is matched
     against the base first, so the adapter could never be reached (and /v1/models would list
@@ -154,6 +164,8 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     if not isinstance(specs, list):
         raise ConfigError(f"lora_modules: expected a list of adapters ('name=path' strings or mappings), got {specs!r}")
     modules = tuple(parse_lora_module(m) for m in specs)
+    for module in modules:
+        check_adapter_name(module.name)
     names = [m.name for m in modules]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
