@@ -7,6 +7,7 @@ and the version is a content hash.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
@@ -83,6 +84,18 @@ def test_missing_weights(copy_of, targets):
     path = copy_of()
     (path / "adapter_model.safetensors").unlink()
     expect(path, targets, "adapter_model.safetensors", "missing")
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_file_that_is_not_a_regular_file_is_named_not_called_missing(copy_of, targets, name, kind):
+    path = copy_of()
+    (path / name).unlink()
+    if kind == "folder":
+        (path / name).mkdir()
+    else:
+        os.mkfifo(path / name)  # never opened: reading a FIFO would block the loader
+    expect(path, targets, name, "not a regular file")
 
 
 def test_broken_json(copy_of, targets):

@@ -68,6 +68,17 @@ def test_a_model_that_is_not_a_path_is_named(tmp_path: Path, capsys: pytest.Capt
     assert err.startswith(expected) and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("flags", [["--model", "{long}"], ["--lora-modules", "x={long}"], ["--enable-adapter-admin", "--adapter-root", "{long}"]])
+def test_a_path_the_file_system_cannot_take_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                       tiny_llama_dir: Path, flags: list[str]) -> None:  # fmt: skip
+    """A path component longer than the file system allows (ENAMETOOLONG) crashed start-up with a traceback."""
+    long = str(tmp_path / ("a" * 300))
+    model = [] if flags[0] == "--model" else ["--model", str(tiny_llama_dir)]
+    assert serve.run(parse(*model, *(f.format(long=long) for f in flags), "--port", "0")) == 2
+    err = capsys.readouterr().err
+    assert err == f"lorafleet serve: {long}: File name too long\n", err
+
+
 def test_lora_module_forms() -> None:
     assert parse_lora_module("a=/x/y").path == "/x/y"
     m = parse_lora_module('{"name": "b", "path": "/p", "base_model_name": "base"}')

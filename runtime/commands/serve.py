@@ -148,8 +148,8 @@ def summary(settings: Any, engine: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args)
-    except (ConfigError, ValueError) as err:
-        print(f"lorafleet serve: {err}", file=sys.stderr)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"lorafleet serve: {_one_line(err)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.ray:
@@ -169,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = build_engine(settings)
-    except (ConfigError, ValueError, RuntimeError) as err:
+    except (ConfigError, ValueError, RuntimeError, OSError) as err:
         sock.close()
-        print(f"lorafleet serve: {err}", file=sys.stderr)
+        print(f"lorafleet serve: {_one_line(err)}", file=sys.stderr)
         return 2
     previous = {sig: signal.signal(sig, _exit_after_drain) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = None
@@ -198,6 +198,14 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    """A start-up error for the terminal: an OSError (a path component longer than the file system
+    allows, a folder it may not read) as ``path: reason``, anything else as its message."""
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"{err.filename}: {err.strerror or err}"
+    return str(err)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

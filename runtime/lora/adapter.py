@@ -131,6 +131,9 @@ def load_adapter(
     if not root.is_dir():
         raise AdapterError(f"{root}: adapter folder does not exist")
     config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
+    for needed in (config_path, weights_path):
+        if needed.exists() and not needed.is_file():  # a folder, a FIFO (reading one would block), a device
+            raise AdapterError(f"{needed}: not a regular file (a PEFT adapter folder needs {needed.name} as a file)")
     if not config_path.is_file():
         raise AdapterError(f"{config_path}: missing (a PEFT adapter folder needs {CONFIG_FILE})")
     if not weights_path.is_file():
