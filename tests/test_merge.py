@@ -252,6 +252,17 @@ def test_existing_output_and_force(tiny_llama_dir: Path, tiny_adapters: dict[str
     assert _cli(tiny_llama_dir, tiny_adapters["c"], out, "--force") == 0  # an earlier merge output
     assert (out / "lorafleet_merge.json").is_file() and (out / "model.safetensors").read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging or old folders left
+    # An earlier output with someone's files added since (a note, a folder of notes): refused, and they stay.
+    (out / "myfile.txt").write_text("mine")
+    (out / "notes").mkdir()
+    (out / "notes" / "todo.txt").write_text("important")
+    capsys.readouterr()
+    assert _cli(tiny_llama_dir, tiny_adapters["a"], out, "--force") == 2
+    err = capsys.readouterr().err
+    assert "holds files that lorafleet did not write (myfile.txt, notes/, notes/todo.txt)" in err, err
+    assert (out / "myfile.txt").read_text() == "mine" and (out / "notes" / "todo.txt").read_text() == "important"
+    written = json.loads((out / "lorafleet_merge.json").read_text())["files_written"]
+    assert set(written) == {p.relative_to(out).as_posix() for p in out.rglob("*")} - {"lorafleet_merge.json", "myfile.txt", "notes", "notes/todo.txt"}
 
 
 @pytest.mark.parametrize("where", ["model", "inside_model", "inside_adapter", "above_adapter"])

@@ -157,6 +157,17 @@ def test_quantize_force_keeps_foreign_folders(tiny_llama_dir, tmp_path, capsys):
     (out / "notes.txt").write_text("important")
     assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(out), "--force"]) == 2
     assert "holds files that lorafleet did not write" in capsys.readouterr().err and (out / "notes.txt").read_text() == "important"
+    # A project folder that merely holds a copied manifest (no list of files) is not an earlier output.
+    (out / "lorafleet_merge.json").write_text('{"kind": "merge"}')
+    assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(out), "--force"]) == 2
+    assert "does not list the files it wrote" in capsys.readouterr().err and (out / "notes.txt").read_text() == "important"
+    # A quantize output replaced by another: fine; with a file added to it: refused.
+    fresh = tmp_path / "q2"
+    assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(fresh)]) == 0
+    assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(fresh), "--force"]) == 0
+    (fresh / "train.py").write_text("code")
+    assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(fresh), "--force"]) == 2
+    assert "(train.py)" in capsys.readouterr().err and (fresh / "train.py").read_text() == "code"
 
 
 def test_truncated_base_shard_is_an_input_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
@@ -177,7 +188,7 @@ def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_
 
     out = tmp_path / "m"
     out.mkdir()
-    (out / "lorafleet_merge.json").write_text("{}")  # an earlier output, replaced with --force
+    (out / "lorafleet_merge.json").write_text('{"files_written": []}')  # an earlier output, replaced with --force
     real_rename = os.rename
     renames = []
 
@@ -219,6 +230,9 @@ def test_an_output_folder_holding_the_input_is_refused_with_what_to_do(tmp_path:
     model.mkdir()
     with pytest.raises(OutputPathError, match=r"contains the input .*would delete the input: choose a folder outside it"):
         check_output(tmp_path, [model], force=True)  # even with --force
-    with pytest.raises(OutputPathError, match=r"^'': the output folder contains the input"):  # --out '' is the current folder
-        monkeypatch.chdir(tmp_path)
-        check_output("", [model], force=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputPathError, match=r"^--out is empty"):  # "$OUT" unset: Path("") would be the current folder
+        check_output("", [model], force=True)
+    for current in (".", str(tmp_path), str(tmp_path.parent)):
+        with pytest.raises(OutputPathError, match=r"is, or contains, the current folder"):
+            check_output(current, [], force=True)

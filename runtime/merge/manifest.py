@@ -11,6 +11,10 @@
      "verification": {...figures...} or {"skipped": true}}
 
 ``lorafleet_quantize.json`` has the same ``base`` / ``output`` / time / version fields.
+
+Both end with ``"files_written"``: every file and folder of the output besides the manifest,
+relative, folders ending in ``/`` (``folder_entries``). ``--force`` replaces an earlier output
+only when it holds nothing else.
 """
 from __future__ import annotations
 
@@ -67,7 +71,19 @@ def quantize_manifest(base: dict[str, Any], output: dict[str, Any]) -> dict[str,
     return {"kind": "quantize", "lorafleet_version": lorafleet_version(), "created_utc": utc_now(), "base": base, "output": output}
 
 
+def folder_entries(folder: Path) -> list[str]:
+    """Every file and folder under ``folder``, relative, folders ending in ``/``, sorted (symlinks are
+    listed, not followed)."""
+    entries = []
+    for path in folder.rglob("*"):
+        rel = path.relative_to(folder).as_posix()
+        entries.append(rel + "/" if path.is_dir() and not path.is_symlink() else rel)
+    return sorted(entries)
+
+
 def write_manifest(out_dir: Path, filename: str, record: Mapping[str, Any]) -> Path:
+    """Write ``record`` as ``out_dir / filename``, with ``files_written``: what ``out_dir`` holds besides it."""
     path = out_dir / filename
-    path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    written = [e for e in folder_entries(out_dir) if e != filename]
+    path.write_text(json.dumps({**record, "files_written": written}, indent=2, sort_keys=False) + "\n")
     return path

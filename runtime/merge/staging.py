@@ -1,11 +1,12 @@
 """The output folder of `lorafleet merge` / `lorafleet quantize`: written in a staging folder, published by rename.
 
     check_output(out, inputs, force)   refuse before any work: out equal to / inside / above an
-                                       input, out existing without --force, with --force a
-                                       folder that is neither empty nor an earlier lorafleet
-                                       output (it holds no lorafleet_merge.json or
-                                       lorafleet_quantize.json), a parent that is missing or
-                                       not a folder
+                                       input or around the current folder, an empty --out, out
+                                       existing without --force, with --force a folder that is
+                                       neither empty nor exactly an earlier lorafleet output (its
+                                       manifest, lorafleet_merge.json or lorafleet_quantize.json,
+                                       lists everything else it holds), a parent that is missing
+                                       or not a folder
     with StagedOutput(out, force) as tmp:
         ... write everything into tmp ...
         staged.publish()               rename tmp -> out (with --force the old out is moved
@@ -22,6 +23,7 @@ or a crash can leave a staging folder; the next run into the same ``out`` lists 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -33,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Iterable
 
-from runtime.merge.manifest import MERGE_MANIFEST, QUANTIZE_MANIFEST
+from runtime.merge.manifest import MERGE_MANIFEST, QUANTIZE_MANIFEST, folder_entries
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -48,7 +50,12 @@ def _within(path: Path, root: Path) -> bool:
 
 def check_output(out: str | Path, inputs: Iterable[str | Path], force: bool) -> Path:
     """Resolve ``out`` and refuse every unsafe or impossible destination (see module docstring)."""
+    if not str(out).strip():  # Path("") is the current folder: an unset "$OUT" must not write there
+        raise OutputPathError("--out is empty; give the folder to write")
     target = Path(out).expanduser().resolve()
+    if _within(Path.cwd().resolve(), target):
+        raise OutputPathError(f"{out}: the output folder is, or contains, the current folder; the output folder is written as a "
+                              "whole: choose another folder")  # fmt: skip
     for raw in inputs:
         src = Path(raw).expanduser().resolve()
         if _within(target, src):
@@ -61,17 +68,36 @@ def check_output(out: str | Path, inputs: Iterable[str | Path], force: bool) -> 
             raise OutputPathError(f"{out}: already exists; choose a new folder or pass --force to replace it")
         if not target.is_dir():
             raise OutputPathError(f"{out}: exists and is not a folder; refusing to replace it even with --force")
-        if any(target.iterdir()) and not any((target / m).is_file() for m in (MERGE_MANIFEST, QUANTIZE_MANIFEST)):
-            raise OutputPathError(
-                f"{out}: holds files that lorafleet did not write (no {MERGE_MANIFEST} or {QUANTIZE_MANIFEST}); --force only "
-                "replaces an empty folder or an earlier merge/quantize output. Remove it yourself or choose another folder"
-            )
+        if any(target.iterdir()):
+            foreign = _not_written_by_lorafleet(target)
+            if foreign:
+                raise OutputPathError(
+                    f"{out}: holds files that lorafleet did not write ({foreign}); --force only replaces an empty folder or "
+                    "exactly an earlier merge/quantize output. Remove them yourself or choose another folder"
+                )
     parent = target.parent
     if not parent.exists():
         raise OutputPathError(f"{out}: the parent folder {parent} does not exist")
     if not parent.is_dir():
         raise OutputPathError(f"{out}: the parent {parent} is not a folder")
     return target
+
+
+def _not_written_by_lorafleet(folder: Path) -> str:
+    """What in ``folder`` its lorafleet manifest does not list, said in a few words ('' when nothing)."""
+    manifest = next((folder / m for m in (MERGE_MANIFEST, QUANTIZE_MANIFEST) if (folder / m).is_file()), None)
+    if manifest is None:
+        return f"no {MERGE_MANIFEST} or {QUANTIZE_MANIFEST}"
+    try:
+        written = json.loads(manifest.read_text()).get("files_written")
+    except (OSError, ValueError, AttributeError):
+        written = None
+    if not isinstance(written, list):
+        return f"{manifest.name} does not list the files it wrote (an older lorafleet, or not its own)"
+    extra = sorted(set(folder_entries(folder)) - set(written) - {manifest.name})
+    if not extra:
+        return ""
+    return ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
 
 
 class StagedOutput:
