@@ -9,6 +9,7 @@ from typing import Any, Mapping
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DEFAULT_KV_CACHE_MB = 1024  # the KV memory cap when neither num_kv_blocks nor kv_cache_mb is given
+DEFAULT_HOST_LORAS = 32  # host-tier adapters when max_cpu_loras is not given (or max_loras, if more)
 
 
 class ConfigError(ValueError):
@@ -24,7 +25,8 @@ class EngineConfig:
     dtype:                  float32 | bfloat16 | float16 (compute and weight dtype)
     max_loras:              distinct adapters in one step (= device slots)
     max_lora_rank:          largest rank accepted at adapter load
-    max_cpu_loras:          host-tier LRU capacity (adapters)
+    max_cpu_loras:          host-tier LRU capacity (adapters), at least max_loras; None = max(32, max_loras)
+                            (``host_tier_size``)
     lora_pool_rows:         device rank-rows per target slice; None = max_loras * max_lora_rank.
                             Adapters take only their own rank's rows, so a smaller value
                             still fits many low-rank adapters.
@@ -43,7 +45,7 @@ class EngineConfig:
     dtype: str = "float32"
     max_loras: int = 8
     max_lora_rank: int = 64
-    max_cpu_loras: int = 32
+    max_cpu_loras: int | None = None
     lora_pool_rows: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -61,10 +63,10 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
-        positive = ("max_loras", "max_lora_rank", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "block_size")
+        positive = ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size")
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb"):
+        for name in ("max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
@@ -72,7 +74,7 @@ class EngineConfig:
         _check_int("seed", self.seed, minimum=0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching: expected true or false, got {self.enable_prefix_caching!r}")
-        if self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is below max_loras={self.max_loras}; the host tier must hold every device adapter")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:
             raise ConfigError(f"lora_pool_rows: {self.lora_pool_rows} cannot hold one adapter of max_lora_rank={self.max_lora_rank}")
@@ -81,6 +83,11 @@ class EngineConfig:
     def kv_cache_cap_mb(self) -> int:
         """The KV memory cap that sizes the pool when num_kv_blocks is None."""
         return self.kv_cache_mb if self.kv_cache_mb is not None else DEFAULT_KV_CACHE_MB
+
+    @property
+    def host_tier_size(self) -> int:
+        """Adapters the host tier holds: max_cpu_loras, or max(32, max_loras) when it is not given."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(DEFAULT_HOST_LORAS, self.max_loras)
 
     @property
     def pool_rows(self) -> int:

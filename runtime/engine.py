@@ -111,7 +111,7 @@ class LLMEngine:
             writer=self.runner,
             loader=self._load_registered,
             max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras,
+            max_cpu_loras=config.host_tier_size,
             pool_rows=config.pool_rows,
             max_lora_rank=config.max_lora_rank,
             row_bytes=row_bytes,

@@ -79,6 +79,32 @@ def test_a_path_the_file_system_cannot_take_is_one_line_not_a_traceback(tmp_path
     assert err == f"lorafleet serve: {long}: File name too long\n", err
 
 
+def test_repeated_lora_modules_flags_add_up(tiny_llama_dir: Path) -> None:
+    """A second --lora-modules dropped the adapters of the first without a word."""
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z"))
+    assert [m.name for m in settings.lora_modules] == ["a", "b", "c"]
+
+
+def test_more_device_slots_than_the_default_host_tier_raise_the_host_tier(tiny_llama_dir: Path) -> None:
+    """--max-loras 40 without --max-cpu-loras failed on a flag the user never set (the host tier's 32)."""
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--max-loras", "40"))
+    assert settings.engine.max_cpu_loras is None and settings.engine.host_tier_size == 40
+    assert serve.load_settings(parse("--model", str(tiny_llama_dir))).engine.host_tier_size == 32
+    with pytest.raises(ConfigError, match="max_cpu_loras: 8 is below max_loras=40"):  # given, and too small: still an error
+        serve.load_settings(parse("--model", str(tiny_llama_dir), "--max-loras", "40", "--max-cpu-loras", "8"))
+
+
+def test_a_key_given_twice_in_the_config_file_is_an_error(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys and drops the first without a word."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 18960\nport: 99999\n")
+    with pytest.raises(ConfigError, match="key 'port' is given twice; keep one"):
+        load_yaml(str(cfg))
+    cfg.write_text("lora_modules:\n  - {name: a, path: /x, name: b}\n")  # nested mappings too
+    with pytest.raises(ConfigError, match="key 'name' is given twice"):
+        load_yaml(str(cfg))
+
+
 def test_lora_module_forms() -> None:
     assert parse_lora_module("a=/x/y").path == "/x/y"
     m = parse_lora_module('{"name": "b", "path": "/p", "base_model_name": "base"}')

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from runtime.bench.replay import ReplayResult, replay_engine
 from runtime.bench.synthetic import ATTENTION, LlamaShape, build_random_adapter, build_random_llama
-from runtime.config import EngineConfig
+from runtime.config import DEFAULT_HOST_LORAS, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def host_tier_size(max_loras: int, max_cpu_loras: int | None) -> int:
     """``--max-cpu-loras``, or max(32, max_loras) when not given; below max_loras is an error
     (the host tier backs every device slot), never silently raised."""
     if max_cpu_loras is None:
-        return max(32, max_loras)
+        return max(DEFAULT_HOST_LORAS, max_loras)
     if max_cpu_loras < max_loras:
         raise ValueError(f"--max-cpu-loras {max_cpu_loras} is below --max-loras {max_loras}: the host tier must hold every device adapter")
     return max_cpu_loras

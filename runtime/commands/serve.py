@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it; relative paths in it "
                                      "are taken from the current directory")
     p.add_argument("--model", help="HF checkpoint folder; default: the bundled demo model and its adapters")
-    p.add_argument("--lora-modules", nargs="+", metavar="SPEC", help='adapters to serve: name=path, or JSON {"name":..., "path":..., "base_model_name":...}')
+    p.add_argument("--lora-modules", nargs="+", action="extend", metavar="SPEC", help='adapters to serve: name=path, or JSON {"name":..., "path":..., "base_model_name":...}')
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="auto picks cuda, then npu, then cpu (default auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and compute dtype (default float32)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the base model's name in the API (default: the checkpoint's name)")
     p.add_argument("--max-loras", type=int, help="distinct adapters in one step (device slots; default 8)")
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 64)")
-    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (default 32)")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, at least --max-loras (default: max(32, --max-loras))")
     p.add_argument("--lora-pool-rows", type=int, help="device rank-rows per target slice (default max_loras * max_lora_rank)")
     p.add_argument("--max-num-seqs", type=int, help="running sequences per step (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default 2048)")

@@ -126,7 +126,7 @@ class LoraReplica:
         # Wired at init because the capacity comes from the engine config; Serve detects
         # multiplexing set up this way on the instance. (A plain function, not the bound
         # method: Serve caches its state on the decorated object.)
-        self.load_adapter = serve.multiplexed(max_num_models_per_replica=engine_config.max_cpu_loras)(load_adapter)
+        self.load_adapter = serve.multiplexed(max_num_models_per_replica=engine_config.host_tier_size)(load_adapter)
         await asyncio.to_thread(self._apply, await self.registry.state.remote())
         self._sync_task = asyncio.create_task(self._sync_loop())
 

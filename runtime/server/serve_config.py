@@ -69,6 +69,24 @@ def normalize_keys(values: Mapping[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last
+    one and drops the other without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the safe loader's own error says so, below
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -77,7 +95,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"--config {path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"--config {path}: not valid YAML: {err}") from err
     if not isinstance(data, dict):
