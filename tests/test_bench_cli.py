@@ -42,6 +42,9 @@ SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
     (["--input-len", "900,900"], "lorafleet bench: --input-len/--output-len: 4 of 4 requests do not fit the synthetic model's max_model_len 1024"),
     (["--hidden", "130"], "lorafleet bench: --hidden: hidden size 130 gives 2 heads of 65 channels; rotary embeddings need an even head size"),
     (["--slo-ttft", "0"], "lorafleet bench: --slo-ttft: must be a positive number"),
+    (["--alpha", "-3"], "lorafleet bench: --alpha: must be >= 0, got -3.0 (0 is uniform popularity"),
+    (["--adapters", "2", "--base-fraction", "1.5"], "lorafleet bench: --base-fraction: must be in [0, 1], got 1.5"),
+    (["--ranks", "8", "--base-fraction", "7"], "lorafleet bench: --base-fraction: must be in [0, 1], got 7.0"),
 ])  # fmt: skip
 def test_setup_errors_exit_2_before_any_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], want: str) -> None:
     work = tmp_path / "w"
@@ -125,6 +128,7 @@ def _saved(tmp_path: Path, **spec: object) -> Path:
     (lambda lines: lines[:2] + ['{"index": 2}'], "line 3: request: missing key(s) arrival_s, adapter, rank, prompt, input_words, output_tokens"),
     (lambda lines: lines[:2] + [lines[2].replace('"lora-000', '"lora-099')], "line 3: adapter: 'lora-0990' is not in the header's adapter_ranks"),
     (lambda lines: lines[:2] + ["{"], "line 3: the request is not JSON"),
+    (lambda lines: lines[:3] + [lines[3].replace('"index": 2', '"index": 0')], "line 4: index: 0 is already the index of line 2"),
 ])  # fmt: skip
 def test_malformed_workload_file_names_the_file_line_and_what_is_missing(tmp_path: Path, edit, want: str) -> None:  # type: ignore[no-untyped-def]
     path = _saved(tmp_path)
@@ -363,6 +367,27 @@ def test_json_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(RuntimeError):
         bench._write_json(path, {"a": 1})
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]  # no half-written file, no temp left
+
+
+@pytest.mark.parametrize("damage", ["truncated model", "broken config", "truncated adapter"])
+def test_a_damaged_file_left_in_the_workdir_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    """The synthetic files are reused by later runs; one damaged since (a disk filled up mid-write)
+    gave a traceback and exit 1."""
+    work = tmp_path / "w"
+    flags = ["--workdir", str(work), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "0", "--input-len", "2,3", "--output-len", "2,3"]
+    assert bench_cli(capsys, *flags)[0] == 0
+    model = next(work.glob("llama-*"))
+    if damage == "truncated model":
+        (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:1000])
+    elif damage == "broken config":
+        (model / "config.json").write_text("{")
+    else:
+        weights = next(work.glob("adapters/*/adapter_model.safetensors"))
+        weights.write_bytes(weights.read_bytes()[:100])
+    rc, err = bench_cli(capsys, *flags)
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]  # after the progress lines
+    assert line.startswith(f"lorafleet bench: --workdir {work}: a file an earlier run left there does not load (") and "delete it" in line, line
 
 
 def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

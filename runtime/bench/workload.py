@@ -53,6 +53,9 @@ class WorkloadSpec:
         for name in ("alpha", "rate", "cv"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha: must be >= 0, got {self.alpha} (0 is uniform popularity; a negative exponent would make the "
+                             "last adapter the most popular)")  # fmt: skip
         if self.cv <= 0:
             raise ValueError(f"cv: must be > 0, got {self.cv}")
         if not 0.0 <= self.base_fraction <= 1.0:
@@ -111,7 +114,17 @@ class Workload:
         if not isinstance(adapter_ranks, dict) or not all(
                 isinstance(k, str) and type(v) is int and v >= 1 for k, v in adapter_ranks.items()):  # fmt: skip
             raise ValueError(f"{path}: line 1: adapter_ranks: expected an object of adapter name -> positive integer rank, got {adapter_ranks!r:.200}")
-        requests = tuple(_request_from_line(path, n, line, adapter_ranks) for n, line in enumerate(lines[1:], start=2) if line.strip())
+        requests = []
+        first_line: dict[int, int] = {}  # request index -> the line that has it
+        for n, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            request = _request_from_line(path, n, line, adapter_ranks)
+            if request.index in first_line:  # replays name requests by index: two would collide in one run
+                raise ValueError(f"{path}: line {n}: index: {request.index} is already the index of line {first_line[request.index]}")
+            first_line[request.index] = n
+            requests.append(request)
+        requests = tuple(requests)
         if not requests:
             raise ValueError(f"{path}: no requests after the header line")
         return cls(spec, dict(adapter_ranks), requests)
@@ -328,7 +341,9 @@ def ignored_spec_flags(a: argparse.Namespace) -> list[str]:
         problems.append(f"--alpha: only used with --popularity zipf, not {a.popularity}")
     if "--cv" in given and a.rate <= 0:
         problems.append(f"--cv: only used with arrivals at a --rate above 0 (at {a.rate:g} every request arrives at once)")
-    if a.base_fraction >= 1:
+    if a.base_fraction > 1:
+        return []  # out of range: spec_from_args says so, naming --base-fraction, not the adapter flags it would blame
+    if a.base_fraction == 1:
         problems += [f"{f}: no request uses an adapter with --base-fraction {a.base_fraction:g}"
                      for f in ("--adapters", "--popularity", "--alpha", "--ranks") if f in given and not (f == "--alpha" and a.popularity != "zipf")]
     elif "--adapters" in given and a.popularity == "identical":

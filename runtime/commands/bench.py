@@ -233,6 +233,21 @@ def _write_json(path: Path, data: Any) -> None:
         raise
 
 
+def _damaged_cache_errors() -> tuple[type[Exception], ...]:
+    from runtime.lora.adapter import AdapterError
+    from runtime.models.hf_config import ModelConfigError
+    from runtime.models.loader import CheckpointError
+
+    return CheckpointError, ModelConfigError, AdapterError
+
+
+def _damaged_cache(args: argparse.Namespace, err: Exception) -> SetupError:
+    """The synthetic model or an adapter that an earlier run left in --workdir does not load (a
+    truncated file, an edited config): say which, and how to get fresh ones."""
+    return SetupError(f"--workdir {args.workdir}", f"a file an earlier run left there does not load ({err}); delete it, or the "
+                                                   "whole folder, and the next run writes it again")  # fmt: skip
+
+
 def _load_workload(args: argparse.Namespace) -> Any:
     from runtime.bench.workload import Workload, generate, spec_from_args
 
@@ -496,6 +511,7 @@ def _run(args: argparse.Namespace) -> int:
     from runtime.torch_threads import in_fresh_thread
     from backends import BackendUnavailable
 
+    damaged_cache_errors = _damaged_cache_errors()
     if setup is not None:
         print(f"preparing the synthetic model and {len(workload.adapter_ranks)} adapters in {setup.workdir} (reused by later runs)...", file=sys.stderr, flush=True)
         # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
@@ -511,6 +527,8 @@ def _run(args: argparse.Namespace) -> int:
                 run_lorafleet(workload.all_at_once(), setup, model_dir, adapters, label="warm-up")
             except (ConfigError, CapabilityError, BackendUnavailable) as err:
                 raise SetupError("engine setup", f"{type(err).__name__}: {err}") from None
+            except damaged_cache_errors as err:
+                raise _damaged_cache(args, err) from None
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if setup is None:
@@ -520,6 +538,8 @@ def _run(args: argparse.Namespace) -> int:
                 result = run_lorafleet(workload, setup, model_dir, adapters, progress=bar.update)
             except (ConfigError, CapabilityError, BackendUnavailable) as err:  # checked above; the engine has the last word
                 raise SetupError("engine setup", f"{type(err).__name__}: {err}") from None
+            except damaged_cache_errors as err:
+                raise _damaged_cache(args, err) from None
     finally:
         bar.close()
     summary = summarize(result, args.slo_ttft, args.slo_tpot)
