@@ -175,6 +175,30 @@ def test_int8_merge_no_requantize_writes_float_that_transformers_loads(int8_base
     assert all(k in sd for k in load_file(str(out / "model.safetensors")) if is_quantized_projection(k))
 
 
+def test_the_int8_verification_scratch_is_named_after_the_output(int8_base: Path, tiny_adapters: dict[str, Path], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A run killed while verifying leaves its scratch folder; the next run into --out names only
+    folders called after --out (it was called after the staging folder, so never named)."""
+    import tempfile
+
+    from runtime.merge import merge_job, staging
+
+    made = []
+    real = tempfile.TemporaryDirectory
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        scratch = real(*args, **kwargs)
+        made.append(Path(scratch.name))
+        return scratch
+
+    monkeypatch.setattr(merge_job.tempfile, "TemporaryDirectory", recording)
+    out = tmp_path / "mq"
+    run_merge(MergeOptions(model=str(int8_base), adapter=str(tiny_adapters["e"]), out=str(out), threshold=0.0, progress=False))
+    assert len(made) == 1 and made[0].parent == tmp_path and made[0].name.startswith(".mq.verify-")
+    made[0].mkdir()  # as a killed run would leave it
+    assert staging.leftover_scratch(out) == [made[0]]
+
+
 def test_verification_below_threshold_fails_and_writes_nothing(int8_base: Path, tiny_adapters: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The tiny random model has near-tied logits, so requantization flips some greedy tokens (measured 120/128).
     rc = cli_main(["merge", "--model", str(int8_base), "--adapter", str(tiny_adapters["e"]), "--out", str(tmp_path / "mq"), "--verify-threshold", "1.0"])

@@ -209,6 +209,34 @@ def test_a_signal_between_the_two_renames_of_publish_waits_until_the_new_output_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # the previous output is gone, no staging left
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_previous_output_is_deleted_is_held_too(tmp_path, monkeypatch, capsys, signum, interactive_sigint):
+    """With --force the previous output is deleted after the swap; a signal then used to stop the
+    deletion half-way (a full copy left in .NAME.old-*) and be reported as "nothing was written"."""
+    from runtime.merge import staging
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "lorafleet_merge.json").write_text('{"files_written": ["model.safetensors"]}')
+    (out / "model.safetensors").write_bytes(b"old")
+    real_rmtree = shutil.rmtree
+
+    def signal_then_rmtree(path, *args, **kwargs):
+        if ".m.old-" in str(path):
+            os.kill(os.getpid(), signum)
+            time.sleep(0.05)  # were it not held, the handler would raise here, before the deletion
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", signal_then_rmtree)
+    staged = StagedOutput(check_output(out, [], force=True), force=True)
+    with staged as tmp:
+        (tmp / "model.safetensors").write_bytes(b"new")
+        staged.publish()
+    err = capsys.readouterr().err
+    assert f"{signal.Signals(signum).name} arrived while the output was being moved into place; the new output is in place" in err
+    assert (out / "model.safetensors").read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # old copy gone
+
+
 def test_merged_values_beyond_the_output_dtype_are_refused(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
     """A float16 output cannot hold 1e5: merging must not write inf."""
     from safetensors.torch import load_file, save_file

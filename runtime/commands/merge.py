@@ -15,8 +15,9 @@ value that does not fit --dtype,
 no tokenizer to verify with, --verify-tokens too long for the model); 3 an unexpected
 error (with its traceback; nothing written); 130 interrupted by Ctrl-C, 143 / 129 by
 SIGTERM / SIGHUP (nothing written: the staging folder is removed). A signal that arrives
-while the finished output is being renamed into place is held; the run completes (exit 0)
-and says so on stderr.
+while the finished output is being renamed into place (and, with --force, while the previous
+one is deleted) is held; the run completes (exit 0) and says so on stderr. Ctrl-C while the
+report is printed, after that, exits 130 saying the output is written and complete.
 """
 from __future__ import annotations
 
@@ -93,11 +94,15 @@ def run(args: argparse.Namespace) -> int:
         traceback.print_exc()
         print(f"lorafleet merge: error: unexpected failure (traceback above); nothing was written to {args.out}", file=sys.stderr)
         return 3
-    if result.report:
-        print(result.report)
-    else:
-        print("verification skipped (--no-verify)")
-    s = result.summary
-    print(f"merged {s.modules_merged} modules of adapter {result.manifest['adapter']['name']} "
-          f"(version {result.manifest['adapter']['version']}) into {result.out} ({s.total_bytes / 2**20:.1f} MiB, {', '.join(s.files)})")  # fmt: skip
+    try:
+        if result.report:
+            print(result.report)
+        else:
+            print("verification skipped (--no-verify)")
+        s = result.summary
+        print(f"merged {s.modules_merged} modules of adapter {result.manifest['adapter']['name']} "
+              f"(version {result.manifest['adapter']['version']}) into {result.out} ({s.total_bytes / 2**20:.1f} MiB, {', '.join(s.files)})")  # fmt: skip
+    except KeyboardInterrupt:  # while reporting: the output is written and complete
+        print(f"lorafleet merge: interrupted after {result.out} was written (it is complete)", file=sys.stderr)
+        return 130
     return 0

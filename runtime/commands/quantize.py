@@ -66,5 +66,9 @@ def run(args: argparse.Namespace) -> int:
         traceback.print_exc()
         print(f"lorafleet quantize: error: unexpected failure (traceback above); nothing was written to {args.out}", file=sys.stderr)
         return 3
-    print(f"wrote int8 weight-only checkpoint to {out}")
+    try:
+        print(f"wrote int8 weight-only checkpoint to {out}")
+    except KeyboardInterrupt:  # while reporting: the output is written and complete
+        print(f"lorafleet quantize: interrupted after {out} was written (it is complete)", file=sys.stderr)
+        return 130
     return 0

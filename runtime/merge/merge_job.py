@@ -106,7 +106,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         rows: tuple[ReportRow, ...] = ()
         report = ""
         if opts.verify:
-            rows = _verify(opts, spec, adapter, tmp, source_q is not None, prompts, device)
+            rows = _verify(opts, spec, adapter, tmp, source_q is not None, prompts, device, out)
             reference = f"float base{' (dequantized int8)' if source_q else ''} + float LoRA, dynamic path; " \
                         f"{len(VERIFY_PROMPTS)} prompts x {opts.new_tokens} tokens, teacher-forced"  # fmt: skip
             report = format_report(reference, rows, opts.threshold)
@@ -179,7 +179,7 @@ def _verification_prompts(model_dir: Path, new_tokens: int, max_positions: int) 
 
 
 def _verify(opts: MergeOptions, spec: MergeSpec, adapter: LoRAAdapter, written: Path, source_quantized: bool,
-            prompts: list[list[int]], device: str) -> tuple[ReportRow, ...]:  # fmt: skip
+            prompts: list[list[int]], device: str, out: Path) -> tuple[ReportRow, ...]:  # fmt: skip
     dtype_name = DTYPE_NAMES[spec.dtype]
 
     def run(what: str, model: Path, with_adapter: bool, forced: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
@@ -189,8 +189,9 @@ def _verify(opts: MergeOptions, spec: MergeSpec, adapter: LoRAAdapter, written: 
     if not source_quantized:
         ref = run("reference (base + adapter, dynamic path)", spec.model_dir, True)
         return (ReportRow(f"merged, {dtype_name}", compare(ref, run("merged checkpoint", written, False, ref.tokens)), written=True),)
-    # Scratch checkpoints live next to the output (same disk) and are removed on exit.
-    with tempfile.TemporaryDirectory(prefix=f".{written.name}.verify-", dir=written.parent) as scratch_root:
+    # Scratch checkpoints live next to the output (same disk) and are removed on exit; named after --out,
+    # so that a run killed meanwhile leaves a folder the next run into --out names (staging.leftover_scratch).
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.verify-", dir=out.parent) as scratch_root:
         scratch = Path(scratch_root)
         dequantized = scratch / "dequantized-base"
         dequantized.mkdir()

@@ -16,9 +16,11 @@ The staging folder is a hidden sibling of ``out`` (same filesystem, so the final
 atomic). If anything raises before ``publish``, the staging folder is deleted: a failed run
 leaves nothing behind and the old ``out`` (with --force) is untouched. That includes SIGTERM
 and SIGHUP while the block runs (in the main thread they raise ``SystemExit(128 + signal)``,
-so the cleanup runs) and Ctrl-C (``KeyboardInterrupt``). While ``publish`` swaps the folders,
-all three are held: a signal that arrives then finds the new output in place, so the run
-finishes normally and says on stderr that the signal came too late to stop it. Only SIGKILL
+so the cleanup runs) and Ctrl-C (``KeyboardInterrupt``). From the start of ``publish`` to the end
+of the with-block (the swap of the folders, then the deletion of the previous output with
+--force), all three are held: a signal that arrives then finds the new output in place, so the
+run finishes normally, deletes the previous output, and says on stderr that the signal came too
+late to stop it. Only SIGKILL
 or a crash can leave a staging folder; the next run into the same ``out`` lists such leftovers.
 """
 from __future__ import annotations
@@ -109,7 +111,7 @@ class StagedOutput:
         self.path: Path | None = None
         self.published = False
         self._previous_handlers: dict[int, Any] = {}
-        self._renaming = False
+        self._holding = False  # from publish() to the end of the with-block
         self._held_signal: int | None = None
 
     def __enter__(self) -> Path:
@@ -129,8 +131,8 @@ class StagedOutput:
 
     def _on_termination(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGHUP: ``SystemExit(128 + signum)``, SIGINT: ``KeyboardInterrupt``, so the cleanup
-        runs; held (noted, not raised) while ``publish`` renames."""
-        if self._renaming:
+        runs; held (noted, not raised) from ``publish`` on."""
+        if self._holding:
             self._held_signal = signum
             return
         if signum == signal.SIGINT:
@@ -138,21 +140,15 @@ class StagedOutput:
         raise SystemExit(128 + signum)
 
     def publish(self) -> None:
-        """Move the staging folder to ``out``; with --force the previous ``out`` is replaced.
+        """Move the staging folder to ``out``; with --force the previous ``out`` is replaced, then deleted.
 
-        SIGTERM, SIGHUP and SIGINT are held during the two renames, so none can land between them and
-        leave neither the old nor the new output in place. One that arrived meanwhile is reported on
-        stderr: the output is complete and in place, so the run ends normally."""
+        SIGTERM, SIGHUP and SIGINT are held from here to the end of the with-block: none can land
+        between the two renames and leave neither the old nor the new output in place, nor stop the
+        deletion of the previous output half-way, nor be reported as "nothing was written" once the
+        new output is in place. One that arrived meanwhile is reported on stderr when the block ends."""
         assert self.path is not None, "publish() outside the with-block"
-        self._renaming = True
-        try:
-            old = self._swap_in()
-        finally:
-            self._renaming = False
-            if self._held_signal is not None:
-                name = signal.Signals(self._held_signal).name
-                state = f"the new output is in place in {self.out}" if self.published else f"{self.out} was not replaced"
-                print(f"note: {name} arrived while the output was being moved into place; {state}", file=sys.stderr)
+        self._holding = True
+        old = self._swap_in()
         if old is not None:
             shutil.rmtree(old)
 
@@ -183,6 +179,11 @@ class StagedOutput:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers = {}
+            self._holding = False
+            if self._held_signal is not None:
+                name = signal.Signals(self._held_signal).name
+                state = f"the new output is in place in {self.out}" if self.published else f"{self.out} was not replaced"
+                print(f"note: {name} arrived while the output was being moved into place; {state}", file=sys.stderr)
 
 
 def leftover_scratch(out: Path) -> list[Path]:
