@@ -181,6 +181,26 @@ def test_ray_deployment_checks_declared_base_names_before_starting(tiny_llama_di
     assert "base_model_name 'some-other-model'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["missing", "pickled"])
+def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, tiny_llama_dir: Path, capsys, monkeypatch, model: str) -> None:
+    """A local cluster's replicas read the model on this machine: a bad folder is one line now, not
+    32 s of Ray start-up and then replica tracebacks (exit 1)."""
+    ray = pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+
+    started = []
+    monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
+    folder = tmp_path / model
+    if model == "pickled":
+        folder.mkdir()
+        (folder / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+        (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
+    settings = serve.load_settings(parse("--model", str(folder), "--ray", "--port", "0", "--registry-dir", str(tmp_path / "reg")))
+    assert run_ray(settings) == 2 and not started
+    err = capsys.readouterr().err
+    assert err.startswith(f"lorafleet serve: {folder}: ") and ("no such folder" in err if model == "missing" else "only pickled weights" in err), err
+
+
 def test_ray_deployment_refuses_an_adapter_named_like_the_checkpoint(tiny_llama_dir: Path, tiny_adapters, capsys) -> None:
     pytest.importorskip("ray")
     from runtime.distributed.launcher import run_ray

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args)
     except (ConfigError, ValueError, OSError) as err:
-        print(f"lorafleet serve: {_one_line(err)}", file=sys.stderr)
+        print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.ray:
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(settings)
     except (ConfigError, ValueError, RuntimeError, OSError) as err:
         sock.close()
-        print(f"lorafleet serve: {_one_line(err)}", file=sys.stderr)
+        print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
         return 2
     previous = {sig: signal.signal(sig, _exit_after_drain) for sig in (signal.SIGTERM, signal.SIGINT)}
     server = None
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_line(err: BaseException) -> str:
+def one_line_error(err: BaseException) -> str:
     """A start-up error for the terminal: an OSError (a path component longer than the file system
     allows, a folder it may not read) as ``path: reason``, anything else as its message."""
     if isinstance(err, OSError) and err.filename is not None:

@@ -58,7 +58,9 @@ def run_ray(settings: Any) -> int:
     from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
     from runtime.distributed.manifest import ManifestError, check_folder
     from runtime.distributed.registry_client import ReplicasFailedToApply
+    from runtime.commands.serve import one_line_error
     from runtime.models.hf_config import load_model_config
+    from runtime.models.loader import weight_files
     from runtime.server.serve_config import check_base_model_names
 
     declared = any(m.base_model_name for m in settings.lora_modules)
@@ -104,6 +106,14 @@ def run_ray(settings: Any) -> int:
             check_folder(registry_dir)
         except ManifestError as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
+        # The replicas will read the model on this machine too: a missing folder, a config that does not
+        # parse or pickled-only weights are found now, not after Ray's start-up and in replica tracebacks.
+        try:
+            load_model_config(settings.engine.model)
+            weight_files(settings.engine.model)
+        except (ConfigError, ValueError, OSError) as err:
+            print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
             return 2
     try:
         ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
