@@ -107,27 +107,29 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a ValueError for a string that is not Unicode text (a lone
         surrogate, which JSON's ``"\\ud800"`` can carry)."""
-        return self.encode_with_starts(text, add_special_tokens)[0]
+        return self.encode_with_spans(text, add_special_tokens)[0]
 
-    def encode_with_starts(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
-        """``encode(text)``'s ids, and the character of ``text`` where each token starts (the
-        tokenizer's offset mapping: a special token's spelled in the text, such as ``<eos>``,
-        starts where that spelling does, a token for characters the vocabulary lacks where they
-        are; a bos the post-processor or ``add_bos_token`` puts first at 0, an appended eos at the end)."""
+    def encode_with_spans(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)``'s ids, and the characters ``(start, end)`` of ``text`` each token was read
+        from (the tokenizer's offset mapping: a special token spelled in the text, such as ``<eos>``,
+        spans that spelling, a token for characters the vocabulary lacks spans them; a bos the
+        post-processor or ``add_bos_token`` puts first is ``(0, 0)``, an appended eos is empty at the
+        end). A ByteLevel post-processor with ``trim_offsets`` leaves a token's leading spaces out of
+        its span."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"not valid Unicode text: a lone surrogate {text[err.start]!r} at character {err.start}") from None
         encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
-        ids, starts = list(encoding.ids), [start for start, _ in encoding.offsets]
+        ids, spans = list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
                 ids.insert(0, self.bos_token_id)
-                starts.insert(0, 0)
+                spans.insert(0, (0, 0))
             if self.add_eos_token and self.eos_token_ids and (not ids or ids[-1] != self.eos_token_ids[0]):
                 ids.append(self.eos_token_ids[0])
-                starts.append(len(text))
-        return ids, starts
+                spans.append((len(text), len(text)))
+        return ids, spans
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -66,7 +66,7 @@ def test_add_bos_token_without_post_processor(model_copy):
     (model_copy / "tokenizer.json").write_text(json.dumps(raw))
     tok = Tokenizer(model_copy)
     assert tok.encode("hi") == [tok.bos_token_id] + tok.encode("hi", add_special_tokens=False)
-    assert tok.encode_with_starts("hi") == (tok.encode("hi"), [0, 0, 1])  # the bos put first here starts at 0 too
+    assert tok.encode_with_spans("hi") == (tok.encode("hi"), [(0, 0), (0, 1), (1, 2)])  # the bos put first here spans nothing
     cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
     cfg["add_bos_token"] = False
     (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -193,3 +193,33 @@ def test_only_added_tokens_marked_special_are_special(model_copy):
     tool, special = ours.token_to_id("<tool_call>"), ours.token_to_id("<|special|>")
     assert not ours.is_special(tool) and ours.is_special(special)
     assert ours.decode([tool, special, tool]) == "<tool_call><tool_call>"
+
+
+@pytest.mark.parametrize("trim_offsets", [True, False])
+def test_echoed_prompt_offsets_index_the_prompt_as_sent(tmp_path, trim_offsets):
+    """prompt_text_offsets: each token starts where its text sits in the prompt as sent, also when the
+    tokenizer's ByteLevel post-processor trims leading spaces out of its spans (GPT-2's setting), and
+    a special token spelled in the prompt starts at its spelling."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, processors, trainers
+
+    from runtime.server.logprobs import prompt_text_offsets
+
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["hello world hello world the cat sat on the mat"] * 50, trainer)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    tok = Tokenizer(tmp_path)
+    prompt = "hello world  the  cat<|endoftext|>é!"
+    ids, spans = tok.encode_with_spans(prompt)
+    starts = prompt_text_offsets(tok, prompt, ids, spans)
+    assert starts == sorted(starts) and len(starts) == len(ids)
+    for token_id, start in zip(ids, starts):
+        text = tok.token_text(token_id)
+        if "\ufffd" not in text:  # a split character's bytes start where it does
+            assert prompt.startswith(text, start), (text, start, prompt)
+    split = [s for t, s in zip(ids, starts) if "\ufffd" in tok.token_text(t)]
+    assert split == [prompt.index("é")] * len(split) and len(split) == 2

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, error_body
-from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs
+from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs, prompt_text_offsets
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -53,13 +53,14 @@ def _prompt_logprobs(out: Any, tokenizer: Any, offsets: TextOffsets, prompt: str
     """The legacy logprobs object of the prompt's tokens (echo); ``offsets`` then continues
     after ``echoed``, the prompt's text in the reply.
 
-    A text prompt is echoed as sent, so its tokens' offsets are where the tokenizer found them in
-    it: counting token texts would drift where the text spells a special token (``<eos>``) or has
+    A text prompt is echoed as sent, so its tokens' offsets index it as sent (``prompt_text_offsets``):
+    counting token texts alone would drift where it spells a special token (``<eos>``) or has
     characters the vocabulary lacks, which decoding drops. Token ids are echoed decoded, and counted."""
     starts = None
     if isinstance(prompt, str):
-        ids, found = tokenizer.encode_with_starts(prompt)
-        starts = found if ids == list(out.prompt_token_ids) else None  # the engine's own encoding: always the same ids
+        ids, spans = tokenizer.encode_with_spans(prompt)
+        if ids == list(out.prompt_token_ids):  # the engine's own encoding: always the same ids
+            starts = prompt_text_offsets(tokenizer, prompt, ids, spans)
     head = completion_logprobs(tokenizer, out.prompt_logprobs, offsets, out.prompt_token_ids, starts)
     offsets.restart_at(len(echoed))
     return head

@@ -53,6 +53,32 @@ class TextOffsets:
         return offset
 
 
+def prompt_text_offsets(tokenizer: Any, prompt: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Where each token of a text prompt starts in the prompt as sent (``echo`` puts it in the reply
+    unchanged), from its ids and the tokenizer's spans (``Tokenizer.encode_with_spans``).
+
+    Counted, as for generated text, while a token's text is what the prompt has there; where it is
+    not, the tokenizer's span places the token and counting goes on after it: a special token
+    spelled in the prompt (``<eos>`` typed as text, which decoding would drop), a token for
+    characters the vocabulary lacks (``<unk>``), the bytes of a split character, a SentencePiece
+    piece whose leading space the prompt does not have. Spans alone would not do: a ByteLevel
+    post-processor with ``trim_offsets`` starts ``" world"`` at the ``w``. A token with an empty span
+    (a bos the tokenizer added) takes no room."""
+    counted = TextOffsets(tokenizer)
+    starts = []
+    for token_id, (start, end) in zip(ids, spans):
+        here, text = counted.position, tokenizer.token_text(token_id)
+        if text and "\ufffd" not in text and not counted.in_character and prompt.startswith(text, here):
+            starts.append(here)
+            counted.restart_at(here + len(text))
+        elif start < end:
+            starts.append(start)
+            counted.restart_at(end)
+        else:
+            starts.append(here)
+    return starts
+
+
 class StreamedEntries:
     """One streamed choice's logprob entries, each sent with the chunk that carries the end of its
     token's text, never before.
