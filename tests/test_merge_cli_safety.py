@@ -161,6 +161,9 @@ def test_quantize_force_keeps_foreign_folders(tiny_llama_dir, tmp_path, capsys):
     (out / "lorafleet_merge.json").write_text('{"kind": "merge"}')
     assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(out), "--force"]) == 2
     assert "does not list the files it wrote" in capsys.readouterr().err and (out / "notes.txt").read_text() == "important"
+    (out / "lorafleet_merge.json").write_text('{"files_written": [["notes.txt"]]}')  # not a list of names: refused, no traceback
+    assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(out), "--force"]) == 2
+    assert "does not list the files it wrote" in capsys.readouterr().err
     # A quantize output replaced by another: fine; with a file added to it: refused.
     fresh = tmp_path / "q2"
     assert cli_main(["quantize", "--model", str(tiny_llama_dir), "--out", str(fresh)]) == 0
@@ -235,6 +238,39 @@ def test_a_signal_while_the_previous_output_is_deleted_is_held_too(tmp_path, mon
     err = capsys.readouterr().err
     assert f"{signal.Signals(signum).name} arrived while the output was being moved into place; the new output is in place" in err
     assert (out / "model.safetensors").read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # old copy gone
+
+
+@pytest.mark.parametrize("case", ["added to an earlier output", "appeared", "added between check and rename"])
+def test_force_never_replaces_files_that_arrived_while_the_run_wrote(tmp_path, monkeypatch, case):
+    """check_output runs before a merge that can take hours: --force checks again when it publishes,
+    and once more after moving the old output aside."""
+    from runtime.merge import staging
+
+    out = tmp_path / "m"
+    if case != "appeared":
+        out.mkdir()
+        (out / "lorafleet_merge.json").write_text('{"files_written": ["model.safetensors"]}')
+        (out / "model.safetensors").write_bytes(b"old")
+    staged = StagedOutput(check_output(out, [], force=True), force=True)
+    with pytest.raises(OutputPathError, match="lorafleet did not write"):
+        with staged as tmp:
+            (tmp / "model.safetensors").write_bytes(b"new")
+            if case == "appeared":
+                out.mkdir()
+            if case != "added between check and rename":
+                (out / "theirs.txt").write_text("keep me")
+            else:
+                real_rename = os.rename
+
+                def rename_then_write(src, dst):  # someone writes into the folder right as it is moved aside
+                    real_rename(src, dst)
+                    if Path(dst).name == "previous":
+                        (Path(dst) / "theirs.txt").write_text("keep me")
+                        monkeypatch.setattr(staging.os, "rename", real_rename)
+
+                monkeypatch.setattr(staging.os, "rename", rename_then_write)
+            staged.publish()
+    assert (out / "theirs.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # put back, nothing left
 
 
 def test_merged_values_beyond_the_output_dtype_are_refused(tiny_llama_dir, tiny_adapters, tmp_path, capsys):

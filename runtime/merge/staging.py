@@ -94,7 +94,7 @@ def _not_written_by_lorafleet(folder: Path) -> str:
         written = json.loads(manifest.read_text()).get("files_written")
     except (OSError, ValueError, AttributeError):
         written = None
-    if not isinstance(written, list):
+    if not isinstance(written, list) or not all(isinstance(w, str) for w in written):
         return f"{manifest.name} does not list the files it wrote (an older lorafleet, or not its own)"
     extra = sorted(set(folder_entries(folder)) - set(written) - {manifest.name})
     if not extra:
@@ -156,11 +156,19 @@ class StagedOutput:
         """Rename staging -> out (the previous out moved aside first); returns where the previous out went."""
         assert self.path is not None
         old: Path | None = None
-        if self.out.exists():
+        if self.out.exists() or self.out.is_symlink():
             if not self.force:  # appeared while we were writing
                 raise OutputPathError(f"{self.out}: appeared while writing; not replaced without --force")
+            # Checked again: a run takes minutes, and files may have been added (or the folder made) meanwhile.
+            self._refuse_foreign(self.out)
             old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
             os.rename(self.out, old / "previous")
+            try:  # and once more where nobody writes: a file added between the check and the rename
+                self._refuse_foreign(old / "previous")
+            except OutputPathError:
+                os.rename(old / "previous", self.out)
+                old.rmdir()
+                raise
         try:
             os.rename(self.path, self.out)
         except OSError as err:
@@ -170,6 +178,17 @@ class StagedOutput:
             raise OutputPathError(f"{self.out}: cannot move the finished output into place: {err.strerror or err}") from err
         self.published = True
         return old
+
+    def _refuse_foreign(self, folder: Path) -> None:
+        """OutputPathError unless ``folder`` (``out``, or where it was moved aside) may be replaced:
+        an empty folder, or exactly an earlier lorafleet output."""
+        if folder.is_symlink() or not folder.is_dir():
+            raise OutputPathError(f"{self.out}: is no longer a folder; not replaced")
+        if any(folder.iterdir()):
+            foreign = _not_written_by_lorafleet(folder)
+            if foreign:
+                raise OutputPathError(f"{self.out}: holds files that lorafleet did not write ({foreign}), added while this run wrote; "
+                                      "not replaced, and nothing was written")  # fmt: skip
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         try:
