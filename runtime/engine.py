@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence as Seq
 
 import torch
@@ -173,20 +174,24 @@ class LLMEngine:
 
         Its error reaches the requests of that version, i.e. any API caller: it names the folder
         (as ``GET /v1/models`` does) but never quotes what the files hold, which the server log
-        gets instead. Files that now resolve elsewhere than when the version was registered (a
-        symlink swapped to point outside ``--adapter-root``) are not read at all."""
+        gets instead. Files that now resolve elsewhere than when the version was registered and
+        outside the folder they are in (a file swapped for a symlink to one outside ``--adapter-root``)
+        are not read at all; a folder that is a symlink repointed at another copy (a release switch,
+        git-sync) is read, and its content must hash to the version as always."""
         try:
             path, files = self.registry.path_of(ref), self.registry.files_of(ref)
         except KeyError:
             raise AdapterError(f"adapter {ref.name!r} (version {ref.version[:12]}) is no longer registered") from None
         try:
-            moved = resolved_files(path) != files
+            now = resolved_files(path)
+            folder = Path(path).resolve()
+            moved = now != files and not all(folder in Path(f).parents for f in now)
         except (OSError, RuntimeError, ValueError):  # a symlink loop, or a path no longer usable
             moved = True
         if files and moved:
             logger.warning("adapter %r (version %s): not re-read from %s: its files resolve elsewhere than %s", ref.name, ref.version[:12], path, files)
-            raise AdapterError(f"{path}: the adapter's files resolve to other paths than when it was registered (version {ref.version[:12]}); "
-                               f"nothing was read; register it again to serve what is there now")  # fmt: skip
+            raise AdapterError(f"{path}: the adapter's files resolve to other paths than when it was registered, outside its folder "
+                               f"(version {ref.version[:12]}); nothing was read; register it again to serve what is there now")  # fmt: skip
         try:
             adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
         except AdapterError as err:  # it loaded when registered: its files changed (or went) since

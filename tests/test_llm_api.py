@@ -110,6 +110,24 @@ def test_a_re_read_never_follows_files_swapped_to_point_elsewhere(tiny_llama_dir
         assert all("TOPSECRET" not in r.getMessage() for r in caplog.records)  # not read at all: not even the log has it
 
 
+def test_a_re_read_follows_a_folder_symlink_repointed_at_another_copy(tiny_llama_dir, tiny_adapters, tmp_path):
+    """A release switch (``current -> rev1`` repointed at ``rev2``, as git-sync does): the files now
+    resolve elsewhere, but inside the folder the registered path names, and hash to the version."""
+    rev1, rev2 = copy_adapter(tiny_adapters["a"], tmp_path / "rev1"), copy_adapter(tiny_adapters["a"], tmp_path / "rev2")
+    current = tmp_path / "current"
+    current.symlink_to(rev1)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4, max_loras=1, max_cpu_loras=1) as llm:
+        llm.register_adapter("live", str(current))
+        (first,) = llm.generate(["y"], params, adapter="live")
+        llm.generate(["y"], params, adapter=None)
+        llm.register_adapter("other", str(tiny_adapters["b"]))  # drops "live" from the 1-entry host tier
+        current.unlink()
+        current.symlink_to(rev2)
+        (again,) = llm.generate(["y"], params, adapter="live")
+        assert again.finish_reason == "length" and again.token_ids == first.token_ids, again.error
+
+
 def test_close_and_a_failed_constructor_release_the_engine(tiny_llama_dir, tiny_adapters, monkeypatch):
     from runtime.engine import LLMEngine
 
