@@ -195,10 +195,20 @@ def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, ti
         folder.mkdir()
         (folder / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
         (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     settings = serve.load_settings(parse("--model", str(folder), "--ray", "--port", "0", "--registry-dir", str(tmp_path / "reg")))
     assert run_ray(settings) == 2 and not started
     err = capsys.readouterr().err
     assert err.startswith(f"lorafleet serve: {folder}: ") and ("no such folder" in err if model == "missing" else "only pickled weights" in err), err
+    # With $RAY_ADDRESS, ray.init joins that cluster, whose nodes may hold the model: not checked here.
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+
+    def init_then_stop(**kw):  # type: ignore[no-untyped-def]
+        started.append(kw)
+        raise ConnectionError("stop here")
+
+    monkeypatch.setattr(ray, "init", init_then_stop)
+    assert run_ray(settings) == 2 and len(started) == 1  # got as far as ray.init
 
 
 def test_ray_deployment_refuses_an_adapter_named_like_the_checkpoint(tiny_llama_dir: Path, tiny_adapters, capsys) -> None:

@@ -47,9 +47,10 @@ def serve_command(setup: BenchSetup, model_dir: Path, adapters: dict[str, Path],
     """The ``lorafleet serve`` command line for ``setup``'s device, dtype and engine limits."""
     cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(Path(model_dir).resolve()),
            "--device", setup.device, "--dtype", setup.dtype, "--host", "127.0.0.1", "--port", str(port),
-           "--max-loras", str(setup.max_loras), "--max-cpu-loras", str(setup.max_cpu_loras),
-           "--max-lora-rank", str(setup.max_lora_rank), "--max-num-seqs", str(setup.max_num_seqs),
+           "--max-loras", str(setup.max_loras), "--max-lora-rank", str(setup.max_lora_rank), "--max-num-seqs", str(setup.max_num_seqs),
            "--max-num-batched-tokens", str(setup.max_num_batched_tokens)]  # fmt: skip
+    if setup.max_cpu_loras is not None:
+        cmd += ["--max-cpu-loras", str(setup.max_cpu_loras)]
     if adapters:
         cmd += ["--lora-modules", *(f"{name}={Path(path).resolve()}" for name, path in sorted(adapters.items()))]
     return cmd

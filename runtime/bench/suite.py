@@ -28,7 +28,7 @@ class BenchSetup:
     device: str = "cpu"
     dtype: str = "float32"
     max_loras: int = 8
-    max_cpu_loras: int = 32
+    max_cpu_loras: int | None = None  # None: the engine's default, max(32, max_loras)
     max_lora_rank: int = 64
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024

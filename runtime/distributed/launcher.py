@@ -9,6 +9,7 @@ once). Start-up errors print one line and exit 2.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -91,7 +92,7 @@ def run_ray(settings: Any) -> int:
         log_level=settings.log_level,
     )
     host, port = settings.server.host, settings.server.port
-    started_here = settings.ray_address is None
+    started_here = settings.ray_address is None and not os.environ.get("RAY_ADDRESS")  # ray.init joins $RAY_ADDRESS's cluster
     if started_here:
         # Serve's proxy and the registry actor will run on this machine: find a busy port or an
         # unusable --registry-dir now, as a single server does, not after Ray has started.

@@ -74,6 +74,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     one and drops the other without a word)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, yaml.MappingNode):  # e.g. ``!!map 8000``: the safe loader's own error names it
+            return super().construct_mapping(node, deep=deep)
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
