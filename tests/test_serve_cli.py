@@ -94,6 +94,13 @@ def test_more_device_slots_than_the_default_host_tier_raise_the_host_tier(tiny_l
         serve.load_settings(parse("--model", str(tiny_llama_dir), "--max-loras", "40", "--max-cpu-loras", "8"))
 
 
+def test_a_wrong_type_in_the_config_file_is_an_error_also_where_a_flag_overrides_it(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("enable_adapter_admin: 'false'\n")
+    with pytest.raises(ConfigError, match="enable_adapter_admin: expected true or false"):
+        serve.load_settings(parse("--config", str(cfg), "--model", str(tiny_llama_dir), "--enable-adapter-admin"))
+
+
 def test_a_key_given_twice_in_the_config_file_is_an_error(tmp_path: Path) -> None:
     """YAML keeps the last of two equal keys and drops the first without a word."""
     cfg = tmp_path / "serve.yaml"

@@ -75,9 +75,10 @@ def _demo_paths() -> tuple[str | None, dict[str, str]]:
 
 
 def load_settings(args: argparse.Namespace) -> Any:
-    from runtime.server.serve_config import LoRAModule, build_settings, check_adapter_names, load_yaml, normalize_keys
+    from runtime.server.serve_config import LoRAModule, build_settings, check_adapter_names, check_types, load_yaml, normalize_keys
 
     file_values = load_yaml(args.config) if args.config else {}
+    check_types(file_values)  # the file's own types, also where a flag overrides the key
     flags = normalize_keys(_flag_values(args), "flags")
     demo_model, demo_adapters = _demo_paths()
     settings = build_settings(file_values, flags, demo_model)
