@@ -197,7 +197,7 @@ class LLMEngine:
         except AdapterError as err:  # it loaded when registered: its files changed (or went) since
             logger.warning("adapter %r (version %s): re-reading %s failed: %s", ref.name, ref.version[:12], path, err)
             raise AdapterError(f"{path}: the adapter changed on disk since it was registered (version {ref.version[:12]}) and no "
-                               f"longer loads (the server log has why); register it again to serve the new content") from None
+                               f"longer loads (the log has why: a WARNING from runtime.engine); register it again to serve the new content") from None
         if adapter.version != ref.version:
             raise AdapterError(
                 f"{path}: the adapter changed on disk since it was registered (registered version {ref.version[:12]}, "
