@@ -162,22 +162,32 @@ def test_sliding_window_caps_max_model_len(tmp_path):
     [
         ("mistral", {}, 4096),  # no sliding_window key: transformers' MistralConfig default
         ("mistral", {"sliding_window": None}, None),  # explicit null: full attention
-        ("qwen2", {"use_sliding_window": True}, 4096),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": None}, None),
-        ("qwen2", {"use_sliding_window": False}, None),
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}, 4096),
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, 4096),  # layer 1 on slides
+        ("qwen2", {"use_sliding_window": True}, None),  # max_window_layers 28 >= the layers: every layer in full
+        ("qwen2", {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, 4096),
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": None}, None),
+        ("qwen2", {"use_sliding_window": False, "max_window_layers": 0}, None),
         ("llama", {}, None),  # LlamaConfig has no sliding window at all
+        ("llama", {"sliding_window": 16}, None),  # not even when its config.json has the key
     ],
 )
 def test_sliding_window_default_follows_transformers(tmp_path, model_type, change, window):
+    """The cap applies where transformers' attention slides: every mistral layer, the qwen2 layers its
+    layer_types mark (by default those from max_window_layers on), no llama layer."""
     from transformers import AutoConfig
 
     path = build_tiny_model(tmp_path / "m", model_type, seed=4)
     cfg = json.loads((path / "config.json").read_text())
     cfg.pop("sliding_window", None)
+    cfg.pop("layer_types", None)  # as saved, computed from the builder's settings: let the change decide
     cfg.update(change, max_position_embeddings=8192)
     (path / "config.json").write_text(json.dumps(cfg))
     parsed = load_model_config(path)
-    assert parsed.sliding_window == window == getattr(AutoConfig.from_pretrained(str(path)), "sliding_window", None)
+    hf = AutoConfig.from_pretrained(str(path))
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention" if model_type == "mistral" else "full_attention"] * hf.num_hidden_layers
+    slides = model_type != "llama" and getattr(hf, "sliding_window", None) is not None and "sliding_attention" in layer_types
+    assert cfg["num_hidden_layers"] == 2 and parsed.sliding_window == window == (hf.sliding_window if slides else None)
     assert parsed.max_model_len == (window or 8192)
 
 

@@ -9,12 +9,15 @@ usually ``rope_theta``; a ``rope_theta`` missing there is taken from the top lev
 10000, as transformers does). When both layouts are present they must agree. Supported
 rope types: default, ``linear``, ``llama3``.
 
-Sliding window (mistral, qwen2 with ``use_sliding_window``): the decoder runs full
-causal attention, which equals sliding-window attention as long as a sequence is no
-longer than the window. So ``max_model_len`` is capped to the window instead of
-ignoring it; ``ModelConfig.max_model_len`` is that cap. As in transformers, a mistral or
+Sliding window (mistral; qwen2 with ``use_sliding_window`` in the layers that use it): the
+decoder runs full causal attention, which equals sliding-window attention as long as a
+sequence is no longer than the window. So ``max_model_len`` is capped to the window instead
+of ignoring it; ``ModelConfig.max_model_len`` is that cap. As in transformers, a mistral or
 qwen2 config.json without a ``sliding_window`` key gets the default window of 4096; only
-``"sliding_window": null`` means full attention.
+``"sliding_window": null`` means full attention. Which qwen2 layers slide follows transformers'
+Qwen2Config: ``layer_types`` if given, else the layers from ``max_window_layers`` (default 28)
+on; when none does, there is no window (and no cap). Llama has no sliding window: a
+``sliding_window`` key in its config.json is not read, as transformers does not read it.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' default sliding_window of MistralConfig and Qwen2Config (checked with
 # transformers 5.24.0), used when their config.json has no sliding_window key.
 DEFAULT_SLIDING_WINDOW = 4096
+QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on use the window
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta (llama, qwen2, mistral)
 
 
@@ -167,8 +171,23 @@ def eos_ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
 
 
 def _sliding_window(raw: Mapping[str, Any], model_type: str, path: Path) -> int | None:
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-        return None  # qwen2 stores a window but only uses it with use_sliding_window
+    if model_type not in ("mistral", "qwen2"):
+        return None  # LlamaAttention has no window, whatever its config.json says
+    if model_type == "qwen2":
+        if not raw.get("use_sliding_window", False):
+            return None  # qwen2 stores a window but only uses it with use_sliding_window
+        layer_types = raw.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list):
+                raise ModelConfigError(f"{path}: layer_types must be a list of 'full_attention' / 'sliding_attention', got {layer_types!r}")
+            slides = "sliding_attention" in layer_types
+        else:
+            first = raw.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)
+            if not isinstance(first, int) or isinstance(first, bool):
+                raise ModelConfigError(f"{path}: max_window_layers={first!r} must be an integer")
+            slides = first < int(raw.get("num_hidden_layers", 0))
+        if not slides:
+            return None  # every layer attends in full (transformers' Qwen2Config layer_types)
     # For mistral and qwen2 a missing key is not "no window": transformers' MistralConfig and
     # Qwen2Config then use their default window; only an explicit null means full attention.
     # (LlamaConfig has no window: a missing key is none.)
