@@ -175,23 +175,26 @@ class LLMEngine:
         Its error reaches the requests of that version, i.e. any API caller: it names the folder
         (as ``GET /v1/models`` does) but never quotes what the files hold, which the server log
         gets instead. Files that now resolve elsewhere than when the version was registered and
-        outside the folder they are in (a file swapped for a symlink to one outside ``--adapter-root``)
-        are not read at all; a folder that is a symlink repointed at another copy (a release switch,
-        git-sync) is read, and its content must hash to the version as always."""
+        are not read at all (a file or the folder swapped for a symlink to one outside
+        ``--adapter-root``), with one exception: a version registered through a symlink (``current ->
+        rev1``, a release switch or git-sync; never an admin-loaded one, whose path is registered
+        resolved) may be re-read from what that symlink points at now, if the files lie in that
+        folder; its content must hash to the version as always."""
         try:
             path, files = self.registry.path_of(ref), self.registry.files_of(ref)
         except KeyError:
             raise AdapterError(f"adapter {ref.name!r} (version {ref.version[:12]}) is no longer registered") from None
         try:
             now = resolved_files(path)
-            folder = Path(path).resolve()
-            moved = now != files and not all(folder in Path(f).parents for f in now)
+            through_symlink = bool(files) and str(Path(path).absolute()) != files[0]  # a pointer meant to move
+            repointed = through_symlink and all(Path(now[0]) in Path(f).parents for f in now[1:])
+            moved = now != files and not repointed
         except (OSError, RuntimeError, ValueError):  # a symlink loop, or a path no longer usable
             moved = True
         if files and moved:
             logger.warning("adapter %r (version %s): not re-read from %s: its files resolve elsewhere than %s", ref.name, ref.version[:12], path, files)
-            raise AdapterError(f"{path}: the adapter's files resolve to other paths than when it was registered, outside its folder "
-                               f"(version {ref.version[:12]}); nothing was read; register it again to serve what is there now")  # fmt: skip
+            raise AdapterError(f"{path}: the adapter's files resolve to other paths than when it was registered (version "
+                               f"{ref.version[:12]}); nothing was read; register it again to serve what is there now")  # fmt: skip
         try:
             adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
         except AdapterError as err:  # it loaded when registered: its files changed (or went) since

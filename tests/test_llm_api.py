@@ -108,6 +108,12 @@ def test_a_re_read_never_follows_files_swapped_to_point_elsewhere(tiny_llama_dir
             assert ok.finish_reason == "length"
             llm.generate(["y"], params, adapter="other")  # and dropped from the host tier again
         assert all("TOPSECRET" not in r.getMessage() for r in caplog.records)  # not read at all: not even the log has it
+        # The whole folder (registered by its own path, as the admin route registers it) swapped for a symlink to a copy elsewhere.
+        elsewhere = copy_adapter(tiny_adapters["a"], tmp_path / "outside" / "copy")
+        shutil.rmtree(live)
+        live.symlink_to(elsewhere)
+        (failed,) = llm.generate(["y"], params, adapter="live", raise_on_error=False)
+        assert failed.finish_reason == "error" and "nothing was read" in failed.error, failed.error
 
 
 def test_a_re_read_follows_a_folder_symlink_repointed_at_another_copy(tiny_llama_dir, tiny_adapters, tmp_path):

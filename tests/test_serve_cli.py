@@ -94,11 +94,26 @@ def test_more_device_slots_than_the_default_host_tier_raise_the_host_tier(tiny_l
         serve.load_settings(parse("--model", str(tiny_llama_dir), "--max-loras", "40", "--max-cpu-loras", "8"))
 
 
-def test_a_wrong_type_in_the_config_file_is_an_error_also_where_a_flag_overrides_it(tmp_path: Path, tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("line, flags", [
+    ("enable_adapter_admin: 'false'", ["--enable-adapter-admin"]), ("port: 'abc'", ["--port", "9000"]),
+    ("max_loras: '8'", ["--max-loras", "4"]), ("enable_prefix_caching: 'no'", ["--enable-prefix-caching"]),
+    ("log_level: 5", ["--log-level", "info"]), ("dtype: 16", ["--dtype", "float32"]), ("num_replicas: '2'", ["--num-replicas", "1"]),
+    ("max_loras: true", ["--max-loras", "4"]), ("model: null", ["--model", "{model}"]),
+])  # fmt: skip
+def test_a_wrong_type_in_the_config_file_is_an_error_also_where_a_flag_overrides_it(tmp_path: Path, tiny_llama_dir: Path, line: str,
+                                                                                   flags: list[str]) -> None:  # fmt: skip
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("enable_adapter_admin: 'false'\n")
-    with pytest.raises(ConfigError, match="enable_adapter_admin: expected true or false"):
-        serve.load_settings(parse("--config", str(cfg), "--model", str(tiny_llama_dir), "--enable-adapter-admin"))
+    cfg.write_text(line + "\n")
+    key = line.split(":")[0]
+    argv = [f.format(model=tiny_llama_dir) for f in flags] + ([] if "--model" in flags else ["--model", str(tiny_llama_dir)])
+    with pytest.raises(ConfigError, match=f"^{key}: expected .* in the --config file"):
+        serve.load_settings(parse("--config", str(cfg), *argv))
+
+
+def test_every_config_key_has_a_file_type() -> None:
+    from runtime.server.serve_config import ALL_KEYS, FILE_TYPES
+
+    assert set(FILE_TYPES) == set(ALL_KEYS)
 
 
 def test_a_key_given_twice_in_the_config_file_is_an_error(tmp_path: Path) -> None:

@@ -75,11 +75,12 @@ def _demo_paths() -> tuple[str | None, dict[str, str]]:
 
 
 def load_settings(args: argparse.Namespace) -> Any:
-    from runtime.server.serve_config import LoRAModule, build_settings, check_adapter_names, check_types, load_yaml, normalize_keys
+    from runtime.server.serve_config import (LoRAModule, build_settings, check_adapter_names, check_overridden_file_types, load_yaml,
+                                             normalize_keys)  # fmt: skip
 
     file_values = load_yaml(args.config) if args.config else {}
-    check_types(file_values)  # the file's own types, also where a flag overrides the key
     flags = normalize_keys(_flag_values(args), "flags")
+    check_overridden_file_types(file_values, flags)  # the file's own types, also where a flag replaces the value
     demo_model, demo_adapters = _demo_paths()
     settings = build_settings(file_values, flags, demo_model)
     if settings.uses_demo:

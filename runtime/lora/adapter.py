@@ -99,7 +99,7 @@ class LoRAAdapter:
     rank_pattern: Mapping[str, int] = field(default_factory=dict)
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     base_model_name_or_path: str | None = None
-    files: tuple[str, ...] = ()  # the config and weights files it was read from, symlinks resolved (``resolved_files``)
+    files: tuple[str, ...] = ()  # its folder, config and weights, symlinks resolved, as read (``resolved_files``)
 
     @property
     def nbytes(self) -> int:
@@ -107,9 +107,9 @@ class LoRAAdapter:
 
 
 def resolved_files(folder: str | Path) -> tuple[str, ...]:
-    """Where the files ``load_adapter`` reads in ``folder`` are, symlinks resolved (nothing is
-    opened): a re-read from disk checks that they still resolve there before reading them."""
-    return tuple(str((Path(folder) / name).resolve()) for name in (CONFIG_FILE, WEIGHTS_FILE))
+    """``folder`` and the files ``load_adapter`` reads in it, symlinks resolved (nothing is
+    opened): a re-read from disk checks where they resolve now before reading them."""
+    return tuple(str(p.resolve()) for p in (Path(folder), Path(folder) / CONFIG_FILE, Path(folder) / WEIGHTS_FILE))
 
 
 def load_adapter(

@@ -115,6 +115,34 @@ def check_types(merged: Mapping[str, Any]) -> None:
             raise ConfigError(f"{key}: expected {expected}, got {merged[key]!r}")
 
 
+# Every key's type in a --config file, for ``check_overridden_file_types`` (None: null allowed).
+_INT, _STR, _BOOL = ((int,), "an integer"), ((str,), "a string"), ((bool,), "true or false")
+FILE_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    **{k: (*_INT, False) for k in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "port",
+                                   "max_request_bytes", "metrics_max_adapters", "num_replicas")},
+    **{k: (*_INT, True) for k in ("max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb")},
+    **{k: (*_STR, False) for k in ("model", "device", "dtype", "host", "log_level")},
+    **{k: (*_STR, True) for k in NULLABLE_KEYS},
+    **{k: (*_BOOL, False) for k in ("enable_prefix_caching", "enable_adapter_admin", "ray")},
+    "adapter_root": ((str, list), "a folder or a list of folders", True),
+    "lora_modules": ((list,), "a list of adapters", True),
+}  # fmt: skip
+
+
+def check_overridden_file_types(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> None:
+    """A --config value of the wrong type is an error even where a flag replaces it: the file is
+    wrong, and would be used the day the flag is dropped (values in effect get their full checks
+    later, in ``build_settings``)."""
+    for key, value in file_values.items():
+        if flag_values.get(key) is None or key not in FILE_TYPES:
+            continue
+        kinds, expected, nullable = FILE_TYPES[key]
+        wrong_bool = isinstance(value, bool) and bool not in kinds  # YAML true is no integer here
+        if (value is None and not nullable) or (value is not None and (wrong_bool or not isinstance(value, kinds))):
+            raise ConfigError(f"{key}: expected {expected}, got {value!r} in the --config file (a flag overrides it, but the "
+                              "file's value must be right too)")  # fmt: skip
+
+
 def adapter_roots(value: Any) -> list[str]:
     """``adapter_root``: one folder or a list of folders (every one a string)."""
     roots = [value] if isinstance(value, str) else (value or [])
