@@ -273,6 +273,36 @@ def test_force_never_replaces_files_that_arrived_while_the_run_wrote(tmp_path, m
     assert (out / "theirs.txt").read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # put back, nothing left
 
 
+def test_an_output_that_cannot_be_put_back_is_named_not_lost(tmp_path, monkeypatch):
+    """Files added as the old output is moved aside, and a new --out made meanwhile: the old output
+    cannot go back; the error says where it is (it is never deleted)."""
+    from runtime.merge import staging
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "lorafleet_merge.json").write_text('{"files_written": ["model.safetensors"]}')
+    (out / "model.safetensors").write_bytes(b"old")
+    real_rename = os.rename
+
+    def rename_then_race(src, dst):
+        real_rename(src, dst)
+        if Path(dst).name == "previous":
+            (Path(dst) / "theirs.txt").write_text("keep me")
+            out.mkdir()
+            (out / "log.txt").write_text("new")
+            monkeypatch.setattr(staging.os, "rename", real_rename)
+
+    monkeypatch.setattr(staging.os, "rename", rename_then_race)
+    staged = StagedOutput(check_output(out, [], force=True), force=True)
+    with pytest.raises(OutputPathError, match=r"the previous output could not be put back .* and is in .*\.m\.old-.*previous") as err:
+        with staged as tmp:
+            (tmp / "model.safetensors").write_bytes(b"new")
+            staged.publish()
+    kept = Path(str(err.value).rsplit(" and is in ", 1)[1])
+    assert (kept / "theirs.txt").read_text() == "keep me" and (kept / "model.safetensors").read_bytes() == b"old"
+    assert (out / "log.txt").read_text() == "new"
+
+
 def test_merged_values_beyond_the_output_dtype_are_refused(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
     """A float16 output cannot hold 1e5: merging must not write inf."""
     from safetensors.torch import load_file, save_file

@@ -223,3 +223,17 @@ def test_echoed_prompt_offsets_index_the_prompt_as_sent(tmp_path, trim_offsets):
             assert prompt.startswith(text, start), (text, start, prompt)
     split = [s for t, s in zip(ids, starts) if "\ufffd" in tok.token_text(t)]
     assert split == [prompt.index("é")] * len(split) and len(split) == 2
+
+
+def test_an_added_bos_does_not_take_a_bos_spelled_in_the_prompt():
+    """A prompt that starts with the bos's spelling, twice: the tokenizer adds its own bos (an empty
+    span) and reads both spellings; those start at 0 and 5, the added one at 0, taking no room."""
+    from runtime.demo import demo_model_dir
+    from runtime.server.logprobs import prompt_text_offsets
+
+    tok = Tokenizer(demo_model_dir())
+    bos = tok.token_text(tok.bos_token_id)
+    prompt = bos + bos + "hello"
+    ids, spans = tok.encode_with_spans(prompt)
+    assert ids[:3] == [tok.bos_token_id] * 3 and spans[0] == (0, 0)
+    assert prompt_text_offsets(tok, prompt, ids, spans) == [0, 0, len(bos)] + [2 * len(bos) + i for i in range(5)]

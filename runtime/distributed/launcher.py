@@ -119,7 +119,8 @@ def run_ray(settings: Any) -> int:
     try:
         ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
     except (ConnectionError, TimeoutError, ValueError) as err:  # no cluster there (or it did not answer), or a malformed address
-        where = f"--ray-address {settings.ray_address}" if settings.ray_address else "starting a local Ray cluster"
+        where = (f"--ray-address {settings.ray_address}" if settings.ray_address else
+                 f"$RAY_ADDRESS {os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else "starting a local Ray cluster")  # fmt: skip
         print(f"lorafleet serve: {where}: {err}", file=sys.stderr)
         return 2
     signals = StopSignals()

@@ -165,10 +165,15 @@ class StagedOutput:
             os.rename(self.out, old / "previous")
             try:  # and once more where nobody writes: a file added between the check and the rename
                 self._refuse_foreign(old / "previous")
-            except OutputPathError:
-                os.rename(old / "previous", self.out)
-                old.rmdir()
-                raise
+            except (OutputPathError, OSError) as err:
+                why = str(err) if isinstance(err, OutputPathError) else f"{self.out}: cannot check it: {err.strerror or err}"
+                try:
+                    os.rename(old / "previous", self.out)
+                    old.rmdir()
+                except OSError as put_back:  # e.g. someone made a new --out meanwhile
+                    raise OutputPathError(f"{why}; the previous output could not be put back ({put_back.strerror or put_back}) and is in "
+                                          f"{old / 'previous'}") from err  # fmt: skip
+                raise OutputPathError(why) from err
         try:
             os.rename(self.path, self.out)
         except OSError as err:

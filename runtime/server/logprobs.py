@@ -68,7 +68,8 @@ def prompt_text_offsets(tokenizer: Any, prompt: str, ids: Sequence[int], spans: 
     starts = []
     for token_id, (start, end) in zip(ids, spans):
         here, text = counted.position, tokenizer.token_text(token_id)
-        if text and "\ufffd" not in text and not counted.in_character and prompt.startswith(text, here):
+        added = start == end and tokenizer.is_special(token_id)  # a bos the tokenizer put first: it spells nothing, even "<s>"
+        if not added and text and "\ufffd" not in text and not counted.in_character and prompt.startswith(text, here):
             starts.append(here)
             counted.restart_at(here + len(text))
         elif start < end:
