@@ -153,6 +153,21 @@ def test_serve_timeouts_outlast_the_drain_and_a_hung_replica_is_given_up_soon() 
     assert replica_cfg.health_check_timeout_s == application.HEALTH_CHECK_TIMEOUT_S <= 5
 
 
+def test_log_level_reaches_serves_own_logs(monkeypatch) -> None:
+    """--log-level warning quieted lorafleet's loggers but not Serve's INFO lines (two per request). No Ray needed."""
+    cfg = ScaleOutConfig(engine=EngineConfig(model="m", device="cpu"), server=ServerOptions(), num_replicas=2, registry_dir="unused",
+                         log_level="warning")  # fmt: skip
+    ingress = application.build(cfg)._bound_deployment
+    replica = next(arg for arg in ingress.init_args if isinstance(arg, serve.Application))._bound_deployment
+    for deployment in (ingress, replica):
+        assert deployment._deployment_config.logging_config["log_level"] == "WARNING"
+    started = {}
+    monkeypatch.setattr(application.serve, "start", lambda **kw: started.update(kw))
+    monkeypatch.setattr(application, "serve_http_address", lambda: (cfg.server.host, cfg.server.port))
+    application.start_serve(cfg)
+    assert started["logging_config"] == {"log_level": "WARNING"}
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

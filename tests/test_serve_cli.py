@@ -233,6 +233,51 @@ def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, ti
     assert run_ray(settings) == 2 and len(started) == 1  # got as far as ray.init
 
 
+def test_a_local_ray_start_refuses_a_restored_adapter_named_like_the_served_base(tmp_path: Path, tiny_llama_dir: Path, capsys,
+                                                                                 monkeypatch) -> None:  # fmt: skip
+    """An adapter registered earlier in the --registry-dir, named like this start's --served-model-name, is
+    restored with the others: it would be unreachable (requests for it reach the base)."""
+    ray = pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+    from runtime.distributed.manifest import Manifest, ManifestEntry, ManifestStore
+
+    started = []
+    monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    registry = tmp_path / "reg"
+    ManifestStore(registry).save(Manifest(1, (ManifestEntry("up3", "/adapters/up3", "0" * 64, 8, 0.0),)))
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", "0", "--registry-dir", str(registry),
+                                         "--served-model-name", "up3"))  # fmt: skip
+    assert run_ray(settings) == 2 and not started
+    assert "adapter 'up3', registered there earlier, has the served base model's name" in capsys.readouterr().err
+
+
+def test_a_registry_dir_that_cannot_be_made_is_found_by_trying(tmp_path: Path) -> None:
+    """os.access says yes to root under /proc or on a read-only mount: the check makes (and removes) a folder."""
+    from runtime.distributed.manifest import ManifestError, check_folder
+
+    with pytest.raises(ManifestError, match="registry_dir /proc/nope/reg: cannot create"):
+        check_folder("/proc/nope/reg")
+    check_folder(tmp_path / "new" / "reg")
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_an_unanswered_ray_address_is_one_line_not_minutes_of_retries(capsys, tiny_llama_dir: Path, monkeypatch) -> None:
+    ray = pytest.importorskip("ray")
+    from runtime.distributed.launcher import _unreachable_gcs, run_ray
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    assert _unreachable_gcs("auto") is None and _unreachable_gcs("ray://head:10001") is None
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init must not be reached"))
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--ray-address", f"127.0.0.1:{port}"))
+    assert run_ray(settings) == 2
+    assert f"Ray cluster 127.0.0.1:{port}: nothing answers there" in capsys.readouterr().err
+
+
 def test_ray_deployment_refuses_an_adapter_named_like_the_checkpoint(tiny_llama_dir: Path, tiny_adapters, capsys) -> None:
     pytest.importorskip("ray")
     from runtime.distributed.launcher import run_ray

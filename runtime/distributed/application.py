@@ -137,7 +137,8 @@ def start_serve(cfg: ScaleOutConfig) -> None:
     the address asked for). Nothing is deployed or deleted here."""
     host, port = cfg.server.host, cfg.server.port
     try:
-        serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": dict(SERVE_CONTROLLER_ENV)}})
+        serve.start(http_options={"host": host, "port": port}, controller_options={"runtime_env": {"env_vars": dict(SERVE_CONTROLLER_ENV)}},
+                    logging_config=serve_logging(cfg))  # fmt: skip
     except RuntimeError as err:  # ray.exceptions.RayTaskError(RuntimeError) from the proxy actor's start
         cause = getattr(err, "cause", err)
         if "Failed to bind" not in str(cause):
@@ -202,6 +203,12 @@ def creation_error(err: Exception) -> str:
     return message if kind == ManifestError.__name__ else f"the adapter registry actor failed to start: {kind}: {message}"
 
 
+def serve_logging(cfg: ScaleOutConfig) -> dict[str, str]:
+    """Serve's own logging (its controller, proxy and the deployments' replica and access logs) at
+    ``--log-level``: at warning, Serve's per-request INFO lines go too."""
+    return {"log_level": cfg.log_level.upper()}
+
+
 def build(cfg: ScaleOutConfig) -> Any:
     max_ongoing = cfg.max_ongoing_requests or max(8, 2 * cfg.engine.max_num_seqs)
     replica = serve.deployment(
@@ -213,10 +220,11 @@ def build(cfg: ScaleOutConfig) -> Any:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=REPLICA_GRACEFUL_SHUTDOWN_S,
+        logging_config=serve_logging(cfg),
     ).bind(cfg.replica_engine(), cfg.registry_name, NAMESPACE, log_level=cfg.log_level)
     ingress = serve.deployment(
         LoraIngress, name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(256, max_ongoing * cfg.num_replicas),
-        graceful_shutdown_timeout_s=INGRESS_GRACEFUL_SHUTDOWN_S,
+        graceful_shutdown_timeout_s=INGRESS_GRACEFUL_SHUTDOWN_S, logging_config=serve_logging(cfg),
     ).bind(replica, cfg.engine.model, cfg.server, cfg.registry_name, NAMESPACE, cfg.routing, cfg.apply_timeout_s, log_level=cfg.log_level)
     return ingress
 

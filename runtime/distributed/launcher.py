@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -48,6 +49,21 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+def _unreachable_gcs(address: str | None, timeout_s: float = 5.0) -> str | None:
+    """For a ``HOST:PORT`` cluster address (not ``auto``, not ``ray://``, which fail on their own),
+    why nothing answers there, or None: ``ray.init`` would retry such an address for minutes."""
+    if not address or address == "auto" or "://" in address:
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None  # ray.init's own error names a malformed address
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        return f"Ray cluster {address}: nothing answers there ({err.strerror or err}); is its head node up?"
+    return None
+
+
 def run_ray(settings: Any) -> int:
     try:
         import ray
@@ -57,7 +73,7 @@ def run_ray(settings: Any) -> int:
         return 2
     from runtime.config import ConfigError
     from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
-    from runtime.distributed.manifest import ManifestError, check_folder
+    from runtime.distributed.manifest import ManifestError, ManifestStore, check_folder
     from runtime.distributed.registry_client import ReplicasFailedToApply
     from runtime.commands.serve import one_line_error
     from runtime.models.hf_config import load_model_config
@@ -105,8 +121,20 @@ def run_ray(settings: Any) -> int:
             return 2
         try:
             check_folder(registry_dir)
+            restored = [e.name for e in ManifestStore(registry_dir).load().entries] if Path(registry_dir).is_dir() else []
         except ManifestError as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
+            return 2
+        served = settings.server.served_model_name
+        if served is None:
+            try:
+                served = load_model_config(settings.engine.model).name
+            except (ConfigError, ValueError, OSError):
+                served = None  # the model check below says why
+        if served is not None and served in restored:
+            print(f"lorafleet serve: registry_dir {registry_dir}: adapter {served!r}, registered there earlier, has the served base "
+                  "model's name, so requests for it would reach the base; choose another --served-model-name, or unload it from that "
+                  "registry first", file=sys.stderr)  # fmt: skip
             return 2
         # The replicas will read the model on this machine too: a missing folder, a config that does not
         # parse or pickled-only weights are found now, not after Ray's start-up and in replica tracebacks.
@@ -116,6 +144,10 @@ def run_ray(settings: Any) -> int:
         except (ConfigError, ValueError, OSError) as err:
             print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
             return 2
+    unreachable = _unreachable_gcs(settings.ray_address or os.environ.get("RAY_ADDRESS"))
+    if unreachable:
+        print(f"lorafleet serve: {unreachable}", file=sys.stderr)
+        return 2
     try:
         ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
     except (ConnectionError, TimeoutError, ValueError) as err:  # no cluster there (or it did not answer), or a malformed address

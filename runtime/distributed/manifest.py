@@ -97,7 +97,8 @@ class ManifestStore:
 
 def check_folder(folder: str | Path) -> None:
     """Raise the ManifestError the registry would start with in ``folder`` (a manifest it cannot
-    load, a folder it cannot create), without creating anything."""
+    load, a folder it cannot create), leaving nothing behind. Whether a folder can be made is
+    tried, not asked (``os.access`` says yes to root on a read-only mount or under /proc)."""
     folder = Path(folder).expanduser().resolve()
     if folder.is_dir():
         ManifestStore(folder).load()
@@ -107,8 +108,10 @@ def check_folder(folder: str | Path) -> None:
         raise ManifestError(f"registry_dir {folder}: cannot create: File exists")
     if not existing.is_dir():
         raise ManifestError(f"registry_dir {folder}: cannot create: Not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ManifestError(f"registry_dir {folder}: cannot create: Permission denied")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lorafleet-check-", dir=existing))
+    except OSError as err:
+        raise ManifestError(f"registry_dir {folder}: cannot create: {err.strerror or err}") from None
 
 
 def _entry(path: Path, name: str, value: Any) -> ManifestEntry:
