@@ -174,7 +174,7 @@ class LLMEngine:
 
         Its error reaches the requests of that version, i.e. any API caller: it names the folder
         (as ``GET /v1/models`` does) but never quotes what the files hold, which the server log
-        gets instead. Files that now resolve elsewhere than when the version was registered and
+        gets instead. Files that now resolve elsewhere than when the version was registered
         are not read at all (a file or the folder swapped for a symlink to one outside
         ``--adapter-root``), with one exception: a version registered through a symlink (``current ->
         rev1``, a release switch or git-sync; never an admin-loaded one, whose path is registered
