@@ -284,8 +284,6 @@ class LLMEngine:
         self._refuse_in_flight(request_id)
         if ref is not None and not self.registry.known(ref):  # unregistered since the check, with no reader left
             raise UnknownAdapterError(f"adapter {ref.name!r}: version {ref.version[:12]} is no longer registered")
-        if params.max_tokens > 0:  # a prompt-only request samples nothing: no generator, no seed drawn
-            self.sampler.add(request_id, params)  # nothing after this raises
         seq = Sequence(
             request_id=request_id,
             arrival_index=next(self._arrivals),
@@ -294,17 +292,39 @@ class LLMEngine:
             adapter=ref,
             arrival_time=time.monotonic(),
         )
-        if ref is not None:
-            self.registry.acquire(ref)
-            seq.adapter_location = self.pool.demand(ref)
-            if self.pool.weights_ready(ref):
-                seq.adapter_ready_time = seq.arrival_time
-            else:
-                self._awaiting_adapter.add(seq)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         detok = IncrementalDetokenizer(decode, params.stop, prompt_ids, params.include_stop_str_in_output, params.min_tokens)
-        self._live[request_id] = _Live(seq, detok, prompt_token_ids=tuple(seq.prompt_token_ids))
-        self.scheduler.add(seq)
+        readers, demand = (self.registry.readers(ref), self.pool.demand_of(ref)) if ref is not None else (0, 0)
+        try:
+            if params.max_tokens > 0:  # a prompt-only request samples nothing: no generator, no seed drawn
+                self.sampler.add(request_id, params)
+            if ref is not None:
+                self.registry.acquire(ref)
+                seq.adapter_location = self.pool.demand(ref)
+                if self.pool.weights_ready(ref):
+                    seq.adapter_ready_time = seq.arrival_time
+                else:
+                    self._awaiting_adapter.add(seq)
+            self._live[request_id] = _Live(seq, detok, prompt_token_ids=tuple(seq.prompt_token_ids))
+            self.scheduler.add(seq)
+        except BaseException:  # Ctrl-C half-way (nothing else raises here): nothing may hold a request that is not queued
+            self._undo_add(seq, readers, demand)
+            raise
+
+    def _undo_add(self, seq: Sequence, readers: int, demand: int) -> None:
+        """Take back whatever ``add_checked`` took for ``seq`` before it was interrupted; ``readers``
+        and ``demand``: its adapter's counts before it started."""
+        live = self._live.get(seq.request_id)
+        if live is not None and live.seq is seq:
+            del self._live[seq.request_id]
+        self.scheduler.remove(seq)
+        self._awaiting_adapter.discard(seq)
+        self.sampler.remove(seq.request_id)
+        if seq.adapter is not None:
+            if self.pool.demand_of(seq.adapter) > demand:
+                self.pool.undemand(seq.adapter)
+            if self.registry.readers(seq.adapter) > readers:
+                self.registry.release(seq.adapter)
 
     def _warn_tokenizer_vocab(self) -> None:
         """Warn (one line) when the tokenizer has more tokens, added ones included, than the

@@ -77,11 +77,17 @@ class LLM:
             raise
         self._next_id = 0
         self._turn = threading.Lock()  # one call into the engine at a time
+        self._closed = False
 
     def close(self) -> None:
         """Release the engine (model weights, KV cache, adapter loader thread)."""
         with self._turn:
+            self._closed = True
             self.engine.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("LLM: closed; create a new LLM")
 
     def __enter__(self) -> "LLM":
         return self
@@ -94,8 +100,17 @@ class LLM:
         return self.engine.tokenizer
 
     def register_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (a new version of it if the name exists)."""
         with self._turn:
+            self._check_open()
             self.engine.register_adapter(name, str(path))
+
+    def unregister_adapter(self, name: str) -> None:
+        """Stop serving ``name``: later requests for it raise ``UnknownAdapterError`` (none are in flight
+        between ``generate`` calls)."""
+        with self._turn:
+            self._check_open()
+            self.engine.unregister_adapter(name)
 
     def generate(
         self,
@@ -109,7 +124,10 @@ class LLM:
         Raises ``GenerationError`` (holding every result) if any request failed, unless
         ``raise_on_error`` is False.
         """
+        if not isinstance(raise_on_error, bool):
+            raise ValueError(f"raise_on_error: expected True or False, got {raise_on_error!r}")
         with self._turn:
+            self._check_open()
             return self._generate(prompts, params, adapter, raise_on_error)
 
     def _generate(
@@ -128,11 +146,11 @@ class LLM:
             for i, (prompt, p, a) in enumerate(zip(batch, param_list, adapter_list)):
                 request_id = f"llm-{self._next_id}"
                 self._next_id += 1
+                ids.append(request_id)  # before it is added: an interrupt right after the add still aborts it below
                 try:
                     self.engine.add_request(request_id, prompt, p, a)
                 except ValueError as err:
                     raise type(err)(f"prompts[{i}]: {err}") from err
-                ids.append(request_id)
             results: dict[str, CompletionResult] = {}
             wanted = set(ids)
             while len(results) < n:

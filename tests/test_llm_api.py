@@ -151,3 +151,45 @@ def test_close_and_a_failed_constructor_release_the_engine(tiny_llama_dir, tiny_
 def test_import_runtime_is_light():
     code = "import sys, runtime; assert 'torch' not in sys.modules; from runtime import LLM, SamplingParams; print('ok')"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("where", ["sampler", "demand", "scheduler"])
+def test_an_interrupt_while_a_request_is_added_leaves_nothing_behind(tiny_llama_dir, tiny_adapters, monkeypatch, where):
+    """Ctrl-C while generate queued its prompts left an adapter demanded (and sometimes a live request
+    that never ran): with a 1-entry host tier, the next generate for another adapter then never returned."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, seed=1)  # sampled: the sampler holds a generator
+    with LLM(str(tiny_llama_dir), adapters={"a": str(tiny_adapters["a"]), "b": str(tiny_adapters["b"])}, num_kv_blocks=32,
+             block_size=4, max_loras=1, max_cpu_loras=1) as llm:  # fmt: skip
+        engine = llm.engine
+        target = {"sampler": (engine.sampler, "add"), "demand": (engine.pool, "demand"), "scheduler": (engine.scheduler, "add")}[where]
+        real = getattr(*target)
+
+        def then_interrupt(*args, **kwargs):  # type: ignore[no-untyped-def]
+            real(*args, **kwargs)  # what it takes is taken; the interrupt lands right after
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(*target, then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["x", "y"], params, adapter="a")
+        monkeypatch.setattr(*target, real)
+        ref = engine.registry.resolve("a")
+        assert not engine.has_unfinished() and engine.pool.demand_of(ref) == 0 and engine.registry.readers(ref) == 0
+        assert not engine.sampler._generators
+        (out,) = llm.generate(["y"], SamplingParams(max_tokens=2, ignore_eos=True), adapter="b")  # it hung here
+        assert out.finish_reason == "length"
+
+
+def test_a_closed_llm_refuses_every_call_and_adapters_can_be_unregistered(tiny_llama_dir, tiny_adapters):
+    from runtime.request import UnknownAdapterError
+
+    llm = LLM(str(tiny_llama_dir), adapters={"a": str(tiny_adapters["a"])}, num_kv_blocks=32, block_size=4)
+    llm.unregister_adapter("a")
+    with pytest.raises(UnknownAdapterError):
+        llm.generate(["x"], SamplingParams(max_tokens=1), adapter="a")
+    with pytest.raises(ValueError, match="raise_on_error: expected True or False"):
+        llm.generate(["x"], SamplingParams(max_tokens=1), raise_on_error="no")
+    llm.close()
+    for call in (lambda: llm.register_adapter("late", str(tiny_adapters["b"])), lambda: llm.unregister_adapter("a"),
+                 lambda: llm.generate(["x"], SamplingParams(max_tokens=1))):  # fmt: skip
+        with pytest.raises(RuntimeError, match="LLM: closed"):
+            call()
