@@ -107,7 +107,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a ValueError for a string that is not Unicode text (a lone
         surrogate, which JSON's ``"\\ud800"`` can carry)."""
-        return self.encode_with_spans(text, add_special_tokens)[0]
+        ids = list(self._encoding(text, add_special_tokens).ids)
+        bos, eos = self._added_specials(ids, add_special_tokens)
+        return [self.bos_token_id] * bos + ids + [self.eos_token_ids[0]] * eos
 
     def encode_with_spans(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode(text)``'s ids, and the characters ``(start, end)`` of ``text`` each token was read
@@ -116,20 +118,28 @@ class Tokenizer:
         post-processor or ``add_bos_token`` puts first is ``(0, 0)``, an appended eos is empty at the
         end). A ByteLevel post-processor with ``trim_offsets`` leaves a token's leading spaces out of
         its span."""
+        encoding = self._encoding(text, add_special_tokens)
+        ids, spans = list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
+        bos, eos = self._added_specials(ids, add_special_tokens)
+        return ([self.bos_token_id] * bos + ids + [self.eos_token_ids[0]] * eos,
+                [(0, 0)] * bos + spans + [(len(text), len(text))] * eos)  # fmt: skip
+
+    def _encoding(self, text: str, add_special_tokens: bool) -> Any:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"not valid Unicode text: a lone surrogate {text[err.start]!r} at character {err.start}") from None
-        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
-        ids, spans = list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
-        if add_special_tokens:
-            if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-                ids.insert(0, self.bos_token_id)
-                spans.insert(0, (0, 0))
-            if self.add_eos_token and self.eos_token_ids and (not ids or ids[-1] != self.eos_token_ids[0]):
-                ids.append(self.eos_token_ids[0])
-                spans.append((len(text), len(text)))
-        return ids, spans
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def _added_specials(self, ids: Sequence[int], add_special_tokens: bool) -> tuple[bool, bool]:
+        """Whether bos goes first and eos last on top of the post-processor's ids (``add_bos_token`` /
+        ``add_eos_token``, for tokenizer.json files that leave them to the Python class)."""
+        if not add_special_tokens:
+            return False, False
+        bos = self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id)
+        last = ids[-1] if ids else (self.bos_token_id if bos else None)
+        eos = self.add_eos_token and bool(self.eos_token_ids) and last != self.eos_token_ids[0]
+        return bos, eos
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
