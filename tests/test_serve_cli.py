@@ -111,9 +111,9 @@ def test_a_wrong_type_in_the_config_file_is_an_error_also_where_a_flag_overrides
 
 
 def test_every_config_key_has_a_file_type() -> None:
-    from runtime.server.serve_config import ALL_KEYS, FILE_TYPES
+    from runtime.server.serve_config import ALL_KEYS, KEY_TYPES
 
-    assert set(FILE_TYPES) == set(ALL_KEYS)
+    assert set(KEY_TYPES) == set(ALL_KEYS)
 
 
 def test_a_key_given_twice_in_the_config_file_is_an_error(tmp_path: Path) -> None:

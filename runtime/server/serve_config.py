@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import yaml
 
@@ -24,16 +24,22 @@ ENGINE_KEYS = (
 SERVER_KEYS = ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "adapter_root", "max_request_bytes", "metrics_max_adapters")
 OTHER_KEYS = ("lora_modules", "log_level", "ray", "num_replicas", "ray_address", "registry_dir")
 ALL_KEYS = ENGINE_KEYS + SERVER_KEYS + OTHER_KEYS
-# Keys a YAML file could set to any type (flags are always strings): key -> (type, what to say).
-TYPED_KEYS = {
-    "host": (str, "a string"),
-    "served_model_name": (str, "a string"),
-    "api_key": (str, "a string"),
-    "enable_adapter_admin": (bool, "true or false"),
-    "ray_address": (str, "a string"),
-    "registry_dir": (str, "a string"),
-}
 NULLABLE_KEYS = ("served_model_name", "api_key", "ray_address", "registry_dir")  # null: not set, as their default
+# Every key's type in a --config file: key -> (types, what to say, null allowed). Flags are typed by argparse.
+_INT, _STR, _BOOL = ((int,), "an integer"), ((str,), "a string"), ((bool,), "true or false")
+KEY_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    **{k: (*_INT, False) for k in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "port",
+                                   "max_request_bytes", "metrics_max_adapters", "num_replicas")},
+    **{k: (*_INT, True) for k in ("max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb")},
+    **{k: (*_STR, False) for k in ("model", "device", "dtype", "host", "log_level")},
+    **{k: (*_STR, True) for k in NULLABLE_KEYS},
+    **{k: (*_BOOL, False) for k in ("enable_prefix_caching", "enable_adapter_admin", "ray")},
+    "adapter_root": ((str, list), "a folder or a list of folders", True),
+    "lora_modules": ((list,), "a list of adapters", True),
+}  # fmt: skip
+# Keys whose values in effect no later check would catch with a wrong type (the others get range
+# checks that name the key): checked by type on the merged settings too.
+TYPED_KEYS = ("host", "served_model_name", "api_key", "enable_adapter_admin", "ray_address", "registry_dir")
 
 
 @dataclass(frozen=True)
@@ -105,28 +111,22 @@ def load_yaml(path: str) -> dict[str, Any]:
     return normalize_keys(data, f"--config {path}")
 
 
+def _wrong_type(key: str, value: Any) -> Optional[str]:
+    """``expected X, got V`` when ``value`` is not of ``key``'s type (``KEY_TYPES``), else None."""
+    kinds, expected, nullable = KEY_TYPES[key]
+    wrong_bool = isinstance(value, bool) and bool not in kinds  # YAML true is no integer here
+    if (value is None and not nullable) or (value is not None and (wrong_bool or not isinstance(value, kinds))):
+        return f"expected {expected}, got {value!r}"
+    return None
+
+
 def check_types(merged: Mapping[str, Any]) -> None:
     """Refuse a value of the wrong type for ``TYPED_KEYS``, naming the key (``enable_adapter_admin:
     "false"`` is a string, and would be true; ``api_key: 12345678`` an int)."""
-    for key, (kind, expected) in TYPED_KEYS.items():
-        if key not in merged or (merged[key] is None and key in NULLABLE_KEYS):
-            continue
-        if not isinstance(merged[key], kind):
-            raise ConfigError(f"{key}: expected {expected}, got {merged[key]!r}")
-
-
-# Every key's type in a --config file, for ``check_overridden_file_types`` (None: null allowed).
-_INT, _STR, _BOOL = ((int,), "an integer"), ((str,), "a string"), ((bool,), "true or false")
-FILE_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
-    **{k: (*_INT, False) for k in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "port",
-                                   "max_request_bytes", "metrics_max_adapters", "num_replicas")},
-    **{k: (*_INT, True) for k in ("max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb")},
-    **{k: (*_STR, False) for k in ("model", "device", "dtype", "host", "log_level")},
-    **{k: (*_STR, True) for k in NULLABLE_KEYS},
-    **{k: (*_BOOL, False) for k in ("enable_prefix_caching", "enable_adapter_admin", "ray")},
-    "adapter_root": ((str, list), "a folder or a list of folders", True),
-    "lora_modules": ((list,), "a list of adapters", True),
-}  # fmt: skip
+    for key in TYPED_KEYS:
+        why = _wrong_type(key, merged[key]) if key in merged else None
+        if why:
+            raise ConfigError(f"{key}: {why}")
 
 
 def check_overridden_file_types(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> None:
@@ -134,13 +134,9 @@ def check_overridden_file_types(file_values: Mapping[str, Any], flag_values: Map
     wrong, and would be used the day the flag is dropped (values in effect get their full checks
     later, in ``build_settings``)."""
     for key, value in file_values.items():
-        if flag_values.get(key) is None or key not in FILE_TYPES:
-            continue
-        kinds, expected, nullable = FILE_TYPES[key]
-        wrong_bool = isinstance(value, bool) and bool not in kinds  # YAML true is no integer here
-        if (value is None and not nullable) or (value is not None and (wrong_bool or not isinstance(value, kinds))):
-            raise ConfigError(f"{key}: expected {expected}, got {value!r} in the --config file (a flag overrides it, but the "
-                              "file's value must be right too)")  # fmt: skip
+        why = _wrong_type(key, value) if flag_values.get(key) is not None and key in KEY_TYPES else None
+        if why:
+            raise ConfigError(f"{key}: {why} in the --config file (a flag overrides it, but the file's value must be right too)")
 
 
 def adapter_roots(value: Any) -> list[str]:
