@@ -70,13 +70,12 @@ def check_output(out: str | Path, inputs: Iterable[str | Path], force: bool) -> 
             raise OutputPathError(f"{out}: already exists; choose a new folder or pass --force to replace it")
         if not target.is_dir():
             raise OutputPathError(f"{out}: exists and is not a folder; refusing to replace it even with --force")
-        if any(target.iterdir()):
-            foreign = _not_written_by_lorafleet(target)
-            if foreign:
-                raise OutputPathError(
-                    f"{out}: holds files that lorafleet did not write ({foreign}); --force only replaces an empty folder or "
-                    "exactly an earlier merge/quantize output. Remove them yourself or choose another folder"
-                )
+        foreign = _not_written_by_lorafleet(target)
+        if foreign:
+            raise OutputPathError(
+                f"{out}: holds files that lorafleet did not write ({foreign}); --force only replaces an empty folder or "
+                "exactly an earlier merge/quantize output. Remove them yourself or choose another folder"
+            )
     parent = target.parent
     if not parent.exists():
         raise OutputPathError(f"{out}: the parent folder {parent} does not exist")
@@ -86,7 +85,10 @@ def check_output(out: str | Path, inputs: Iterable[str | Path], force: bool) -> 
 
 
 def _not_written_by_lorafleet(folder: Path) -> str:
-    """What in ``folder`` its lorafleet manifest does not list, said in a few words ('' when nothing)."""
+    """What in ``folder`` its lorafleet manifest does not list, said in a few words: '' when ``--force``
+    may replace it (an empty folder, or exactly an earlier merge/quantize output)."""
+    if not any(folder.iterdir()):
+        return ""
     manifest = next((folder / m for m in (MERGE_MANIFEST, QUANTIZE_MANIFEST) if (folder / m).is_file()), None)
     if manifest is None:
         return f"no {MERGE_MANIFEST} or {QUANTIZE_MANIFEST}"
@@ -189,11 +191,10 @@ class StagedOutput:
         an empty folder, or exactly an earlier lorafleet output."""
         if folder.is_symlink() or not folder.is_dir():
             raise OutputPathError(f"{self.out}: is no longer a folder; not replaced")
-        if any(folder.iterdir()):
-            foreign = _not_written_by_lorafleet(folder)
-            if foreign:
-                raise OutputPathError(f"{self.out}: holds files that lorafleet did not write ({foreign}), added while this run wrote; "
-                                      "not replaced, and nothing was written")  # fmt: skip
+        foreign = _not_written_by_lorafleet(folder)
+        if foreign:
+            raise OutputPathError(f"{self.out}: holds files that lorafleet did not write ({foreign}), added while this run wrote; "
+                                  "not replaced, and nothing was written")  # fmt: skip
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         try:
