@@ -73,7 +73,7 @@ def run_ray(settings: Any) -> int:
         return 2
     from runtime.config import ConfigError
     from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
-    from runtime.distributed.manifest import ManifestError, ManifestStore, check_folder
+    from runtime.distributed.manifest import ManifestError, check_folder
     from runtime.distributed.registry_client import ReplicasFailedToApply
     from runtime.commands.serve import one_line_error
     from runtime.models.hf_config import load_model_config
@@ -120,29 +120,22 @@ def run_ray(settings: Any) -> int:
             print(f"lorafleet serve: cannot listen on {host}:{port}: {err.strerror or err}", file=sys.stderr)
             return 2
         try:
-            check_folder(registry_dir)
-            restored = [e.name for e in ManifestStore(registry_dir).load().entries] if Path(registry_dir).is_dir() else []
+            restored = check_folder(registry_dir).by_name()
         except ManifestError as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
-            return 2
-        served = settings.server.served_model_name
-        if served is None:
-            try:
-                served = load_model_config(settings.engine.model).name
-            except (ConfigError, ValueError, OSError):
-                served = None  # the model check below says why
-        if served is not None and served in restored:
-            print(f"lorafleet serve: registry_dir {registry_dir}: adapter {served!r}, registered there earlier, has the served base "
-                  "model's name, so requests for it would reach the base; choose another --served-model-name, or unload it from that "
-                  "registry first", file=sys.stderr)  # fmt: skip
             return 2
         # The replicas will read the model on this machine too: a missing folder, a config that does not
         # parse or pickled-only weights are found now, not after Ray's start-up and in replica tracebacks.
         try:
-            load_model_config(settings.engine.model)
+            served = settings.server.served_model_name or load_model_config(settings.engine.model).name
             weight_files(settings.engine.model)
         except (ConfigError, ValueError, OSError) as err:
             print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
+            return 2
+        if served in restored:
+            print(f"lorafleet serve: registry_dir {registry_dir}: adapter {served!r}, registered there earlier, has the served base "
+                  "model's name, so requests for it would reach the base; choose another --served-model-name, or unload it from that "
+                  "registry first", file=sys.stderr)  # fmt: skip
             return 2
     unreachable = _unreachable_gcs(settings.ray_address or os.environ.get("RAY_ADDRESS"))
     if unreachable:

@@ -95,14 +95,14 @@ class ManifestStore:
             os.close(dir_fd)
 
 
-def check_folder(folder: str | Path) -> None:
-    """Raise the ManifestError the registry would start with in ``folder`` (a manifest it cannot
-    load, a folder it cannot create), leaving nothing behind. Whether a folder can be made is
-    tried, not asked (``os.access`` says yes to root on a read-only mount or under /proc)."""
+def check_folder(folder: str | Path) -> Manifest:
+    """The manifest the registry would start with in ``folder`` (empty for a folder still to be made),
+    or the ManifestError it would start with (a manifest it cannot load, a folder it cannot create),
+    leaving nothing behind. Whether a folder can be made is tried, not asked (``os.access`` says yes
+    to root on a read-only mount or under /proc)."""
     folder = Path(folder).expanduser().resolve()
     if folder.is_dir():
-        ManifestStore(folder).load()
-        return
+        return ManifestStore(folder).load()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if existing == folder:
         raise ManifestError(f"registry_dir {folder}: cannot create: File exists")
@@ -112,6 +112,7 @@ def check_folder(folder: str | Path) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".lorafleet-check-", dir=existing))
     except OSError as err:
         raise ManifestError(f"registry_dir {folder}: cannot create: {err.strerror or err}") from None
+    return Manifest(0, ())
 
 
 def _entry(path: Path, name: str, value: Any) -> ManifestEntry:
