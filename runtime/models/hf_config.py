@@ -190,9 +190,7 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str, path: Path) -> int 
             return None  # every layer attends in full (transformers' Qwen2Config layer_types)
     # For mistral and qwen2 a missing key is not "no window": transformers' MistralConfig and
     # Qwen2Config then use their default window; only an explicit null means full attention.
-    # (LlamaConfig has no window: a missing key is none.)
-    default = DEFAULT_SLIDING_WINDOW if model_type in ("mistral", "qwen2") else None
-    window = raw.get("sliding_window", default)
+    window = raw.get("sliding_window", DEFAULT_SLIDING_WINDOW)
     if window is None:
         return None
     if not isinstance(window, int) or window <= 0:
