@@ -1,15 +1,24 @@
-"""The CPU base GEMM: ``dense_linear`` (oneDNN where torch has it) vs ``F.linear`` (MKL's sgemm).
+"""The CPU base GEMM, three ways: ``dense_linear`` on a packed weight (what the engine runs), on the
+plain weight, and ``F.linear`` (MKL's sgemm).
 
-    python benchmarks/cpu_gemm.py [--hidden 512] [--layers 4] [--rows 1,11,32,64,128] [--rounds 5] [--json FILE]
+    python benchmarks/cpu_gemm.py [--hidden 512] [--layers 4] [--rows 1,11,32,64,128,512] [--rounds 5] [--json FILE]
 
 The projections of the benchmark llama (``--hidden``, ``--layers``; intermediate 2 x hidden, as
 ``runtime.bench.synthetic.LlamaShape.sized``): per layer the fused q/k/v, o, the fused gate/up and
 down, float32, random. For each row count, one pass calls every projection once on random
-[rows, in] inputs; both kernels run in alternating passes and the median of ``--rounds`` is
-printed with their ratio. Both are first checked against a float64 product (relative error below
-1e-5), and a disagreement exits 1. ``dense_linear`` takes oneDNN only for weights of at least
-``ONEDNN_MIN_WEIGHT`` elements and steps of at most ``ONEDNN_MAX_ROWS`` rows (and only when torch
-has it); otherwise it is ``F.linear`` and the ratio is 1 by construction. The header says which.
+[rows, in] inputs; the three kernels run in turn, in an order that rotates from pass to pass, and
+the median of ``--rounds`` passes is printed with the ratios. Each is first checked against a
+float64 product (relative error below 1e-5); a disagreement exits 1.
+
+- ``packed``: ``dense_linear`` on ``pack_weight(w)``: oneDNN on weights in its blocked layout,
+  for weights of at least ``ONEDNN_MIN_WEIGHT`` elements, in chunks of at most
+  ``ONEDNN_MAX_ROWS`` rows (the model stores its projections this way);
+- ``plain``: ``dense_linear`` on ``w``: oneDNN for such weights and at most ``ONEDNN_MAX_ROWS``
+  rows, ``F.linear`` otherwise;
+- ``F.linear``.
+
+Where torch has no oneDNN linear, or a weight is smaller, all three are ``F.linear`` and the
+ratios are 1 by construction; the header says which.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.models.dense import ONEDNN_LINEAR, ONEDNN_MAX_ROWS, ONEDNN_MIN_WEIGHT, dense_linear  # noqa: E402
+from runtime.models.dense import ONEDNN_LINEAR, ONEDNN_MAX_ROWS, ONEDNN_MIN_WEIGHT, PACKED_WEIGHTS, dense_linear, pack_weight  # noqa: E402
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,11 +46,12 @@ def projections(hidden: int, layers: int, gen: torch.Generator) -> list[torch.Te
     return [torch.randn(out, inp, generator=gen) / inp**0.5 for _ in range(layers) for out, inp in shapes]
 
 
-def worst_relative_error(linear: Linear, weights: Sequence[torch.Tensor], rows: int, gen: torch.Generator) -> float:
+def worst_relative_error(linear: Linear, weights: Sequence[torch.Tensor], plain: Sequence[torch.Tensor], rows: int, gen: torch.Generator) -> float:
+    """``linear`` on ``weights`` against the float64 product with the ``plain`` weights they stand for."""
     worst = 0.0
-    for w in weights:
-        x = torch.randn(rows, w.shape[1], generator=gen)
-        want = x.double() @ w.double().T
+    for w, p in zip(weights, plain):
+        x = torch.randn(rows, p.shape[1], generator=gen)
+        want = x.double() @ p.double().T
         worst = max(worst, ((linear(x, w).double() - want).abs().max() / want.abs().max()).item())
     return worst
 
@@ -57,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rows", default="1,11,32,64,128", help="rows per GEMM, comma separated (default: %(default)s; above "
-                   f"{ONEDNN_MAX_ROWS} dense_linear is F.linear)")
+    p.add_argument("--rows", default="1,11,32,64,128,512", help="rows per GEMM, comma separated (default: %(default)s; above "
+                   f"{ONEDNN_MAX_ROWS} the plain weight's dense_linear is F.linear, the packed one's takes chunks)")
     p.add_argument("--rounds", type=int, default=5, help="passes per kernel and row count; the median is printed (default: %(default)s)")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
@@ -70,33 +80,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--hidden, --layers, --rounds and every --rows count must be at least 1")
     gen = torch.Generator().manual_seed(0)
     weights = projections(a.hidden, a.layers, gen)
-    kernels: dict[str, Linear] = {"dense_linear": dense_linear, "F.linear": F.linear}
-    errors = {name: worst_relative_error(fn, weights, 7, gen) for name, fn in kernels.items()}
+    kernels: dict[str, tuple[Linear, list[torch.Tensor]]] = {
+        "packed": (dense_linear, [pack_weight(w) for w in weights]), "plain": (dense_linear, weights), "F.linear": (F.linear, weights)}
+    errors = {name: worst_relative_error(fn, ws, weights, 7, gen) for name, (fn, ws) in kernels.items()}
     bad = {name: err for name, err in errors.items() if not err < 1e-5}
     if bad:
         print(f"the kernels differ from the float64 product by more than 1e-5 (relative): {bad}", file=sys.stderr)
         return 1
     large = sum(w.numel() >= ONEDNN_MIN_WEIGHT for w in weights)
+    packed = sum(w.is_mkldnn for w in kernels["packed"][1])
     kernel_name = (f"oneDNN (torch.ops.mkldnn._linear_pointwise) for the {large} weights of >= {ONEDNN_MIN_WEIGHT} elements "
-                   f"and at most {ONEDNN_MAX_ROWS} rows, F.linear otherwise"
+                   f"({packed} packed; plain ones up to {ONEDNN_MAX_ROWS} rows), F.linear otherwise"
                    if ONEDNN_LINEAR else "F.linear: this torch has no oneDNN linear")
     print(f"{len(weights)} projections, hidden {a.hidden}, {a.layers} layers, {torch.get_num_threads()} threads; dense_linear = {kernel_name}")
-    print(f"{'rows':>6} {'dense_linear ms':>16} {'F.linear ms':>12} {'F.linear / dense_linear':>24}")
+    print(f"{'rows':>6} {'packed ms':>10} {'plain ms':>9} {'F.linear ms':>12} {'plain / packed':>15} {'F.linear / packed':>18}")
     results = []
+    names = list(kernels)
     for rows in row_counts:
         inputs = {k: torch.randn(rows, k, generator=gen) for k in {w.shape[1] for w in weights}}
-        for fn in kernels.values():
-            one_pass_ms(fn, weights, inputs)  # warm-up
+        for fn, ws in kernels.values():
+            one_pass_ms(fn, ws, inputs)  # warm-up
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for round_ in range(a.rounds):
-            for name, fn in list(kernels.items())[:: 1 if round_ % 2 == 0 else -1]:  # alternate which goes first
-                times[name].append(one_pass_ms(fn, weights, inputs))
-        dense, plain = statistics.median(times["dense_linear"]), statistics.median(times["F.linear"])
-        results.append({"rows": rows, "dense_linear_ms": round(dense, 3), "f_linear_ms": round(plain, 3), "ratio": round(plain / dense, 3)})
-        print(f"{rows:>6} {dense:>16.2f} {plain:>12.2f} {plain / dense:>23.2f}x")
+            for name in names[round_ % 3 :] + names[: round_ % 3]:  # rotate which goes first
+                times[name].append(one_pass_ms(*kernels[name], inputs))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        results.append({"rows": rows, "packed_ms": round(med["packed"], 3), "plain_ms": round(med["plain"], 3),
+                        "f_linear_ms": round(med["F.linear"], 3), "plain_over_packed": round(med["plain"] / med["packed"], 3),
+                        "f_linear_over_packed": round(med["F.linear"] / med["packed"], 3)})
+        print(f"{rows:>6} {med['packed']:>10.2f} {med['plain']:>9.2f} {med['F.linear']:>12.2f} {med['plain'] / med['packed']:>14.2f}x "
+              f"{med['F.linear'] / med['packed']:>17.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "threads": torch.get_num_threads(),
-                                            "onednn": ONEDNN_LINEAR, "onednn_weights": large, "relative_error": errors, "results": results}, indent=1))
+                                            "onednn": ONEDNN_LINEAR, "packed_weights": PACKED_WEIGHTS, "onednn_weights": large,
+                                            "packed": packed, "relative_error": errors, "results": results}, indent=1))
     return 0
 
 

@@ -60,7 +60,18 @@ def test_the_script_checks_and_times_both_kernels(tmp_path, capsys):
     assert [r.split()[0] for r in rows] == ["1", "3"] and all(r.endswith("x") for r in rows)
     report = json.loads(out.read_text())
     assert [r["rows"] for r in report["results"]] == [1, 3] and report["onednn"] == dense.ONEDNN_LINEAR
-    assert all(r["dense_linear_ms"] > 0 and r["f_linear_ms"] > 0 and r["ratio"] > 0 for r in report["results"])
+    assert all(r[k] > 0 for r in report["results"] for k in ("packed_ms", "plain_ms", "f_linear_ms", "plain_over_packed", "f_linear_over_packed"))
+    assert report["packed"] == 0  # hidden 64: every weight is below ONEDNN_MIN_WEIGHT
+
+
+@pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
+def test_the_script_times_packed_weights_in_chunks(tmp_path, monkeypatch):
+    calls = _onednn_calls(monkeypatch)
+    out = tmp_path / "gemm.json"
+    assert cpu_gemm.main(["--hidden", "256", "--layers", "1", "--rows", "130", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["packed"] == report["onednn_weights"] == 1  # gate/up, 1024 x 256 = 2^18; the others are smaller
+    assert {c[0] for c in calls} == {7, 128, 2}  # the error check's 7 rows; 130 rows only as 128 + 2, packed
 
 
 def test_the_script_refuses_a_wrong_kernel(monkeypatch, capsys):
@@ -110,3 +121,61 @@ def test_gradients_and_a_switched_off_onednn_take_f_linear(monkeypatch):
         assert torch.equal(dense_linear(x, w), F.linear(x, w)) and not calls
     dense_linear(x, w)
     assert len(calls) == (1 if dense.ONEDNN_LINEAR else 0)
+
+
+needs_packing = pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [(0,), (1,), (37,), (128,), (129,), (300,), (3, 50)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_packed_weight_matches_a_float64_product_in_chunks_of_128_rows(rows, with_bias, monkeypatch):
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(10 + sum(rows) + with_bias)
+    x, w = torch.randn(*rows, 256, generator=gen), torch.randn(1024, 256, generator=gen)
+    b = torch.randn(1024, generator=gen) if with_bias else None
+    packed = dense.pack_weight(w)
+    assert packed.is_mkldnn and packed.shape == w.shape and torch.equal(packed.to_dense(), w)
+    y = dense_linear(x, packed, b)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.dtype == torch.float32 and y.shape == (*rows, 1024)
+    if want.numel():
+        assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    n = x.numel() // 256
+    assert [c[0] for c in calls] == ([min(128, n - i) for i in range(0, n, 128)] or [0])  # every call at most 128 rows
+
+
+@needs_packing
+def test_only_weights_onednn_would_take_are_packed():
+    gen = torch.Generator().manual_seed(11)
+    large = torch.randn(1024, 256, generator=gen)
+    for weight in (torch.randn(1023, 256, generator=gen), large.double(), large.bfloat16(), large.clone().requires_grad_()):
+        assert dense.pack_weight(weight) is weight
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert dense.pack_weight(large) is large
+    assert dense.pack_weight(large).is_mkldnn
+
+
+@needs_packing
+@pytest.mark.parametrize("case", ["switched_off", "gradient", "strided_bias", "float64_x"])
+def test_a_packed_weight_falls_back_to_f_linear_on_its_plain_values(case, monkeypatch):
+    """Where the oneDNN op cannot take the call, the packed weight is unpacked for it: the result
+    is F.linear's on the original weight, bit for bit (and gradients still reach x)."""
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(5, 256, generator=gen), torch.randn(1024, 256, generator=gen)
+    bias = torch.randn(2048, generator=gen)[::2] if case == "strided_bias" else None
+    packed = dense.pack_weight(w)
+    if case == "switched_off":
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert torch.equal(dense_linear(x, packed), F.linear(x, w))
+    elif case == "gradient":
+        xg = x.clone().requires_grad_()
+        dense_linear(xg, packed).sum().backward()
+        assert torch.allclose(xg.grad, w.sum(0).expand(5, 256), rtol=1e-5, atol=1e-4)
+    elif case == "strided_bias":
+        assert torch.equal(dense_linear(x, packed, bias), F.linear(x, w, bias))
+    else:
+        with pytest.raises(RuntimeError):
+            dense_linear(x.double(), packed)  # F.linear of float64 x by the float32 weight: torch's own dtype error
+    assert not calls

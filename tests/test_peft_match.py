@@ -172,6 +172,23 @@ def test_logits_and_greedy_generation_match_peft_on_onednn(setup, monkeypatch):
     assert calls
 
 
+@pytest.mark.skipif(not __import__("runtime.models.dense", fromlist=["x"]).PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
+def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkeypatch):
+    """Benchmark-sized and real models store their projections packed for oneDNN (``pack_weight``)
+    and run them in chunks of ``ONEDNN_MAX_ROWS`` rows. Forced here on the tiny models, with
+    chunks of 7 rows so that prompt steps take several, the same bounds hold."""
+    from runtime.models import dense
+
+    model_dir, adapters, _, _, ref_model = setup
+    monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(dense, "ONEDNN_MAX_ROWS", 7)
+    runner, slots = make_runner(model_dir, adapters)
+    assert all(lin.weight.is_mkldnn for layer in runner.model.layers for lin in layer.projections.values())
+    assert runner.model.lm_head.is_mkldnn != runner.model_config.tie_word_embeddings  # a tied head stays plain
+    test_mixed_batch_logits_match_peft((model_dir, adapters, runner, slots, ref_model))
+    test_greedy_generation_matches_peft((model_dir, adapters, runner, slots, ref_model))
+
+
 def test_steps_reach_the_ops_grouped_by_adapter(setup, monkeypatch):
     """The runner orders sequences by slot, so the ops see one run of adapter rows (base rows last)."""
     _, _, runner, slots, _ = setup

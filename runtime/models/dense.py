@@ -11,9 +11,10 @@ docs/benchmarks.md), for the 16 projections of a 4-layer llama:
   512 x 512 matrix; at hidden 384 every projection was faster on oneDNN, at 256 only some).
 
 oneDNN builds a kernel ("primitive") per shape and keeps 1024 of them by default; a new one cost
-~0.2 ms here. So only steps of at most ``ONEDNN_MAX_ROWS`` (128) rows take it, which bounds the
-shapes a server ever asks for (rows x a handful of weight shapes) well inside that cache, and
-covers the decode steps a server spends most of its steps on; longer prefill steps stay on MKL.
+~0.2 ms here. So it only ever sees calls of at most ``ONEDNN_MAX_ROWS`` (128) rows, which bounds
+the shapes a server asks for (rows x a handful of weight shapes) well inside that cache: a plain
+weight takes it for calls of up to 128 rows (decode steps, most of a server's steps), longer
+ones stay on MKL; a packed weight (below) takes it for every call, in chunks of 128 rows.
 A bias that is not one contiguous [out] vector also stays on ``F.linear``: the oneDNN op reads
 the bias's memory as if it were contiguous (a strided or broadcast bias gives wrong sums).
 
@@ -24,6 +25,18 @@ The two differ by float rounding only (~3e-6 relative on those shapes); neither 
 same bits in every batch size (both round a 1-row product differently from the same row among
 others), so this changes no guarantee. The comparisons with transformers + PEFT (greedy tokens,
 fp32) hold on either kernel.
+
+Packed weights (``pack_weight``). The op is faster given a weight already in oneDNN's own blocked
+layout than given the plain ``[out, in]`` tensor, so the model stores each large float32 CPU
+projection once in that layout (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's weight
+freezing does), in place of the plain copy, so memory stays the same. For the 16 projections of the
+hidden-512 llama (``benchmarks/cpu_gemm.py``, docs/benchmarks.md) 11 / 32 / 64 / 128 rows took
+2.4 / 4.3 / 7.4 / 13.1 ms packed against 3.4 / 5.4 / 8.5 / 14.2 plain; one row is the exception
+(2.1 against 1.8 ms; in the engine a lone request's tokens/s did not change). A packed weight
+serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps the kernel
+shapes bounded: 512 rows in four chunks took 54.4 ms, MKL 59.3. Where the oneDNN op cannot
+run (oneDNN switched off by then, gradients, another dtype, a strided bias), the packed weight is
+unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but correct.
 """
 from __future__ import annotations
 
@@ -35,24 +48,57 @@ from torch import Tensor
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_MIN_WEIGHT = 1 << 18  # elements: smaller weights are faster on F.linear (oneDNN's per-call cost)
-ONEDNN_MAX_ROWS = 128  # rows of x: more go to F.linear (bounds the shapes oneDNN must build kernels for)
+ONEDNN_MAX_ROWS = 128  # rows of x a call: more go to F.linear (plain weights) or chunks (packed ones); bounds the kernel shapes
+PACKED_WEIGHTS = ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    """``weight`` [out, in] in oneDNN's blocked layout (a new tensor, ``is_mkldnn``) when
+    ``dense_linear`` would send it to oneDNN: a float32 CPU tensor of at least
+    ``ONEDNN_MIN_WEIGHT`` elements that needs no gradient, on a torch with oneDNN switched on.
+    Anything else comes back as it is. Only ``dense_linear`` can multiply by a packed weight."""
+    if not (PACKED_WEIGHTS and torch.backends.mkldnn.enabled and _onednn_weight(weight)):
+        return weight
+    # The batch-size hint picks the blocking: 128, the largest call, timed at least as fast as none
+    # or smaller hints at every row count from 1 to 128 (within 1-10%).
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_MAX_ROWS)
 
 
 def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``x`` [..., in] @ ``weight`` [out, in]^T (+ ``bias`` [out]) -> [..., out]."""
-    if _takes_onednn(x, weight, bias):
+    """``x`` [..., in] @ ``weight`` [out, in]^T (+ ``bias`` [out]) -> [..., out]; ``weight`` plain
+    or packed (``pack_weight``)."""
+    if weight.is_mkldnn:
+        if not _onednn_operands(x, weight, bias):
+            return F.linear(x, weight.to_dense(), bias)
+        if x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS:  # a decode step: no per-call Python beyond the checks
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        parts = [torch.ops.mkldnn._linear_pointwise(chunk, weight, bias, "none", [], "") for chunk in rows.split(ONEDNN_MAX_ROWS)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], weight.shape[0])
+    if _onednn_weight(weight) and _onednn_operands(x, weight, bias) and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def _takes_onednn(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+def _onednn_weight(weight: Tensor) -> bool:
+    """A weight worth oneDNN's per-call cost: float32 on the CPU, large, needing no gradient."""
     return (
         ONEDNN_LINEAR
-        and torch.backends.mkldnn.enabled  # torch.backends.mkldnn.flags(enabled=False) turns it off
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.numel() >= ONEDNN_MIN_WEIGHT
+        and not weight.requires_grad  # the op has no backward
+    )
+
+
+def _onednn_operands(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """The oneDNN op can take this call: switched on now, float32 CPU ``x`` needing no
+    gradient, and no bias or one contiguous [out] vector."""
+    return (
+        torch.backends.mkldnn.enabled  # torch.backends.mkldnn.flags(enabled=False) turns it off
         and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and weight.numel() >= ONEDNN_MIN_WEIGHT  # so x.shape[-1] = in >= 1
-        and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]
+        and x.dtype == torch.float32
+        and x.shape[-1] == weight.shape[1]
         and (bias is None or (bias.is_contiguous() and bias.shape == weight.shape[:1] and not bias.requires_grad))
-        and not (x.requires_grad or weight.requires_grad)  # the op has no backward
+        and not x.requires_grad
     )

@@ -31,7 +31,7 @@ from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.layers import LoRALinear, fuse
 from runtime.lora.slice_weights import LoRASliceWeights
-from runtime.models.dense import dense_linear
+from runtime.models.dense import dense_linear, pack_weight
 from runtime.models.hf_config import ModelConfig
 from runtime.models.rope import RotaryEmbedding
 from runtime.quant.int8 import Int8Weight
@@ -93,7 +93,8 @@ class DecoderLayer:
             slices = LoRASliceWeights.allocate_projection(
                 targets[names[0]][0], [targets[n][1] for n in names], pool.max_slots, pool.row_capacity, dtype, device, pool.interleaved_a
             )
-            return LoRALinear(fuse(weights), bias, names, [targets[n][1] for n in names], slices)
+            base = fuse(weights)
+            return LoRALinear(base if isinstance(base, Int8Weight) else pack_weight(base), bias, names, [targets[n][1] for n in names], slices)
 
         self.input_norm = w[p + "input_layernorm.weight"]
         self.post_norm = w[p + "post_attention_layernorm.weight"]
@@ -135,7 +136,8 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape, max_positions: int) -> None:
         self.config = cfg
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        # A tied head stays plain: the embedding lookup reads the same tensor.
+        self.lm_head = self.embed if cfg.tie_word_embeddings else pack_weight(weights["lm_head.weight"])
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, i, weights, pool) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryEmbedding(cfg, self.embed.device, max_positions)
