@@ -30,13 +30,17 @@ Packed weights (``pack_weight``). The op is faster given a weight already in one
 layout than given the plain ``[out, in]`` tensor, so the model stores each large float32 CPU
 projection once in that layout (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's weight
 freezing does), in place of the plain copy, so memory stays the same. For the 16 projections of the
-hidden-512 llama (``benchmarks/cpu_gemm.py``, docs/benchmarks.md) 11 / 32 / 64 / 128 rows took
-2.4 / 4.3 / 7.4 / 13.1 ms packed against 3.4 / 5.4 / 8.5 / 14.2 plain; one row is the exception
-(2.1 against 1.8 ms; in the engine a lone request's tokens/s did not change). A packed weight
-serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps the kernel
-shapes bounded: 512 rows in four chunks took 54.4 ms, MKL 59.3. Where the oneDNN op cannot
-run (oneDNN switched off by then, gradients, another dtype, a strided bias), the packed weight is
-unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but correct.
+hidden-512 llama (``benchmarks/cpu_gemm.py``, docs/benchmarks.md) 4 / 11 / 32 / 128 rows took
+2.4 / 2.8 / 4.6 / 13.5 ms packed against 2.9 / 3.6 / 5.4 / 14.5 plain; at hidden 1024 5.9 / 7.4 /
+14.7 / 49.9 against 8.8 / 11.2 / 18.5 / 54.4. oneDNN's packed kernels for 1-2 rows are slower than
+its 4-row one, so calls of 1-3 rows are zero-padded to ``PACKED_MIN_ROWS`` (4) rows; one row is
+still slower than on the plain weight (2.8 against 2.1 ms at hidden 512, 7.0 against 6.3 at
+1024), the one case that is: a lone request's tokens/s in the engine went 1.00x / 0.97x
+(hidden 512 / 1024), two requests' 1.18x at hidden 1024 (``benchmarks/packed_weights.py``). A
+packed weight serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps
+the kernel shapes bounded: 512 rows in four chunks took 54.0 ms, MKL 57.6. Where the oneDNN op
+cannot run (oneDNN switched off by then, gradients, another dtype, a strided bias), the packed
+weight is unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but correct.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldn
 ONEDNN_MIN_WEIGHT = 1 << 18  # elements: smaller weights are faster on F.linear (oneDNN's per-call cost)
 ONEDNN_MAX_ROWS = 128  # rows of x a call: more go to F.linear (plain weights) or chunks (packed ones); bounds the kernel shapes
 PACKED_WEIGHTS = ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+PACKED_MIN_ROWS = 4  # rows: fewer are zero-padded to this many on a packed weight (oneDNN's 1-2 row kernels are slower there)
 
 
 def pack_weight(weight: Tensor) -> Tensor:
@@ -70,8 +75,12 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
     if weight.is_mkldnn:
         if not _onednn_operands(x, weight, bias):
             return F.linear(x, weight.to_dense(), bias)
-        if x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS:  # a decode step: no per-call Python beyond the checks
+        if x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:  # a decode step: no per-call Python beyond the checks
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        n = x.numel() // x.shape[-1]
+        if 0 < n < PACKED_MIN_ROWS:  # 1-3 rows: padded with zero rows, which are dropped after
+            rows = F.pad(x.reshape(n, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - n))
+            return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").narrow(0, 0, n).view(*x.shape[:-1], weight.shape[0])
         rows = x.reshape(-1, x.shape[-1])
         parts = [torch.ops.mkldnn._linear_pointwise(chunk, weight, bias, "none", [], "") for chunk in rows.split(ONEDNN_MAX_ROWS)]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,118 @@
+"""Packed vs plain base weights on the CPU, end to end: two engines stepped in turn on one workload.
+
+    python benchmarks/packed_weights.py [workload flags] [--hidden 512] [--layers 4] [--max-loras 8] \
+        [--rounds 6] [--base-only] [--json FILE]
+
+Both engines load the same synthetic llama; in one of them every projection that
+``runtime.models.dense.pack_weight`` packed is unpacked again (``to_dense``), which is the kernel
+choice before packing: oneDNN on the plain weight up to 128 rows, MKL above. Every request is
+submitted up front (offline, greedy, ``ignore_eos``) and the two engines take one step each in
+turn, the order swapped every round, so machine drift hits both alike. tokens/s of an engine = its
+tokens / the time inside its own steps; the script prints packed / plain per round and the median,
+and exits 1 if the two engines' tokens differ (they must not: only float rounding differs, and
+greedy decoding of the synthetic model has wide margins; a difference is reported, not hidden).
+``--base-only`` drops the adapters (every request on the base model).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.bench import suite  # noqa: E402
+from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
+from runtime.bench.synthetic import LlamaShape  # noqa: E402
+from runtime.bench.workload import add_spec_arguments, generate, spec_from_args  # noqa: E402
+from runtime.torch_threads import in_fresh_thread  # noqa: E402
+
+
+def unpack(engine: Any) -> int:
+    """Turn ``engine``'s packed projection weights back into plain tensors; how many there were."""
+    n = 0
+    for layer in engine.runner.model.layers:
+        for lin in layer.projections.values():
+            if getattr(lin.weight, "is_mkldnn", False):
+                lin.weight = lin.weight.to_dense()
+                n += 1
+    return n
+
+
+def one_round(setup: BenchSetup, model_dir: Path, used: dict[str, Path], jobs: list, packed_first: bool) -> dict[str, Any]:
+    from runtime.engine import LLMEngine
+
+    engines: dict[str, Any] = {}
+    try:
+        for name in ("packed", "plain") if packed_first else ("plain", "packed"):
+            engines[name] = LLMEngine(engine_config(setup, model_dir))
+            suite.submit_all(engines[name], used, jobs)
+        unpacked = unpack(engines["plain"])
+        busy = dict.fromkeys(engines, 0.0)
+        tokens: dict[str, dict[str, list[int]]] = {name: {} for name in engines}
+        while any(e.has_unfinished() for e in engines.values()):
+            for name, engine in engines.items():
+                if engine.has_unfinished():
+                    start = time.perf_counter()
+                    outputs = engine.step()
+                    busy[name] += time.perf_counter() - start
+                    for out in outputs:
+                        tokens[name].setdefault(out.request_id, []).extend(out.new_token_ids)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    count = {name: sum(map(len, t.values())) for name, t in tokens.items()}
+    return {"unpacked_weights": unpacked, "same_tokens": tokens["packed"] == tokens["plain"], "tokens": count["packed"],
+            "packed_tokens_per_s": round(count["packed"] / busy["packed"], 1), "plain_tokens_per_s": round(count["plain"] / busy["plain"], 1),
+            "packed_over_plain": round(busy["plain"] / busy["packed"] * count["packed"] / max(count["plain"], 1), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_spec_arguments(p)
+    p.add_argument("--hidden", type=int, default=512, help="model hidden size, a multiple of 64 (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, default=8, help="device adapter slots (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds, each engine pair built afresh; the median is printed (default: %(default)s)")
+    p.add_argument("--base-only", action="store_true", help="every request on the base model")
+    p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one, removed at the end)")
+    p.add_argument("--json", help="also write the rounds and the median here")
+    a = p.parse_args(argv)
+    try:
+        spec = spec_from_args(a)
+        shape = LlamaShape.sized(a.hidden, a.layers)
+    except ValueError as err:
+        p.error(str(err))
+    if a.rounds < 1 or a.max_loras < 1:
+        p.error("--rounds and --max-loras must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="packed-weights-") as scratch:
+        setup = BenchSetup(Path(a.workdir or scratch), shape, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None),
+                           max_lora_rank=max(64, max(spec.ranks)))  # fmt: skip
+        workload = generate(spec).all_at_once()
+        model_dir, adapters = suite.prepare(workload, setup)
+        used, jobs = workload_jobs(workload, adapters, without_adapters=a.base_only)
+        rounds = []
+        for i in range(a.rounds):
+            result = in_fresh_thread(one_round)(setup, model_dir, used, jobs, packed_first=i % 2 == 0)
+            rounds.append(result)
+            print(f"round {i + 1}/{a.rounds}: packed {result['packed_tokens_per_s']} tokens/s, plain {result['plain_tokens_per_s']}, "
+                  f"packed / plain {result['packed_over_plain']:.3f}x ({result['unpacked_weights']} weights packed)", flush=True)
+    median = statistics.median(r["packed_over_plain"] for r in rounds)
+    print(f"packed / plain, stepped in turn (median of {a.rounds} rounds): {median:.3f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "base_only": a.base_only, "spec": dataclasses.asdict(workload.spec),
+                                            "rounds": rounds, "median_packed_over_plain": median}, indent=1))
+    if not all(r["same_tokens"] for r in rounds):
+        print("the packed and plain engines generated different tokens", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
