@@ -1,0 +1,50 @@
+"""benchmarks/packed_weights.py: packed and unpacked engines stepped in turn, tokens compared."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import packed_weights
+from runtime.bench.workload import add_spec_arguments, generate, spec_from_args
+from runtime.models import dense
+
+pytestmark = pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
+
+# Hidden 512, one layer: the smallest benchmark llama whose four projections are all packed
+# (the o projection, 512 x 512, is exactly ONEDNN_MIN_WEIGHT elements).
+ARGS = ["--num-requests", "3", "--adapters", "2", "--input-len", "2,4", "--output-len", "3,5", "--hidden", "512", "--layers", "1",
+        "--rounds", "2", "--seed", "7"]
+
+
+def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "packed.json"
+    assert packed_weights.main(ARGS + ["--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    parser = argparse.ArgumentParser()
+    add_spec_arguments(parser)
+    spec_args, _ = parser.parse_known_args(ARGS)
+    wanted = sum(r.output_tokens for r in generate(spec_from_args(spec_args)).requests)  # every request runs to its length
+    assert len(report["rounds"]) == 2
+    for r in report["rounds"]:
+        assert r["unpacked_weights"] == 4 and r["same_tokens"] and r["tokens"] == wanted
+        assert r["packed_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0 and r["packed_over_plain"] > 0
+    assert "packed / plain, stepped in turn (median of 2 rounds)" in capsys.readouterr().out
+
+
+def test_different_tokens_are_reported_and_exit_1(tmp_path: Path, monkeypatch, capsys) -> None:
+    real_unpack = packed_weights.unpack
+
+    def unpack_and_break(engine):  # the plain engine's weights scaled: its tokens change
+        n = real_unpack(engine)
+        for layer in engine.runner.model.layers:
+            for lin in layer.projections.values():
+                lin.weight = lin.weight * torch.linspace(-3, 3, lin.weight.shape[1])
+        return n
+
+    monkeypatch.setattr(packed_weights, "unpack", unpack_and_break)
+    assert packed_weights.main(ARGS + ["--rounds", "1", "--workdir", str(tmp_path / "w")]) == 1
+    assert "generated different tokens" in capsys.readouterr().err
