@@ -35,13 +35,17 @@ from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
 
 def unpack(engine: Any) -> int:
-    """Turn ``engine``'s packed projection weights back into plain tensors; how many there were."""
-    n = 0
-    for layer in engine.runner.model.layers:
+    """Turn ``engine``'s packed weights (projections, and an untied LM head of 2^18 elements or
+    more) back into plain tensors; how many there were."""
+    model, n = engine.runner.model, 0
+    for layer in model.layers:
         for lin in layer.projections.values():
             if getattr(lin.weight, "is_mkldnn", False):
                 lin.weight = lin.weight.to_dense()
                 n += 1
+    if getattr(model.lm_head, "is_mkldnn", False):
+        model.lm_head = model.lm_head.to_dense()
+        n += 1
     return n
 
 

@@ -53,7 +53,7 @@ def test_without_onednn_it_is_f_linear(monkeypatch):
     assert torch.equal(dense.dense_linear(x, w), F.linear(x, w))
 
 
-def test_the_script_checks_and_times_both_kernels(tmp_path, capsys):
+def test_the_script_checks_and_times_all_three_kernels(tmp_path, capsys):
     out = tmp_path / "gemm.json"
     assert cpu_gemm.main(["--hidden", "64", "--layers", "1", "--rows", "1,3", "--rounds", "1", "--json", str(out)]) == 0
     rows = capsys.readouterr().out.splitlines()[2:]
@@ -71,7 +71,7 @@ def test_the_script_times_packed_weights_in_chunks(tmp_path, monkeypatch):
     assert cpu_gemm.main(["--hidden", "256", "--layers", "1", "--rows", "130", "--rounds", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["packed"] == report["onednn_weights"] == 1  # gate/up, 1024 x 256 = 2^18; the others are smaller
-    assert {c[0] for c in calls} == {7, 128, 2}  # the error check's 7 rows; 130 rows only as 128 + 2, packed
+    assert {c[0] for c in calls} == {7, 126, 4}  # the error check's 7 rows; 130 rows only as 126 + 4, packed
 
 
 def test_the_script_refuses_a_wrong_kernel(monkeypatch, capsys):
@@ -127,7 +127,7 @@ needs_packing = pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch 
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [(0,), (1,), (3,), (1, 2), (4,), (37,), (128,), (129,), (300,), (3, 50)])
+@pytest.mark.parametrize("rows", [(0,), (1,), (3,), (1, 2), (4,), (37,), (128,), (129,), (300,), (3, 50)])  # 0-300 rows, 1-3 dims
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_packed_weight_matches_a_float64_product_in_chunks_of_128_rows(rows, with_bias, monkeypatch):
     calls = _onednn_calls(monkeypatch)
@@ -142,11 +142,17 @@ def test_a_packed_weight_matches_a_float64_product_in_chunks_of_128_rows(rows, w
     if want.numel():
         assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-6
     n = x.numel() // 256
-    chunks = [min(128, n - i) for i in range(0, n, 128)] or [0]  # every call at most 128 rows
-    assert [c[0] for c in calls] == ([dense.PACKED_MIN_ROWS] if 0 < n < dense.PACKED_MIN_ROWS else chunks)  # 1-3 rows padded to 4
+    want_calls = {0: [0], 1: [4], 3: [4], 2: [4], 4: [4], 37: [37], 128: [128], 129: [125, 4], 300: [128, 128, 44], 150: [128, 22]}[n]
+    assert [c[0] for c in calls] == want_calls  # 4 to 128 rows a call: 1-3 rows padded, a short tail takes rows from the call before
 
 
 @needs_packing
+@pytest.mark.parametrize("n", [129, 130, 131, 132, 255, 256, 257, 259, 1000])
+def test_packed_calls_cover_the_rows_in_4_to_128_row_pieces(n):
+    sizes = dense.packed_call_rows(n)
+    assert sum(sizes) == n and all(dense.PACKED_MIN_ROWS <= s <= dense.ONEDNN_MAX_ROWS for s in sizes) and len(sizes) == -(-n // 128)
+
+
 def test_only_weights_onednn_would_take_are_packed():
     gen = torch.Generator().manual_seed(11)
     large = torch.randn(1024, 256, generator=gen)

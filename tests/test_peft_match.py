@@ -185,8 +185,12 @@ def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkey
     runner, slots = make_runner(model_dir, adapters)
     assert all(lin.weight.is_mkldnn for layer in runner.model.layers for lin in layer.projections.values())
     assert runner.model.lm_head.is_mkldnn != runner.model_config.tie_word_embeddings  # a tied head stays plain
+    rows = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: rows.append(args[0].shape[0]) or onednn(*args))
     test_mixed_batch_logits_match_peft((model_dir, adapters, runner, slots, ref_model))
     test_greedy_generation_matches_peft((model_dir, adapters, runner, slots, ref_model))
+    assert rows and set(rows) <= set(range(dense.PACKED_MIN_ROWS, 8)) and max(rows) == 7  # packed calls, 4-7 rows each
 
 
 def test_steps_reach_the_ops_grouped_by_adapter(setup, monkeypatch):

@@ -77,16 +77,34 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
             return F.linear(x, weight.to_dense(), bias)
         if x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:  # a decode step: no per-call Python beyond the checks
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        n = x.numel() // x.shape[-1]
-        if 0 < n < PACKED_MIN_ROWS:  # 1-3 rows: padded with zero rows, which are dropped after
-            rows = F.pad(x.reshape(n, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - n))
-            return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "").narrow(0, 0, n).view(*x.shape[:-1], weight.shape[0])
-        rows = x.reshape(-1, x.shape[-1])
-        parts = [torch.ops.mkldnn._linear_pointwise(chunk, weight, bias, "none", [], "") for chunk in rows.split(ONEDNN_MAX_ROWS)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*x.shape[:-1], weight.shape[0])
+        return _packed_linear(x, weight, bias)
     if _onednn_weight(weight) and _onednn_operands(x, weight, bias) and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _packed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``dense_linear`` on a packed weight for any shape of ``x``: its rows in calls of
+    ``PACKED_MIN_ROWS`` to ``ONEDNN_MAX_ROWS`` rows (``packed_call_rows``), 1-3 rows padded."""
+    n = x.numel() // x.shape[-1]
+    rows = x.reshape(n, x.shape[-1])
+    if 0 < n < PACKED_MIN_ROWS:  # zero rows added, their outputs dropped
+        y = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, PACKED_MIN_ROWS - n)), weight, bias, "none", [], "").narrow(0, 0, n)
+    elif n <= ONEDNN_MAX_ROWS:
+        y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    else:
+        y = torch.cat([torch.ops.mkldnn._linear_pointwise(c, weight, bias, "none", [], "") for c in rows.split(packed_call_rows(n))])
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def packed_call_rows(n: int) -> list[int]:
+    """How ``n`` > ``ONEDNN_MAX_ROWS`` rows are cut: full calls, and a last one of at least
+    ``PACKED_MIN_ROWS`` rows (taken from the call before it when fewer are left over)."""
+    sizes = [ONEDNN_MAX_ROWS] * (n // ONEDNN_MAX_ROWS) + ([n % ONEDNN_MAX_ROWS] if n % ONEDNN_MAX_ROWS else [])
+    if len(sizes) > 1 and sizes[-1] < PACKED_MIN_ROWS:
+        sizes[-2] -= PACKED_MIN_ROWS - sizes[-1]
+        sizes[-1] = PACKED_MIN_ROWS
+    return sizes
 
 
 def _onednn_weight(weight: Tensor) -> bool:

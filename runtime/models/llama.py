@@ -85,7 +85,8 @@ class DecoderLayer:
 
         def proj(fused: str) -> LoRALinear:
             names = FUSED_PROJECTIONS[fused]
-            weights = [w[f"{p}{MODULE_PARENT[n]}.{n}.weight"] for n in names]
+            # Popped: once fused and packed, the plain tensors can be freed while the next layers load.
+            weights = [w.pop(f"{p}{MODULE_PARENT[n]}.{n}.weight") for n in names]
             biases = [w.get(f"{p}{MODULE_PARENT[n]}.{n}.bias") for n in names]
             if any(b is not None for b in biases) and any(b is None for b in biases):
                 raise ValueError(f"layer {idx}: {fused} has a bias on some slices only")
@@ -131,13 +132,17 @@ class StepContext:
 
 
 class LlamaModel:
-    """The decoder: embeddings, layers, final norm, LM head (see module docstring)."""
+    """The decoder: embeddings, layers, final norm, LM head (see module docstring).
+
+    Building it takes the projection and LM-head entries out of ``weights``: the model keeps its
+    own fused (and on the CPU packed) copies, and the plain ones are freed as it goes, so loading
+    never holds two copies of every projection."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape, max_positions: int) -> None:
         self.config = cfg
         self.embed = weights["model.embed_tokens.weight"]
         # A tied head stays plain: the embedding lookup reads the same tensor.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else pack_weight(weights["lm_head.weight"])
+        self.lm_head = self.embed if cfg.tie_word_embeddings else pack_weight(weights.pop("lm_head.weight"))
         self.norm = weights["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, i, weights, pool) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryEmbedding(cfg, self.embed.device, max_positions)
