@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# CPU benchmarks in one go (about 10 minutes on 2 cores): the LoRA op benchmark, the base GEMM, decode attention, the serving
+# CPU benchmarks in one go (about 8 minutes on 2 cores): the LoRA op benchmark, the base GEMM, decode attention, the serving
 # benchmark with baselines, sweeps and plots (hidden 512: max_loras 8 and 16; hidden 1024: max_loras 16,
-# offline comparisons and the online replay, no sweeps), and engine throughput at hidden 512 and 1024.
+# offline comparisons and the online replay, no sweeps), packed vs plain base weights in the engine, and engine
+# throughput at hidden 512 and 1024.
 # Usage: benchmarks/cpu/run_all.sh OUTDIR
 set -euo pipefail
 out=${1:?usage: benchmarks/cpu/run_all.sh OUTDIR}
@@ -16,7 +17,7 @@ mkdir -p "$out"
 cat "$out/env.txt"
 echo "== LoRA ops (cpu)"
 "$py" "$root/benchmarks/lora_ops.py" --device cpu --json "$out/lora_ops.json" | tee "$out/lora_ops.txt"
-echo "== base GEMM (cpu): dense_linear (oneDNN) vs F.linear (MKL), hidden 512 and 1024"
+echo "== base GEMM (cpu): packed weights (oneDNN), plain weights, F.linear (MKL), hidden 512 and 1024"
 "$py" "$root/benchmarks/cpu_gemm.py" --json "$out/cpu_gemm.json" | tee "$out/cpu_gemm.txt"
 "$py" "$root/benchmarks/cpu_gemm.py" --hidden 1024 --rows 1,11,32,128 --json "$out/cpu_gemm_h1024.json" | tee "$out/cpu_gemm_h1024.txt"
 echo "== decode attention (cpu): one padded group vs cache-sized groups"
@@ -33,6 +34,9 @@ echo "== serving benchmark (cpu), hidden 1024, max_loras 16, no sweeps"
 "$py" "$root/benchmarks/serve.py" --out "$out/serve-h1024" --workdir "$out/serve/weights" --num-requests 48 --adapters 16 \
   --popularity zipf --alpha 1 --rate 4 --input-len 8,16 --output-len 16,32 --hidden 1024 --layers 4 --max-loras 16 \
   --repeats 3 --baselines no-adapter,peft --sweep-adapters '' --sweep-rates '' --ranks 8,16 | tee "$out/serve-h1024.txt"
+echo "== packed vs plain base weights (cpu): two engines stepped in turn on the serving step's burst, hidden 512, 16 adapters"
+"$py" "$root/benchmarks/packed_weights.py" --workdir "$out/serve/weights" --num-requests 48 --adapters 16 --popularity zipf --alpha 1 \
+  --input-len 8,16 --output-len 16,32 --ranks 8,16 --json "$out/packed_weights.json" | tee "$out/packed_weights.txt"
 echo "== engine throughput (cpu), hidden 512 and 1024"
 ratios='import json, sys; [print(k, v) for k, v in json.load(open(sys.argv[1])).items() if k.startswith("ratio")]'
 "$py" "$root/benchmarks/engine_throughput.py" --rounds 5 --out "$out/engine_throughput.json" > /dev/null
