@@ -30,17 +30,17 @@ Packed weights (``pack_weight``). The op is faster given a weight already in one
 layout than given the plain ``[out, in]`` tensor, so the model stores each large float32 CPU
 projection once in that layout (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's weight
 freezing does), in place of the plain copy, so memory stays the same. For the 16 projections of the
-hidden-512 llama (``benchmarks/cpu_gemm.py``, docs/benchmarks.md) 4 / 11 / 32 / 128 rows took
-2.4 / 2.8 / 4.6 / 13.5 ms packed against 2.9 / 3.6 / 5.4 / 14.5 plain; at hidden 1024 5.9 / 7.4 /
-14.7 / 49.9 against 8.8 / 11.2 / 18.5 / 54.4. oneDNN's packed kernels for 1-2 rows are slower than
+hidden-512 llama (``benchmarks/cpu_gemm.py``; docs/benchmarks.md, "Packed weights") 11 / 32 / 128
+rows took 2.75 / 4.58 / 13.40 ms packed against 3.72 / 5.52 / 14.61 plain; at hidden 1024 7.40 /
+14.70 / 49.70 against 11.19 / 18.34 / 53.63. oneDNN's packed kernels for 1-2 rows are slower than
 its 4-row one, so calls of 1-3 rows are zero-padded to ``PACKED_MIN_ROWS`` (4) rows; one row is
-still slower than on the plain weight (2.8 against 2.1 ms at hidden 512, 7.0 against 6.3 at
-1024), the one case that is: a lone request's tokens/s in the engine went 1.00x / 0.97x
-(hidden 512 / 1024), two requests' 1.18x at hidden 1024 (``benchmarks/packed_weights.py``). A
-packed weight serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps
-the kernel shapes bounded: 512 rows in four chunks took 54.0 ms, MKL 57.6. Where the oneDNN op
-cannot run (oneDNN switched off by then, gradients, another dtype, a strided bias), the packed
-weight is unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but correct.
+still slower than on the plain weight (2.87 against 2.19 ms at hidden 512, 6.59 against 5.89 at
+1024), the one case that is: in the engine a lone request's tokens/s went 0.99x / 0.97x (hidden
+512 / 1024) and two requests' 1.09x / 1.20x (``benchmarks/packed_weights.py``). A packed weight
+serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps the kernel
+shapes bounded: 512 rows in four chunks took 55.4 ms, MKL 58.5. Where the oneDNN op cannot run
+(oneDNN switched off by then, gradients, another dtype, a strided bias), the packed weight is
+unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but correct.
 """
 from __future__ import annotations
 
