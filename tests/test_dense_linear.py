@@ -163,6 +163,21 @@ def test_only_weights_onednn_would_take_are_packed():
     assert dense.pack_weight(large).is_mkldnn
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_bias_of_another_dtype_gets_f_linears_error(packed, monkeypatch):
+    if packed and not dense.PACKED_WEIGHTS:
+        pytest.skip("this torch cannot pack weights for oneDNN")
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(13)
+    x, w = torch.randn(5, 256, generator=gen), torch.randn(1024, 256, generator=gen)
+    bias = torch.randn(1024, generator=gen).bfloat16()
+    with pytest.raises(RuntimeError) as want:
+        F.linear(x, w, bias)
+    with pytest.raises(RuntimeError) as got:
+        dense_linear(x, dense.pack_weight(w) if packed else w, bias)
+    assert str(got.value) == str(want.value) and not calls
+
+
 @needs_packing
 @pytest.mark.parametrize("case", ["switched_off", "gradient", "strided_bias", "float64_x"])
 def test_a_packed_weight_falls_back_to_f_linear_on_its_plain_values(case, monkeypatch):

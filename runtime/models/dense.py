@@ -120,12 +120,13 @@ def _onednn_weight(weight: Tensor) -> bool:
 
 def _onednn_operands(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """The oneDNN op can take this call: switched on now, float32 CPU ``x`` needing no
-    gradient, and no bias or one contiguous [out] vector."""
+    gradient, and no bias or one contiguous float32 [out] vector (another bias dtype gets
+    ``F.linear``'s own error instead of the op's primitive-descriptor one)."""
     return (
         torch.backends.mkldnn.enabled  # torch.backends.mkldnn.flags(enabled=False) turns it off
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and x.shape[-1] == weight.shape[1]
-        and (bias is None or (bias.is_contiguous() and bias.shape == weight.shape[:1] and not bias.requires_grad))
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == weight.shape[:1] and not bias.requires_grad))
         and not x.requires_grad
     )
