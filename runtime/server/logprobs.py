@@ -45,11 +45,21 @@ class TextOffsets:
         return bool(self._utf8.getstate()[0])
 
     def advance(self, token_id: int) -> int:
-        """The offset of ``token_id``, the next token; moves past it."""
+        """The offset of ``token_id``, the next token; moves past it.
+
+        Bytes left waiting by earlier tokens that this token does not continue (its first byte is
+        no UTF-8 continuation byte) were no character: they come out now as U+FFFD, ahead of this
+        token's own text, which therefore starts after them."""
         offset = self.position
         if not self._tokenizer.is_special(token_id):
             raw = self._tokenizer.token_bytes(token_id)
-            self.position += len(self._utf8.decode(raw if raw is not None else self._tokenizer.token_text(token_id).encode("utf-8")))
+            if raw is None:
+                raw = self._tokenizer.token_text(token_id).encode("utf-8")
+            waiting = self.in_character
+            text = self._utf8.decode(raw)
+            if waiting and raw and not 0x80 <= raw[0] <= 0xBF:
+                offset += len(text) - len(codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw))
+            self.position += len(text)
         return offset
 
 
