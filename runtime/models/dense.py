@@ -35,8 +35,8 @@ rows took 2.75 / 4.58 / 13.40 ms packed against 3.72 / 5.52 / 14.61 plain; at hi
 14.70 / 49.70 against 11.19 / 18.34 / 53.63. oneDNN's packed kernels for 1-2 rows are slower than
 its 4-row one, so calls of 1-3 rows are zero-padded to ``PACKED_MIN_ROWS`` (4) rows; one row is
 still slower than on the plain weight (2.87 against 2.19 ms at hidden 512, 6.59 against 5.89 at
-1024), the one case that is: in the engine a lone request's tokens/s went 0.99x / 0.97x (hidden
-512 / 1024) and two requests' 1.09x / 1.20x (``benchmarks/packed_weights.py``). A packed weight
+1024), and two can be (hidden 512: 2.92 against 2.73): in the engine a lone request's tokens/s
+went 0.99x / 0.97x (hidden 512 / 1024), two requests' 1.09x / 1.20x (``benchmarks/packed_weights.py``). A packed weight
 serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps the kernel
 shapes bounded: 512 rows in four chunks took 55.4 ms, MKL 58.5. Where the oneDNN op cannot run
 (oneDNN switched off by then, gradients, another dtype, a strided bias), the packed weight is
