@@ -21,7 +21,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,31 +49,14 @@ def unpack(engine: Any) -> int:
 
 
 def one_round(setup: BenchSetup, model_dir: Path, used: dict[str, Path], jobs: list, packed_first: bool) -> dict[str, Any]:
-    from runtime.engine import LLMEngine
-
-    engines: dict[str, Any] = {}
-    try:
-        for name in ("packed", "plain") if packed_first else ("plain", "packed"):
-            engines[name] = LLMEngine(engine_config(setup, model_dir))
-            suite.submit_all(engines[name], used, jobs)
-        unpacked = unpack(engines["plain"])
-        busy = dict.fromkeys(engines, 0.0)
-        tokens: dict[str, dict[str, list[int]]] = {name: {} for name in engines}
-        while any(e.has_unfinished() for e in engines.values()):
-            for name, engine in engines.items():
-                if engine.has_unfinished():
-                    start = time.perf_counter()
-                    outputs = engine.step()
-                    busy[name] += time.perf_counter() - start
-                    for out in outputs:
-                        tokens[name].setdefault(out.request_id, []).extend(out.new_token_ids)
-    finally:
-        for engine in engines.values():
-            engine.close()
-    count = {name: sum(map(len, t.values())) for name, t in tokens.items()}
-    return {"unpacked_weights": unpacked, "same_tokens": tokens["packed"] == tokens["plain"], "tokens": count["packed"],
-            "packed_tokens_per_s": round(count["packed"] / busy["packed"], 1), "plain_tokens_per_s": round(count["plain"] / busy["plain"], 1),
-            "packed_over_plain": round(busy["plain"] / busy["packed"] * count["packed"] / max(count["plain"], 1), 4)}
+    order = ("packed", "plain") if packed_first else ("plain", "packed")
+    unpacked: list[int] = []
+    runs = suite.stepped_in_turn({name: (engine_config(setup, model_dir), used, jobs) for name in order},
+                                 prepare={"plain": lambda engine: unpacked.append(unpack(engine))}, keep_token_ids=True)  # fmt: skip
+    packed, plain = runs["packed"], runs["plain"]
+    return {"unpacked_weights": unpacked[0], "same_tokens": packed["token_ids"] == plain["token_ids"], "tokens": packed["tokens"],
+            "packed_tokens_per_s": packed["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+            "packed_over_plain": round(packed["tokens_per_s"] / plain["tokens_per_s"], 4)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,7 +162,8 @@ def offline_throughput(config: EngineConfig, adapters: dict[str, Path], jobs: li
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1), "steps": snap["steps"], "pool": snap["pool"]}
 
 
-def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tuple[Any, Optional[str], Any]]]]) -> dict[str, dict[str, Any]]:
+def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tuple[Any, Optional[str], Any]]]],
+                    prepare: Optional[dict[str, Callable[[Any], None]]] = None, keep_token_ids: bool = False) -> dict[str, dict[str, Any]]:
     """Runs side by side in one process: one LLMEngine per run, stepped in turn until all finish.
 
     ``runs``: name -> (engine config, adapter folders to register, jobs (prompt, adapter or
@@ -176,6 +177,9 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
     Each run also reports its adapter pool's counters over the whole run: ``host_loads`` (disk ->
     host), ``device_loads`` (host -> device) and ``adapters_loaded`` (distinct adapter names
     loaded onto the device); all 0 for a run without adapters.
+    ``prepare``: run name -> a function called with that run's engine once every request is
+    submitted, before the first step (e.g. to swap its weights). ``keep_token_ids``: each run
+    also reports ``token_ids``, request id -> the tokens it generated.
     """
     import time
 
@@ -186,14 +190,21 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
         for name, (config, adapters, jobs) in runs.items():
             engine = engines[name] = LLMEngine(config)
             submit_all(engine, adapters, jobs)
+        for name, fn in (prepare or {}).items():
+            fn(engines[name])
         busy, tokens, steps = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
+        token_ids: dict[str, dict[str, list[int]]] = {name: {} for name in engines}
         while any(e.has_unfinished() for e in engines.values()):
             for name, engine in engines.items():
                 if engine.has_unfinished():
                     start = time.perf_counter()
-                    tokens[name] += sum(len(o.new_token_ids) for o in engine.step())
+                    outputs = engine.step()
                     busy[name] += time.perf_counter() - start
+                    tokens[name] += sum(len(o.new_token_ids) for o in outputs)
                     steps[name] += 1
+                    if keep_token_ids:
+                        for o in outputs:
+                            token_ids[name].setdefault(o.request_id, []).extend(o.new_token_ids)
         loads = {name: list(engine.pool.counters.values()) for name, engine in engines.items()}
     finally:
         for engine in engines.values():
@@ -201,7 +212,8 @@ def stepped_in_turn(runs: dict[str, tuple[EngineConfig, dict[str, Path], list[tu
     return {name: {"tokens": tokens[name], "steps": steps[name], "busy_s": round(busy[name], 6),
                    "tokens_per_s": round(tokens[name] / busy[name], 1) if busy[name] else 0.0,
                    "host_loads": sum(c.loads for c in loads[name]), "device_loads": sum(c.device_loads for c in loads[name]),
-                   "adapters_loaded": sum(1 for c in loads[name] if c.device_loads)} for name in engines}
+                   "adapters_loaded": sum(1 for c in loads[name] if c.device_loads),
+                   **({"token_ids": token_ids[name]} if keep_token_ids else {})} for name in engines}
 
 
 def submit_all(engine: Any, adapters: dict[str, Path], jobs: list[tuple[Any, Optional[str], Any]]) -> None:

@@ -75,8 +75,6 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
     if weight.is_mkldnn:
         if not _onednn_operands(x, weight, bias):
             return F.linear(x, weight.to_dense(), bias)
-        if x.dim() == 2 and PACKED_MIN_ROWS <= x.shape[0] <= ONEDNN_MAX_ROWS:  # a decode step: no per-call Python beyond the checks
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return _packed_linear(x, weight, bias)
     if _onednn_weight(weight) and _onednn_operands(x, weight, bias) and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -86,15 +84,15 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
 def _packed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``dense_linear`` on a packed weight for any shape of ``x``: its rows in calls of
     ``PACKED_MIN_ROWS`` to ``ONEDNN_MAX_ROWS`` rows (``packed_call_rows``), 1-3 rows padded."""
-    n = x.numel() // x.shape[-1]
-    rows = x.reshape(n, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
     if 0 < n < PACKED_MIN_ROWS:  # zero rows added, their outputs dropped
         y = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, PACKED_MIN_ROWS - n)), weight, bias, "none", [], "").narrow(0, 0, n)
-    elif n <= ONEDNN_MAX_ROWS:
+    elif n <= ONEDNN_MAX_ROWS:  # a decode step: one call
         y = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
     else:
         y = torch.cat([torch.ops.mkldnn._linear_pointwise(c, weight, bias, "none", [], "") for c in rows.split(packed_call_rows(n))])
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 def packed_call_rows(n: int) -> list[int]:
