@@ -1,7 +1,7 @@
 """Packed vs plain base weights on the CPU, end to end: two engines stepped in turn on one workload.
 
     python benchmarks/packed_weights.py [workload flags] [--hidden 512] [--layers 4] [--max-loras 8] \
-        [--rounds 6] [--base-only] [--json FILE]
+        [--rounds 6] [--base-only] [--dtype float32|bfloat16] [--json FILE]
 
 Both engines load the same synthetic llama; in one of them every projection that
 ``runtime.models.dense.pack_weight`` packed is unpacked again (``to_dense``), which is the kernel
@@ -11,7 +11,10 @@ turn, the order swapped every round, so machine drift hits both alike. tokens/s 
 tokens / the time inside its own steps; the script prints packed / plain per round and the median,
 and exits 1 if the two engines' tokens differ (they must not: only float rounding differs, and
 greedy decoding of the synthetic model has wide margins; a difference is reported, not hidden).
-``--base-only`` drops the adapters (every request on the base model).
+``--base-only`` drops the adapters (every request on the base model). ``--dtype bfloat16`` runs
+both engines in bf16, where packing needs a CPU that runs bf16 natively in oneDNN
+(``runtime.models.dense.PACKED_BFLOAT16``); elsewhere nothing is packed and the script says so and
+exits 2.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import add_spec_arguments, generate, spec_from_args  # noqa: E402
+from runtime.models.dense import PACKED_BFLOAT16  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
 
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-loras", type=int, default=8, help="device adapter slots (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=6, help="rounds, each engine pair built afresh; the median is printed (default: %(default)s)")
     p.add_argument("--base-only", action="store_true", help="every request on the base model")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations (default: %(default)s)")
     p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one, removed at the end)")
     p.add_argument("--json", help="also write the rounds and the median here")
     a = p.parse_args(argv)
@@ -77,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     if a.rounds < 1 or a.max_loras < 1:
         p.error("--rounds and --max-loras must be at least 1")
+    if a.dtype == "bfloat16" and not PACKED_BFLOAT16:
+        print("packed_weights: this CPU (or torch) has no native bfloat16 in oneDNN, so bf16 weights are never packed: nothing to compare",
+              file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="packed-weights-") as scratch:
-        setup = BenchSetup(Path(a.workdir or scratch), shape, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None),
+        setup = BenchSetup(Path(a.workdir or scratch), shape, dtype=a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None),
                            max_lora_rank=max(64, max(spec.ranks)))  # fmt: skip
         workload = generate(spec).all_at_once()
         model_dir, adapters = suite.prepare(workload, setup)
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     median = statistics.median(r["packed_over_plain"] for r in rounds)
     print(f"packed / plain, stepped in turn (median of {a.rounds} rounds): {median:.3f}x")
     if a.json:
-        Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "base_only": a.base_only, "spec": dataclasses.asdict(workload.spec),
+        Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "dtype": a.dtype, "base_only": a.base_only, "spec": dataclasses.asdict(workload.spec),
                                             "rounds": rounds, "median_packed_over_plain": median}, indent=1))
     if not all(r["same_tokens"] for r in rounds):
         print("the packed and plain engines generated different tokens", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""runtime.models.dense: the CPU base GEMM on oneDNN matches a float64 product, other dtypes keep
-F.linear bit for bit; benchmarks/cpu_gemm.py checks both kernels and times them."""
+"""runtime.models.dense: the CPU base GEMM on oneDNN matches a float64 product, in float32 and (packed,
+where the CPU runs bf16 natively) bfloat16; other dtypes and plain bf16 weights keep F.linear bit for
+bit; benchmarks/cpu_gemm.py checks the kernels and times them."""
 from __future__ import annotations
 
 import json
@@ -72,6 +73,17 @@ def test_the_script_times_packed_weights_in_chunks(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["packed"] == report["onednn_weights"] == 1  # gate/up, 1024 x 256 = 2^18; the others are smaller
     assert {c[0] for c in calls} == {7, 126, 4}  # the error check's 7 rows; 130 rows only as 126 + 4, packed
+
+
+@pytest.mark.skipif(not dense.PACKED_BFLOAT16, reason="this CPU (or torch) has no native bfloat16 in oneDNN: bf16 weights stay plain")
+def test_the_script_times_packed_bfloat16_weights(tmp_path, monkeypatch, capsys):
+    calls = _onednn_calls(monkeypatch)
+    out = tmp_path / "gemm.json"
+    assert cpu_gemm.main(["--hidden", "256", "--layers", "1", "--rows", "2", "--rounds", "1", "--dtype", "bfloat16", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and report["packed"] == 1 and 0 < report["relative_error"]["packed"] < 1e-2
+    assert {c[0] for c in calls} == {7, 4}  # only the packed gate/up: the error check's 7 rows, 2 rows padded to 4
+    assert "bfloat16" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_the_script_refuses_a_wrong_kernel(monkeypatch, capsys):
@@ -156,21 +168,58 @@ def test_packed_calls_cover_the_rows_in_4_to_128_row_pieces(n):
 def test_only_weights_onednn_would_take_are_packed():
     gen = torch.Generator().manual_seed(11)
     large = torch.randn(1024, 256, generator=gen)
-    for weight in (torch.randn(1023, 256, generator=gen), large.double(), large.bfloat16(), large.clone().requires_grad_()):
+    for weight in (torch.randn(1023, 256, generator=gen), large.double(), large.half(), large.clone().requires_grad_(),
+                   torch.randn(1023, 256, generator=gen).bfloat16()):
         assert dense.pack_weight(weight) is weight
     with torch.backends.mkldnn.flags(enabled=False):
         assert dense.pack_weight(large) is large
+        assert dense.pack_weight(large.bfloat16()).layout == torch.strided
     assert dense.pack_weight(large).is_mkldnn
+    bf16 = dense.pack_weight(large.bfloat16())
+    assert bf16.is_mkldnn == dense.PACKED_BFLOAT16 and bf16.dtype == torch.bfloat16  # packed only where oneDNN runs bf16 natively
+
+
+@pytest.mark.skipif(not dense.PACKED_BFLOAT16, reason="this CPU (or torch) has no native bfloat16 in oneDNN: bf16 weights stay plain")
+@pytest.mark.parametrize("rows", [(1,), (3,), (11,), (2, 5), (129,), (300,)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_packed_bfloat16_weight_matches_a_float64_product_like_f_linear(rows, with_bias, monkeypatch):
+    """bf16 keeps 8 bits: the packed product of the rounded operands is within bf16's rounding of
+    the float64 one (and as close as F.linear's), in 4-128-row calls like float32's."""
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(20 + sum(rows) + with_bias)
+    x, w = torch.randn(*rows, 256, generator=gen).bfloat16(), torch.randn(1024, 256, generator=gen).bfloat16()
+    b = torch.randn(1024, generator=gen).bfloat16() if with_bias else None
+    packed = dense.pack_weight(w)
+    assert packed.is_mkldnn and torch.equal(packed.to_dense(), w)
+    y = dense_linear(x, packed, b)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (*rows, 1024)
+    err = ((y.double() - want).abs() / want.abs().max()).max().item()
+    f_linear = ((F.linear(x, w, b).double() - want).abs() / want.abs().max()).max().item()
+    assert err < 2**-8 and err <= 2 * f_linear + 2**-10
+    n = x.numel() // 256
+    assert [c[0] for c in calls] == {1: [4], 3: [4], 11: [11], 10: [10], 129: [125, 4], 300: [128, 128, 44]}[n]
+
+
+@pytest.mark.skipif(not dense.PACKED_BFLOAT16, reason="this CPU (or torch) has no native bfloat16 in oneDNN: bf16 weights stay plain")
+def test_a_plain_bfloat16_weight_stays_on_f_linear(monkeypatch):
+    """Only packed bf16 weights take oneDNN: on a plain one the op timed no faster than F.linear."""
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(21)
+    x, w = torch.randn(9, 256, generator=gen).bfloat16(), torch.randn(1024, 256, generator=gen).bfloat16()
+    assert torch.equal(dense_linear(x, w), F.linear(x, w)) and not calls
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_bias_of_another_dtype_gets_f_linears_error(packed, monkeypatch):
-    if packed and not dense.PACKED_WEIGHTS:
-        pytest.skip("this torch cannot pack weights for oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bias_of_another_dtype_gets_f_linears_error(packed, dtype, monkeypatch):
+    """A bf16 bias on a float32 weight, or a float32 one on a bf16 weight (which the oneDNN op would take)."""
+    if packed and not (dense.PACKED_WEIGHTS and (dtype == torch.float32 or dense.PACKED_BFLOAT16)):
+        pytest.skip("this torch (or CPU) cannot pack such weights for oneDNN")
     calls = _onednn_calls(monkeypatch)
     gen = torch.Generator().manual_seed(13)
-    x, w = torch.randn(5, 256, generator=gen), torch.randn(1024, 256, generator=gen)
-    bias = torch.randn(1024, generator=gen).bfloat16()
+    x, w = torch.randn(5, 256, generator=gen).to(dtype), torch.randn(1024, 256, generator=gen).to(dtype)
+    bias = torch.randn(1024, generator=gen).to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
     with pytest.raises(RuntimeError) as want:
         F.linear(x, w, bias)
     with pytest.raises(RuntimeError) as got:

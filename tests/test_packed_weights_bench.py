@@ -49,3 +49,17 @@ def test_different_tokens_are_reported_and_exit_1(tmp_path: Path, monkeypatch, c
     monkeypatch.setattr(packed_weights, "unpack", unpack_and_break)
     assert packed_weights.main(ARGS + ["--rounds", "1", "--workdir", str(tmp_path / "w")]) == 1
     assert "generated different tokens" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not dense.PACKED_BFLOAT16, reason="this CPU (or torch) has no native bfloat16 in oneDNN: bf16 weights stay plain")
+def test_bfloat16_engines_are_compared_too(tmp_path: Path) -> None:
+    out = tmp_path / "packed.json"
+    assert packed_weights.main(ARGS + ["--rounds", "1", "--dtype", "bfloat16", "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and report["rounds"][0]["unpacked_weights"] == 4 and report["rounds"][0]["same_tokens"]
+
+
+def test_bfloat16_without_native_support_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(packed_weights, "PACKED_BFLOAT16", False)
+    assert packed_weights.main(ARGS + ["--dtype", "bfloat16", "--workdir", str(tmp_path / "w")]) == 2
+    assert "no native bfloat16" in capsys.readouterr().err

@@ -239,3 +239,30 @@ def test_bfloat16_agrees_with_float32(tiny_llama_dir, tiny_adapters):
         err = rel_err(lo, hi)
         # bf16 keeps 8 mantissa bits (rel. step 2^-8 = 0.4%); a few layers of rounding stay within a few %.
         assert err.max() < 5e-2, f"bf16 vs fp32 relative errors {err.tolist()}"
+
+
+@pytest.mark.skipif(not __import__("runtime.models.dense", fromlist=["x"]).PACKED_BFLOAT16, reason="no native bfloat16 in oneDNN here: bf16 weights stay plain")
+def test_bfloat16_on_packed_weights_agrees_with_plain_bfloat16_and_float32(tiny_llama_dir, tiny_adapters, monkeypatch):
+    """Where the CPU runs bf16 natively, bf16 projections are stored packed too (forced here on the
+    tiny model, in 4-7-row calls): its logits stay as close to float32 as plain bf16's, and to
+    plain bf16's within bf16 rounding."""
+    from runtime.models import dense
+
+    prompts = random_prompts(len(ORDER), PROMPT_LEN, seed=7)
+    results = {}
+    for name, dtype in (("float32", "float32"), ("plain", "bfloat16")):
+        runner, slots = make_runner(tiny_llama_dir, tiny_adapters, dtype)
+        results[name] = prefill_chunked(runner, slots, ORDER, prompts, [8, 3])
+    monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)
+    monkeypatch.setattr(dense, "ONEDNN_MAX_ROWS", 7)
+    runner, slots = make_runner(tiny_llama_dir, tiny_adapters, "bfloat16")
+    assert all(lin.weight.is_mkldnn and lin.weight.dtype == torch.bfloat16 for layer in runner.model.layers for lin in layer.projections.values())
+    rows = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: rows.append(args[0].shape[0]) or onednn(*args))
+    results["packed"] = prefill_chunked(runner, slots, ORDER, prompts, [8, 3])
+    assert rows and set(rows) <= set(range(dense.PACKED_MIN_ROWS, 8))
+    for hi, plain, packed in zip(results["float32"], results["plain"], results["packed"]):
+        assert packed.dtype == torch.float32
+        assert rel_err(packed, hi).max() < 5e-2 and rel_err(packed, plain).max() < 1e-2  # (bit-identical on this machine)
+        assert rel_err(packed, hi).max() <= 2 * rel_err(plain, hi).max() + 1e-2
