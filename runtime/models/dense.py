@@ -46,12 +46,14 @@ bfloat16. Where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX:
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, ``PACKED_BFLOAT16``), large bf16 CPU projections are
 packed the same way, with the same 4-128-row calls (``x``, bias and result in bf16, sums in float32,
 as ``F.linear``'s). On the dev machine (``benchmarks/cpu_gemm.py --dtype bfloat16``) the 16 hidden-512
-projections took 1.53 / 1.37 / 1.44 / 2.57 / 7.07 ms for 1 / 4 / 11 / 32 / 128 rows packed against
-1.68 / 1.94 / 2.31 / 3.35 / 7.61 on ``F.linear``, but 256 and 512 rows (in 128-row calls) 0.92x and
-0.83x of ``F.linear``; the engine's tokens/s went 1.06x (hidden 1024 and 2048, bf16, in turn, and the
-same tokens; ``benchmarks/packed_weights.py --dtype bfloat16``). A plain bf16 weight stays on
-``F.linear`` (the op was no faster on it), as does every bf16 weight where the CPU lacks native bf16
-(oneDNN would convert on each call; not measured) and every float16 one (not measured).
+projections took 1.58 / 1.40 / 1.69 / 2.58 / 7.25 ms for 1 / 4 / 11 / 32 / 128 rows packed against
+1.81 / 2.21 / 2.55 / 3.50 / 8.23 on ``F.linear``, but 512 rows (in 128-row calls) 0.91x of
+``F.linear``; at hidden 1024, 1.06-1.72x. End to end (``benchmarks/packed_weights.py --dtype
+bfloat16``, in turn, the same tokens) a lone request at hidden 1024 went 1.28x, the 48-request
+burst 1.05x (hidden 1024) and 1.00x (hidden 512): there the GEMMs are a smaller share of a bf16 step
+(torch's bf16 SDPA took 0.68 of 2.5 s in a hidden-1024 profile, the GEMMs 0.90). A plain bf16 weight
+stays on ``F.linear`` (the op was no faster on it), as does every bf16 weight where the CPU lacks
+native bf16 (oneDNN would convert on each call; not measured) and every float16 one (not measured).
 """
 from __future__ import annotations
 
