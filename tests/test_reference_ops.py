@@ -316,6 +316,36 @@ def test_step_plan_is_shared_by_a_steps_layers_and_rebuilt_for_the_next_step():
     assert [[(c.lo, c.hi) for c in plan[2]] for plan in plans] == [[(3, 6)], []]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_groups_compute_in_float32_when_asked(dtype):
+    """``decode_in_float32`` (the CPU backend's): a bf16/fp16 step's decode rows are exactly the
+    float32 computation on the same (rounded) cache and queries, rounded once; its prefill rows,
+    and every row without the flag, are the model dtype's own SDPA, unchanged."""
+    from runtime.verifiers.attention_problem import random_cache, random_step
+
+    gen = torch.Generator().manual_seed(29)
+    step = random_step([1, 3, 1, 1], [9, 7, 13, 4], [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9]], torch.float32, torch.device("cpu"), gen)
+    half = dataclasses.replace(step, q=step.q.to(dtype), k=step.k.to(dtype), v=step.v.to(dtype))
+    cache = random_cache(16, dtype, torch.device("cpu"), gen)
+    upcast = ReferenceAttention(decode_in_float32=True).paged_attention(half.q, half.k, half.v, cache.clone(), half.meta, half.scale)
+    plain = ReferenceAttention().paged_attention(half.q, half.k, half.v, cache.clone(), half.meta, half.scale)
+    in_fp32 = ReferenceAttention().paged_attention(half.q.float(), half.k.float(), half.v.float(), cache.float(), half.meta, half.scale)
+    decodes, prefill = [0, 4, 5], [1, 2, 3]  # rows: seq 0, seq 1's three new tokens, seqs 2 and 3
+    assert upcast.dtype == dtype and torch.equal(upcast[decodes], in_fp32[decodes].to(dtype))
+    assert torch.equal(upcast[prefill], plain[prefill])
+    # the float32 rows are at least as close to float64 as the model dtype's own
+    want = ReferenceAttention().paged_attention(half.q.double(), half.k.double(), half.v.double(), cache.double(), half.meta, half.scale)
+    assert (upcast[decodes].double() - want[decodes]).abs().max() <= (plain[decodes].double() - want[decodes]).abs().max() + 1e-3
+    f32 = ReferenceAttention(decode_in_float32=True).paged_attention(step.q, step.k, step.v, cache.float(), step.meta, step.scale)
+    assert torch.equal(f32, ReferenceAttention().paged_attention(step.q, step.k, step.v, cache.float(), step.meta, step.scale))
+
+
+def test_the_cpu_backend_decodes_half_precision_in_float32():
+    from backends.reference import ReferenceBackend
+
+    assert ReferenceBackend().attention.decode_in_float32 and not ReferenceAttention().decode_in_float32
+
+
 def test_decode_groups_sorted_and_within_budget():
     """Every decode lands in exactly one group; groups run shortest contexts first; a group
     of several fits the budget (sequences x longest context x bytes per position)."""
