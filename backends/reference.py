@@ -176,7 +176,8 @@ class SlotViews:
     b_scale: float = 0.0
 
     @classmethod
-    def build(cls, weights: Sequence[LoRASliceWeights], slot: int) -> "SlotViews":
+    def build(cls, weights: Sequence[LoRASliceWeights], slot: int, as_float32: bool = False) -> "SlotViews":
+        """The views of ``slot``; with ``as_float32``, float32 copies of them (for buffers of another dtype)."""
         group = interleaved_a(weights)
         block = shared_block(weights, slot) if group is not None else None
         a_block = None
@@ -194,22 +195,27 @@ class SlotViews:
         if b_group is not None and len(slices) == len(weights) and len({(r, scale) for _, r, _, _, scale in slices}) == 1:
             start, rank = block
             b_block, b_scale = b_group[start : start + rank].transpose(0, 1), slices[0][4]  # [K, R, n]
+        if as_float32:
+            a_block, b_block = (None if t is None else t.float() for t in (a_block, b_block))
+            slices = [(i, r, None if a is None else a.float(), b.float(), scale) for i, r, a, b, scale in slices]
         return cls(a_block, block[1] if block is not None else 0, tuple(slices), b_block, b_scale)
 
     @classmethod
-    def cache_for(cls, weights: Sequence[LoRASliceWeights]) -> dict[int, "SlotViews"]:
-        """slot -> views for these slices, kept in ``weights[0].view_cache`` and emptied when a
-        slot write, a buffer swap or any change of the host slot tables made it stale.
-        Checked once per call, so the per-segment cost is one dict lookup."""
+    def cache_for(cls, weights: Sequence[LoRASliceWeights], as_float32: bool = False) -> dict[int, "SlotViews"]:
+        """slot -> views for these slices (float32 copies: ``as_float32``, a cache of its own),
+        kept in ``weights[0].view_cache`` and emptied when a slot write, a buffer swap or any
+        change of the host slot tables made it stale. Checked once per call, so the per-segment
+        cost is one dict lookup."""
         stamp = tuple(
             (w.version, id(w.a_rows), id(w.b_rows), tuple(w.host_start), tuple(w.host_rank), tuple(w.host_scale)) for w in weights
         )
-        entry = weights[0].view_cache.get("row_ranges")
+        key = "row_ranges_float32" if as_float32 else "row_ranges"
+        entry = weights[0].view_cache.get(key)
         if entry is None or entry[0] != stamp or len(entry[1]) != len(weights) or any(r() is not w for r, w in zip(entry[1], weights)):
             # Weak references to the slices (a strong one to weights[0] would be a cycle); the
             # stamped buffers are kept alive with the entry, so their ids cannot be reused.
             entry = (stamp, [weakref.ref(w) for w in weights], [(w.a_rows, w.b_rows) for w in weights], {})
-            weights[0].view_cache["row_ranges"] = entry
+            weights[0].view_cache[key] = entry
         return entry[3]
 
 
@@ -224,50 +230,60 @@ def apply_row_ranges(
 
     No row gather, no delta buffer, no scatter: per segment one shrink matmul per slice,
     or one for all slices when their A rows are interleaved (``interleaved_a``), then
-    one expand per slice, or (float32, B rows interleaved too, every slice at the same rank
-    and scale, columns side by side) one ``baddbmm_`` for all of them. float32 expands with
-    an in-place ``addmm_``; other dtypes compute in float32 and round into ``y`` once, like
-    the other schedules. Decode steps
-    have many one-row segments, where the cost is per op, not math: the operand views
-    are cached per slot (``SlotViews.cache_for``) rather than sliced again for every segment.
+    one expand per slice, or (B rows interleaved too, every slice at the same rank and
+    scale, columns side by side) one ``baddbmm_`` for all of them, each in place in float32.
+    Other dtypes run the same float32 work on float32 copies: the adapter rows of ``x`` and
+    ``y`` converted once per call, the slots' weights once per slot write (cached like the
+    views), and ``y``'s rows rounded back once (the columns no slice touches come back
+    unchanged: the round trip through float32 is exact). Decode steps have many one-row
+    segments, where the cost is per op, not math: the operand views are cached per slot
+    (``SlotViews.cache_for``) rather than sliced again for every segment.
     """
     first = meta.first_row
     if first is None:
         raise ValueError("apply_row_ranges: the rows with an adapter are not one run in slot order (meta.first_row is None)")
+    copy_weights = not all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
+    if x.dtype == y.dtype == torch.float32:
+        _row_ranges_in_float32(x, y, weights, meta, slice_offsets, first, copy_weights)
+        return
+    rows = slice(first, first + meta.host_seg_starts[-1])
+    y_rows = y[rows].float()
+    _row_ranges_in_float32(x[rows].float(), y_rows, weights, meta, slice_offsets, 0, copy_weights)
+    y[rows] = y_rows
+
+
+def _row_ranges_in_float32(
+    x: Tensor, y: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, slice_offsets: Sequence[int], first: int,
+    copy_weights: bool,
+) -> None:
+    """``apply_row_ranges`` on float32 ``x`` and ``y``, segments starting at row ``first``, on the
+    slots' views, or on float32 copies of them (``copy_weights``: buffers of another dtype)."""
+    cache = SlotViews.cache_for(weights, as_float32=copy_weights)
     starts = meta.host_seg_starts
-    in_fp32 = x.dtype == y.dtype == torch.float32 and all(w.a_rows.dtype == w.b_rows.dtype == torch.float32 for w in weights)
     columns = [y[:, off : off + w.out_features] for off, w in zip(slice_offsets, weights)]
     # The slices' columns side by side in order, all of one width: a segment's expands can be one batched matmul.
     width = weights[0].out_features
-    side_by_side = in_fp32 and all(
-        off == slice_offsets[0] + i * width and w.out_features == width for i, (off, w) in enumerate(zip(slice_offsets, weights))
-    )
-    cache = SlotViews.cache_for(weights)
+    side_by_side = all(off == slice_offsets[0] + i * width and w.out_features == width for i, (off, w) in enumerate(zip(slice_offsets, weights)))
     for k, slot in enumerate(meta.host_seg_slots):
         views = cache.get(slot)
         if views is None:
-            views = cache[slot] = SlotViews.build(weights, slot)
+            views = cache[slot] = SlotViews.build(weights, slot, copy_weights)
         if not views.slices:  # this adapter does not target these modules
             continue
         lo, hi = first + starts[k], first + starts[k + 1]
-        xs = x[lo:hi] if in_fp32 else x[lo:hi].float()
+        xs = x[lo:hi]
         if views.a_block is not None:
             # A @ x^T rather than x @ A^T: slice i's h is then h[:r, i].t(), a view that matmul
             # takes as a transposed operand; the other way round it is a strided copy.
-            a = views.a_block if in_fp32 else views.a_block.float()
-            h_all = torch.mm(a, xs.t()).view(views.rank, len(weights), hi - lo)
+            h_all = torch.mm(views.a_block, xs.t()).view(views.rank, len(weights), hi - lo)
             if views.b_block is not None and side_by_side:
                 # y[lo:hi, slice i] += scale * h_i @ B_i^T for every i at once: [K, n, R] @ [K, R, n_out]
                 out = y[lo:hi, slice_offsets[0] : slice_offsets[0] + len(weights) * width].view(hi - lo, len(weights), width)
                 out.transpose(0, 1).baddbmm_(h_all.permute(1, 2, 0), views.b_block, alpha=views.b_scale)
                 continue
         for i, r, a_i, b, scale in views.slices:
-            h = h_all[:r, i].t() if a_i is None else torch.mm(xs, (a_i if in_fp32 else a_i.float()).t())
-            cols = columns[i][lo:hi]
-            if in_fp32:
-                cols.addmm_(h, b, alpha=scale)
-            else:
-                cols.copy_(torch.addmm(cols.float(), h, b.float(), alpha=scale))
+            h = h_all[:r, i].t() if a_i is None else torch.mm(xs, a_i.t())
+            columns[i][lo:hi].addmm_(h, b, alpha=scale)
 
 
 class ReferenceLoRAOps:

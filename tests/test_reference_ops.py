@@ -373,28 +373,29 @@ def test_decode_groups_sorted_and_within_budget():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_row_ranges_see_slot_rewrites(layout):
-    """The row-range path caches per-slot views; rewriting a slot (new rank, weights,
-    scale), clearing one, or swapping a buffer must show in the very next call."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_ranges_see_slot_rewrites(layout, dtype):
+    """The row-range path caches per-slot views (bf16: float32 copies of them); rewriting a slot
+    (new rank, weights, scale), clearing one, or swapping a buffer must show in the very next call."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"rewrite/{layout}".encode()))
-    weights, host = make_weights(torch.float32, gen, layout)
+    weights, host = make_weights(dtype, gen, layout)
     slots = [-1, 0, 0, 2, 2, 2, 3, 5, -1]
     meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
     assert meta.first_row == 1
     offsets = [0, OUTS[0], OUTS[0] + OUTS[1]]
-    x = torch.randn(len(slots), IN, generator=gen)
+    x = torch.randn(len(slots), IN, generator=gen).to(dtype)
     work = torch.zeros(len(OUTS), len(slots), MAX_RANK)
 
     def check() -> None:
-        y = torch.randn(len(slots), sum(OUTS), generator=gen)
-        expected = loop_reference(x, y, slots, host)
+        y = torch.randn(len(slots), sum(OUTS), generator=gen).to(dtype)
+        expected = loop_reference(x, y, slots, {k: tuple(t.to(dtype).double() if torch.is_tensor(t) else t for t in v) for k, v in host.items()})
         apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, work)
-        assert ((y.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+        assert ((y.double() - expected).abs().max() / expected.abs().max()) < TOL[dtype]
 
     check()
     starts = [w.host_start[2] for w in weights]  # slot 2 gets new weights, rank 4 on every slice (was 4/8/16)
     for i, out in enumerate(OUTS):
-        a, b = torch.randn(4, IN, generator=gen), torch.randn(out, 4, generator=gen)
+        a, b = torch.randn(4, IN, generator=gen).to(dtype), torch.randn(out, 4, generator=gen).to(dtype)
         weights[i].write_slot(2, starts[i], a, b, 0.5)
         host[(2, i)] = (a.double(), b.double(), 0.5)
     for i in range(len(OUTS)):
