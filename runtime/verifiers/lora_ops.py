@@ -173,10 +173,11 @@ def interleaved_a(backend: Any) -> bool:
 
 def runs_batched_expand(backend: Any, dtype: torch.dtype) -> bool:
     """Whether ``backend.lora`` declares the one-``baddbmm_`` expand for an equal-width problem in
-    ``dtype`` (backends/reference.py ``apply_row_ranges``: float32, interleaved A and B rows)."""
+    ``dtype`` (backends/reference.py ``apply_row_ranges``: interleaved A and B rows; it works in
+    float32, other dtypes on float32 copies, so every dtype)."""
     from backends.reference import ReferenceLoRAOps
 
-    return isinstance(backend.lora, ReferenceLoRAOps) and interleaved_a(backend) and dtype == torch.float32
+    return isinstance(backend.lora, ReferenceLoRAOps) and interleaved_a(backend) and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def batched_expand_case(backend: Any, name: str, ranks: list[int], seed: int, decode_only: bool) -> dict[str, Any]:
