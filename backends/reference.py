@@ -197,7 +197,9 @@ class SlotViews:
             b_block, b_scale = b_group[start : start + rank].transpose(0, 1), slices[0][4]  # [K, R, n]
         if as_float32:
             a_block, b_block = (None if t is None else t.float() for t in (a_block, b_block))
-            slices = [(i, r, None if a is None else a.float(), b.float(), scale) for i, r, a, b, scale in slices]
+            # With a B block every slice has its rank: its B is that block's slice i (no second copy).
+            slices = [(i, r, None if a is None else a.float(), b.float() if b_block is None else b_block[i], scale)
+                      for i, r, a, b, scale in slices]  # fmt: skip
         return cls(a_block, block[1] if block is not None else 0, tuple(slices), b_block, b_scale)
 
     @classmethod
@@ -206,9 +208,13 @@ class SlotViews:
         kept in ``weights[0].view_cache`` and emptied when a slot write, a buffer swap or any
         change of the host slot tables made it stale. Checked once per call, so the per-segment
         cost is one dict lookup."""
+        # The buffers' version counters (shared with their views and groups) too: the float32 copies
+        # must also see a write that changes no slot table, e.g. through a shallow copy of a slice.
         stamp = tuple(
-            (w.version, id(w.a_rows), id(w.b_rows), tuple(w.host_start), tuple(w.host_rank), tuple(w.host_scale)) for w in weights
-        )
+            (w.version, id(w.a_rows), id(w.b_rows), w.a_rows._version, w.b_rows._version, tuple(w.host_start), tuple(w.host_rank),
+             tuple(w.host_scale))
+            for w in weights
+        )  # fmt: skip
         key = "row_ranges_float32" if as_float32 else "row_ranges"
         entry = weights[0].view_cache.get(key)
         if entry is None or entry[0] != stamp or len(entry[1]) != len(weights) or any(r() is not w for r, w in zip(entry[1], weights)):
@@ -233,9 +239,10 @@ def apply_row_ranges(
     one expand per slice, or (B rows interleaved too, every slice at the same rank and
     scale, columns side by side) one ``baddbmm_`` for all of them, each in place in float32.
     Other dtypes run the same float32 work on float32 copies: the adapter rows of ``x`` and
-    ``y`` converted once per call, the slots' weights once per slot write (cached like the
-    views), and ``y``'s rows rounded back once (the columns no slice touches come back
-    unchanged: the round trip through float32 is exact). Decode steps have many one-row
+    ``y`` converted once per call, the slots' weights when a segment first needs them after any
+    write to the projection's buffers (cached like the views; a write drops every slot's
+    copies; for a bf16 pool they take up to twice its bytes, for the slots in use, and are not in
+    ``memory_report``), and the slices' columns of ``y``'s rows rounded back once. Decode steps have many one-row
     segments, where the cost is per op, not math: the operand views are cached per slot
     (``SlotViews.cache_for``) rather than sliced again for every segment.
     """
@@ -249,7 +256,8 @@ def apply_row_ranges(
     rows = slice(first, first + meta.host_seg_starts[-1])
     y_rows = y[rows].float()
     _row_ranges_in_float32(x[rows].float(), y_rows, weights, meta, slice_offsets, 0, copy_weights)
-    y[rows] = y_rows
+    for off, w in zip(slice_offsets, weights):  # only the slices' columns: others keep their bits in any dtype
+        y[rows, off : off + w.out_features] = y_rows[:, off : off + w.out_features]
 
 
 def _row_ranges_in_float32(
@@ -390,7 +398,7 @@ class ReferenceAttention:
     Decode rows (one new token per sequence) are batched in groups. With ``group_bytes``
     None every decode forms one group (one gather, one SDPA). Otherwise the sequences are
     sorted by context length and cut into groups whose gathered keys (sequences x longest
-    context in whole blocks x Hkv x D x element size) fit in ``group_bytes``; the groups and
+    context in whole blocks x Hkv x D x ``decode_element_size``) fit in ``group_bytes``; the groups and
     their index tensors are built once per step and reused by every layer. Each group gathers whole
     blocks into a padded ``[G, Hkv, L_max, D]`` tensor and runs one SDPA that masks every row
     to its own context length. Small groups do two things on a CPU: the copy stays in cache
@@ -403,8 +411,9 @@ class ReferenceAttention:
     compute in float32, each gathered block converted once, and round the output to the model's
     dtype. torch's CPU SDPA kernel is slow on bf16 decode rows: 1.6 ms for a call that float32
     does in 0.23 ms (24 sequences, 16 heads of 64, 40 keys; 2-core AMD EPYC), and a hidden-1024 bf16
-    engine ran 1.25x faster with it (docs/benchmarks.md, "bfloat16 weights"). Float32 models are
-    unaffected. Prefill chunks keep the model's dtype (their bf16 SDPA timed within 1.35x of float32).
+    engine ran 1.25x faster with it (docs/benchmarks.md, "bfloat16 weights"). ``group_bytes`` then
+    counts the float32 K that SDPA reads (4 bytes a value). Float32 models are unaffected. Prefill
+    chunks keep the model's dtype (their bf16 SDPA timed within 1.35x of float32).
     """
 
     def __init__(self, group_bytes: Optional[int] = None, decode_in_float32: bool = False) -> None:
@@ -441,6 +450,13 @@ class ReferenceAttention:
             groups[-1].append(b)
         return groups
 
+    def decode_element_size(self, dtype: torch.dtype) -> int:
+        """Bytes per value of the K a decode group's SDPA reads for a cache of ``dtype``: float32's
+        when decode groups are upcast (``decode_in_float32``), else the cache's own."""
+        if self.decode_in_float32 and dtype in (torch.bfloat16, torch.float16):
+            return 4
+        return torch.empty((), dtype=dtype).element_size()
+
     @staticmethod
     def _gqa(x: Tensor, groups: int, dim: int) -> Tensor:
         return x.repeat_interleave(groups, dim=dim) if groups > 1 else x
@@ -461,7 +477,8 @@ class ReferenceAttention:
         qs, bs = meta.host_query_starts, meta.block_size
         decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
         plan = []
-        for seqs in self.decode_groups(decodes, meta.host_context_lens, kv_cache[0, 0].numel() * kv_cache.element_size(), bs):
+        per_position = kv_cache[0, 0].numel() * self.decode_element_size(kv_cache.dtype)
+        for seqs in self.decode_groups(decodes, meta.host_context_lens, per_position, bs):
             ctx = [meta.host_context_lens[b] for b in seqs]
             width = max(ctx)
             n_blocks = (width + bs - 1) // bs

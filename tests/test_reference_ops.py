@@ -340,6 +340,40 @@ def test_half_precision_decode_groups_compute_in_float32_when_asked(dtype):
     assert torch.equal(f32, ReferenceAttention().paged_attention(step.q, step.k, step.v, cache.float(), step.meta, step.scale))
 
 
+def test_upcast_decode_groups_count_float32_bytes():
+    """The group budget counts the K that SDPA reads: with ``decode_in_float32`` a bf16 cache's
+    groups are those of a float32 cache under the same budget."""
+    from runtime.verifiers.attention_problem import random_cache, random_step
+
+    gen = torch.Generator().manual_seed(31)
+    step = random_step([1, 1, 1, 1], [9, 7, 13, 4], [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9]], torch.float32, torch.device("cpu"), gen)
+    budget = 2 * 16 * 2 * 8 * 4  # two 16-position contexts of float32 K (random_step: 2 kv heads of 8)
+    plans = {}
+    for name, dtype, upcast in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("bf16 upcast", torch.bfloat16, True)):
+        attention = ReferenceAttention(budget, decode_in_float32=upcast)
+        s = dataclasses.replace(step, q=step.q.to(dtype), k=step.k.to(dtype), v=step.v.to(dtype))
+        attention.paged_attention(s.q, s.k, s.v, random_cache(16, dtype, torch.device("cpu"), gen), s.meta, s.scale)
+        plans[name] = [g.rows.tolist() for g in attention._plan[1]]
+    assert plans["bf16 upcast"] == plans["fp32"] != plans["bf16"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+def test_row_ranges_leave_columns_no_slice_covers_bit_exact(dtype):
+    """Non-float32 rows go through float32 copies; only the slices' columns are written back."""
+    gen = torch.Generator().manual_seed(37)
+    weights, host = make_weights(dtype, gen, LAYOUTS[0])
+    slots = [-1, 0, 0, 2, 3, 5, -1]
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    offsets = [0, OUTS[0], OUTS[0] + OUTS[1]]
+    x = torch.randn(len(slots), IN, generator=gen).to(dtype)
+    y = torch.randn(len(slots), sum(OUTS) + 5, generator=gen, dtype=torch.float64).to(dtype)  # 5 columns past the slices
+    before = y.clone()
+    apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, torch.zeros(len(OUTS), len(slots), MAX_RANK))
+    assert torch.equal(y[:, sum(OUTS) :], before[:, sum(OUTS) :]) and not torch.equal(y, before)
+    expected = loop_reference(x, before[:, : sum(OUTS)], slots, {k: tuple(t.to(dtype).double() if torch.is_tensor(t) else t for t in v) for k, v in host.items()})
+    assert ((y[:, : sum(OUTS)].double() - expected).abs().max() / expected.abs().max()) < TOL.get(dtype, 1e-6)
+
+
 def test_the_cpu_backend_decodes_half_precision_in_float32():
     from backends.reference import ReferenceBackend
 
@@ -421,6 +455,15 @@ def test_row_ranges_see_slot_rewrites(layout, dtype):
             twin.write_slot(5, w.host_start[5], w.a_rows[w.host_start[5] : w.host_start[5] + w.host_rank[5]].clone(),
                             w.b_rows[w.host_start[5] : w.host_start[5] + w.host_rank[5]].t().clone(), 3.0)  # fmt: skip
             host[(5, i)] = (a, b, 3.0)
+    check()
+    # New weights written through a shallow copy, slot tables unchanged (same start, rank and
+    # scale): only the buffers' contents change, and the next call must use them.
+    for i, w in enumerate(weights):
+        if w.host_rank[5]:
+            r, start = w.host_rank[5], w.host_start[5]
+            a, b = torch.randn(r, IN, generator=gen).to(dtype), torch.randn(OUTS[i], r, generator=gen).to(dtype)
+            copy.copy(w).write_slot(5, start, a, b, 3.0)
+            host[(5, i)] = (a.double(), b.double(), 3.0)
     check()
 
 

@@ -71,7 +71,9 @@ def grouped_attention(attention: Any, dtype: torch.dtype) -> Any | None:
     if not hasattr(attention, "group_bytes") or not hasattr(attention, "decode_groups"):
         return None
     small = copy.copy(attention)
-    small.group_bytes = GROUPED_BUDGET_POSITIONS * HKV * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    # Counted in the bytes SDPA reads (float32 where the backend upcasts half-precision decodes).
+    size = attention.decode_element_size(dtype) if hasattr(attention, "decode_element_size") else torch.empty((), dtype=dtype).element_size()
+    small.group_bytes = GROUPED_BUDGET_POSITIONS * HKV * HEAD_DIM * size
     return small
 
 
