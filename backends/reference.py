@@ -411,7 +411,7 @@ class ReferenceAttention:
     compute in float32, each gathered block converted once, and round the output to the model's
     dtype. torch's CPU SDPA kernel is slow on bf16 decode rows: 1.6 ms for a call that float32
     does in 0.23 ms (24 sequences, 16 heads of 64, 40 keys; 2-core AMD EPYC), and a hidden-1024 bf16
-    engine ran 1.25x faster with it (docs/benchmarks.md, "bfloat16 weights"). ``group_bytes`` then
+    engine ran 1.26-1.29x faster with it (in turn) (docs/benchmarks.md, "bfloat16 weights"). ``group_bytes`` then
     counts the float32 K that SDPA reads (4 bytes a value). Float32 models are unaffected. Prefill
     chunks keep the model's dtype (their bf16 SDPA timed within 1.35x of float32).
     """
