@@ -82,6 +82,21 @@ class CheckedRequest(NamedTuple):
     adapter: Optional[AdapterRef]
 
 
+def _check_range(adapter: LoRAAdapter, path: str, dtype: torch.dtype) -> None:
+    """Refuse an adapter whose weights the engine's dtype cannot hold: in float16 a value beyond
+    65504 becomes inf in the slot, and every request on the adapter would end in non-finite
+    logits. (Adapters are finite float32 when read; bfloat16 has float32's range.)"""
+    limit, dtype_name = torch.finfo(dtype).max, str(dtype).removeprefix("torch.")
+    for (layer, module), m in sorted(adapter.modules.items()):
+        for part, t in (("lora_A", m.lora_a), ("lora_B", m.lora_b)):
+            peak = float(t.abs().max()) if t.numel() else 0.0
+            if peak > limit:
+                raise AdapterError(
+                    f"{path}: adapter {adapter.name!r}: layer {layer} {module} {part} has a value of magnitude {peak:.4g}, beyond {dtype_name}'s "
+                    f"largest value ({limit:.6g}), the dtype this engine runs in; serve the adapter with --dtype bfloat16 or float32"
+                )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, backend: Any = None) -> None:
         if backend is None:
@@ -148,6 +163,7 @@ class LLMEngine:
             str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
         )
         self.gate.check_adapter(adapter)
+        _check_range(adapter, path, self.runner.dtype)
         return adapter
 
     def install_adapter(self, adapter: LoRAAdapter, path: str) -> AdapterRef:

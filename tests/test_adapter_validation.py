@@ -423,3 +423,23 @@ def test_hand_written_config_shorthands(copy_of, targets, tiny_adapters, tiny_ll
     with caplog.at_level("WARNING", logger="runtime.lora.adapter"):
         assert load(extra, targets).modules.keys() == load(tiny_adapters["a"], targets).modules.keys()
     assert "'c_attn'" in caplog.text
+
+
+def test_an_engine_refuses_weights_its_dtype_cannot_hold(copy_of, tiny_llama_dir):
+    """A weight beyond float16's range would be inf in a float16 slot, and every request on the
+    adapter would end in non-finite logits: a float16 engine refuses it at load, naming the tensor;
+    float32 and bfloat16 engines (float32's range) take it."""
+    from tests.engine_helpers import make_engine
+
+    folder = copy_of()
+
+    def enlarge(tensors):
+        key = next(k for k in sorted(tensors) if "lora_B" in k)
+        tensors[key] = tensors[key].clone()
+        tensors[key][0, 0] = -7.0e4
+
+    edit_tensors(folder, enlarge)
+    with pytest.raises(AdapterError, match=r"layer \d+ \w+ lora_B has a value of magnitude 7e\+04, beyond float16's largest value \(65504\).*--dtype bfloat16 or float32"):
+        make_engine(tiny_llama_dir, dtype="float16").register_adapter("big", str(folder))
+    for dtype in ("float32", "bfloat16"):
+        make_engine(tiny_llama_dir, dtype=dtype).register_adapter("big", str(folder))
