@@ -85,8 +85,10 @@ class CheckedRequest(NamedTuple):
 def _check_range(adapter: LoRAAdapter, path: str, dtype: torch.dtype) -> None:
     """Refuse an adapter whose weights the engine's dtype cannot hold: in float16 a value beyond
     65504 becomes inf in the slot, and every request on the adapter would end in non-finite
-    logits. (Adapters are finite float32 when read; bfloat16 has float32's range.)"""
+    logits. (Adapters are finite float32 when read; bfloat16 reaches 3.39e38, float16 only 65504.)"""
     limit, dtype_name = torch.finfo(dtype).max, str(dtype).removeprefix("torch.")
+    if limit >= torch.finfo(torch.float32).max:
+        return  # nothing finite in float32 lies beyond it
     for (layer, module), m in sorted(adapter.modules.items()):
         for part, t in (("lora_A", m.lora_a), ("lora_B", m.lora_b)):
             peak = float(t.abs().max()) if t.numel() else 0.0
