@@ -398,7 +398,7 @@ class ReferenceAttention:
     Decode rows (one new token per sequence) are batched in groups. With ``group_bytes``
     None every decode forms one group (one gather, one SDPA). Otherwise the sequences are
     sorted by context length and cut into groups whose gathered keys (sequences x longest
-    context in whole blocks x Hkv x D x ``decode_element_size``) fit in ``group_bytes``; the groups and
+    context in whole blocks x Hkv x D x the bytes of ``decode_dtype``) fit in ``group_bytes``; the groups and
     their index tensors are built once per step and reused by every layer. Each group gathers whole
     blocks into a padded ``[G, Hkv, L_max, D]`` tensor and runs one SDPA that masks every row
     to its own context length. Small groups do two things on a CPU: the copy stays in cache
@@ -450,12 +450,10 @@ class ReferenceAttention:
             groups[-1].append(b)
         return groups
 
-    def decode_element_size(self, dtype: torch.dtype) -> int:
-        """Bytes per value of the K a decode group's SDPA reads for a cache of ``dtype``: float32's
-        when decode groups are upcast (``decode_in_float32``), else the cache's own."""
-        if self.decode_in_float32 and dtype in (torch.bfloat16, torch.float16):
-            return 4
-        return torch.empty((), dtype=dtype).element_size()
+    def decode_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a decode group's SDPA runs in for queries and cache of ``dtype``: float32 for
+        bf16/fp16 when ``decode_in_float32``, else ``dtype``. Group budgets count its bytes."""
+        return torch.float32 if self.decode_in_float32 and dtype in (torch.bfloat16, torch.float16) else dtype
 
     @staticmethod
     def _gqa(x: Tensor, groups: int, dim: int) -> Tensor:
@@ -477,7 +475,7 @@ class ReferenceAttention:
         qs, bs = meta.host_query_starts, meta.block_size
         decodes = [b for b in range(meta.num_seqs) if qs[b + 1] - qs[b] == 1]
         plan = []
-        per_position = kv_cache[0, 0].numel() * self.decode_element_size(kv_cache.dtype)
+        per_position = kv_cache[0, 0].numel() * self.decode_dtype(kv_cache.dtype).itemsize
         for seqs in self.decode_groups(decodes, meta.host_context_lens, per_position, bs):
             ctx = [meta.host_context_lens[b] for b in seqs]
             width = max(ctx)
@@ -514,7 +512,7 @@ class ReferenceAttention:
         n, bs = len(group.rows), group.block_size
         hkv, d = kv_cache.shape[2], q.shape[2]
         heads_per_kv = q.shape[1] // hkv
-        dtype = torch.float32 if self.decode_in_float32 and q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+        dtype = self.decode_dtype(q.dtype)
         keys, vals = (  # converted while still whole contiguous blocks (a strided conversion is slower)
             self._block_view(half, bs).index_select(0, group.blocks).to(dtype).view(n, group.n_blocks * bs, hkv, d)[:, : group.width].transpose(1, 2)
             for half in kv_cache

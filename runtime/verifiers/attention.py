@@ -72,7 +72,7 @@ def grouped_attention(attention: Any, dtype: torch.dtype) -> Any | None:
         return None
     small = copy.copy(attention)
     # Counted in the bytes SDPA reads (float32 where the backend upcasts half-precision decodes).
-    size = attention.decode_element_size(dtype) if hasattr(attention, "decode_element_size") else torch.empty((), dtype=dtype).element_size()
+    size = (attention.decode_dtype(dtype) if hasattr(attention, "decode_dtype") else dtype).itemsize
     small.group_bytes = GROUPED_BUDGET_POSITIONS * HKV * HEAD_DIM * size
     return small
 
