@@ -205,24 +205,38 @@ class SlotViews:
     @classmethod
     def cache_for(cls, weights: Sequence[LoRASliceWeights], as_float32: bool = False) -> dict[int, "SlotViews"]:
         """slot -> views for these slices (float32 copies: ``as_float32``, a cache of its own),
-        kept in ``weights[0].view_cache`` and emptied when a slot write, a buffer swap or any
-        change of the host slot tables made it stale. Checked once per call, so the per-segment
-        cost is one dict lookup."""
-        # The buffers' version counters (shared with their views and groups) too: the float32 copies
-        # must also see a write that changes no slot table, e.g. through a shallow copy of a slice.
-        stamp = tuple(
-            (w.version, id(w.a_rows), id(w.b_rows), w.a_rows._version, w.b_rows._version, tuple(w.host_start), tuple(w.host_rank),
-             tuple(w.host_scale))
-            for w in weights
-        )  # fmt: skip
+        kept in ``weights[0].view_cache`` and checked once per call, so the per-segment cost is
+        one dict lookup. A change of the host slot tables drops the views of the slots whose
+        entries changed; the others stay, since a view reads whatever its rows hold (with 500
+        adapters cycling through 8 slots, dropping every slot's views at each load rebuilt them
+        ~1500 times in a 48-request burst against ~260 loaded-slot rebuilds). A buffer swap drops
+        them all. Copies (``as_float32``) are all dropped at any write to the buffers too: a write
+        that changes no slot table (a new version in the same rows, a write through a shallow copy
+        of a slice) must reach them, and the buffers' version counters do not say which rows."""
+        buffers = tuple((id(w.a_rows), id(w.b_rows), id(w.a_group), id(w.b_group)) for w in weights)
+        if as_float32:  # version counters are shared with every view and group of the buffer
+            buffers += tuple((w.a_rows._version, w.b_rows._version) for w in weights)
+        tables = tuple((w.version, tuple(w.host_start), tuple(w.host_rank), tuple(w.host_scale)) for w in weights)
         key = "row_ranges_float32" if as_float32 else "row_ranges"
         entry = weights[0].view_cache.get(key)
-        if entry is None or entry[0] != stamp or len(entry[1]) != len(weights) or any(r() is not w for r, w in zip(entry[1], weights)):
-            # Weak references to the slices (a strong one to weights[0] would be a cycle); the
-            # stamped buffers are kept alive with the entry, so their ids cannot be reused.
-            entry = (stamp, [weakref.ref(w) for w in weights], [(w.a_rows, w.b_rows) for w in weights], {})
-            weights[0].view_cache[key] = entry
-        return entry[3]
+        fresh = entry is not None and len(entry[2]) == len(weights) and all(r() is w for r, w in zip(entry[2], weights))
+        if fresh and entry[0] == buffers and entry[1] == tables:
+            return entry[4]
+        kept = {}
+        if fresh and entry[0] == buffers and all(len(old[1]) == len(new[1]) for old, new in zip(entry[1], tables)):
+            # Same buffers (for copies: nothing written since), other tables: a slot's views depend
+            # only on the buffers and its own entries, so the slots whose entries held keep theirs.
+            kept = {slot: views for slot, views in entry[4].items() if all(_slot_entry(old, slot) == _slot_entry(new, slot) for old, new in zip(entry[1], tables))}
+        # Weak references to the slices (a strong one to weights[0] would be a cycle); the buffers
+        # are kept alive with the entry, so their ids cannot be reused while it stands.
+        entry = (buffers, tables, [weakref.ref(w) for w in weights], [(w.a_rows, w.b_rows, w.a_group, w.b_group) for w in weights], kept)
+        weights[0].view_cache[key] = entry
+        return kept
+
+
+def _slot_entry(table: tuple, slot: int) -> tuple:
+    """One slot's (start, rank, scale) in a slice's stamped ``(version, starts, ranks, scales)``."""
+    return table[1][slot], table[2][slot], table[3][slot]
 
 
 def apply_row_ranges(

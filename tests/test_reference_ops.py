@@ -467,6 +467,33 @@ def test_row_ranges_see_slot_rewrites(layout, dtype):
     check()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slot_views_outlive_writes_to_other_slots(layout):
+    """A slot write drops the cached views of that slot only (float32: views read the rows as they
+    are now); float32 copies of a bf16 pool are all dropped, since a write's rows are not known."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"keep/{layout}".encode()))
+    meta = LoRABatchMeta.build([0, 2, 2, 3, 5], "cpu", decode_only=True)
+    offsets = [0, OUTS[0], OUTS[0] + OUTS[1]]
+    for dtype, copies in ((torch.float32, False), (torch.bfloat16, True)):
+        weights, _ = make_weights(dtype, gen, layout)
+        x, y = torch.randn(5, IN, generator=gen).to(dtype), torch.zeros(5, sum(OUTS), dtype=dtype)
+        apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, torch.zeros(len(OUTS), 5, MAX_RANK))
+        before = dict(SlotViews.cache_for(weights, as_float32=copies))
+        assert set(before) == {0, 2, 3, 5}
+        for w in weights:  # slot 2 rewritten in place, same start, rank and scale
+            r, start = w.host_rank[2], w.host_start[2]
+            w.write_slot(2, start, torch.randn(r, IN, generator=gen).to(dtype), torch.randn(w.out_features, r, generator=gen).to(dtype), w.host_scale[2])
+        for w in weights:
+            w.clear_slot(3)
+        after = SlotViews.cache_for(weights, as_float32=copies)
+        if copies:
+            assert after == {}
+        else:
+            assert set(after) == {0, 2, 5} and all(after[s] is before[s] for s in (0, 2, 5))
+        apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, torch.zeros(len(OUTS), 5, MAX_RANK))
+        assert SlotViews.cache_for(weights, as_float32=copies)[3].slices == ()  # rebuilt: slot 3 now targets nothing
+
+
 def test_fused_apply_with_no_targeted_slot_adds_nothing_then_sees_a_new_slot():
     """Rows with adapters, but no slot holds weights for these slices (e.g. an MLP no adapter
     targets): ``apply_lora`` returns before the ops and ``y`` is untouched; once a slot is written,
