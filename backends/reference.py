@@ -255,8 +255,8 @@ def apply_row_ranges(
     Other dtypes run the same float32 work on float32 copies: the adapter rows of ``x`` and
     ``y`` converted once per call, the slots' weights when a segment first needs them after any
     write to the projection's buffers (cached like the views; a write drops every slot's
-    copies; for a bf16 pool they take up to twice its bytes, for the slots in use, and are not in
-    ``memory_report``), and the slices' columns of ``y``'s rows rounded back once. Decode steps have many one-row
+    copies; for a bf16 pool they take up to twice its bytes, for the slots in use;
+    ``ModelRunner.memory_report`` counts them, ``lora_copies_bytes``), and the slices' columns of ``y``'s rows rounded back once. Decode steps have many one-row
     segments, where the cost is per op, not math: the operand views are cached per slot
     (``SlotViews.cache_for``) rather than sliced again for every segment.
     """
@@ -349,6 +349,21 @@ class ReferenceLoRAOps:
     def shrink(self, x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
         _check_shapes(x, weights, out)
         shrink_segment(x, weights, meta, out)
+
+    @staticmethod
+    def copied_bytes(slices: Sequence[LoRASliceWeights]) -> int:
+        """Bytes of the float32 copies of slot weights now cached for ``slices`` (a bf16/fp16
+        pool's, ``apply_row_ranges``); 0 for a float32 pool, whose ops read the pool's own rows.
+        Each storage is counted once (a slice's B may be a view of its projection's B block)."""
+        storages = {}
+        for w in slices:
+            entry = w.view_cache.get("row_ranges_float32")
+            for views in entry[4].values() if entry is not None else ():
+                tensors = [views.a_block, views.b_block] + [t for _, _, a, b, _ in views.slices for t in (a, b)]
+                for t in tensors:
+                    if t is not None:
+                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
 
     def expand(
         self, h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]

@@ -254,16 +254,18 @@ class ModelRunner:
         return self.model.logits(hidden.index_select(0, rows))
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held on the device: base weights, KV cache, LoRA slice buffers, shrink workspace."""
+        """Bytes held on the device: base weights, KV cache, LoRA slice buffers, shrink workspace,
+        and what the backend's LoRA ops keep derived from the slice buffers right now
+        (``lora_copies_bytes``: the CPU backend's float32 copies of a bf16/fp16 pool's slots in
+        use; a write to the pool's buffers makes them stale and the next call drops them; 0 where the ops keep none)."""
         self._require_model()
-        lora = sum(
-            t.numel() * t.element_size()
-            for _, _, w in self.model.all_slices()
-            for t in (w.a_rows, w.b_rows, w.slot_start, w.slot_rank, w.slot_scale)
-        )
+        slices = [w for _, _, w in self.model.all_slices()]
+        lora = sum(t.numel() * t.element_size() for w in slices for t in (w.a_rows, w.b_rows, w.slot_start, w.slot_rank, w.slot_scale))
+        copied = getattr(self.backend.lora, "copied_bytes", None)
         return {
             "weights_bytes": self.model.weight_bytes(),
             "kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.kv_caches),
             "lora_pool_bytes": lora,
+            "lora_copies_bytes": int(copied(slices)) if copied is not None else 0,
             "workspace_bytes": self.workspace.numel() * self.workspace.element_size(),
         }

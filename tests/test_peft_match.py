@@ -241,6 +241,34 @@ def test_bfloat16_agrees_with_float32(tiny_llama_dir, tiny_adapters):
         assert err.max() < 5e-2, f"bf16 vs fp32 relative errors {err.tolist()}"
 
 
+def test_memory_report_counts_the_float32_copies_of_a_bfloat16_pool(tiny_llama_dir, tiny_adapters):
+    """The CPU ops run a bf16 pool's LoRA on float32 copies of the slots in use: the memory report
+    counts them while they are held (0 for a float32 pool, which they read in place); after a write
+    to the pool, the next call drops the copies it made stale and copies again only the slots it uses."""
+    prompts = random_prompts(len(ORDER), PROMPT_LEN, seed=7)
+    for dtype in ("float32", "bfloat16"):
+        runner, slots = make_runner(tiny_llama_dir, tiny_adapters, dtype)
+        assert runner.memory_report()["lora_copies_bytes"] == 0
+        prefill_chunked(runner, slots, ORDER, prompts, [PROMPT_LEN])
+        report = runner.memory_report()
+        if dtype == "float32":
+            assert report["lora_copies_bytes"] == 0
+            continue
+        # Five adapters in use, each slice's A and B rows at their rank in float32: more than the
+        # pool's bf16 rows they copy, less than twice the whole pool (which has room for 8 at rank 16).
+        def bf16_bytes(names) -> int:
+            return sum(w.host_rank[slots[n]] * (w.in_features + w.out_features) * 2 for _, _, w in runner.model.all_slices() for n in names)
+
+        assert 2 * bf16_bytes(slots) <= report["lora_copies_bytes"] < 2 * report["lora_pool_bytes"]
+        adapter = load_adapter(tiny_adapters["a"], "a", runner.lora_targets(), num_layers=runner.model_config.num_hidden_layers, max_lora_rank=MAX_RANK)
+        runner.write_adapter(slots["a"], adapter, row_start=slots["a"] * MAX_RANK)
+        assert runner.memory_report()["lora_copies_bytes"] == report["lora_copies_bytes"]  # held until the next call
+        prefill_chunked(runner, slots, ["a", None], prompts[:2], [PROMPT_LEN])
+        # The projections a's write touched dropped every copy and hold a's again; the others (a slot
+        # cleared there, nothing written) keep the other adapters' copies: fewer bytes than before.
+        assert 2 * bf16_bytes(["a"]) <= runner.memory_report()["lora_copies_bytes"] < report["lora_copies_bytes"]
+
+
 @pytest.mark.skipif(not __import__("runtime.models.dense", fromlist=["x"]).PACKED_BFLOAT16, reason="no native bfloat16 in oneDNN here: bf16 weights stay plain")
 def test_bfloat16_on_packed_weights_agrees_with_plain_bfloat16_and_float32(tiny_llama_dir, tiny_adapters, monkeypatch):
     """Where the CPU runs bf16 natively, bf16 projections are stored packed too (forced here on the
