@@ -105,14 +105,15 @@ class DecoderLayer:
         self.q_size, self.kv_size, self.inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, h: Tensor, positions: Tensor, rope: RotaryEmbedding, kv_cache: Tensor, ctx: "StepContext") -> Tensor:
+    def forward(self, h: Tensor, rope_tables: tuple[Tensor, Tensor], kv_cache: Tensor, ctx: "StepContext") -> Tensor:
         t = h.shape[0]
         proj = self.projections
         a = rms_norm(h, self.input_norm, self.eps)
         qkv = proj["qkv_proj"].forward(a, ctx.ops, ctx.lora_meta, ctx.workspace)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope.apply(q.reshape(t, self.hq, self.d), k.reshape(t, self.hkv, self.d), positions)
-        v = v.reshape(t, self.hkv, self.d)
+        # q and k are side by side in qkv: one rotation of their Hq + Hkv heads.
+        qk = RotaryEmbedding.rotate(qkv[:, : self.q_size + self.kv_size].reshape(t, self.hq + self.hkv, self.d), rope_tables)
+        q, k = qk[:, : self.hq], qk[:, self.hq :]
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.hkv, self.d)
         attn = ctx.attention.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, ctx.attn_meta, self.scale)
         h = h + proj["o_proj"].forward(attn.reshape(t, self.q_size), ctx.ops, ctx.lora_meta, ctx.workspace)
         m = rms_norm(h, self.post_norm, self.eps)
@@ -150,8 +151,9 @@ class LlamaModel:
     def forward(self, token_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], ctx: StepContext) -> Tensor:
         """token_ids, positions: [T] -> final-normed hidden states [T, H]."""
         h = self.embed.index_select(0, token_ids)
+        rope_tables = self.rope.tables(positions, h.dtype)
         for layer, cache in zip(self.layers, kv_caches):
-            h = layer.forward(h, positions, self.rope, cache, ctx)
+            h = layer.forward(h, rope_tables, cache, ctx)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
