@@ -209,11 +209,16 @@ class SlotViews:
         one dict lookup. A change of the host slot tables drops the views of the slots whose
         entries changed; the others stay, since a view reads whatever its rows hold (with 500
         adapters cycling through 8 slots, dropping every slot's views at each load rebuilt them
-        ~1500 times in a 48-request burst against ~260 loaded-slot rebuilds). A buffer swap drops
-        them all. Copies (``as_float32``) are all dropped at any write to the buffers too: a write
-        that changes no slot table (a new version in the same rows, a write through a shallow copy
-        of a slice) must reach them, and the buffers' version counters do not say which rows."""
-        buffers = tuple((id(w.a_rows), id(w.b_rows), id(w.a_group), id(w.b_group)) for w in weights)
+        1472 times in a 48-request burst, against 216 now). A buffer swap (a new tensor, or new
+        memory under the same one by ``set_``) drops them all. Copies (``as_float32``) are all
+        dropped at any write to the buffers too: a write that changes no slot table (a new version
+        in the same rows, a write through a shallow copy of a slice) must reach them, and the
+        buffers' version counters do not say which rows. So writes must go through the tensors
+        (a write through ``.data``, ``.numpy()`` or DLPack bumps no version counter and would leave
+        the copies stale). Stale entries are dropped by the next call on these slices; a projection
+        that no step reaches again keeps holding them."""
+        # Identity and memory: ``Tensor.set_`` can swap a buffer's memory under the same object.
+        buffers = tuple((id(t), t.data_ptr(), t.stride(), t.shape) for w in weights for t in (w.a_rows, w.b_rows, w.a_group, w.b_group) if t is not None)
         if as_float32:  # version counters are shared with every view and group of the buffer
             buffers += tuple((w.a_rows._version, w.b_rows._version) for w in weights)
         tables = tuple((w.version, tuple(w.host_start), tuple(w.host_rank), tuple(w.host_scale)) for w in weights)

@@ -446,6 +446,12 @@ def test_row_ranges_see_slot_rewrites(layout, dtype):
     weights[0].a_rows[starts[0] : starts[0] + 4].zero_()
     host[(2, 0)] = (torch.zeros_like(host[(2, 0)][0]), host[(2, 0)][1], 0.5)
     check()
+    # New memory under the same tensor object (set_): the same object, other rows.
+    fresh = weights[2].b_rows.clone()
+    fresh[starts[2] : starts[2] + 4].zero_()
+    weights[2].b_rows.set_(fresh)
+    host[(2, 2)] = (host[(2, 2)][0], torch.zeros_like(host[(2, 2)][1]), 0.5)
+    check()
     # A shallow copy shares the buffers and host tables but not the version counter: a
     # rescale written through it must still reach the original's next call.
     for i, w in enumerate(weights):

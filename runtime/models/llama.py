@@ -151,7 +151,7 @@ class LlamaModel:
     def forward(self, token_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], ctx: StepContext) -> Tensor:
         """token_ids, positions: [T] -> final-normed hidden states [T, H]."""
         h = self.embed.index_select(0, token_ids)
-        rope_tables = self.rope.tables(positions, h.dtype)
+        rope_tables = self.rope.tables(positions, h.dtype)  # q and k come out of the projections in h's dtype
         for layer, cache in zip(self.layers, kv_caches):
             h = layer.forward(h, rope_tables, cache, ctx)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
