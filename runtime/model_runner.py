@@ -17,6 +17,7 @@ target the slice). The float32 shrink workspace is ``[3, max_num_batched_tokens,
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -74,10 +75,33 @@ class SeqStep:
         return self.start_pos + len(self.token_ids)
 
 
+def host_memory_available() -> int | None:
+    """Bytes the kernel says a new allocation can get without swapping (Linux ``MemAvailable``),
+    else the machine's physical memory; None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 @contextmanager
-def _allocating(what: str, device: torch.device, lower: str) -> Iterator[None]:
+def _allocating(what: str, device: torch.device, lower: str, nbytes: int | None = None) -> Iterator[None]:
     """Turn an allocation failure (torch's out-of-memory error, or the CPU allocator's
-    "can't allocate memory") into a ConfigError that names the setting to lower."""
+    "can't allocate memory") into a ConfigError that names the setting to lower. On the CPU,
+    ``nbytes`` beyond the memory available is refused before allocating: Linux lets such an
+    allocation succeed, then kills the process while the zeros are written."""
+    if nbytes is not None and device.type == "cpu":
+        available = host_memory_available()
+        if available is not None and nbytes > available:
+            raise ConfigError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available "
+                              f"here; lower {lower}")
     try:
         yield
     except RuntimeError as err:  # torch.OutOfMemoryError is one
@@ -106,15 +130,17 @@ class ModelRunner:
             max_slots=config.max_loras, row_capacity=config.pool_rows, interleaved_a=bool(getattr(backend.lora, "interleaved_a", False))
         )
         # Building the model joins the base's q/k/v and gate/up weights and allocates the adapter pool.
+        pool_bytes = config.pool_rows * sum(i + o for i, o in lora_targets(mc).values()) * mc.num_hidden_layers * self.dtype.itemsize
         with _allocating(f"lora_pool_rows: the model (its weights and an adapter pool of {config.pool_rows} rank-rows per target "
                          f"slice x {config.max_loras} slots)", self.device, "--lora-pool-rows or --max-loras / --max-lora-rank, or use a "
-                         "smaller --dtype"):  # fmt: skip
+                         "smaller --dtype", pool_bytes):  # fmt: skip
             self.model = LlamaModel(mc, weights, pool, self.max_model_len)
         del weights
         self.num_kv_blocks = self._num_kv_blocks()
         cache_rows = self.num_kv_blocks * self.block_size
         kv_gib = self.num_kv_blocks * self.kv_bytes_per_block() / 2**30
-        with _allocating(f"num_kv_blocks: the KV cache ({self.num_kv_blocks} blocks, {kv_gib:.1f} GiB)", self.device, "--num-kv-blocks or --kv-cache-mb"):
+        with _allocating(f"num_kv_blocks: the KV cache ({self.num_kv_blocks} blocks, {kv_gib:.1f} GiB)", self.device, "--num-kv-blocks or --kv-cache-mb",
+                         self.num_kv_blocks * self.kv_bytes_per_block()):  # fmt: skip
             self.kv_caches = [
                 torch.zeros(2, cache_rows, mc.num_key_value_heads, mc.head_dim, dtype=self.dtype, device=self.device)
                 for _ in range(mc.num_hidden_layers)

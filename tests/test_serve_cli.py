@@ -515,13 +515,24 @@ def test_kv_cache_mb_with_num_kv_blocks_is_refused(tiny_llama_dir: Path) -> None
         serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", "64", "--kv-cache-mb", "16"))
 
 
-def test_buffers_that_do_not_fit_name_the_setting_to_lower(tiny_llama_dir: Path) -> None:
+def test_buffers_that_do_not_fit_name_the_setting_to_lower(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime import model_runner
     from runtime.model_runner import _allocating
 
+    beyond = r"needs [0-9.]+ GiB, more than the [0-9.]+ GiB of memory available here"
+    with pytest.raises(ConfigError, match=rf"^num_kv_blocks: the KV cache \(.*\) {beyond}; lower --num-kv-blocks"):
+        serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", str(10**10))))
+    with pytest.raises(ConfigError, match=rf"^lora_pool_rows: the model \(its weights and an adapter pool of .*\) {beyond}; lower --lora-pool-rows"):
+        serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-pool-rows", str(10**11))))
+    # Refused before allocating, not killed while the zeros are written: a pool that Linux would hand
+    # out (overcommit) but the memory cannot hold. Here "available" is made 1 MiB; 512 slots of rank 64
+    # on the tiny llama are ~9 MiB of pool.
+    monkeypatch.setattr(model_runner, "host_memory_available", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match=rf"^lora_pool_rows: .* {beyond}; lower --lora-pool-rows or --max-loras"):
+        serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--max-loras", "512", "--num-kv-blocks", "4")))
+    monkeypatch.setattr(model_runner, "host_memory_available", lambda: None)  # unknown: allocate and see
     with pytest.raises(ConfigError, match=r"^num_kv_blocks: .* does not fit in cpu memory \(.*allocate.*\); lower --num-kv-blocks"):
         serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", str(10**10))))
-    with pytest.raises(ConfigError, match=r"^lora_pool_rows: the model \(its weights and an adapter pool of .*\) does not fit in cpu memory .*; lower --lora-pool-rows"):
-        serve.build_engine(serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-pool-rows", str(10**11))))
     with pytest.raises(ConfigError, match=r"^x does not fit in cpu memory \(CUDA out of memory. Tried to allocate 2.00 GiB\); lower y"):
         with _allocating("x", torch.device("cpu"), "y"):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore advice")
