@@ -13,7 +13,9 @@ Runs, in this order and in one process (so the ratios are side by side):
   3. sweeps: offline throughput vs number of adapters (zipf; --sweep-requests requests per run), with the steps each run took
      against the fewest that any schedule needs under --max-loras (runtime.bench.slot_bound),
      the most against the fewest adapters also stepped in turn, and p99 latency vs rate.
-Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables.
+Writes summary.json, workload.jsonl and three PNG plots into --out, and prints tables. They are
+written as .partial-NAME while the run goes and replace the folder's previous ones only when it
+completes: a run that fails or is stopped leaves a previous run's results as they were.
 records.jsonl holds the raw data behind every summarized run: one JSON object per request with
 the run's label, its round (offline runs and the adapter sweep; null for the online runs) and
 the request's RequestRecord fields (index, adapter, prompt/output tokens, client-side ttft, tpot
@@ -48,7 +50,8 @@ from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_l
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
 from runtime.bench.summary import BASE, median, median_round, percentile, summarize, table  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
-from runtime.bench.workload import Workload, add_spec_arguments, generate, ignored_spec_flags, spec_from_args  # noqa: E402
+from runtime.bench.workload import SPEC_FLAGS, Workload, add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
+from runtime.config import ConfigError  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
 # This process's torch work runs in threads that end with it, never on the main thread: an
@@ -56,6 +59,7 @@ from runtime.torch_threads import in_fresh_thread  # noqa: E402
 prepare = in_fresh_thread(suite.prepare)
 stepped_in_turn = in_fresh_thread(suite.stepped_in_turn)
 BASELINES = ("no-adapter", "loop", "peft")
+OUTPUTS = ("summary.json", "records.jsonl", "workload.jsonl", "per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png")
 
 
 def in_turn_ratio(pairs: list[dict[str, dict]], num: str, den: str) -> float | None:
@@ -73,38 +77,45 @@ def log(msg: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_arguments(p)
-    p.add_argument("--out", required=True, help="output folder for JSON and PNGs")
+    p.add_argument("--out", required=True,
+                   help="output folder for JSON and PNGs; a previous run's results there are replaced only once this run completes")
     p.add_argument("--workload", help="replay this saved JSONL workload (its spec replaces the workload options above)")
     p.add_argument("--workdir", default=None, help="synthetic weights folder (default OUT/weights)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size of the synthetic llama (head dim 64, intermediate 2 x hidden; default %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the synthetic llama (default %(default)s)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu", "auto"), help="backend for the in-process runs (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and activations of lorafleet and of the PEFT baseline (default float32 on every device; pass bfloat16 on a GPU, as benchmarks/cuda/run_all.sh does)")
-    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-loras", type=int, default=8, help="distinct adapters in one step (device slots; default %(default)s)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none')")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="running sequences per step (default %(default)s)")
+    p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none'; default %(default)s)")
     p.add_argument("--loop-requests", type=int, default=None, help="requests for the per-request loop (it is slow; default 16)")
     p.add_argument("--peft-batch", type=int, default=None,
                    help="PEFT's static batch size (default: --max-num-seqs, the engine's batch cap, so both systems may batch "
                         "as many requests)")  # fmt: skip
-    p.add_argument("--sweep-adapters", default="16,100,500", help="adapter counts for the throughput sweep ('' to skip)")
+    p.add_argument("--sweep-adapters", default="16,100,500", help="adapter counts for the throughput sweep ('' to skip; default %(default)s)")
     p.add_argument("--sweep-requests", type=int, default=None,
                    help="requests per run of the adapter sweep (default: --num-requests). A short burst is mostly ramp-up and "
                         "drain; with many more requests than slots the sweep measures a backlogged engine's steady state")
-    p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates for the latency sweep ('' to skip)")
+    p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates (requests/s) for the latency sweep ('' to skip; default %(default)s)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the offline comparisons and the adapter sweep this many times in interleaved rounds; "
-                        "tables show each run's median round, ratios are medians of within-round ratios")  # fmt: skip
-    p.add_argument("--slo-ttft", type=float, default=2.0)
-    p.add_argument("--slo-tpot", type=float, default=0.5)
+                        "tables show each run's median round, ratios are medians of within-round ratios (default %(default)s)")  # fmt: skip
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on time to first token, seconds (default %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=0.5, help="SLO on time per output token, seconds (default %(default)s)")
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
     p.add_argument("--base-model", help="with --url: the served base model's name (default: the /v1/models entry with parent null, else the first entry)")
     p.add_argument("--spawn-server", action="store_true",
                    help="replay the online run over HTTP against a `lorafleet serve` started here with this run's model, adapters, "
                         "device and limits on a free local port (log: OUT/server.log); not with --url")  # fmt: skip
     a = p.parse_args()
+    for flag, value in (("--max-loras", a.max_loras), ("--max-num-seqs", a.max_num_seqs), ("--layers", a.layers)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--slo-ttft", a.slo_ttft), ("--slo-tpot", a.slo_tpot)):
+        if not 0 < value < float("inf"):
+            p.error(f"{flag}: must be a positive number of seconds, got {value}")
     try:
         max_cpu_loras = host_tier_size(a.max_loras, a.max_cpu_loras)
     except ValueError as err:
@@ -120,7 +131,10 @@ def main() -> int:
         p.error("--spawn-server: the server needs fastapi and uvicorn, which this Python lacks (pip install -e .)")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
-    ignored = [] if a.workload else ignored_spec_flags(a)
+    if a.workload:
+        ignored = [f"{f}: not used with --workload (the file fixes every request); drop it" for f in SPEC_FLAGS.values() if f in given_flags(a)]
+    else:
+        ignored = ignored_spec_flags(a)
     if ignored:
         p.error("; ".join(ignored))
     chosen = [] if a.baselines == "none" else a.baselines.split(",")
@@ -148,7 +162,8 @@ def main() -> int:
         p.error(f"the PEFT baseline runs on cpu or cuda, not {a.device!r}: drop it with --baselines no-adapter,loop")
 
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out}: is a file, not a folder")
     try:
         shape = LlamaShape.sized(a.hidden, a.layers)
     except ValueError as err:
@@ -159,13 +174,39 @@ def main() -> int:
         except (ValueError, OSError, KeyError, TypeError) as err:
             p.error(f"--workload {a.workload}: {err}")
         spec = loaded.spec  # the sweeps vary this spec
-        if generate(spec) != loaded and (a.sweep_adapters or a.sweep_rates):
-            log(f"note: {a.workload} holds other requests than its spec generates; the sweeps regenerate from the spec")
     else:
-        loaded, spec = None, spec_from_args(a)
+        try:
+            loaded, spec = None, spec_from_args(a)
+        except ValueError as err:  # the message starts with the flag
+            p.error(str(err))
+    # The sweeps' workloads, checked now rather than after the main runs.
+    try:
+        counts = [int(x) for x in a.sweep_adapters.split(",")] if a.sweep_adapters else []
+    except ValueError:
+        p.error(f"--sweep-adapters: expected comma-separated adapter counts like 16,100,500, got {a.sweep_adapters!r}")
+    try:
+        rates = [float(x) for x in a.sweep_rates.split(",")] if a.sweep_rates else []
+    except ValueError:
+        p.error(f"--sweep-rates: expected comma-separated arrival rates like 1,2,4, got {a.sweep_rates!r}")
+    for n in counts:
+        try:
+            dataclasses.replace(spec, num_adapters=n, popularity="zipf", num_requests=a.sweep_requests or spec.num_requests)
+        except ValueError as err:
+            p.error(f"--sweep-adapters {n}: {str(err).replace('num_adapters', 'adapters')}")
+    for rate in rates:
+        if not 0 <= rate < float("inf"):
+            p.error(f"--sweep-rates: {rate} is not a finite rate >= 0")
+    if a.workload and generate(spec) != loaded and (counts or rates):
+        log(f"note: {a.workload} holds other requests than its spec generates; the sweeps regenerate from the spec")
     setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, a.dtype, max_loras=a.max_loras,
                        max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, max(spec.ranks)),
                        max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
+    try:
+        engine_config(setup, setup.workdir / "model")
+    except ConfigError as err:  # "key: reason", the key an engine setting this script sets from a flag of the same name
+        key, _, why = str(err).partition(": ")
+        p.error(f"--{key.replace('_', '-')}: {why}" if key in ("max_loras", "max_cpu_loras", "max_num_seqs", "dtype", "device") else str(err))
+    out.mkdir(parents=True, exist_ok=True)
     workload = loaded if loaded is not None else generate(spec)
     if a.url:  # the online replay comes last: find out now, not after the offline runs, whether the server can take it
         try:
@@ -186,11 +227,16 @@ def main() -> int:
             check_lengths(checked, list(workload.requests), a.base_model or base_model_of(cards), {str(c["id"]): c for c in cards})
         except SetupError as err:
             p.error(str(err))
-    workload.save(out / "workload.jsonl")
-    # A rerun into the same --out must not leave the last run's summary and plots next to new records.
-    for stale in ("summary.json", "per_adapter_ttft.png", "throughput_vs_adapters.png", "p99_vs_rate.png"):
-        (out / stale).unlink(missing_ok=True)
-    records_path = out / "records.jsonl"
+    # Every output is written under a staged name and moved into place only when the run completes:
+    # a run that fails or is stopped leaves the last complete run's files as they were (and its own
+    # partial ones beside them), and a complete one never leaves the last run's plots next to its records.
+    def staged(name: str) -> Path:
+        return out / f".partial-{name}"
+
+    for name in OUTPUTS:
+        staged(name).unlink(missing_ok=True)  # an earlier failed run's
+    workload.save(staged("workload.jsonl"))
+    records_path = staged("records.jsonl")
     records_path.write_text("")
 
     def summarized(result: ReplayResult, round_: int | None = None) -> dict[str, Any]:
@@ -311,11 +357,10 @@ def main() -> int:
     print(table([on]))
     if fairness and fairness["ratio"] is not None:  # None: the most popular adapter's p99 TTFT was 0
         print(f"fairness: p99 TTFT least popular / most popular = {fairness['ratio']:.2f}")
-    plots.per_adapter_ttft(ttfts, out / "per_adapter_ttft.png")
+    plots.per_adapter_ttft(ttfts, staged("per_adapter_ttft.png"))
 
     # 3. Sweeps.
-    if a.sweep_adapters:
-        counts = [int(x) for x in a.sweep_adapters.split(",")]
+    if counts:
         prepared = {}
         for n in counts:
             w = generate(dataclasses.replace(spec, num_adapters=n, popularity="zipf", num_requests=a.sweep_requests or spec.num_requests)).all_at_once()
@@ -333,7 +378,7 @@ def main() -> int:
             bound = slot_bound(((q.adapter, q.output_tokens) for q in prepared[n][0].requests), setup.max_loras, setup.max_num_seqs)
             points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"], s["engine_steps"], bound))
         base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
-        plots.throughput_vs_adapters([(n, t) for n, t, *_ in points], base_tp, out / "throughput_vs_adapters.png")
+        plots.throughput_vs_adapters([(n, t) for n, t, *_ in points], base_tp, staged("throughput_vs_adapters.png"))
         results["sweep_adapters"] = [{"adapters": n, "requests": len(prepared[n][0].requests), "tokens_per_s": t, "swaps": s, "steps": st,
                                       "slot_bound": b.as_dict()} for n, t, s, st, b in points]
         results["sweep_rounds_tokens_per_s"] = {str(n): [rd[n]["throughput_tokens_per_s"] for rd in sweep_rounds] for n in counts}
@@ -360,20 +405,26 @@ def main() -> int:
                 print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
             if sr["ratio_stepped_in_turn"] is not None:
                 print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters, stepped in turn (median of rounds): {sr['ratio_stepped_in_turn']:.2f}x")
-    if a.sweep_rates and a.url:
+    if rates and a.url:
         log("sweep: the arrival-rate sweep runs in-process only; skipped with --url")
-    if a.sweep_rates and not a.url:
+    if rates and not a.url:
         rpoints = []
-        for rate in (float(x) for x in a.sweep_rates.split(",")):
+        for rate in rates:
             w = generate(dataclasses.replace(spec, rate=rate))
             _, rate_adapters = prepare(w, setup)  # its requests may use adapters the main workload does not (a --workload file)
             log(f"sweep: rate {rate}/s, online")
             s = summarized(run_lorafleet(w, setup, model_dir, rate_adapters, f"rate {rate}"))
             rpoints.append((rate, s["ttft_p99_s"] or 0.0, s["tpot_p99_s"] or 0.0))
-        plots.p99_vs_rate(rpoints, out / "p99_vs_rate.png")
+        plots.p99_vs_rate(rpoints, staged("p99_vs_rate.png"))
         results["sweep_rates"] = [{"rate": r, "ttft_p99_s": t, "tpot_p99_s": q} for r, t, q in rpoints]
-    (out / "summary.json").write_text(json.dumps(results, indent=2, default=str))
-    log(f"wrote {out / 'summary.json'}, {records_path.name} and plots")
+        for r, t, q in rpoints:
+            print(f"rate {r:g}/s: p99 TTFT {t:.3f} s, p99 TPOT {q:.3f} s")
+    staged("summary.json").write_text(json.dumps(results, indent=2, default=str))
+    for name in OUTPUTS:  # the run is complete: its files replace the last run's, and a file it did not write goes
+        (out / name).unlink(missing_ok=True)
+        if staged(name).exists():
+            staged(name).replace(out / name)
+    log(f"wrote {out / 'summary.json'}, records.jsonl, workload.jsonl and plots")
     return 0
 
 

@@ -464,3 +464,28 @@ def test_the_length_check_counts_the_synthetic_tokenizer_exactly(tmp_path: Path)
     bench._check_fits(args, SimpleNamespace(requests=[SimpleNamespace(**vars(request), output_tokens=1024 - fits)]), 1024)
     with pytest.raises(bench.SetupError, match="1 of 1 requests do not fit"):
         bench._check_fits(args, SimpleNamespace(requests=[SimpleNamespace(**vars(request), output_tokens=1025 - fits)]), 1024)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """Ctrl-C during the replay printed three chained tracebacks (asyncio's, the engine's and its
+    thread join's); now one line, exit 130, and no --json written."""
+    import signal
+
+    json_path = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "runtime.cli", "bench", "--hidden", "64", "--layers", "1", "--workdir", str(tmp_path / "w"),
+           "--num-requests", "40", "--rate", "2", "--json", str(json_path)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        seen = ""
+        while "requests:" not in seen:  # the replay's progress bar has started
+            char = proc.stderr.read(1)  # type: ignore[union-attr]
+            assert char, "bench ended before its replay started"
+            seen += char
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "lorafleet bench: interrupted; no summary or --json written" in err and "Traceback" not in err, err[-2000:]
+    assert not json_path.exists()

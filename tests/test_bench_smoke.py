@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -365,6 +366,65 @@ def test_serve_benchmark_refuses_flags_its_runs_would_ignore(tmp_path: Path, fla
     proc = subprocess.run(cmd, cwd=ROOT, timeout=120, capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sweep-adapters", "16,x"], "--sweep-adapters: expected comma-separated adapter counts like 16,100,500, got '16,x'"),
+    (["--sweep-adapters", "0"], "--sweep-adapters 0: adapters: must be >= 1, got 0"),
+    (["--sweep-rates", "1,x"], "--sweep-rates: expected comma-separated arrival rates like 1,2,4, got '1,x'"),
+    (["--sweep-rates", "inf"], "--sweep-rates: inf is not a finite rate >= 0"),
+    (["--num-requests", "0"], "--num-requests: must be >= 1, got 0"),
+    (["--input-len", "9,3"], "--input-len: need 1 <= lo <= hi"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--max-loras", "0"], "--max-loras must be >= 1, got 0"),
+    (["--slo-ttft", "-1"], "--slo-ttft: must be a positive number of seconds, got -1.0"),
+    (["--workload", "w.jsonl", "--num-requests", "5"], "--num-requests: not used with --workload"),
+])
+def test_serve_benchmark_refuses_bad_values_before_any_run(tmp_path: Path, flags: list[str], message: str) -> None:
+    """Bad values were tracebacks, some only after every main run (the sweep lists); each is now
+    one line and exit 2, before --out is made."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(tmp_path / "never"), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "never").exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(a_file)], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and f"--out {a_file}: is a file, not a folder" in proc.stderr and a_file.read_text() == "mine"
+
+
+def test_serve_benchmark_replaces_a_previous_run_only_when_it_completes(tmp_path: Path) -> None:
+    """A run stopped midway (SIGINT here) leaves the previous run's files as they were; a complete
+    one replaces them all, a plot it did not draw included, and leaves no staged file behind."""
+    out = tmp_path / "bench"
+    out.mkdir()
+    previous = {"summary.json": '{"previous": true}', "records.jsonl": "previous\n", "workload.jsonl": "previous\n",
+                "p99_vs_rate.png": "previous"}  # fmt: skip
+    for name, text in previous.items():
+        (out / name).write_text(text)
+    base = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--hidden", "64", "--layers", "1",
+            "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", ""]  # fmt: skip
+    slow = base + ["--num-requests", "48", "--output-len", "64,96", "--rate", "0"]
+    proc = subprocess.Popen(slow, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "offline: lorafleet" in line:  # past the staging, inside the first timed run
+                proc.send_signal(signal.SIGINT)
+                break
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert {name: (out / name).read_text() for name in previous} == previous
+    assert (out / ".partial-workload.jsonl").is_file()  # the stopped run's own, beside them
+    done = subprocess.run(base + ["--num-requests", "4", "--output-len", "2,3"], cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["online"]["requests_ok"] == 4
+    assert not (out / "p99_vs_rate.png").exists()  # no rate sweep this time: the old plot is not left as if it were this run's
+    assert Workload.load(out / "workload.jsonl").spec.num_requests == 4
+    assert not list(out.glob(".partial-*"))
 
 
 def test_decode_attention_benchmark_smoke(tmp_path: Path) -> None:

@@ -359,12 +359,20 @@ def main() -> None:
     ignored = ignored_spec_flags(a)
     if ignored:
         p.error("; ".join(ignored))
+    out = Path(a.out)
+    if out.is_dir():
+        p.error(f"--out {a.out}: is a folder; give a file path")
+    if not out.parent.is_dir():
+        p.error(f"--out {a.out}: folder {out.parent} does not exist")
     try:
         w = generate(spec_from_args(a))
     except ValueError as err:
         p.error(str(err))
-    w.save(a.out)
-    print(f"wrote {len(w.requests)} requests over {len(w.adapter_ranks)} adapters to {a.out}")
+    w.save(out)
+    used = {r.adapter for r in w.requests if r.adapter is not None}
+    base = sum(1 for r in w.requests if r.adapter is None)
+    print(f"wrote {len(w.requests)} requests to {a.out}: {len(used)} of the {len(w.adapter_ranks)} adapters used"
+          + (f", {base} on the base model" if base else ""))
 
 
 if __name__ == "__main__":

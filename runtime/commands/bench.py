@@ -47,7 +47,7 @@ from typing import Any
 from runtime.bench.workload import given_flags
 from runtime.file_mode import new_file_mode
 
-EXIT_OK, EXIT_REQUESTS_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_REQUESTS_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130  # 130: 128 + SIGINT, as a shell reports Ctrl-C
 DEFAULT_WORKDIR = Path.home() / ".cache" / "lorafleet-bench"
 SHOWN_ERRORS = 3  # distinct request errors printed when some requests fail
 
@@ -148,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     except SetupError as err:
         print(f"lorafleet bench: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the engine threads' tracebacks; nothing was written
+        print("\nlorafleet bench: interrupted; no summary or --json written", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _ignored_flags(args: argparse.Namespace) -> list[str]:
@@ -513,7 +516,9 @@ def _run(args: argparse.Namespace) -> int:
 
     damaged_cache_errors = _damaged_cache_errors()
     if setup is not None:
-        print(f"preparing the synthetic model and {len(workload.adapter_ranks)} adapters in {setup.workdir} (reused by later runs)...", file=sys.stderr, flush=True)
+        used = len({r.adapter for r in workload.requests if r.adapter is not None})
+        print(f"preparing the synthetic model and the {used} adapters the requests use in {setup.workdir} (reused by later runs)...",
+              file=sys.stderr, flush=True)  # fmt: skip
         # Not on this thread: its OpenMP team would slow the engine's steps (runtime/torch_threads.py).
         try:
             model_dir, adapters = in_fresh_thread(prepare)(workload, setup)
