@@ -106,6 +106,7 @@ def main() -> int:
     p.add_argument("--slo-tpot", type=float, default=0.5, help="SLO on time per output token, seconds (default %(default)s)")
     p.add_argument("--url", help="replay the online run against this running server (HTTP streaming)")
     p.add_argument("--base-model", help="with --url: the served base model's name (default: the /v1/models entry with parent null, else the first entry)")
+    p.add_argument("--api-key", help="with --url: the server's bearer key (default: none)")
     p.add_argument("--spawn-server", action="store_true",
                    help="replay the online run over HTTP against a `lorafleet serve` started here with this run's model, adapters, "
                         "device and limits on a free local port (log: OUT/server.log); not with --url")  # fmt: skip
@@ -147,6 +148,7 @@ def main() -> int:
         ("--peft-batch", a.peft_batch is not None, "peft" in chosen, "the peft baseline"),
         ("--sweep-requests", a.sweep_requests is not None, bool(a.sweep_adapters), "--sweep-adapters"),
         ("--base-model", a.base_model is not None, a.url is not None, "--url"),
+        ("--api-key", a.api_key is not None, a.url is not None, "--url"),
     ):
         if given and not used:
             p.error(f"{flag}: only used with {by}, which this run does not have; drop it")
@@ -210,9 +212,10 @@ def main() -> int:
     workload = loaded if loaded is not None else generate(spec)
     if a.url:  # the online replay comes last: find out now, not after the offline runs, whether the server can take it
         try:
-            cards = served_models(a.url)
+            cards = served_models(a.url, a.api_key)
         except Exception as err:  # noqa: BLE001 - unreachable, not a server, wrong reply: one line either way
-            p.error(f"--url {a.url}: {type(err).__name__}: {err}")
+            hint = ("; check --api-key" if a.api_key else "; the server wants a key: pass --api-key") if " 401 " in str(err) else ""
+            p.error(f"--url {a.url}: {type(err).__name__}: {err}{hint}")
         served = {c["id"] for c in cards}
         missing = sorted({r.adapter for r in workload.requests if r.adapter is not None} - served)
         if a.base_model is not None and a.base_model not in served:
@@ -222,7 +225,7 @@ def main() -> int:
                     f"{', '.join(sorted(served))}); serve adapters named like the workload's, or use `lorafleet bench --url ... "
                     f"--adapter-names` to map them onto the served ones")
         # Prompt + output must fit each model card's max_model_len: lorafleet bench's check (the server's /tokenize, else a bound).
-        checked = argparse.Namespace(url=a.url, api_key=None, workload=a.workload, input_len=spec.input_len, output_len=spec.output_len)
+        checked = argparse.Namespace(url=a.url, api_key=a.api_key, workload=a.workload, input_len=spec.input_len, output_len=spec.output_len)
         try:
             check_lengths(checked, list(workload.requests), a.base_model or base_model_of(cards), {str(c["id"]): c for c in cards})
         except SetupError as err:
@@ -320,9 +323,9 @@ def main() -> int:
         print(f"{k:<45} " + (f"{v:6.2f}x" if v is not None else "     - (the baseline produced no tokens)"))
 
     # 2. Online replay at the workload's arrival rate.
-    log(f"online: replay at {spec.rate} req/s" + (f" over HTTP to {a.url}" if a.url else " over HTTP to a spawned server" if a.spawn_server else " in-process"))
+    log(("online: replay, every request at once" if spec.rate <= 0 else f"online: replay at {spec.rate:g} req/s") + (f" over HTTP to {a.url}" if a.url else " over HTTP to a spawned server" if a.spawn_server else " in-process"))
     if a.url:
-        online = asyncio.run(replay_http(a.url, a.base_model or served_base_model(a.url), workload.requests, "lorafleet online (http)"))
+        online = asyncio.run(replay_http(a.url, a.base_model or base_model_of(cards), workload.requests, "lorafleet online (http)", a.api_key))
     elif a.spawn_server:
         log(f"starting lorafleet serve --device {a.device} (log: {out / 'server.log'})")
         try:

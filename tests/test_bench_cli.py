@@ -128,6 +128,7 @@ def _saved(tmp_path: Path, **spec: object) -> Path:
     (lambda lines: lines[:2] + ['{"index": 2}'], "line 3: request: missing key(s) arrival_s, adapter, rank, prompt, input_words, output_tokens"),
     (lambda lines: lines[:2] + [lines[2].replace('"lora-000', '"lora-099')], "line 3: adapter: 'lora-0990' is not in the header's adapter_ranks"),
     (lambda lines: lines[:2] + ["{"], "line 3: the request is not JSON"),
+    (lambda lines: lines[:2] + [lines[2].replace('"rank": 8', '"rank": 64')], "line 3: rank: expected 8, its adapter's rank in the header, got 64"),
     (lambda lines: lines[:3] + [lines[3].replace('"index": 2', '"index": 0')], "line 4: index: 0 is already the index of line 2"),
 ])  # fmt: skip
 def test_malformed_workload_file_names_the_file_line_and_what_is_missing(tmp_path: Path, edit, want: str) -> None:  # type: ignore[no-untyped-def]
@@ -239,10 +240,11 @@ def test_every_ignored_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None
 
 class _Stub(JsonHandler):
     """A stand-in for `lorafleet serve`: /v1/models per ``server.models`` (status, body); every
-    completion answers 404 (no such adapter). Records the paths asked for."""
+    completion answers 404 (no such adapter). Records the paths asked for, and each GET's Authorization header."""
 
     def do_GET(self) -> None:
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        self.server.auth.append(self.headers.get("Authorization"))  # type: ignore[attr-defined]
         if self.path == "/v1/models":
             self._reply(*self.server.models)  # type: ignore[attr-defined]
         else:
@@ -259,7 +261,7 @@ class _Stub(JsonHandler):
 
 @pytest.fixture
 def stub() -> Iterator[StubServer]:
-    with serving(_Stub, paths=[], models=(200, {"object": "list", "data": [{"id": "base", "object": "model"}]})) as server:
+    with serving(_Stub, paths=[], auth=[], models=(200, {"object": "list", "data": [{"id": "base", "object": "model"}]})) as server:
         yield server
 
 
@@ -293,6 +295,17 @@ def test_model_list_refused_is_one_line_exit_2(stub: StubServer, capsys: pytest.
     assert stub.paths == ["/v1/models"]  # the trailing slash is not doubled; nothing else is sent  # type: ignore[attr-defined]
 
 
+def test_serve_benchmark_sends_the_api_key_and_says_when_one_is_wanted(stub: StubServer, tmp_path: Path) -> None:
+    """benchmarks/serve.py had no --api-key: a keyed server was a bare 401 with no way round it."""
+    stub.models = (401, {"detail": "bad key"})  # type: ignore[attr-defined]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(tmp_path / "o"), "--url", _url(stub), "--baselines", "none",
+           "--sweep-adapters", "", "--sweep-rates", ""]  # fmt: skip
+    for extra, hint in (([], "the server wants a key: pass --api-key"), (["--api-key", "k"], "check --api-key")):
+        proc = subprocess.run(cmd + extra, cwd=ROOT, timeout=120, capture_output=True, text=True)
+        assert proc.returncode == 2 and "HTTP 401 Unauthorized" in proc.stderr and hint in proc.stderr, proc.stderr
+    assert stub.auth == [None, "Bearer k"]  # type: ignore[attr-defined]
+
+
 def test_not_a_model_list_is_one_line_exit_2(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     stub.models = (200, {"data": []})  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", _url(stub), "--num-requests", "2")
@@ -314,7 +327,8 @@ def test_failed_requests_exit_1_and_say_why(stub: StubServer, capsys: pytest.Cap
     lines = [line for line in err.splitlines() if line.startswith(("lorafleet bench:", "  "))]
     assert lines[0] == "lorafleet bench: 4 of 4 requests failed; the distinct errors:"
     assert lines[1].startswith("  HTTP 404: ") and "The model `lora-0000` does not exist." in lines[1] and lines[1].endswith("(4 requests)")
-    assert json.loads(out.read_text())["summary"]["requests_failed"] == 4
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests_failed"] == 4 and data["setup"] == {"url": _url(stub), "base_model": "base"}
     assert stub.paths.count("/v1/completions") == 4  # type: ignore[attr-defined]
 
 
@@ -350,6 +364,10 @@ def test_json_folder_is_checked_before_the_run(tmp_path: Path, capsys: pytest.Ca
     assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {missing}: folder {missing.parent} does not exist"
     rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--json", str(tmp_path))
     assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {tmp_path}: is a folder; give a file path"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--json", str(a_file / "s.json"))
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {a_file / 's.json'}: {a_file} is a file, not a folder"
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a read-only folder (root may write anywhere)
     rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--json", str(tmp_path / "s.json"))
     assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {tmp_path / 's.json'}: folder {tmp_path} is not writable"
@@ -392,18 +410,24 @@ def test_a_damaged_file_left_in_the_workdir_is_one_line_exit_2(tmp_path: Path, c
 
 def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "summary.json"
-    rc, err = bench_cli(capsys, "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "0",
-                        "--input-len", "2,3", "--output-len", "2,3", "--json", str(out))  # fmt: skip
-    assert rc == 0, err
+    from runtime.cli import main
+
+    rc = main(["bench", "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "0",
+               "--input-len", "2,3", "--output-len", "2,3", "--json", str(out)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
     data = json.loads(out.read_text())
     assert data["summary"]["requests_ok"] == 4 and data["summary"]["requests_failed"] == 0
     assert data["workload"]["spec"]["num_requests"] == 4
+    assert data["setup"]["device"] == "cpu" and data["setup"]["hidden_size"] == int(SMALL[SMALL.index("--hidden") + 1])
+    # the line that says what ran, above the table
+    assert "4 requests, arriving all at once, in-process on cpu (float32;" in captured.out and "tok/s = output tokens / that time" in captured.out
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open() makes it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "w"]
-    assert "requests failed" not in err
-    assert "warming up" not in err  # the CPU backend compiles nothing: no untimed run first
+    assert "requests failed" not in captured.err
+    assert "warming up" not in captured.err  # the CPU backend compiles nothing: no untimed run first
 
 
 def test_off_the_cpu_an_untimed_run_of_the_same_requests_comes_first(tmp_path: Path, capsys: pytest.CaptureFixture[str],

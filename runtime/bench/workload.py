@@ -180,6 +180,9 @@ def _request_from_line(path: str | Path, n: int, line: str, adapter_ranks: dict[
         bad = f"arrival_s: expected a number >= 0, got {raw['arrival_s']!r}"
     elif raw["adapter"] is not None and raw["adapter"] not in adapter_ranks:
         bad = f"adapter: {raw['adapter']!r} is not in the header's adapter_ranks"
+    elif raw["rank"] != (adapter_ranks[raw["adapter"]] if raw["adapter"] is not None else None):
+        want = f"{adapter_ranks[raw['adapter']]}, its adapter's rank in the header" if raw["adapter"] is not None else "null (no adapter)"
+        bad = f"rank: expected {want}, got {raw['rank']!r}"
     elif not isinstance(raw["prompt"], str) or not raw["prompt"]:
         bad = f"prompt: expected a non-empty string, got {raw['prompt']!r:.80}"
     elif type(raw["output_tokens"]) is not int or raw["output_tokens"] < 1:

@@ -181,7 +181,7 @@ def _check_json_path(path_text: str) -> Path:
     if path.is_dir():
         raise SetupError(f"--json {path_text}", "is a folder; give a file path")
     if not folder.is_dir():
-        raise SetupError(f"--json {path_text}", f"folder {folder} does not exist")
+        raise SetupError(f"--json {path_text}", f"{folder} is a file, not a folder" if folder.exists() else f"folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SetupError(f"--json {path_text}", f"folder {folder} is not writable")
     return path
@@ -548,14 +548,27 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     summary = summarize(result, args.slo_ttft, args.slo_tpot)
+    spec = workload.spec
+    where = (f"against {args.url} (base model {base})" if setup is None else
+             f"in-process on {setup.device} ({setup.dtype}; synthetic llama, hidden {setup.shape.hidden_size} x {setup.shape.num_hidden_layers} "
+             f"layers; max_loras {setup.max_loras})")  # fmt: skip
+    arrivals = "all at once" if spec.rate <= 0 else f"at {spec.rate:g}/s"
+    print(f"{len(workload.requests)} requests, arriving {arrivals}, {where}: {summary['prompt_tokens']} prompt and "
+          f"{summary['output_tokens']} output tokens in {summary['wall_s']:.1f} s; tok/s = output tokens / that time")
     print(table([summary]))
     if summary["cache"]["device_hit_rate"] is not None:
         print(f"adapter device hit rate {summary['cache']['device_hit_rate']:.2f}, swaps {summary['adapter_swaps']}")
     elif args.url:
         print("adapter swaps and cache hits: not measured over HTTP (see the server's /metrics)")
     if json_path is not None:
-        spec = {"spec": workload.spec.__dict__, **({"adapter_names": mapping} if args.url and mapping else {})}
-        _write_json(json_path, {"workload": spec, "summary": summary})
+        spec_block = {"spec": workload.spec.__dict__, **({"adapter_names": mapping} if args.url and mapping else {})}
+        if setup is None:
+            ran = {"url": args.url, "base_model": base}
+        else:
+            ran = {"device": setup.device, "dtype": setup.dtype, "hidden_size": setup.shape.hidden_size, "layers": setup.shape.num_hidden_layers,
+                   "max_loras": setup.max_loras, "max_cpu_loras": setup.max_cpu_loras, "max_lora_rank": setup.max_lora_rank,
+                   "max_num_seqs": setup.max_num_seqs, "workdir": str(setup.workdir)}  # fmt: skip
+        _write_json(json_path, {"workload": spec_block, "setup": ran, "summary": summary})
         print(f"wrote {json_path}")
     _report_failures(result.records)
     return EXIT_OK if summary["requests_failed"] == 0 else EXIT_REQUESTS_FAILED
