@@ -134,3 +134,17 @@ def test_http_stream_with_no_usage_counts_its_text_chunks() -> None:
 def test_http_stream_with_nothing_in_it_is_an_error() -> None:
     for rec in _replay([{"choices": []}]):
         assert rec.error is not None and "no tokens" in rec.error and rec.ttft is None
+
+
+def test_http_error_replies_are_recorded_by_their_message() -> None:
+    """A refused request's record kept the reply's first 200 bytes, cut mid-JSON ('..."code":"context_l');
+    now the server's own message, whole up to 300 characters."""
+    from runtime.bench.replay import _error_text
+
+    long = "x" * 400
+    assert _error_text('{"error": {"message": "prompt too long", "type": "invalid_request_error", "code": "context_length_exceeded"}}') == "prompt too long"
+    assert _error_text('{"detail": "Not Found"}') == "Not Found"
+    assert _error_text('{"detail": [{"loc": ["body"], "msg": "bad"}]}') == '[{"loc": ["body"], "msg": "bad"}]'
+    assert _error_text("  plain\n text ") == "plain text"
+    assert _error_text(f'{{"error": {{"message": "{long}"}}}}') == "x" * 297 + "..."
+    assert _error_text("[1, 2]") == "[1, 2]"

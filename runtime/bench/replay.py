@@ -62,7 +62,7 @@ class ReplayResult:
     wall_s: float
     snapshot: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
+    peak_rss_bytes: Optional[int] = None  # this process's peak RSS after an in-process run; None where not measured (HTTP, PEFT)
 
 
 def sampling_params(output_tokens: int) -> SamplingParams:
@@ -138,6 +138,18 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
         if m is not None:
             rec.adapter_location, rec.engine_ttft = m.adapter_location, m.ttft
     return ReplayResult(label, records, wall, snapshot=engine.snapshot())
+
+
+def _error_text(body: str, limit: int = 300) -> str:
+    """An error reply's message: OpenAI's ``{"error": {"message": ...}}`` (or FastAPI's ``{"detail": ...}``)
+    when the body is that, else the body's text; at most ``limit`` characters, an ellipsis where cut."""
+    try:
+        raw = json.loads(body)
+        text = raw["error"]["message"] if isinstance(raw.get("error"), dict) else raw["detail"]
+        text = text if isinstance(text, str) else json.dumps(text)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        text = " ".join(body.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def served_models(base_url: str, api_key: Optional[str] = None) -> list[dict[str, Any]]:
@@ -224,7 +236,7 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
-                        rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                        rec.error = f"HTTP {resp.status_code}: {_error_text((await resp.aread()).decode(errors='replace'))}"
                         return rec
                     async for line in resp.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
