@@ -44,7 +44,7 @@ from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, base_model_of, replay_http, served_base_model, served_models  # noqa: E402
 from runtime.bench.server_process import ServerStartError, spawned_server  # noqa: E402
-from runtime.commands.bench import SetupError, check_lengths  # noqa: E402
+from runtime.commands.bench import SetupError, check_lengths, check_workdir  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
@@ -166,6 +166,11 @@ def main() -> int:
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         p.error(f"--out {out}: is a file, not a folder")
+    if a.workdir is not None:
+        try:
+            check_workdir(a.workdir)
+        except SetupError as err:
+            p.error(str(err))
     try:
         shape = LlamaShape.sized(a.hidden, a.layers)
     except ValueError as err:

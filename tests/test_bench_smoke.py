@@ -380,6 +380,7 @@ def test_serve_benchmark_refuses_flags_its_runs_would_ignore(tmp_path: Path, fla
     (["--max-loras", "0"], "--max-loras must be >= 1, got 0"),
     (["--slo-ttft", "-1"], "--slo-ttft: must be a positive number of seconds, got -1.0"),
     (["--workload", "w.jsonl", "--num-requests", "5"], "--num-requests: not used with --workload"),
+    (["--workdir", "/dev/null/w"], "--workdir /dev/null/w: cannot be created: /dev/null is a file"),
 ])
 def test_serve_benchmark_refuses_bad_values_before_any_run(tmp_path: Path, flags: list[str], message: str) -> None:
     """Bad values were tracebacks, some only after every main run (the sweep lists); each is now

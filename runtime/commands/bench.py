@@ -205,7 +205,7 @@ def _check_fits(args: argparse.Namespace, workload: Any, max_model_len: int) -> 
                                 f"tokenizer, its bos, and {worst.output_tokens} output tokens); use shorter prompts or outputs")  # fmt: skip
 
 
-def _check_workdir(path_text: str) -> None:
+def check_workdir(path_text: str) -> None:
     """The folder the synthetic model and adapters are written to (and reused from) is a folder
     that can be written, or can be created under the nearest folder that exists. Nothing is
     created here: a refused run writes nothing."""
@@ -292,7 +292,7 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
         raise SetupError("--max-cpu-loras", str(err)) from None
     ranks = sorted(set(workload.spec.ranks) | set(workload.adapter_ranks.values()))
     _check_fits(args, workload, shape.max_position_embeddings)
-    _check_workdir(args.workdir)
+    check_workdir(args.workdir)
     setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, host_cpu_loras,
                        max_lora_rank=max(64, *ranks), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)  # fmt: skip
     flag_of = {"device": "--device", "dtype": "--dtype", "max_loras": "--max-loras", "max_cpu_loras": "--max-cpu-loras",
