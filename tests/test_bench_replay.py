@@ -142,7 +142,9 @@ def test_http_error_replies_are_recorded_by_their_message() -> None:
     from runtime.bench.replay import _error_text
 
     long = "x" * 400
-    assert _error_text('{"error": {"message": "prompt too long", "type": "invalid_request_error", "code": "context_length_exceeded"}}') == "prompt too long"
+    assert _error_text('{"error": {"message": "prompt too long", "type": "invalid_request_error", "code": "context_length_exceeded"}}') == \
+        "prompt too long (context_length_exceeded)"
+    assert _error_text('{"error": {"message": "gone", "code": 404}}') == "gone"
     assert _error_text('{"detail": "Not Found"}') == "Not Found"
     assert _error_text('{"detail": [{"loc": ["body"], "msg": "bad"}]}') == '[{"loc": ["body"], "msg": "bad"}]'
     assert _error_text("  plain\n text ") == "plain text"

@@ -141,12 +141,16 @@ async def replay_engine(engine: Any, requests: Sequence[Any], label: str, adapte
 
 
 def _error_text(body: str, limit: int = 300) -> str:
-    """An error reply's message: OpenAI's ``{"error": {"message": ...}}`` (or FastAPI's ``{"detail": ...}``)
-    when the body is that, else the body's text; at most ``limit`` characters, an ellipsis where cut."""
+    """An error reply's message: OpenAI's ``{"error": {"message": ..., "code": ...}}`` as "message (code)"
+    (or FastAPI's ``{"detail": ...}``) when the body is that, else the body's text; at most ``limit``
+    characters, an ellipsis where cut."""
     try:
         raw = json.loads(body)
-        text = raw["error"]["message"] if isinstance(raw.get("error"), dict) else raw["detail"]
+        error = raw.get("error")
+        text = error["message"] if isinstance(error, dict) else raw["detail"]
         text = text if isinstance(text, str) else json.dumps(text)
+        if isinstance(error, dict) and isinstance(error.get("code"), str) and error["code"]:
+            text = f"{text} ({error['code']})"
     except (ValueError, KeyError, TypeError, AttributeError):
         text = " ".join(body.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
