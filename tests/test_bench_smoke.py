@@ -58,7 +58,7 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def _check_latency_block(block: dict, records: list[dict]) -> None:
     """A summary's request count and TTFT/TPOT p50/p99, recomputed from its raw records."""
-    assert block["requests"] == len(records)
+    assert block["requests_ok"] == len(records)
     for key in ("ttft", "tpot"):
         values = [r[key] for r in records if r[key] is not None]
         for q in (50, 99):
@@ -133,7 +133,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     _check_latency_block(online, on_recs)
     for name, block in online["per_adapter"].items():
         _check_latency_block(block, [r for r in on_recs if (r["adapter"] or BASE) == name])
-    assert sum(v["requests"] for v in online["per_adapter"].values()) == 8
+    assert sum(v["requests_ok"] for v in online["per_adapter"].values()) == 8
     for loc, block in online["ttft_by_adapter_location"].items():
         _check_latency_block(block, [r for r in on_recs if r["adapter_location"] == loc])
     # Fairness: p99 TTFT of the least popular adapters (by successful requests with a TTFT; the
@@ -156,7 +156,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     with_adapter = sum(1 for r in workload.requests if r.adapter)
     distinct_adapters = len({r.adapter for r in workload.requests if r.adapter})  # distinct adapters the workload uses
     assert cache["device_hits"] + cache["host_hits"] + cache["disk_misses"] == with_adapter
-    assert sum(b["requests"] for b in online["ttft_by_adapter_location"].values()) == with_adapter
+    assert sum(b["requests_ok"] for b in online["ttft_by_adapter_location"].values()) == with_adapter
     assert all(online["memory"][k] > 0 for k in ("weights_bytes", "kv_cache_bytes", "lora_pool_bytes", "workspace_bytes"))
     assert [p["rate"] for p in res["sweep_rates"]] == [20.0]
     rate_recs = runs[("rate 20.0", None)]

@@ -37,10 +37,11 @@ def median_round(runs: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
 
 
 def _latency_block(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Percentiles over completed requests (``records`` are those); ``requests_ok`` counts them."""
     ttft = [r.ttft for r in records if r.ttft is not None]
     tpot = [r.tpot for r in records if r.tpot is not None]
     return {
-        "requests": len(records),
+        "requests_ok": len(records),
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
     }
