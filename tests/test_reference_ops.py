@@ -21,6 +21,7 @@ from backends.reference import (
     ReferenceAttention,
     ReferenceLoRAOps,
     SlotViews,
+    apply_row_ranges,
     expand_per_token,
     expand_segment,
     shrink_per_token,
@@ -498,6 +499,94 @@ def test_slot_views_outlive_writes_to_other_slots(layout):
             assert set(after) == {0, 2, 5} and all(after[s] is before[s] for s in (0, 2, 5))
         apply_lora(ReferenceLoRAOps(), x, y, weights, meta, offsets, torch.zeros(len(OUTS), 5, MAX_RANK))
         assert SlotViews.cache_for(weights, as_float32=copies)[3].slices == ()  # rebuilt: slot 3 now targets nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_row_ranges_cache_follows_random_writes(dtype):
+    """The per-slot views and float32 copies that ``apply_row_ranges`` caches, against the buffers
+    as they are: random sequences of slot writes (rows that may overlap other slots'), rewrites of
+    the same rows, writes through shallow copies, clears, in-place writes to the rows and groups,
+    buffer swaps (new tensors and ``set_``) and direct edits of the host tables. After each step
+    the result must equal, bit for bit, the same call on slices with an empty cache, and a float64
+    loop over the current buffers. (A per-slot invalidation of the copies that this broke was
+    tried and not kept.)"""
+    n_in, slots, cap = 16, 5, 40
+    for seed in range(40):
+        rng = random.Random(zlib.crc32(f"cache-fuzz/{dtype}/{seed}".encode()))
+        gen = torch.Generator().manual_seed(seed)
+        outs = rng.choice([(8, 8, 8), (8, 4, 4), (8, 8)])
+        if rng.random() < 0.3:
+            weights = [LoRASliceWeights.allocate(n_in, o, slots, cap, dtype, "cpu") for o in outs]
+        else:
+            weights = LoRASliceWeights.allocate_projection(n_in, list(outs), slots, cap, dtype, "cpu", interleaved=True)
+        for w in weights:
+            w.a_rows.copy_(torch.randn(w.a_rows.shape, generator=gen))
+            w.b_rows.copy_(torch.randn(w.b_rows.shape, generator=gen))
+        offsets = [sum(outs[:i]) for i in range(len(outs))]
+        xy_dtype = rng.choice([dtype, torch.float32])
+
+        def write(slot: int, same: bool = False, through_copy: bool = False) -> None:
+            base, scale = rng.randrange(cap - 11), rng.choice([0.5, 1.0, 2.0])
+            uneven = rng.random() < 0.3  # each slice of the slot at its own start row
+            for i, w in enumerate(weights):
+                target = copy.copy(w) if through_copy else w
+                if same and w.host_rank[slot]:
+                    r, start, scale = w.host_rank[slot], w.host_start[slot], w.host_scale[slot]
+                elif same or rng.random() < 0.25:
+                    w.clear_slot(slot)
+                    continue
+                else:
+                    r, start = rng.choice([1, 2, 4, 8]), base + (i if uneven else 0)
+                a = torch.randn(r, n_in, generator=gen).to(dtype)
+                target.write_slot(slot, start, a, torch.randn(w.out_features, r, generator=gen).to(dtype), scale)
+
+        def check() -> None:
+            used = sorted(rng.sample(range(slots), rng.randint(1, slots)))
+            rows = [-1] * rng.randint(0, 2) + [s for s in used for _ in range(rng.randint(1, 3))] + [-1] * rng.randint(0, 2)
+            meta = LoRABatchMeta.build(rows, "cpu", decode_only=rng.random() < 0.5)
+            x = torch.randn(len(rows), n_in, generator=gen).to(xy_dtype)
+            y = torch.randn(len(rows), sum(outs), generator=gen).to(xy_dtype)
+            cached, fresh = y.clone(), y.clone()
+            apply_row_ranges(x, cached, weights, meta, offsets)
+            apply_row_ranges(x, fresh, [dataclasses.replace(w, view_cache={}) for w in weights], meta, offsets)
+            expected = y.double().clone()
+            for t, s in enumerate(rows):
+                for i, w in enumerate(weights):
+                    if s >= 0 and w.host_rank[s]:
+                        r, start = w.host_rank[s], w.host_start[s]
+                        a, b = w.a_rows[start : start + r].double(), w.b_rows[start : start + r].double()
+                        expected[t, offsets[i] : offsets[i] + w.out_features] += w.host_scale[s] * (x[t].double() @ a.t()) @ b
+            assert torch.equal(cached, fresh), f"seed {seed}: the cache disagrees with a fresh one"
+            err = ((cached.double() - expected).abs().max() / expected.abs().max().clamp(min=1)).item()
+            assert err < (1e-4 if xy_dtype == torch.float32 else 2e-2), f"seed {seed}: relative error {err:.3g} against float64"
+
+        for slot in range(slots):
+            write(slot)
+        originals = [(w.a_rows, w.b_rows) for w in weights]
+        for _ in range(25):
+            kind, slot, i = rng.randrange(9), rng.randrange(slots), rng.randrange(len(weights))
+            w = weights[i]
+            if kind in (0, 1, 2):
+                write(slot, same=kind == 1, through_copy=kind == 2)
+            elif kind == 3:
+                for each in weights:
+                    each.clear_slot(slot)
+            elif kind == 4:  # in place on the rows or, interleaved, the group
+                buffer = w.a_group if w.a_group is not None and rng.random() < 0.5 else rng.choice([w.a_rows, w.b_rows])
+                lo = rng.randrange(cap - 4)
+                buffer[lo : lo + 4] = rng.uniform(-2, 2)
+            elif kind == 5:  # a new tensor, or new memory under the same one
+                if rng.random() < 0.5:
+                    w.b_rows = w.b_rows.clone()
+                else:
+                    w.b_rows.set_(w.b_rows.clone())
+            elif kind == 6:
+                w.a_rows, w.b_rows = originals[i]
+            elif kind == 7 and w.host_rank[slot]:
+                w.host_scale[slot] = rng.choice([0.25, 3.0])  # a table edited without _set_slot
+            if kind == 8 or rng.random() < 0.4:
+                check()
+        check()
 
 
 def test_fused_apply_with_no_targeted_slot_adds_nothing_then_sees_a_new_slot():
