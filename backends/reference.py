@@ -210,33 +210,65 @@ class SlotViews:
         entries changed; the others stay, since a view reads whatever its rows hold (with 500
         adapters cycling through 8 slots, dropping every slot's views at each load rebuilt them
         1472 times in a 48-request burst, against 216 now). A buffer swap (a new tensor, or new
-        memory under the same one by ``set_``) drops them all. Copies (``as_float32``) are all
-        dropped at any write to the buffers too: a write that changes no slot table (a new version
-        in the same rows, a write through a shallow copy of a slice) must reach them, and the
-        buffers' version counters do not say which rows. So writes must go through the tensors
-        (a write through ``.data``, ``.numpy()`` or DLPack bumps no version counter and would leave
-        the copies stale). Stale entries are dropped by the next call on these slices; a projection
-        that no step reaches again keeps holding them."""
+        memory under the same one by ``set_``) drops them all.
+
+        Copies (``as_float32``) must also see writes to their rows, including writes that change
+        no slot table (a new version in the same rows, a write through a shallow copy of a slice).
+        ``write_slot`` logs the rows it writes (``write_log``) and bumps each buffer's version
+        counter once. So when every buffer's version moved by exactly the writes logged, only the
+        copies of slots whose rows a logged write overlaps go; any other change of a version (an
+        in-place write to the buffers, or more writes than the log keeps) drops every copy. Writes
+        must go through the tensors: one through ``.data``, ``.numpy()`` or DLPack bumps no version
+        counter and would leave the copies stale. Stale entries are dropped by the next call on
+        these slices; a projection that no step reaches again keeps holding them."""
         # Identity and memory: ``Tensor.set_`` can swap a buffer's memory under the same object.
         buffers = tuple((id(t), t.data_ptr(), t.stride(), t.shape) for w in weights for t in (w.a_rows, w.b_rows, w.a_group, w.b_group) if t is not None)
-        if as_float32:  # version counters are shared with every view and group of the buffer
-            buffers += tuple((w.a_rows._version, w.b_rows._version) for w in weights)
         tables = tuple((w.version, tuple(w.host_start), tuple(w.host_rank), tuple(w.host_scale)) for w in weights)
+        data = _data_stamp(weights) if as_float32 else None
         key = "row_ranges_float32" if as_float32 else "row_ranges"
         entry = weights[0].view_cache.get(key)
         fresh = entry is not None and len(entry[2]) == len(weights) and all(r() is w for r, w in zip(entry[2], weights))
-        if fresh and entry[0] == buffers and entry[1] == tables:
+        if fresh and entry[0] == buffers and entry[1] == tables and entry[5] == data:
             return entry[4]
         kept = {}
         if fresh and entry[0] == buffers and all(len(old[1]) == len(new[1]) for old, new in zip(entry[1], tables)):
-            # Same buffers (for copies: nothing written since), other tables: a slot's views depend
-            # only on the buffers and its own entries, so the slots whose entries held keep theirs.
-            kept = {slot: views for slot, views in entry[4].items() if all(_slot_entry(old, slot) == _slot_entry(new, slot) for old, new in zip(entry[1], tables))}
+            # A slot's views depend only on the buffers and its own table entries (copies: also on its
+            # rows): the slots whose entries held, and (copies) whose rows no write touched, keep theirs.
+            written = None if data is None else _rows_written(weights, entry[5], data)
+            if data is None or written is not None:
+                kept = {slot: views for slot, views in entry[4].items()
+                        if all(_slot_entry(old, slot) == _slot_entry(new, slot) for old, new in zip(entry[1], tables))
+                        and not (written and any(lo < w.host_start[slot] + w.host_rank[slot] and w.host_start[slot] < hi
+                                                 for w in weights for lo, hi in written))}  # fmt: skip
         # Weak references to the slices (a strong one to weights[0] would be a cycle); the buffers
         # are kept alive with the entry, so their ids cannot be reused while it stands.
-        entry = (buffers, tables, [weakref.ref(w) for w in weights], [(w.a_rows, w.b_rows, w.a_group, w.b_group) for w in weights], kept)
+        entry = (buffers, tables, [weakref.ref(w) for w in weights], [(w.a_rows, w.b_rows, w.a_group, w.b_group) for w in weights], kept, data)
         weights[0].view_cache[key] = entry
         return kept
+
+
+def _data_stamp(weights: Sequence[LoRASliceWeights]) -> tuple:
+    """((storage, its version counter), ...) over the slices' A and B buffers, and each slice's
+    ``write_log`` count."""
+    versions = {t.untyped_storage().data_ptr(): t._version for w in weights for t in (w.a_rows, w.b_rows)}
+    return tuple(sorted(versions.items())), tuple(w.write_log[0] for w in weights)
+
+
+def _rows_written(weights: Sequence[LoRASliceWeights], old: tuple, new: tuple) -> list[tuple[int, int]] | None:
+    """The row ranges ``write_slot`` wrote since ``old``, when those writes account for every version
+    change of every buffer (each moved by the writes into it); else None (rows unknown)."""
+    if [p for p, _ in old[0]] != [p for p, _ in new[0]]:
+        return None
+    moved = {p: v - dict(old[0])[p] for p, v in new[0]}
+    ranges = []
+    for w, before, after in zip(weights, old[1], new[1]):
+        entries = [e for e in w.write_log[1:] if e[0] > before]
+        if len(entries) != after - before:
+            return None  # more writes than the log keeps
+        ranges += [(lo, hi) for _, lo, hi in entries]
+        for t in (w.a_rows, w.b_rows):  # each write bumps both of its buffers once
+            moved[t.untyped_storage().data_ptr()] -= after - before
+    return ranges if all(m == 0 for m in moved.values()) else None
 
 
 def _slot_entry(table: tuple, slot: int) -> tuple:
@@ -259,8 +291,8 @@ def apply_row_ranges(
     scale, columns side by side) one ``baddbmm_`` for all of them, each in place in float32.
     Other dtypes run the same float32 work on float32 copies: the adapter rows of ``x`` and
     ``y`` converted once per call, the slots' weights when a segment first needs them after any
-    write to the projection's buffers (cached like the views; a write drops every slot's
-    copies; for a bf16 pool they take up to twice its bytes, for the slots in use;
+    write to their rows (cached like the views; a write drops the copies of the slots whose rows
+    it wrote, ``SlotViews.cache_for``; for a bf16 pool they take up to twice its bytes, for the slots in use;
     ``ModelRunner.memory_report`` counts them, ``lora_copies_bytes``), and the slices' columns of ``y``'s rows rounded back once. Decode steps have many one-row
     segments, where the cost is per op, not math: the operand views are cached per slot
     (``SlotViews.cache_for``) rather than sliced again for every segment.

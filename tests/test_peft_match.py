@@ -243,8 +243,8 @@ def test_bfloat16_agrees_with_float32(tiny_llama_dir, tiny_adapters):
 
 def test_memory_report_counts_the_float32_copies_of_a_bfloat16_pool(tiny_llama_dir, tiny_adapters):
     """The CPU ops run a bf16 pool's LoRA on float32 copies of the slots in use: the memory report
-    counts them while they are held (0 for a float32 pool, which they read in place); after a write
-    to the pool, the next call drops the copies it made stale and copies again only the slots it uses."""
+    counts them while they are held (0 for a float32 pool, which they read in place), a write to the
+    pool included until the next call on the projection drops the copies it made stale."""
     prompts = random_prompts(len(ORDER), PROMPT_LEN, seed=7)
     for dtype in ("float32", "bfloat16"):
         runner, slots = make_runner(tiny_llama_dir, tiny_adapters, dtype)
@@ -264,9 +264,9 @@ def test_memory_report_counts_the_float32_copies_of_a_bfloat16_pool(tiny_llama_d
         runner.write_adapter(slots["a"], adapter, row_start=slots["a"] * MAX_RANK)
         assert runner.memory_report()["lora_copies_bytes"] == report["lora_copies_bytes"]  # held until the next call
         prefill_chunked(runner, slots, ["a", None], prompts[:2], [PROMPT_LEN])
-        # The projections a's write touched dropped every copy and hold a's again; the others (a slot
-        # cleared there, nothing written) keep the other adapters' copies: fewer bytes than before.
-        assert 2 * bf16_bytes(["a"]) <= runner.memory_report()["lora_copies_bytes"] < report["lora_copies_bytes"]
+        # The write's rows were a's own: its copies were dropped and made again at the same size, the
+        # other adapters' kept (tests/test_reference_ops.py -k "outlive or random_writes" checks which).
+        assert runner.memory_report()["lora_copies_bytes"] == report["lora_copies_bytes"]
 
 
 @pytest.mark.skipif(not __import__("runtime.models.dense", fromlist=["x"]).PACKED_BFLOAT16, reason="no native bfloat16 in oneDNN here: bf16 weights stay plain")

@@ -41,6 +41,9 @@ import torch
 from torch import Tensor
 
 
+WRITE_LOG = 64  # row ranges of the latest writes each slice remembers (``LoRASliceWeights.write_log``)
+
+
 @dataclass(eq=False)
 class LoRASliceWeights:
     """Flat row buffers plus per-slot offsets, ranks and scales (see module docstring)."""
@@ -57,6 +60,10 @@ class LoRASliceWeights:
     b_group: Tensor | None = None  # [row_capacity, K, out] likewise for B, when the K widths are equal
     group_index: int = 0  # this slice's i in a_group[:, i, :]
     version: int = 0  # bumped whenever a slot's start, rank or scale changes
+    # ``write_slot``'s writes: [how many in all, then (that count, first row, end row) of the last
+    # WRITE_LOG ones]. One list, so a shallow copy of the slice shares it (as it shares the buffers):
+    # ops that cache copies of slot rows can tell which rows changed.
+    write_log: list = field(default_factory=lambda: [0])
     # Host-side views that ops derive from the slot table (reference backend), keyed by
     # the ops; an entry records the versions it was built from and is rebuilt when stale.
     view_cache: dict = field(default_factory=dict, repr=False)
@@ -144,8 +151,13 @@ class LoRASliceWeights:
         if row_start < 0 or row_start + rank > self.row_capacity:
             raise ValueError(f"slot {slot}: rows {row_start}..{row_start + rank} exceed capacity {self.row_capacity}")
         rows = slice(row_start, row_start + rank)
-        self.a_rows[rows].copy_(lora_a, non_blocking=True)
+        self.a_rows[rows].copy_(lora_a, non_blocking=True)  # one in-place op per buffer: one version-counter bump each
         self.b_rows[rows].copy_(lora_b.t(), non_blocking=True)
+        log = self.write_log
+        log[0] += 1
+        log.append((log[0], row_start, row_start + rank))
+        if len(log) > WRITE_LOG + 1:
+            del log[1]
         self._set_slot(slot, row_start, rank, scale)
 
     def clear_slot(self, slot: int) -> None:
