@@ -256,18 +256,27 @@ def _data_stamp(weights: Sequence[LoRASliceWeights]) -> tuple:
 
 def _rows_written(weights: Sequence[LoRASliceWeights], old: tuple, new: tuple) -> list[tuple[int, int]] | None:
     """The row ranges ``write_slot`` wrote since ``old``, when those writes account for every version
-    change of every buffer (each moved by the writes into it); else None (rows unknown)."""
+    change of every buffer: each logged write bumped the two storages it names once, and those must
+    be these buffers'. Else None (rows unknown): a write the logs did not see, more writes than a
+    log keeps, or a logged write into other memory (a swapped-out buffer, a copy's own buffers)."""
     if [p for p, _ in old[0]] != [p for p, _ in new[0]]:
         return None
-    moved = {p: v - dict(old[0])[p] for p, v in new[0]}
-    ranges = []
+    before_versions = dict(old[0])
+    moved = {p: v - before_versions[p] for p, v in new[0]}
+    ranges, logs = [], set()
     for w, before, after in zip(weights, old[1], new[1]):
+        if id(w.write_log) in logs:  # one log read by two of the slices (the same slice twice): its writes count once
+            continue
+        logs.add(id(w.write_log))
         entries = [e for e in w.write_log[1:] if e[0] > before]
         if len(entries) != after - before:
             return None  # more writes than the log keeps
-        ranges += [(lo, hi) for _, lo, hi in entries]
-        for t in (w.a_rows, w.b_rows):  # each write bumps both of its buffers once
-            moved[t.untyped_storage().data_ptr()] -= after - before
+        for _, lo, hi, *storages in entries:
+            for p in storages:
+                if p not in moved:
+                    return None
+                moved[p] -= 1
+            ranges.append((lo, hi))
     return ranges if all(m == 0 for m in moved.values()) else None
 
 

@@ -283,7 +283,8 @@ class ModelRunner:
         """Bytes held on the device: base weights, KV cache, LoRA slice buffers, shrink workspace,
         and what the backend's LoRA ops keep derived from the slice buffers right now
         (``lora_copies_bytes``: the CPU backend's float32 copies of a bf16/fp16 pool's slots in
-        use; a write to the pool's buffers makes them stale, and the next LoRA call on that projection drops them; 0 where the ops keep none)."""
+        use; a write to the pool makes the copies of the slots whose rows it wrote stale, and the next LoRA call on that
+        projection drops them; 0 where the ops keep none)."""
         self._require_model()
         slices = [w for _, _, w in self.model.all_slices()]
         lora = sum(t.numel() * t.element_size() for w in slices for t in (w.a_rows, w.b_rows, w.slot_start, w.slot_rank, w.slot_scale))

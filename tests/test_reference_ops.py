@@ -604,6 +604,51 @@ def test_row_ranges_cache_follows_random_writes(dtype):
         check()
 
 
+@pytest.mark.parametrize("case", ["slice_twice", "swapped_out", "copy_with_own_buffers", "in_place_alone"])
+def test_a_logged_write_cannot_hide_an_unlogged_one(case):
+    """The float32 copies of a bf16 pool outlive a logged write only if the logged writes account for
+    every change of the buffers' version counters. A logged write that bumped other memory, or was
+    counted twice, must not cancel an in-place write to a kept slot's rows (found by a review: each
+    case below kept slot 1's stale copy)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    n_in, n_out = 8, 4
+
+    def new_slice() -> LoRASliceWeights:
+        w = LoRASliceWeights.allocate(n_in, n_out, 2, 16, torch.bfloat16, "cpu")
+        for slot, start in ((0, 0), (1, 8)):
+            w.write_slot(slot, start, torch.randn(4, n_in, generator=gen).bfloat16(), torch.randn(n_out, 4, generator=gen).bfloat16(), 1.0)
+        return w
+
+    def rewrite_slot0(w: LoRASliceWeights) -> None:
+        w.write_slot(0, 0, torch.randn(4, n_in, generator=gen).bfloat16(), torch.randn(n_out, 4, generator=gen).bfloat16(), 1.0)
+
+    meta = LoRABatchMeta.build([0, 1], "cpu", decode_only=True)
+    w = new_slice()
+    weights = [w, w] if case == "slice_twice" else [w]
+    offsets = [0, n_out][: len(weights)]
+    apply_row_ranges(torch.randn(2, n_in, generator=gen), torch.zeros(2, n_out * len(weights)), weights, meta, offsets)
+    if case == "slice_twice":
+        rewrite_slot0(w)
+    elif case == "swapped_out":
+        original = w.a_rows
+        w.a_rows = original.clone()
+        rewrite_slot0(w)
+        w.a_rows = original
+    elif case == "copy_with_own_buffers":
+        twin = copy.copy(w)
+        twin.a_rows, twin.b_rows = w.a_rows.clone(), w.b_rows.clone()
+        twin.host_start, twin.host_rank, twin.host_scale = list(w.host_start), list(w.host_rank), list(w.host_scale)
+        rewrite_slot0(twin)
+    w.a_rows[8:12].mul_(-3)  # slot 1's rows, in place, not by write_slot
+    if case != "swapped_out":  # there A's count is the one the write into the swapped-out clone would cancel
+        w.b_rows[8:12].mul_(-3)
+    x = torch.randn(2, n_in, generator=gen)
+    cached, fresh = torch.zeros(2, n_out * len(weights)), torch.zeros(2, n_out * len(weights))
+    apply_row_ranges(x, cached, weights, meta, offsets)
+    apply_row_ranges(x, fresh, [dataclasses.replace(each, view_cache={}) for each in weights], meta, offsets)
+    assert torch.equal(cached, fresh)
+
+
 def test_fused_apply_with_no_targeted_slot_adds_nothing_then_sees_a_new_slot():
     """Rows with adapters, but no slot holds weights for these slices (e.g. an MLP no adapter
     targets): ``apply_lora`` returns before the ops and ``y`` is untouched; once a slot is written,

@@ -60,9 +60,9 @@ class LoRASliceWeights:
     b_group: Tensor | None = None  # [row_capacity, K, out] likewise for B, when the K widths are equal
     group_index: int = 0  # this slice's i in a_group[:, i, :]
     version: int = 0  # bumped whenever a slot's start, rank or scale changes
-    # ``write_slot``'s writes: [how many in all, then (that count, first row, end row) of the last
-    # WRITE_LOG ones]. One list, so a shallow copy of the slice shares it (as it shares the buffers):
-    # ops that cache copies of slot rows can tell which rows changed.
+    # ``write_slot``'s writes: [how many in all, then (that count, first row, end row, A's storage, B's
+    # storage) of the last WRITE_LOG ones]. One list, so a shallow copy of the slice shares it (as it
+    # shares the buffers): ops that cache copies of slot rows can tell which rows changed.
     write_log: list = field(default_factory=lambda: [0])
     # Host-side views that ops derive from the slot table (reference backend), keyed by
     # the ops; an entry records the versions it was built from and is rebuilt when stale.
@@ -155,7 +155,7 @@ class LoRASliceWeights:
         self.b_rows[rows].copy_(lora_b.t(), non_blocking=True)
         log = self.write_log
         log[0] += 1
-        log.append((log[0], row_start, row_start + rank))
+        log.append((log[0], row_start, row_start + rank, self.a_rows.untyped_storage().data_ptr(), self.b_rows.untyped_storage().data_ptr()))
         if len(log) > WRITE_LOG + 1:
             del log[1]
         self._set_slot(slot, row_start, rank, scale)
