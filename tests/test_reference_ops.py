@@ -604,6 +604,16 @@ def test_row_ranges_cache_follows_random_writes(dtype):
         check()
 
 
+def test_slot_writes_outside_the_table_are_refused_before_writing():
+    w = LoRASliceWeights.allocate(8, 4, 2, 16, torch.float32, "cpu")
+    for slot in (2, -1):
+        with pytest.raises(ValueError, match=rf"slot {slot} is not one of this slice's 2 slots"):
+            w.write_slot(slot, 0, torch.ones(4, 8), torch.ones(4, 4), 1.0)
+        with pytest.raises(ValueError, match=rf"slot {slot} is not one of"):
+            w.clear_slot(slot)
+    assert not w.a_rows.any() and not w.b_rows.any() and w.write_log == [0] and w.host_rank == [0, 0]
+
+
 @pytest.mark.parametrize("case", ["slice_twice", "swapped_out", "copy_with_own_buffers", "in_place_alone"])
 def test_a_logged_write_cannot_hide_an_unlogged_one(case):
     """The float32 copies of a bf16 pool outlive a logged write only if the logged writes account for

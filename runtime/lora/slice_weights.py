@@ -143,6 +143,7 @@ class LoRASliceWeights:
     def write_slot(self, slot: int, row_start: int, lora_a: Tensor, lora_b: Tensor, scale: float) -> None:
         """Copy ``A [r, in]`` and ``B [out, r]`` into rows ``row_start .. row_start + r``."""
         rank = int(lora_a.shape[0])
+        self._check_slot(slot)
         if lora_a.shape != (rank, self.in_features) or lora_b.shape != (self.out_features, rank):
             raise ValueError(
                 f"slot {slot}: A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit a slice "
@@ -162,7 +163,14 @@ class LoRASliceWeights:
 
     def clear_slot(self, slot: int) -> None:
         """Mark ``slot`` empty for this slice (rank 0); its rows may be reused."""
+        self._check_slot(slot)
         self._set_slot(slot, 0, 0, 0.0)
+
+    def _check_slot(self, slot: int) -> None:
+        """Before anything is written: a slot past the table would fail only after the rows were
+        written, and a negative one would write another slot."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is not one of this slice's {self.max_slots} slots (0 .. {self.max_slots - 1})")
 
     def _set_slot(self, slot: int, start: int, rank: int, scale: float) -> None:
         self.host_start[slot], self.host_rank[slot], self.host_scale[slot] = start, rank, float(scale)
