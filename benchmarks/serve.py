@@ -50,7 +50,7 @@ from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_l
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
 from runtime.bench.summary import BASE, median, median_round, percentile, summarize, table  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
-from runtime.bench.workload import SPEC_FLAGS, Workload, add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
+from runtime.bench.workload import Workload, add_spec_arguments, generate, ignored_spec_flags, spec_from_args  # noqa: E402
 from runtime.config import ConfigError  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
@@ -132,10 +132,7 @@ def main() -> int:
         p.error("--spawn-server: the server needs fastapi and uvicorn, which this Python lacks (pip install -e .)")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
-    if a.workload:
-        ignored = [f"{f}: not used with --workload (the file fixes every request); drop it" for f in SPEC_FLAGS.values() if f in given_flags(a)]
-    else:
-        ignored = ignored_spec_flags(a)
+    ignored = ignored_spec_flags(a)
     if ignored:
         p.error("; ".join(ignored))
     chosen = [] if a.baselines == "none" else a.baselines.split(",")

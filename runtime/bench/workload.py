@@ -337,8 +337,12 @@ def spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
 
 def ignored_spec_flags(a: argparse.Namespace) -> list[str]:
     """One line per typed workload flag that the other flags make meaningless (it would change no
-    request): a mistake to report, not a no-op to run with."""
+    request): a mistake to report, not a no-op to run with. With a workload file (``a.workload``,
+    where the parser has it) that is every one of them."""
     given = given_flags(a)
+    if getattr(a, "workload", None):
+        return [f"{f}: not used with --workload (the file fixes every request); drop it, or write a new workload "
+                "with python -m runtime.bench.workload" for f in SPEC_FLAGS.values() if f in given]  # fmt: skip
     problems = []
     if "--alpha" in given and a.popularity != "zipf":
         problems.append(f"--alpha: only used with --popularity zipf, not {a.popularity}")
@@ -362,11 +366,12 @@ def main() -> None:
     ignored = ignored_spec_flags(a)
     if ignored:
         p.error("; ".join(ignored))
-    out = Path(a.out)
-    if out.is_dir():
-        p.error(f"--out {a.out}: is a folder; give a file path")
-    if not out.parent.is_dir():
-        p.error(f"--out {a.out}: folder {out.parent} does not exist")
+    from runtime.commands.bench import SetupError, check_output_file  # here: that module imports this one
+
+    try:
+        out = check_output_file(a.out, "--out")
+    except SetupError as err:
+        p.error(str(err))
     try:
         w = generate(spec_from_args(a))
     except ValueError as err:

@@ -155,15 +155,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _ignored_flags(args: argparse.Namespace) -> list[str]:
     """One line per typed flag that this combination of flags would ignore."""
-    from runtime.bench.workload import SPEC_FLAGS, ignored_spec_flags
+    from runtime.bench.workload import ignored_spec_flags
 
     given = given_flags(args)
-    problems = []
-    if args.workload:
-        problems += [f"{f}: not used with --workload (the file fixes every request); drop it, or write a new workload "
-                     "with python -m runtime.bench.workload" for f in SPEC_FLAGS.values() if f in given]  # fmt: skip
-    else:
-        problems += ignored_spec_flags(args)
+    problems = ignored_spec_flags(args)
     if args.url:
         problems += [f"{f}: not used with --url (the server's own settings apply)" for f in ENGINE_FLAGS if f in given]
     else:
@@ -175,15 +170,16 @@ def _ignored_flags(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def _check_json_path(path_text: str) -> Path:
+def check_output_file(path_text: str, flag: str = "--json") -> Path:
+    """A file path that can be written: not a folder, in a folder that exists and is writable."""
     path = Path(path_text)
     folder = path.parent
     if path.is_dir():
-        raise SetupError(f"--json {path_text}", "is a folder; give a file path")
+        raise SetupError(f"{flag} {path_text}", "is a folder; give a file path")
     if not folder.is_dir():
-        raise SetupError(f"--json {path_text}", f"{folder} is a file, not a folder" if folder.exists() else f"folder {folder} does not exist")
+        raise SetupError(f"{flag} {path_text}", f"{folder} is a file, not a folder" if folder.exists() else f"folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise SetupError(f"--json {path_text}", f"folder {folder} is not writable")
+        raise SetupError(f"{flag} {path_text}", f"folder {folder} is not writable")
     return path
 
 
@@ -494,7 +490,7 @@ def _run(args: argparse.Namespace) -> int:
     for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
         if not 0 < value < float("inf"):
             raise SetupError(flag, f"must be a positive number of seconds, got {value}")
-    json_path = _check_json_path(args.json) if args.json else None
+    json_path = check_output_file(args.json) if args.json else None
     if args.url and args.adapter_names and not args.workload and "--adapters" not in given_flags(args):
         args.adapters = len(args.adapter_names)  # one adapter per name (a different --adapters was refused above)
     workload = _load_workload(args)
