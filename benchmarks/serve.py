@@ -44,7 +44,7 @@ from runtime.bench import plots  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, base_model_of, replay_http, served_base_model, served_models  # noqa: E402
 from runtime.bench.server_process import ServerStartError, spawned_server  # noqa: E402
-from runtime.commands.bench import SetupError, check_lengths, check_workdir  # noqa: E402
+from runtime.commands.bench import LONG_REPLAY_S, SetupError, check_lengths, check_workdir, duration_text  # noqa: E402
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
@@ -252,7 +252,8 @@ def main() -> int:
         return summarize(result, a.slo_ttft, a.slo_tpot)
 
     baselines = set() if a.baselines == "none" else set(a.baselines.split(","))
-    log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s")
+    long_replay = f" (the online replay alone takes at least {duration_text(workload.arrival_span_s)})" if workload.arrival_span_s >= LONG_REPLAY_S else ""
+    log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s{long_replay}")
     model_dir, adapters = prepare(workload, setup)
     results: dict[str, object] = {"spec": dataclasses.asdict(spec), "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()}}
     if "peft" in baselines:
@@ -325,7 +326,8 @@ def main() -> int:
         print(f"{k:<45} " + (f"{v:6.2f}x" if v is not None else "     - (the baseline produced no tokens)"))
 
     # 2. Online replay at the workload's arrival rate.
-    log(("online: replay, every request at once" if spec.rate <= 0 else f"online: replay at {spec.rate:g} req/s") + (f" over HTTP to {a.url}" if a.url else " over HTTP to a spawned server" if a.spawn_server else " in-process"))
+    span = f", arrivals over {duration_text(workload.arrival_span_s)}" if long_replay else ""
+    log(("online: replay, every request at once" if spec.rate <= 0 else f"online: replay at {spec.rate:g} req/s{span}") + (f" over HTTP to {a.url}" if a.url else " over HTTP to a spawned server" if a.spawn_server else " in-process"))
     if a.url:
         online = asyncio.run(replay_http(a.url, a.base_model or base_model_of(cards), workload.requests, "lorafleet online (http)", a.api_key))
     elif a.spawn_server:

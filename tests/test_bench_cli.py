@@ -453,6 +453,34 @@ def test_off_the_cpu_an_untimed_run_of_the_same_requests_comes_first(tmp_path: P
     (_, warm), (_, timed) = calls
     assert [i for i, _ in warm] == [i for i, _ in timed] and all(t == 0.0 for _, t in warm)
     assert any(t > 0 for _, t in timed)  # the timed run keeps the workload's arrival times
+    assert "arrive over" not in err  # 4 requests at 50/s: no notice
+
+
+def test_a_long_replay_says_how_long_before_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 0.001 requests/s four requests arrive over about an hour; the bar alone would look stuck.
+    The run is stood in for by a Ctrl-C, so the test does not wait."""
+    from runtime.bench import suite
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "run_lorafleet", interrupted)
+    flags = ["--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "0.001", "--input-len", "2,3", "--output-len", "2,3"]
+    rc, err = bench_cli(capsys, *flags)
+    assert rc == 130, err
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    span = generate(spec_from_args(p.parse_args(flags))).arrival_span_s
+    assert span > 600  # the workload it announces is that long
+    notice = f"the requests arrive over {bench.duration_text(span)}, so the run takes at least that long (Ctrl-C stops it; a higher --rate shortens it)"
+    assert notice in err, err
+    assert err.index(notice) < err.index("interrupted")
+
+
+@pytest.mark.parametrize("seconds, text", [(45, "45 s"), (119.4, "119 s"), (600, "10 min"), (5400, "90 min"), (9000, "2.5 h"), (259200, "3.0 days")])
+def test_durations_read_as_people_say_them(seconds: float, text: str) -> None:
+    assert bench.duration_text(seconds) == text
 
 
 # ---- help ------------------------------------------------------------------------------------

@@ -92,6 +92,11 @@ class Workload:
             for r in self.requests:
                 f.write(json.dumps(asdict(r)) + "\n")
 
+    @property
+    def arrival_span_s(self) -> float:
+        """Seconds from t=0 to the last request's arrival: a replay takes at least this long."""
+        return max((r.arrival_s for r in self.requests), default=0.0)
+
     def all_at_once(self) -> "Workload":
         """The same requests, every one arriving at t=0 (an offline run)."""
         return replace(self, requests=tuple(replace(r, arrival_s=0.0) for r in self.requests))

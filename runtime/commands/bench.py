@@ -50,6 +50,7 @@ from runtime.file_mode import new_file_mode
 EXIT_OK, EXIT_REQUESTS_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130  # 130: 128 + SIGINT, as a shell reports Ctrl-C
 DEFAULT_WORKDIR = Path.home() / ".cache" / "lorafleet-bench"
 SHOWN_ERRORS = 3  # distinct request errors printed when some requests fail
+LONG_REPLAY_S = 60.0  # arrivals spread over at least this long get a notice before the run (the bar alone looks stuck)
 
 EPILOG = """\
 exit codes:
@@ -477,6 +478,17 @@ def _report_failures(records: Any) -> None:
         print(f"  {' '.join(str(error).split())[:300]} ({n} request{'s' if n != 1 else ''})", file=sys.stderr)
 
 
+def duration_text(seconds: float) -> str:
+    """``seconds`` for people: "45 s", "12 min", "3.5 h", "2.1 days"."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
 def _run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -530,6 +542,10 @@ def _run(args: argparse.Namespace) -> int:
                 raise SetupError("engine setup", f"{type(err).__name__}: {err}") from None
             except damaged_cache_errors as err:
                 raise _damaged_cache(args, err) from None
+    if workload.arrival_span_s >= LONG_REPLAY_S:
+        hint = "" if args.workload else "; a higher --rate shortens it"
+        print(f"the requests arrive over {duration_text(workload.arrival_span_s)}, so the run takes at least that long "
+              f"(Ctrl-C stops it{hint})", file=sys.stderr, flush=True)
     bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
     try:
         if setup is None:
