@@ -550,6 +550,7 @@ def test_summary_states_the_kv_pool_and_where_admin_loads_from(tiny_llama_dir: P
     finally:
         engine.shutdown()
     assert "kv pool    4 blocks x 8 tokens = 32 tokens (one request: at most 32 of prompt + output)" in text
+    assert f"model      {tiny_llama_dir}; requests name it {tiny_llama_dir.name!r} (\"model\" field, GET /v1/models)" in text
     assert f"admin      on, loads from {tmp_path.resolve()}" in text
     no_root = serve.load_settings(parse("--model", str(tiny_llama_dir), "--enable-adapter-admin"))
     assert serve._admin_line(no_root.server).startswith("on, unload only")

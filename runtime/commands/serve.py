@@ -135,7 +135,8 @@ def summary(settings: Any, engine: Any) -> str:
     mem = core.runner.memory_report()
     pool_tokens = core.runner.num_kv_blocks * core.runner.block_size
     lines = [
-        f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}",
+        f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}; requests name it "
+        f"{settings.server.served_model_name or engine.model_name!r} (\"model\" field, GET /v1/models)",
         f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}",
         f"adapters   {_adapters_line(engine.adapters())}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",

@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: replicas with adapter-affinity routing and one shared adapter registry.
 
-Needs the optional ``ray`` extra (``pip install 'lorafleet[ray]'``). Modules:
+Needs the optional ``ray`` extra (``pip install -e '.[ray]'``). Modules:
 
     manifest         the persisted registry manifest (atomic JSON in a configurable folder)
     registry_service the application's adapter set with a revision number (runs as a Ray actor)

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-RAY_MISSING = "--ray needs the 'ray' extra: pip install 'lorafleet[ray]'"
+RAY_MISSING = "--ray needs the 'ray' extra: pip install -e '.[ray]' in the lorafleet checkout"
 DEFAULT_REGISTRY_DIR = "lorafleet-registry"
 
 
