@@ -136,6 +136,18 @@ def test_lora_module_forms() -> None:
             parse_lora_module(bad)
 
 
+def test_relative_lora_module_paths_are_made_absolute(tiny_llama_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A relative adapter path (flag or --config file) means the folder under the one serve starts
+    in; it is kept absolute, so GET /v1/models shows it as it shows admin-loaded adapters."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("lora_modules:\n  - {name: b, path: adapters/b}\n  - c=./adapters/c\n")
+    from_file = serve.load_settings(parse("--model", str(tiny_llama_dir), "--config", str(cfg)))
+    from_flag = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", "a=adapters/a"))
+    assert {m.name: m.path for m in from_file.lora_modules + from_flag.lora_modules} == {n: str(tmp_path / "adapters" / n) for n in "abc"}
+    assert parse_lora_module("a=/x/y").path == "/x/y"  # an absolute path stays as given
+
+
 def test_duplicate_adapter_names_rejected(tiny_llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="given twice"):
         build_settings({}, normalize_keys({"model": str(tiny_llama_dir), "lora_modules": ["a=/1", "a=/2"]}, "flags"), None)

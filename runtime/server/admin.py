@@ -15,14 +15,14 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from runtime.request import UnknownAdapterError
-from runtime.server.errors import APIError
+from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from runtime.lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
 from runtime.server.security import confine_adapter_folder
 
 
 def build_router(state: Any) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=UTF8Route)
 
     @router.post("/v1/load_lora_adapter", tags=["admin"])
     async def load_lora_adapter(body: LoadAdapterRequest) -> Any:

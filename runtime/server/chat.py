@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
-from runtime.server.errors import APIError, error_body
+from runtime.server.errors import APIError, UTF8Route, error_body
 from runtime.server.logprobs import StreamedEntries, chat_logprobs
 from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.sse import DONE, event
@@ -24,7 +24,7 @@ def _as_sent(err: APIError, body: ChatCompletionRequest) -> APIError:
 
 
 def build_router(state: Any) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=UTF8Route)
 
     @router.post("/v1/chat/completions", tags=["openai"])
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
-from runtime.server.errors import APIError, error_body
+from runtime.server.errors import APIError, UTF8Route, error_body
 from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs, prompt_text_offsets
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
@@ -29,7 +29,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         return list(p)
     for i, ids in enumerate(p):
         if not ids:
-            raise APIError(400, f"prompt {i} (of {len(p)}): token-id prompts must not be empty", param=f"prompt.{i}", code="invalid_parameter")
+            raise APIError(400, gen.which_prompt(i, len(p), "token-id prompts must not be empty"), param=f"prompt.{i}", code="invalid_parameter")
     return [list(ids) for ids in p]
 
 
@@ -100,7 +100,7 @@ def _usage(finals: dict[int, Any], n: int = 1) -> dict[str, int]:
 
 
 def build_router(state: Any) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=UTF8Route)
 
     @router.post("/v1/completions", tags=["openai"])
     async def create_completion(body: CompletionRequest, request: Request) -> Any:

@@ -1,13 +1,15 @@
 """Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
 from __future__ import annotations
 
+import json
 import logging
-from typing import Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ERROR_TYPES = {
@@ -78,6 +80,71 @@ def _most_telling(errors: Sequence[dict]) -> dict:
     return max(errors, key=lambda e: (e.get("type") == "value_error", depth(e)))
 
 
+# pydantic's length errors -> (bound, limit's ctx key): worded here with the unit the value has.
+_LENGTH_ERRORS = {"too_long": ("at most", "max_length"), "string_too_long": ("at most", "max_length"),
+                  "too_short": ("at least", "min_length"), "string_too_short": ("at least", "min_length")}
+
+
+def _length_words(error: dict) -> str:
+    """A length limit in plain words, counted in what the value holds: ``at most 256 characters,
+    got 257`` (pydantic says "items after validation" even for a string)."""
+    bound, key = _LENGTH_ERRORS[error["type"]]
+    ctx, value = error.get("ctx") or {}, error.get("input")
+    limit = ctx.get(key)
+    unit = "character" if isinstance(value, str) else "entry" if isinstance(value, dict) else "item"
+    units = unit if limit == 1 else {"entry": "entries"}.get(unit, unit + "s")
+    actual = ctx.get("actual_length", len(value) if isinstance(value, (str, list, dict)) else None)
+    return f"{bound} {limit} {units}" + (f", got {actual}" if actual is not None else "")
+
+
+def _plain_words(error: dict) -> str:
+    """What a pydantic error says, in the API's words: our validators' own text (without
+    pydantic's ``Value error, `` prefix), length limits in characters, items or entries, and
+    pydantic's message for the rest."""
+    kind, ctx = error.get("type"), error.get("ctx") or {}
+    if kind in ("value_error", "assertion_error") and "error" in ctx:
+        return str(ctx["error"])
+    if kind in _LENGTH_ERRORS and (ctx.get("max_length") is not None or ctx.get("min_length") is not None):
+        return _length_words(error)
+    return str(error.get("msg", "invalid value"))
+
+
+def _field_message(param: str, text: str) -> str:
+    """``param: text``, the form of every message about a field; once only, where ``text``
+    already starts so."""
+    return text if text.startswith(f"{param}:") else f"{param}: {text}"
+
+
+def _not_utf8_message(err: UnicodeDecodeError) -> str:
+    """The message for a request body that is not UTF-8, naming the first bad byte."""
+    return f"the request body is not valid UTF-8 (byte 0x{err.object[err.start]:02x} at position {err.start})"
+
+
+class UTF8Request(Request):
+    """A request whose JSON body is read as UTF-8, as JSON sent over a network must be (RFC 8259;
+    a leading byte-order mark is allowed). Starlette's ``json()`` lets ``json.loads`` guess UTF-16
+    or UTF-32 from the first bytes, so such a body got a misleading JSON error instead."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads((await self.body()).decode("utf-8-sig"))
+        return self._json
+
+
+class UTF8Route(APIRoute):
+    """An APIRoute that hands FastAPI a ``UTF8Request``: the routers' ``route_class``. A body
+    that is not UTF-8 then fails with a UnicodeDecodeError, which FastAPI answers with a 400
+    that ``install_error_handlers`` words with ``_not_utf8_message``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def utf8_handler(request: Request) -> Response:
+            return await handler(UTF8Request(request.scope, request.receive))
+
+        return utf8_handler
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error a route can end in is answered in the OpenAI shape, never as plain text."""
 
@@ -96,13 +163,15 @@ def install_error_handlers(app: FastAPI) -> None:
         if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):  # no body, or not a JSON object
             return error_response(400, "the request body must be a JSON object, sent with Content-Type: application/json", code="invalid_json")
         param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request body")
+        message = _field_message(param, _plain_words(first)) if param else _plain_words(first)
         return error_response(400, message, param=param, code="invalid_parameter")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8)
-            return error_response(400, f"the request body is not valid JSON: {err.detail}", code="invalid_json")
+        if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8: UTF8Route)
+            cause = err.__cause__
+            message = _not_utf8_message(cause) if isinstance(cause, UnicodeDecodeError) else f"the request body is not valid JSON: {err.detail}"
+            return error_response(400, message, code="invalid_json")
         response = error_response(err.status_code, str(err.detail))
         response.headers.update(err.headers or {})  # e.g. the Allow header Starlette's router sets on a 405
         return response

@@ -183,12 +183,19 @@ async def open_streams(
         if failed:
             index, err = failed[0]
             if distinct > 1 and isinstance(err, APIError) and err.status == 400:  # say which prompt
-                raise APIError(err.status, f"prompt {index // copies} (of {distinct}): {err.message}", err.param, err.code) from err
+                raise APIError(err.status, which_prompt(index // copies, distinct, err.message), err.param, err.code) from err
             raise err
         return [t.result() for t in tasks]
     except BaseException:
         await _close_opened(tasks)
         raise
+
+
+def which_prompt(index: int, count: int, message: str) -> str:
+    """``message`` about prompt ``index`` of ``count``: ``prompt 2 (of 3): ...``, without the
+    ``prompt: `` the engine's message starts with when it is about the prompt (it would say
+    "prompt" twice); one about another field keeps its name (``prompt 2 (of 3): max_tokens: ...``)."""
+    return f"prompt {index} (of {count}): {message.removeprefix('prompt: ')}"
 
 
 async def _close_opened(tasks: Sequence["asyncio.Future[tuple[Any, AsyncIterator[Any]]]"]) -> None:

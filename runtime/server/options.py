@@ -1,6 +1,7 @@
 """Server options (frozen): everything ``lorafleet serve`` needs besides the engine config."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8,6 +9,13 @@ from pathlib import Path
 # so that every served adapter can be listed, hot-updated and unloaded (and labels metrics safely).
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
 ADAPTER_NAME_MAX_LEN = 128
+# The same rule in words, for the errors of the admin route and of --lora-modules.
+ADAPTER_NAME_RULE = f"1-{ADAPTER_NAME_MAX_LEN} letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` follows ``ADAPTER_NAME_RULE`` (``ADAPTER_NAME_PATTERN``, at most ``ADAPTER_NAME_MAX_LEN`` characters)."""
+    return len(name) <= ADAPTER_NAME_MAX_LEN and re.fullmatch(ADAPTER_NAME_PATTERN, name) is not None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator, model_validator
 
 from runtime.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
-from runtime.server.options import ADAPTER_NAME_MAX_LEN, ADAPTER_NAME_PATTERN
+from runtime.server.options import ADAPTER_NAME_MAX_LEN, ADAPTER_NAME_PATTERN, ADAPTER_NAME_RULE, is_adapter_name
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # every step searches the new text for each stop string
@@ -61,11 +61,12 @@ class StreamOptions(BaseModel):
         "so a client can time every token.",
     )
 
-    @model_validator(mode="after")
-    def _continuous_needs_usage(self) -> "StreamOptions":
-        if self.continuous_usage_stats and not self.include_usage:
-            raise ValueError("stream_options.continuous_usage_stats needs stream_options.include_usage")
-        return self
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous_needs_usage(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("include_usage") is False:  # not when include_usage itself is invalid (its own error)
+            raise ValueError("needs stream_options.include_usage: true")
+        return value
 
 
 def _nullable_defaults(schema: dict[str, Any], model: Any = None) -> None:
@@ -149,7 +150,7 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _stream_options_need_stream(cls, value: Optional[StreamOptions], info: ValidationInfo) -> Optional[StreamOptions]:
         if value is not None and not info.data.get("stream", False):
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ValueError("only allowed when stream is true")
         return value
 
 
@@ -211,11 +212,14 @@ class ChatMessage(BaseModel):
             return value
         raise ValueError("expected a string, an array of text parts, or null (assistant messages only)")
 
-    @model_validator(mode="after")
-    def _content_present(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content: a {self.role} message needs content")
-        return self
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, value: Any, info: ValidationInfo) -> Any:
+        """Null content is for assistant messages only (an unknown role is reported as such)."""
+        role = info.data.get("role")
+        if value is None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message needs content")
+        return value
 
     def template_fields(self) -> dict[str, str]:
         """What the chat template sees: role, content as one string, and name when given."""
@@ -239,7 +243,7 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
         if value is not None and not info.data.get("logprobs", False):
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise ValueError("needs logprobs: true")
         return value
 
     @field_validator("max_completion_tokens")
@@ -247,7 +251,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _one_token_limit(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
         other = info.data.get("max_tokens")
         if value is not None and other is not None and other != value:
-            raise ValueError(f"max_completion_tokens ({value}) and max_tokens ({other}) disagree; send one of them")
+            raise ValueError(f"{value} differs from max_tokens ({other}); send one of them")
         return value
 
     @model_validator(mode="after")
@@ -261,6 +265,15 @@ class LoadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(..., min_length=1, max_length=ADAPTER_NAME_MAX_LEN, pattern=ADAPTER_NAME_PATTERN)
     lora_path: str = Field(..., min_length=1, max_length=4096)
+
+    @field_validator("lora_name", mode="before")
+    @classmethod
+    def _name_rule(cls, value: Any) -> Any:
+        """The name rule in words (``ADAPTER_NAME_RULE``, as --lora-modules says it), before the
+        Field's constraints (kept for /openapi.json) could answer with the bare pattern."""
+        if isinstance(value, str) and not is_adapter_name(value):
+            raise ValueError(f"must be {ADAPTER_NAME_RULE}")
+        return value
 
 
 class UnloadAdapterRequest(BaseModel):

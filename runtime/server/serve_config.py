@@ -6,7 +6,6 @@ bad values are errors that name the key. Keys may be written with dashes or unde
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -14,7 +13,7 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from runtime.config import ConfigError, EngineConfig
-from runtime.server.options import ADAPTER_NAME_MAX_LEN, ADAPTER_NAME_PATTERN, ServerOptions
+from runtime.server.options import ADAPTER_NAME_RULE, ServerOptions, is_adapter_name
 
 ENGINE_KEYS = (
     "model", "device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_pool_rows",
@@ -151,9 +150,8 @@ def check_adapter_name(name: str) -> None:
     """The admin route's rule for names (``options.ADAPTER_NAME_PATTERN``), at start-up: a name it
     refuses could not be hot-updated or unloaded there, and some (a lone surrogate) broke
     ``GET /v1/models`` for every caller."""
-    if len(name) > ADAPTER_NAME_MAX_LEN or not re.fullmatch(ADAPTER_NAME_PATTERN, name):
-        raise ConfigError(f"lora_modules: adapter name {name!r} must be 1-{ADAPTER_NAME_MAX_LEN} letters, digits, '.', '_' or '-', "
-                          "starting with a letter or digit (as /v1/load_lora_adapter requires)")  # fmt: skip
+    if not is_adapter_name(name):
+        raise ConfigError(f"lora_modules: adapter name {name!r} must be {ADAPTER_NAME_RULE} (as /v1/load_lora_adapter requires)")
 
 
 def check_adapter_names(modules: "tuple[LoRAModule, ...]", served_name: str) -> None:
@@ -178,8 +176,17 @@ def check_base_model_names(modules: "tuple[LoRAModule, ...]", served_model_name:
             raise ConfigError(f"lora_modules: adapter {module.name!r} declares base_model_name {module.base_model_name!r}, but the served base is {served!r}")
 
 
+def absolute_folder(path: str) -> str:
+    """``path`` made absolute against the folder serve starts in, symlinks kept (Path.absolute):
+    ``GET /v1/models`` shows every adapter's ``root`` absolute, as it does for admin-loaded ones, and
+    a Ray replica reads the folder that was meant whatever folder it runs in. A release
+    symlink (``current -> rev1``) stays one, so a re-read still follows where it points."""
+    return str(Path(path).absolute())
+
+
 def parse_lora_module(spec: Any) -> LoRAModule:
-    """``name=path``, a JSON object string, or a mapping with name/path/base_model_name."""
+    """``name=path``, a JSON object string, or a mapping with name/path/base_model_name; the path
+    is made absolute (``absolute_folder``)."""
     if isinstance(spec, str) and spec.lstrip().startswith("{"):
         try:
             spec = json.loads(spec)
@@ -193,11 +200,11 @@ def parse_lora_module(spec: Any) -> LoRAModule:
             raise ConfigError(f"lora_modules: {dict(spec)} needs both 'name' and 'path'")
         if not all(isinstance(v, str) for k, v in spec.items() if not (k == "base_model_name" and v is None)):
             raise ConfigError(f"lora_modules: name, path and base_model_name must be strings, got {dict(spec)}")
-        return LoRAModule(spec["name"], spec["path"], spec.get("base_model_name"))
+        return LoRAModule(spec["name"], absolute_folder(spec["path"]), spec.get("base_model_name"))
     if isinstance(spec, str) and "=" in spec:
         name, path = spec.split("=", 1)
         if name and path:
-            return LoRAModule(name, path)
+            return LoRAModule(name, absolute_folder(path))
     raise ConfigError(f"lora_modules: {spec!r} is not 'name=path' or a JSON object with name and path")
 
 

@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import APIRouter
 
 from runtime.server import generation as gen
-from runtime.server.errors import APIError
+from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 def build_router(state: Any) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=UTF8Route)
 
     def check_model(model: str | None) -> None:
         if model is not None:

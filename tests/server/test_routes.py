@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from runtime.server.app import create_app
-from runtime.server.options import ServerOptions
+from runtime.server.options import ADAPTER_NAME_RULE, ServerOptions
+from runtime.server.serve_config import parse_lora_module
 from tests.server.conftest import client_for
 
 pytestmark = pytest.mark.anyio
@@ -356,7 +357,10 @@ async def test_a_logit_bias_that_is_not_a_number_names_its_entry(app, engine) ->
 
 @pytest.mark.parametrize(
     "content, headers, fragment",
-    [(b'{"model": "m", "prompt": "\xff\xfe"}', {"Content-Type": "application/json"}, "not valid JSON"),
+    [(b'{"model": "m", "prompt": "\xff\xfe"}', {"Content-Type": "application/json"}, "not valid UTF-8 (byte 0xff at position 26)"),
+     (b'{"model":"upper","prompt":"\x80\x81"}', {"Content-Type": "application/json"}, "not valid UTF-8 (byte 0x80 at position 27)"),
+     (b"\xff\xfe", {"Content-Type": "application/json"}, "not valid UTF-8 (byte 0xff at position 0)"),  # json.loads read it as UTF-16
+     (b'{"model": "m", "prompt": "hi"', {"Content-Type": "application/json"}, "not valid JSON (at position"),
      (b'{"model": "m", "prompt": "hi"}', {"Content-Type": "application/x-www-form-urlencoded"}, "Content-Type: application/json"),
      (b"", {}, "must be a JSON object")],
 )  # fmt: skip
@@ -365,6 +369,74 @@ async def test_bodies_that_are_not_json_say_so(app, content, headers, fragment) 
         r = await c.post("/v1/completions", content=content, headers=headers)
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "invalid_json" and fragment in err["message"], r.text
+
+
+async def test_a_utf8_body_may_start_with_a_byte_order_mark(app, engine) -> None:
+    """Bodies are read as UTF-8, never guessed (UTF-16 was); a UTF-8 byte-order mark is still fine."""
+    body = b"\xef\xbb\xbf" + json.dumps(greedy(engine.model_name, "h\u00e9llo")).encode()
+    async with client_for(app) as c:
+        r = await c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        tokenize = await c.post("/tokenize", content=b"\xff\xfe", headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert tokenize.json()["error"]["message"] == "the request body is not valid UTF-8 (byte 0xff at position 0)", tokenize.text
+
+
+LONG = "u" * 257
+
+
+@pytest.mark.parametrize(
+    "path, patch, param, message",
+    [("/v1/completions", {"user": LONG}, "user", "user: at most 256 characters, got 257"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": LONG}]}, "messages.0.name",
+      "messages.0.name: at most 256 characters, got 257"),
+     ("/v1/completions", {"stop_token_ids": list(range(257))}, "stop_token_ids", "stop_token_ids: at most 256 items, got 257"),
+     ("/v1/chat/completions", {"messages": []}, "messages", "messages: at least 1 item, got 0"),
+     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs: needs logprobs: true"),
+     ("/v1/completions", {"stop": ["a"] * 17}, "stop", "stop: at most 16 stop strings"),
+     ("/v1/completions", {"prompt": "x\ud800"}, "prompt", "prompt: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
+     ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
+      "stream_options.continuous_usage_stats: needs stream_options.include_usage: true"),
+     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream_options: only allowed when stream is true"),
+     ("/v1/chat/completions", {"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens",
+      "max_completion_tokens: 4 differs from max_tokens (3); send one of them"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content",
+      "messages.0.content: a user message needs content"),
+     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a"}, {"role": "system", "content": None}]}, "messages.1.content",
+      "messages.1.content: a system message needs content")],
+)  # fmt: skip
+async def test_validation_errors_are_in_plain_words(app, engine, path, patch, param, message) -> None:
+    """Messages name the field once and say what is wrong in the API's words: no pydantic
+    wording ("Value error, ", "items after validation" for a string); a field inside another
+    (a message's content) is named with dots, as docs/api.md says."""
+    async with client_for(app) as c:
+        r = await post_raw(c, path, body_for(path, engine.model_name, **patch))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_parameter"}
+
+
+@pytest.mark.parametrize("name", ["_x", "", "a" * 129, "a/b"])
+async def test_a_refused_adapter_name_says_the_rule(app, adapter_root: Path, name) -> None:
+    """The admin route states the name rule in the words --lora-modules uses (one shared text),
+    not as pydantic's regular expression."""
+    async with client_for(app) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_root / "a")})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "lora_name" and err["code"] == "invalid_parameter", r.text
+    assert err["message"] == f"lora_name: must be {ADAPTER_NAME_RULE}" == "lora_name: must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+async def test_a_configured_adapter_given_by_a_relative_path_has_an_absolute_root(app, adapter_root: Path, engine, monkeypatch) -> None:
+    """``--lora-modules relative=a`` (or the config file's lora_modules) shows the absolute folder
+    in GET /v1/models, as admin-loaded adapters do, not the string as typed."""
+    monkeypatch.chdir(adapter_root)
+    module = parse_lora_module("relative=a")
+    engine.register_adapter(module.name, module.path)
+    try:
+        async with client_for(app) as c:
+            cards = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+    finally:
+        engine.unregister_adapter("relative")
+    assert cards["relative"]["root"] == str(adapter_root / "a")
 
 
 async def test_unusable_adapter_paths_are_400s(app, adapter_root: Path, engine) -> None:
