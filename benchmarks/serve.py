@@ -89,6 +89,8 @@ def main() -> int:
     p.add_argument("--max-loras", type=int, default=8, help="distinct adapters in one step (device slots; default %(default)s)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--max-num-seqs", type=int, default=32, help="running sequences per step (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default: the engine's, max(256, --max-num-seqs) on the cpu, 2048 on a GPU/NPU)")
     p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none'; default %(default)s)")
     p.add_argument("--loop-requests", type=int, default=None, help="requests for the per-request loop (it is slow; default 16)")
     p.add_argument("--peft-batch", type=int, default=None,
@@ -111,8 +113,9 @@ def main() -> int:
                    help="replay the online run over HTTP against a `lorafleet serve` started here with this run's model, adapters, "
                         "device and limits on a free local port (log: OUT/server.log); not with --url")  # fmt: skip
     a = p.parse_args()
-    for flag, value in (("--max-loras", a.max_loras), ("--max-num-seqs", a.max_num_seqs), ("--layers", a.layers)):
-        if value < 1:
+    for flag, value in (("--max-loras", a.max_loras), ("--max-num-seqs", a.max_num_seqs), ("--layers", a.layers),
+                        ("--max-num-batched-tokens", a.max_num_batched_tokens)):
+        if value is not None and value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--slo-ttft", a.slo_ttft), ("--slo-tpot", a.slo_tpot)):
         if not 0 < value < float("inf"):
@@ -204,12 +207,15 @@ def main() -> int:
         log(f"note: {a.workload} holds other requests than its spec generates; the sweeps regenerate from the spec")
     setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, a.dtype, max_loras=a.max_loras,
                        max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, max(spec.ranks)),
-                       max_num_seqs=a.max_num_seqs, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot)
+                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, slo_ttft_s=a.slo_ttft,
+                       slo_tpot_s=a.slo_tpot)
     try:
-        engine_config(setup, setup.workdir / "model")
+        config = engine_config(setup, setup.workdir / "model").for_backend(resolve_name(a.device))
     except ConfigError as err:  # "key: reason", the key an engine setting this script sets from a flag of the same name
         key, _, why = str(err).partition(": ")
-        p.error(f"--{key.replace('_', '-')}: {why}" if key in ("max_loras", "max_cpu_loras", "max_num_seqs", "dtype", "device") else str(err))
+        p.error(f"--{key.replace('_', '-')}: {why}" if key in ("max_loras", "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "dtype", "device") else str(err))
+    # The device's default step budget, spelt out: the summary records it, and a spawned server gets the same.
+    setup = dataclasses.replace(setup, max_num_batched_tokens=config.max_num_batched_tokens)
     out.mkdir(parents=True, exist_ok=True)
     workload = loaded if loaded is not None else generate(spec)
     if a.url:  # the online replay comes last: find out now, not after the offline runs, whether the server can take it

@@ -10,6 +10,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DEFAULT_KV_CACHE_MB = 1024  # the KV memory cap when neither num_kv_blocks nor kv_cache_mb is given
 DEFAULT_HOST_LORAS = 32  # host-tier adapters when max_cpu_loras is not given (or max_loras, if more)
+# The step token budget when max_num_batched_tokens is not given. On the CPU smaller steps are faster even for one long
+# prompt: a step's activations (rows x intermediate) stay in cache instead of being faulted in fresh each step. On the
+# 2-core dev machine (docs/benchmarks.md, "Step token budget on the CPU") 256 against 1024 took the 48-request burst
+# 1.05-1.12x faster in turn (hidden 512 / 1024) and one ~950-token prompt 1.17x / 1.37x / 1.11x (hidden 512 / 1024 /
+# 2048) against 2048; 128 was no faster than 256, 512 within 2% of it. GPUs and NPUs keep 2048 (not measured there).
+DEFAULT_BATCHED_TOKENS = 2048
+CPU_BATCHED_TOKENS = 256
 
 
 class ConfigError(ValueError):
@@ -31,7 +38,8 @@ class EngineConfig:
                             Adapters take only their own rank's rows, so a smaller value
                             still fits many low-rank adapters.
     max_num_seqs:           running sequences per step
-    max_num_batched_tokens: token budget of one step (prefill chunks + decodes)
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None = 2048 on cuda/npu,
+                            max(256, max_num_seqs) on the cpu (``for_backend``, CPU_BATCHED_TOKENS)
     max_model_len:          longest prompt + output; None = the model's limit (max_position_embeddings, capped to its sliding window if it has one)
     block_size:             tokens per KV block
     num_kv_blocks:          KV blocks in the pool; None = enough for max_num_seqs full-length sequences, capped by kv_cache_mb
@@ -48,7 +56,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_pool_rows: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -63,10 +71,10 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
-        positive = ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size")
+        positive = ("max_loras", "max_lora_rank", "max_num_seqs", "block_size")
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb"):
+        for name in ("max_num_batched_tokens", "max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
@@ -78,6 +86,16 @@ class EngineConfig:
             raise ConfigError(f"max_cpu_loras: {self.max_cpu_loras} is below max_loras={self.max_loras}; the host tier must hold every device adapter")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:
             raise ConfigError(f"lora_pool_rows: {self.lora_pool_rows} cannot hold one adapter of max_lora_rank={self.max_lora_rank}")
+
+    def for_backend(self, backend_name: str) -> "EngineConfig":
+        """This config with the defaults that depend on the backend filled in (the backend's
+        ``name``: cpu, cuda, npu): ``max_num_batched_tokens``, when not given, is
+        max(CPU_BATCHED_TOKENS, max_num_seqs) on the cpu (every running sequence's decode fits
+        a step) and DEFAULT_BATCHED_TOKENS elsewhere. A given value is kept."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = max(CPU_BATCHED_TOKENS, self.max_num_seqs) if backend_name == "cpu" else DEFAULT_BATCHED_TOKENS
+        return self.replace(max_num_batched_tokens=budget)
 
     @property
     def kv_cache_cap_mb(self) -> int:

@@ -105,6 +105,7 @@ class LLMEngine:
             from backends import get_backend
 
             backend = get_backend(config.device)
+        config = config.for_backend(backend.name)  # the step budget's default depends on the device
         self.config = config
         self.backend = backend
         self.backend_name = backend.name

@@ -114,6 +114,7 @@ def _allocating(what: str, device: torch.device, lower: str, nbytes: int | None 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: Any) -> None:
+        config = config.for_backend(backend.name)
         self.config = config
         self.backend = backend
         self.device = torch.device(backend.device)

@@ -420,6 +420,7 @@ def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.
     assert data["summary"]["requests_ok"] == 4 and data["summary"]["requests_failed"] == 0
     assert data["workload"]["spec"]["num_requests"] == 4
     assert data["setup"]["device"] == "cpu" and data["setup"]["hidden_size"] == int(SMALL[SMALL.index("--hidden") + 1])
+    assert data["setup"]["max_num_batched_tokens"] == 256  # the cpu's default step budget, spelt out
     # the line that says what ran, above the table
     assert "4 requests, arriving all at once, in-process on cpu (float32;" in captured.out and "tok/s = output tokens / that time" in captured.out
     umask = os.umask(0)

@@ -187,6 +187,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     }
     assert all(v > 0 for v in res["ratios"].values())
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
+    assert res["setup"]["max_num_batched_tokens"] == str(max(256, int(res["setup"]["max_num_seqs"])))  # the cpu default, spelt out
     for p in res["sweep_adapters"]:  # steps of the median round, against what any schedule needs for those requests
         recs = runs[(f"{p['adapters']} adapters", 1)]
         loras, seqs = int(res["setup"]["max_loras"]), int(res["setup"]["max_num_seqs"])
@@ -378,6 +379,7 @@ def test_serve_benchmark_refuses_flags_its_runs_would_ignore(tmp_path: Path, fla
     (["--input-len", "9,3"], "--input-len: need 1 <= lo <= hi"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
     (["--max-loras", "0"], "--max-loras must be >= 1, got 0"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
     (["--slo-ttft", "-1"], "--slo-ttft: must be a positive number of seconds, got -1.0"),
     (["--workload", "w.jsonl", "--num-requests", "5"], "--num-requests: not used with --workload"),
     (["--workdir", "/dev/null/w"], "--workdir /dev/null/w: cannot be created: /dev/null is a file"),

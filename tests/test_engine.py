@@ -394,3 +394,31 @@ def test_an_adapter_read_from_disk_is_not_starved_by_a_busy_host_tier(tiny_llama
     run_to_completion(engine)
     snap = engine.snapshot()
     assert snap["total_refcounts"] == {"adapter_demand": 0, "adapter_device_refs": 0}
+
+
+def test_step_budget_defaults_by_device(tiny_llama_dir):
+    """Without max_num_batched_tokens the cpu gets max(256, max_num_seqs) (smaller steps run faster
+    there; docs/benchmarks.md) and a GPU/NPU 2048; a given budget is kept, a bad one refused."""
+    from runtime.config import CPU_BATCHED_TOKENS, DEFAULT_BATCHED_TOKENS, ConfigError, EngineConfig
+
+    base = EngineConfig(model=str(tiny_llama_dir), device="cpu")
+    assert base.max_num_batched_tokens is None
+    assert base.for_backend("cpu").max_num_batched_tokens == CPU_BATCHED_TOKENS == 256
+    assert base.replace(max_num_seqs=300).for_backend("cpu").max_num_batched_tokens == 300  # every decode fits a step
+    assert base.for_backend("cuda").max_num_batched_tokens == base.for_backend("npu").max_num_batched_tokens == DEFAULT_BATCHED_TOKENS == 2048
+    assert base.replace(max_num_batched_tokens=40).for_backend("cpu").max_num_batched_tokens == 40
+    engine = make_engine(tiny_llama_dir, max_num_batched_tokens=None, max_num_seqs=3, num_kv_blocks=128)
+    try:
+        assert engine.config.max_num_batched_tokens == engine.scheduler.max_num_batched_tokens == 256
+        assert engine.runner.workspace.shape[1] == 256
+        rng = random.Random(1)
+        for i in range(3):  # 360 prompt tokens: more than one step's budget
+            engine.add_request(f"r{i}", random_prompt(rng, 120), SamplingParams(max_tokens=1), None)
+        finals = run_to_completion(engine)
+        assert sorted(finals) == ["r0", "r1", "r2"] and all(len(f.token_ids) == 1 for f in finals.values())
+        assert engine.steps == 2
+    finally:
+        engine.close()
+    for bad in (0, -5, True, 1.5):
+        with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+            EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=bad)

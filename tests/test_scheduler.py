@@ -437,7 +437,7 @@ def test_schedule_does_not_depend_on_string_hashing(tmp_path) -> None:
         from runtime.bench.suite import BenchSetup, prepare, engine_config, workload_jobs, stepped_in_turn
         from runtime.bench.synthetic import LlamaShape
         spec = WorkloadSpec(num_requests=48, num_adapters=16, alpha=1.0, input_len=(8, 16), output_len=(16, 32), ranks=(8, 16))
-        setup = BenchSetup(Path({str(tmp_path)!r}), LlamaShape.sized(64, 1), max_loras=8, max_num_seqs=32)
+        setup = BenchSetup(Path({str(tmp_path)!r}), LlamaShape.sized(64, 1), max_loras=8, max_num_seqs=32, max_num_batched_tokens=1024)
         w = generate(spec)
         w = dataclasses.replace(w, requests=tuple(dataclasses.replace(r, arrival_s=0.0) for r in w.requests))
         model, adapters = prepare(w, setup)

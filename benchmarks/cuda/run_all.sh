@@ -152,10 +152,11 @@ step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat1
 # (weights already built; the PEFT baseline about 47 s of it; docs/benchmarks.md, "NVIDIA H200").
 # PEFT has warmed up on the whole workload since, as lorafleet does off the CPU: expect its part to
 # roughly double (not measured).
+# The step budget stays at the 1024 tokens that run measured (serve.py's own default is now the engine's, 2048 on a GPU).
 # The 16 -> 500 adapter sweep builds only the adapters its requests use (about 60 of 500).
 step serve 300 "$PY" benchmarks/serve.py --out "$WORK/serve" --workdir "$WORK/weights" --device cuda --dtype bfloat16 \
   --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 --output-len 32,128 \
-  --hidden 2048 --layers 8 --max-loras 16 --repeats 1 --baselines no-adapter,peft --sweep-adapters 16,500 --sweep-rates ''
+  --hidden 2048 --layers 8 --max-loras 16 --max-num-batched-tokens 1024 --repeats 1 --baselines no-adapter,peft --sweep-adapters 16,500 --sweep-rates ''
 [ -f "$WORK/serve/summary.json" ] && cp "$WORK/serve/summary.json" "$OUT/serve_summary.json"
 
 # The same workload's online replay over HTTP (streaming, TTFT as a client sees it) to a `lorafleet
@@ -170,7 +171,7 @@ fi
 if PYTHONPATH=$SERVER_PATH "$PY" -c "import fastapi, uvicorn" 2>/dev/null; then
   step serve_http 150 env PYTHONPATH="$SERVER_PATH" "$PY" benchmarks/serve.py --out "$WORK/serve_http" --workdir "$WORK/weights" \
     --device cuda --dtype bfloat16 --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --rate 8 --input-len 16,64 \
-    --output-len 32,128 --hidden 2048 --layers 8 --max-loras 16 --repeats 1 --baselines none --sweep-adapters '' --sweep-rates '' \
+    --output-len 32,128 --hidden 2048 --layers 8 --max-loras 16 --max-num-batched-tokens 1024 --repeats 1 --baselines none --sweep-adapters '' --sweep-rates '' \
     --spawn-server
   [ -f "$WORK/serve_http/summary.json" ] && cp "$WORK/serve_http/summary.json" "$OUT/serve_http_summary.json"
 else

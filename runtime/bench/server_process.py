@@ -47,8 +47,9 @@ def serve_command(setup: BenchSetup, model_dir: Path, adapters: dict[str, Path],
     """The ``lorafleet serve`` command line for ``setup``'s device, dtype and engine limits."""
     cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(Path(model_dir).resolve()),
            "--device", setup.device, "--dtype", setup.dtype, "--host", "127.0.0.1", "--port", str(port),
-           "--max-loras", str(setup.max_loras), "--max-lora-rank", str(setup.max_lora_rank), "--max-num-seqs", str(setup.max_num_seqs),
-           "--max-num-batched-tokens", str(setup.max_num_batched_tokens)]  # fmt: skip
+           "--max-loras", str(setup.max_loras), "--max-lora-rank", str(setup.max_lora_rank), "--max-num-seqs", str(setup.max_num_seqs)]  # fmt: skip
+    if setup.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(setup.max_num_batched_tokens)]
     if setup.max_cpu_loras is not None:
         cmd += ["--max-cpu-loras", str(setup.max_cpu_loras)]
     if adapters:

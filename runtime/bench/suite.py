@@ -31,7 +31,7 @@ class BenchSetup:
     max_cpu_loras: int | None = None  # None: the engine's default, max(32, max_loras)
     max_lora_rank: int = 64
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int | None = None  # None: the engine's default for the device (EngineConfig.for_backend)
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.5
     targets: tuple[str, ...] = ATTENTION

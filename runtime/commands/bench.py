@@ -37,6 +37,7 @@ one line `lorafleet bench: <flag or file>: <reason>` on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -314,6 +315,8 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
             check_adapter(SimpleNamespace(name=name, modules=modules), backend_name)
         except CapabilityError as err:
             raise SetupError(_ranks_source(args), str(err)) from None
+    config = config.for_backend(backend_name)  # the device's default step budget, recorded in --json's setup block
+    setup = dataclasses.replace(setup, max_num_batched_tokens=config.max_num_batched_tokens)
     try:
         check_engine_config(config, backend_name)
     except CapabilityError as err:
@@ -579,7 +582,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             ran = {"device": setup.device, "dtype": setup.dtype, "hidden_size": setup.shape.hidden_size, "layers": setup.shape.num_hidden_layers,
                    "max_loras": setup.max_loras, "max_cpu_loras": setup.max_cpu_loras, "max_lora_rank": setup.max_lora_rank,
-                   "max_num_seqs": setup.max_num_seqs, "workdir": str(setup.workdir)}  # fmt: skip
+                   "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
+                   "workdir": str(setup.workdir)}  # fmt: skip
         _write_json(json_path, {"workload": spec_block, "setup": ran, "summary": summary})
         print(f"wrote {json_path}")
     _report_failures(result.records)
