@@ -1,7 +1,7 @@
 """Packed vs plain base weights on the CPU, end to end: two engines stepped in turn on one workload.
 
     python benchmarks/packed_weights.py [workload flags] [--hidden 512] [--layers 4] [--max-loras 8] \
-        [--rounds 6] [--base-only] [--dtype float32|bfloat16] [--json FILE]
+        [--rounds 6] [--base-only] [--dtype float32|bfloat16] [--max-num-batched-tokens N] [--json FILE]
 
 Both engines load the same synthetic llama; in one of them every projection that
 ``runtime.models.dense.pack_weight`` packed is unpacked again (``to_dense``), which is the kernel
@@ -14,7 +14,9 @@ greedy decoding of the synthetic model has wide margins; a difference is reporte
 ``--base-only`` drops the adapters (every request on the base model). ``--dtype bfloat16`` runs
 both engines in bf16, where packing needs a CPU that runs bf16 natively in oneDNN
 (``runtime.models.dense.PACKED_BFLOAT16``); elsewhere nothing is packed and the script says so and
-exits 2.
+exits 2. ``--rate`` and ``--cv`` are refused: every request arrives at once.
+``--max-num-batched-tokens`` sets both engines' step budget (default: the engine's own for the CPU,
+``EngineConfig.for_backend``); the JSON records the budget used.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
-from runtime.bench.workload import add_spec_arguments, generate, spec_from_args  # noqa: E402
+from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
 from runtime.models.dense import PACKED_BFLOAT16  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
@@ -73,8 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-only", action="store_true", help="every request on the base model")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations (default: %(default)s)")
     p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one, removed at the end)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step, both engines (default: the engine's CPU default, max(256, max_num_seqs))")
     p.add_argument("--json", help="also write the rounds and the median here")
     a = p.parse_args(argv)
+    problems = ignored_spec_flags(a)
+    problems += [f"{flag}: every request runs at once here (offline); arrival times are not used"
+                 for flag in ("--rate", "--cv") if flag in given_flags(a)]  # fmt: skip
+    if problems:
+        p.error("; ".join(problems))
     try:
         spec = spec_from_args(a)
         shape = LlamaShape.sized(a.hidden, a.layers)
@@ -82,13 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     if a.rounds < 1 or a.max_loras < 1:
         p.error("--rounds and --max-loras must be at least 1")
+    if a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
+        p.error(f"--max-num-batched-tokens must be at least 1, got {a.max_num_batched_tokens}")
     if a.dtype == "bfloat16" and not PACKED_BFLOAT16:
         print("packed_weights: this CPU (or torch) has no native bfloat16 in oneDNN, so bf16 weights are never packed: nothing to compare",
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="packed-weights-") as scratch:
         setup = BenchSetup(Path(a.workdir or scratch), shape, dtype=a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None),
-                           max_lora_rank=max(64, max(spec.ranks)))  # fmt: skip
+                           max_lora_rank=max(64, max(spec.ranks)), max_num_batched_tokens=a.max_num_batched_tokens)  # fmt: skip
+        try:
+            budget = engine_config(setup, setup.workdir).for_backend("cpu").max_num_batched_tokens
+        except ValueError as err:  # e.g. a budget below max_num_seqs
+            p.error(str(err))
         workload = generate(spec).all_at_once()
         model_dir, adapters = suite.prepare(workload, setup)
         used, jobs = workload_jobs(workload, adapters, without_adapters=a.base_only)
@@ -101,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     median = statistics.median(r["packed_over_plain"] for r in rounds)
     print(f"packed / plain, stepped in turn (median of {a.rounds} rounds): {median:.3f}x")
     if a.json:
-        Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "dtype": a.dtype, "base_only": a.base_only, "spec": dataclasses.asdict(workload.spec),
+        Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "dtype": a.dtype, "base_only": a.base_only,
+                                            "max_num_batched_tokens": budget, "spec": dataclasses.asdict(workload.spec),
                                             "rounds": rounds, "median_packed_over_plain": median}, indent=1))
     if not all(r["same_tokens"] for r in rounds):
         print("the packed and plain engines generated different tokens", file=sys.stderr)

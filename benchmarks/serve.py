@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends import availability, resolve_name  # noqa: E402
 from runtime.bench import plots  # noqa: E402
+from runtime.bench.machine import describe as describe_machine  # noqa: E402
 from runtime.bench.peft_baseline import run_peft_in_subprocess  # noqa: E402
 from runtime.bench.replay import ReplayResult, base_model_of, replay_http, served_base_model, served_models  # noqa: E402
 from runtime.bench.server_process import ServerStartError, spawned_server  # noqa: E402
@@ -261,7 +262,8 @@ def main() -> int:
     long_replay = f" (the online replay alone takes at least {duration_text(workload.arrival_span_s)})" if workload.arrival_span_s >= LONG_REPLAY_S else ""
     log(f"workload: {len(workload.requests)} requests, {spec.num_adapters} adapters ({spec.popularity}, alpha {spec.alpha}), rate {spec.rate}/s{long_replay}")
     model_dir, adapters = prepare(workload, setup)
-    results: dict[str, object] = {"spec": dataclasses.asdict(spec), "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()}}
+    results: dict[str, object] = {"spec": dataclasses.asdict(spec), "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()},
+                                  "machine": describe_machine()}  # this script's machine (also the server's, unless --url names another)
     if "peft" in baselines:
         results["peft_batch"] = a.peft_batch
 

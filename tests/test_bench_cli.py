@@ -329,6 +329,7 @@ def test_failed_requests_exit_1_and_say_why(stub: StubServer, capsys: pytest.Cap
     assert lines[1].startswith("  HTTP 404: ") and "The model `lora-0000` does not exist." in lines[1] and lines[1].endswith("(4 requests)")
     data = json.loads(out.read_text())
     assert data["summary"]["requests_failed"] == 4 and data["setup"] == {"url": _url(stub), "base_model": "base"}
+    assert "machine" not in data  # over --url the server's machine is unknown here: not described as this one
     assert stub.paths.count("/v1/completions") == 4  # type: ignore[attr-defined]
 
 
@@ -421,6 +422,7 @@ def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.
     assert data["workload"]["spec"]["num_requests"] == 4
     assert data["setup"]["device"] == "cpu" and data["setup"]["hidden_size"] == int(SMALL[SMALL.index("--hidden") + 1])
     assert data["setup"]["max_num_batched_tokens"] == 256  # the cpu's default step budget, spelt out
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"] and data["machine"]["torch"]  # which machine these figures are from
     # the line that says what ran, above the table
     assert "4 requests, arriving all at once, in-process on cpu (float32;" in captured.out and "tok/s = output tokens / that time" in captured.out
     umask = os.umask(0)

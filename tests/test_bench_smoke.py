@@ -188,6 +188,7 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     assert all(v > 0 for v in res["ratios"].values())
     assert [p["adapters"] for p in res["sweep_adapters"]] == [2, 3]
     assert res["setup"]["max_num_batched_tokens"] == str(max(256, int(res["setup"]["max_num_seqs"])))  # the cpu default, spelt out
+    assert res["machine"]["cores"] >= 1 and res["machine"]["cpu"] and res["machine"]["python"]
     for p in res["sweep_adapters"]:  # steps of the median round, against what any schedule needs for those requests
         recs = runs[(f"{p['adapters']} adapters", 1)]
         loras, seqs = int(res["setup"]["max_loras"]), int(res["setup"]["max_num_seqs"])

@@ -63,3 +63,18 @@ def test_bfloat16_without_native_support_is_refused(tmp_path: Path, monkeypatch,
     monkeypatch.setattr(packed_weights, "PACKED_BFLOAT16", False)
     assert packed_weights.main(ARGS + ["--dtype", "bfloat16", "--workdir", str(tmp_path / "w")]) == 2
     assert "no native bfloat16" in capsys.readouterr().err
+
+
+def test_the_step_budget_reaches_both_engines_and_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "packed.json"
+    assert packed_weights.main(ARGS + ["--rounds", "1", "--max-num-batched-tokens", "40", "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["max_num_batched_tokens"] == 40
+    assert packed_weights.main(ARGS + ["--rounds", "1", "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["max_num_batched_tokens"] == 256  # the engine's CPU default, resolved
+
+
+@pytest.mark.parametrize("flags, message", [(["--max-num-batched-tokens", "0"], "at least 1"), (["--rate", "2"], "every request runs at once")])
+def test_bad_or_ignored_flags_are_refused(tmp_path: Path, flags: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        packed_weights.main(ARGS + flags + ["--workdir", str(tmp_path / "w")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

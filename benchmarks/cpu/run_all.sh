@@ -12,6 +12,7 @@ mkdir -p "$out"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "host: $(uname -m), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
+  echo "cpu: $("$py" -c "import sys; sys.path.insert(0, '$root'); from runtime.bench.machine import cpu_model; print(cpu_model())")"
   "$py" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'threads', torch.get_num_threads())"
 } > "$out/env.txt"
 cat "$out/env.txt"

@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from runtime.bench.machine import describe as describe_machine
 from runtime.bench.workload import given_flags
 from runtime.file_mode import new_file_mode
 
@@ -584,7 +585,9 @@ def _run(args: argparse.Namespace) -> int:
                    "max_loras": setup.max_loras, "max_cpu_loras": setup.max_cpu_loras, "max_lora_rank": setup.max_lora_rank,
                    "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
                    "workdir": str(setup.workdir)}  # fmt: skip
-        _write_json(json_path, {"workload": spec_block, "setup": ran, "summary": summary})
+        # The machine only for an in-process run: over --url the server's machine is not known here.
+        machine_block = {} if setup is None else {"machine": describe_machine()}
+        _write_json(json_path, {"workload": spec_block, "setup": ran, **machine_block, "summary": summary})
         print(f"wrote {json_path}")
     _report_failures(result.records)
     return EXIT_OK if summary["requests_failed"] == 0 else EXIT_REQUESTS_FAILED

@@ -1,0 +1,44 @@
+"""The machine a benchmark ran on, recorded next to its figures.
+
+Figures from different machines are not comparable: the CPU development machines of this project
+have been AMD EPYC and Intel Xeon VMs of the same size on different days (docs/benchmarks.md), and
+a ratio measured on one (packed / plain weights: 1.06-1.13x on the EPYC, 0.96-0.99x on the Xeon)
+need not hold on the other. So every summary says which it was.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's marketing name: Linux's ``model name`` line, else ``platform.processor()``, else "unknown"."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one, else every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def describe() -> dict[str, Any]:
+    """cpu, cores, architecture, python, torch and its intra-op threads; the GPU's name when torch sees one."""
+    import torch
+
+    info: dict[str, Any] = {"cpu": cpu_model(), "cores": usable_cores(), "arch": platform.machine(),
+                            "python": sys.version.split()[0], "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
