@@ -3,9 +3,12 @@
     python benchmarks/packed_weights.py [workload flags] [--hidden 512] [--layers 4] [--max-loras 8] \
         [--rounds 6] [--base-only] [--dtype float32|bfloat16] [--max-num-batched-tokens N] [--json FILE]
 
-Both engines load the same synthetic llama; in one of them every projection that
-``runtime.models.dense.pack_weight`` packed is unpacked again (``to_dense``), which is the kernel
-choice before packing: oneDNN on the plain weight up to 128 rows, MKL above. Every request is
+Both engines load the same synthetic llama. In "packed" every projection (and an untied LM head)
+that oneDNN can take is packed (``runtime.models.dense.pack_weight(force=True)``), whatever the CPU;
+in "plain" every packed weight is unpacked again (``to_dense``), so it runs what a plain weight runs
+on this CPU: off Intel CPUs oneDNN up to 128 rows and MKL above (the choice before packing), on
+Intel CPUs MKL's ``F.linear`` for every call (the engine's own float32 choice there,
+``dense.FLOAT32_ONEDNN``; bf16 stays packed on every CPU with native bf16). Every request is
 submitted up front (offline, greedy, ``ignore_eos``) and the two engines take one step each in
 turn, the order swapped every round, so machine drift hits both alike. tokens/s of an engine = its
 tokens / the time inside its own steps; the script prints packed / plain per round and the median,
@@ -29,13 +32,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
-from runtime.models.dense import PACKED_BFLOAT16  # noqa: E402
+from runtime.models.dense import PACKED_BFLOAT16, pack_weight  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
 
@@ -54,13 +59,32 @@ def unpack(engine: Any) -> int:
     return n
 
 
+def pack(engine: Any) -> int:
+    """Pack every projection of ``engine`` (and an untied LM head) that oneDNN can take, on any CPU
+    (``pack_weight(force=True)``); how many are packed now."""
+    model, n = engine.runner.model, 0
+    for layer in model.layers:
+        for lin in layer.projections.values():
+            if not isinstance(lin.weight, torch.Tensor):  # an int8 weight: not packable
+                continue
+            if not lin.weight.is_mkldnn:  # already packed (bf16, or float32 off Intel CPUs): as it is
+                lin.weight = pack_weight(lin.weight, force=True)
+            n += lin.weight.is_mkldnn
+    if model.lm_head is not model.embed:
+        if not model.lm_head.is_mkldnn:
+            model.lm_head = pack_weight(model.lm_head, force=True)
+        n += model.lm_head.is_mkldnn
+    return n
+
+
 def one_round(setup: BenchSetup, model_dir: Path, used: dict[str, Path], jobs: list, packed_first: bool) -> dict[str, Any]:
     order = ("packed", "plain") if packed_first else ("plain", "packed")
-    unpacked: list[int] = []
+    packed_count: list[int] = []
     runs = suite.stepped_in_turn({name: (engine_config(setup, model_dir), used, jobs) for name in order},
-                                 prepare={"plain": lambda engine: unpacked.append(unpack(engine))}, keep_token_ids=True)  # fmt: skip
+                                 prepare={"packed": lambda engine: packed_count.append(pack(engine)), "plain": unpack},
+                                 keep_token_ids=True)  # fmt: skip
     packed, plain = runs["packed"], runs["plain"]
-    return {"unpacked_weights": unpacked[0], "same_tokens": packed["token_ids"] == plain["token_ids"], "tokens": packed["tokens"],
+    return {"packed_weights": packed_count[0], "same_tokens": packed["token_ids"] == plain["token_ids"], "tokens": packed["tokens"],
             "packed_tokens_per_s": packed["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
             "packed_over_plain": round(packed["tokens_per_s"] / plain["tokens_per_s"], 4)}
 
@@ -112,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             result = in_fresh_thread(one_round)(setup, model_dir, used, jobs, packed_first=i % 2 == 0)
             rounds.append(result)
             print(f"round {i + 1}/{a.rounds}: packed {result['packed_tokens_per_s']} tokens/s, plain {result['plain_tokens_per_s']}, "
-                  f"packed / plain {result['packed_over_plain']:.3f}x ({result['unpacked_weights']} weights packed)", flush=True)
+                  f"packed / plain {result['packed_over_plain']:.3f}x ({result['packed_weights']} weights packed)", flush=True)
     median = statistics.median(r["packed_over_plain"] for r in rounds)
     print(f"packed / plain, stepped in turn (median of {a.rounds} rounds): {median:.3f}x")
     if a.json:

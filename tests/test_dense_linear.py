@@ -14,6 +14,13 @@ from runtime.models import dense
 from runtime.models.dense import dense_linear
 
 
+@pytest.fixture(autouse=True)
+def float32_on_onednn(monkeypatch):
+    """These tests check the oneDNN paths, which float32 takes off Intel CPUs; on an Intel machine
+    they are switched on here, so every machine checks them (the Intel rule has its own tests below)."""
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", dense.ONEDNN_LINEAR)
+
+
 @pytest.mark.parametrize("rows", [(0,), (1,), (11,), (2, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_features", [40, 1024])  # a small weight (F.linear) and one of 2^18 elements (oneDNN)
@@ -73,6 +80,18 @@ def test_the_script_times_packed_weights_in_chunks(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["packed"] == report["onednn_weights"] == 1  # gate/up, 1024 x 256 = 2^18; the others are smaller
     assert {c[0] for c in calls} == {7, 126, 4}  # the error check's 7 rows; 130 rows only as 126 + 4, packed
+
+
+@pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
+@pytest.mark.parametrize("float32_onednn", [True, False])
+def test_the_script_packs_on_any_cpu_and_names_the_engines_kernel(tmp_path, monkeypatch, capsys, float32_onednn):
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", float32_onednn)  # False: as on an Intel CPU
+    out = tmp_path / "gemm.json"
+    assert cpu_gemm.main(["--hidden", "256", "--layers", "1", "--rows", "5", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["packed"] == 1  # the packed column is packed either way (forced)
+    assert report["engine_kernel"] == ("packed" if float32_onednn else "F.linear")
+    assert ("the engine runs F.linear (float32 on an Intel CPU: MKL)" in capsys.readouterr().out) != float32_onednn
 
 
 @pytest.mark.skipif(not dense.PACKED_BFLOAT16, reason="this CPU (or torch) has no native bfloat16 in oneDNN: bf16 weights stay plain")
@@ -250,3 +269,44 @@ def test_a_packed_weight_falls_back_to_f_linear_on_its_plain_values(case, monkey
         with pytest.raises(RuntimeError):
             dense_linear(x.double(), packed)  # F.linear of float64 x by the float32 weight: torch's own dtype error
     assert not calls
+
+
+def test_the_float32_kernel_follows_the_cpu_vendor(tmp_path):
+    """MKL for float32 on Intel CPUs, oneDNN elsewhere: read from the vendor_id line, once."""
+    from runtime.cpu_info import cpu_field
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n")
+    assert cpu_field("vendor_id", info) == "GenuineIntel" and cpu_field("model name", info) == "Intel(R) Xeon(R) Processor"
+    assert cpu_field("vendor_id", tmp_path / "missing") == "" and cpu_field("flags", info) == ""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dense_as_loaded", dense.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)  # the module's own reading of this machine
+    assert fresh.FLOAT32_ONEDNN == (dense.ONEDNN_LINEAR and cpu_field("vendor_id") != "GenuineIntel")
+
+
+@pytest.mark.parametrize("rows", [(1,), (11,), (128,), (129,), (2, 5)])
+def test_where_mkl_is_preferred_float32_stays_plain_on_f_linear(rows, monkeypatch):
+    """On an Intel CPU (FLOAT32_ONEDNN off): float32 weights are not packed and every call is
+    F.linear's, bit for bit, at every row count; bf16 packing and a forced pack are unaffected."""
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", False)
+    calls = _onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(20 + sum(rows))
+    x, w, b = torch.randn(*rows, 256, generator=gen), torch.randn(1024, 256, generator=gen), torch.randn(1024, generator=gen)
+    assert dense.pack_weight(w) is w
+    assert torch.equal(dense_linear(x, w, b), F.linear(x, w, b)) and not calls
+    if dense.PACKED_WEIGHTS:
+        forced = dense.pack_weight(w, force=True)  # benchmarks compare the two kernels on any CPU
+        assert forced.is_mkldnn and torch.equal(forced.to_dense(), w)
+        y = dense_linear(x, forced, b)
+        assert calls and ((y.double() - F.linear(x.double(), w.double(), b.double())).abs().max() / y.abs().max()).item() < 1e-6
+        assert dense.pack_weight(w.bfloat16()).is_mkldnn == dense.PACKED_BFLOAT16
+
+
+def test_force_does_not_pack_what_cannot_be_packed():
+    gen = torch.Generator().manual_seed(21)
+    for weight in (torch.randn(1023, 256, generator=gen), torch.randn(1024, 256, generator=gen).double(),
+                   torch.randn(1024, 256, generator=gen).requires_grad_()):
+        assert dense.pack_weight(weight, force=True) is weight

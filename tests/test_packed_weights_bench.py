@@ -22,6 +22,16 @@ ARGS = ["--num-requests", "3", "--adapters", "2", "--input-len", "2,4", "--outpu
 
 def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 1 << 17)  # the LM head (300 x 512) packed too: the plain engine unpacks it
+    left_packed = []  # per round: the plain engine's weights still packed after unpack (none may be)
+    real_unpack = packed_weights.unpack
+
+    def unpack_and_count(engine):
+        n = real_unpack(engine)
+        model = engine.runner.model
+        left_packed.append(sum(lin.weight.is_mkldnn for layer in model.layers for lin in layer.projections.values()) + model.lm_head.is_mkldnn)
+        return n
+
+    monkeypatch.setattr(packed_weights, "unpack", unpack_and_count)
     out = tmp_path / "packed.json"
     assert packed_weights.main(ARGS + ["--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -31,8 +41,9 @@ def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: 
     wanted = sum(r.output_tokens for r in generate(spec_from_args(spec_args)).requests)  # every request runs to its length
     assert len(report["rounds"]) == 2
     for r in report["rounds"]:
-        assert r["unpacked_weights"] == 5 and r["same_tokens"] and r["tokens"] == wanted
+        assert r["packed_weights"] == 5 and r["same_tokens"] and r["tokens"] == wanted
         assert r["packed_tokens_per_s"] > 0 and r["plain_tokens_per_s"] > 0 and r["packed_over_plain"] > 0
+    assert left_packed == [0, 0]  # "packed" had 5 on any CPU (forced), "plain" none
     assert "packed / plain, stepped in turn (median of 2 rounds)" in capsys.readouterr().out
 
 
@@ -56,7 +67,7 @@ def test_bfloat16_engines_are_compared_too(tmp_path: Path) -> None:
     out = tmp_path / "packed.json"
     assert packed_weights.main(ARGS + ["--rounds", "1", "--dtype", "bfloat16", "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["dtype"] == "bfloat16" and report["rounds"][0]["unpacked_weights"] == 4 and report["rounds"][0]["same_tokens"]
+    assert report["dtype"] == "bfloat16" and report["rounds"][0]["packed_weights"] == 4 and report["rounds"][0]["same_tokens"]
 
 
 def test_bfloat16_without_native_support_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:

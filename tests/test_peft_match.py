@@ -165,6 +165,7 @@ def test_logits_and_greedy_generation_match_peft_on_onednn(setup, monkeypatch):
 
     calls = []
     onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", True)  # as off Intel CPUs, where float32 takes oneDNN
     monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn(*args))
     test_mixed_batch_logits_match_peft(setup)
@@ -180,6 +181,7 @@ def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkey
     from runtime.models import dense
 
     model_dir, adapters, _, _, ref_model = setup
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", True)  # as off Intel CPUs, where float32 weights are packed
     monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)
     monkeypatch.setattr(dense, "ONEDNN_MAX_ROWS", 7)
     runner, slots = make_runner(model_dir, adapters)
@@ -191,6 +193,25 @@ def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkey
     test_mixed_batch_logits_match_peft((model_dir, adapters, runner, slots, ref_model))
     test_greedy_generation_matches_peft((model_dir, adapters, runner, slots, ref_model))
     assert rows and set(rows) <= set(range(dense.PACKED_MIN_ROWS, 8)) and max(rows) == 7  # packed calls, 4-7 rows each
+
+
+def test_where_mkl_is_preferred_the_model_keeps_float32_weights_plain_and_matches_peft(setup, monkeypatch):
+    """On an Intel CPU (``FLOAT32_ONEDNN`` off) no float32 projection is packed, whatever its size,
+    and every GEMM is F.linear's: the PEFT bounds hold there too."""
+    from runtime.models import dense
+
+    model_dir, adapters, _, _, ref_model = setup
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", False)
+    monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)  # every weight large enough to be packed, were it allowed
+    calls = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn(*args))
+    runner, slots = make_runner(model_dir, adapters)
+    assert not any(lin.weight.is_mkldnn for layer in runner.model.layers for lin in layer.projections.values())
+    assert not runner.model.lm_head.is_mkldnn
+    test_mixed_batch_logits_match_peft((model_dir, adapters, runner, slots, ref_model))
+    test_greedy_generation_matches_peft((model_dir, adapters, runner, slots, ref_model))
+    assert not calls
 
 
 def test_steps_reach_the_ops_grouped_by_adapter(setup, monkeypatch):

@@ -13,17 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runtime.cpu_info import CPUINFO, cpu_field
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
     """The CPU's marketing name: Linux's ``model name`` line, else ``platform.processor()``, else "unknown"."""
-    try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_field("model name", cpuinfo) or platform.processor() or "unknown"
 
 
 def usable_cores() -> int:

@@ -1,8 +1,16 @@
 """The dense base GEMM ``y = x @ W^T (+ b)``, on the fastest kernel torch has for the operands.
 
-For float32 on the CPU that is oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, the op
-torch's Inductor compiler emits for CPU linears) once the weight is large; ``F.linear`` calls
-MKL's sgemm. On the 2-core AMD EPYC dev machine (``python benchmarks/cpu_gemm.py --hidden H``;
+Which kernel is fastest for float32 depends on the CPU's vendor (``FLOAT32_ONEDNN``). ``F.linear``
+calls MKL's sgemm, which takes its fastest code paths only on Intel CPUs: on the 2-core Intel Xeon
+dev machine (2026-12-02, AVX-512) it beat oneDNN at the small row counts of decode steps (16
+hidden-512 projections, 1 / 11 rows: 1.27 / 2.96 ms against 3.63 / 3.94 on packed weights) and at
+512 rows (38.5 against 48.1 ms), and in the engine, stepped in turn against packed weights, a lone
+request ran 1.37x (hidden 512) and 1.33x (hidden 1024) faster and the 48-request burst 1.08x /
+1.05x. So on Intel CPUs float32 weights stay plain and every float32 call goes to ``F.linear``.
+Everywhere else (AMD, and CPUs whose vendor is not known) float32 takes oneDNN as follows.
+
+For float32 off Intel CPUs that is oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, the op
+torch's Inductor compiler emits for CPU linears) once the weight is large. On the 2-core AMD EPYC dev machine (``python benchmarks/cpu_gemm.py --hidden H``;
 docs/benchmarks.md), for the 16 projections of a 4-layer llama:
 
 - hidden 512: oneDNN 1.8 / 4.0 / 5.8 / 14.6 ms for 1 / 11 / 32 / 128 rows, MKL 3.8 / 5.4 / 7.5 / 17.9 ms;
@@ -29,8 +37,8 @@ fp32) hold on either kernel.
 Packed weights (``pack_weight``). The op is faster given a weight already in oneDNN's own blocked
 layout than given the plain ``[out, in]`` tensor, so the model stores each large float32 CPU
 projection once in that layout (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's weight
-freezing does), in place of the plain copy, so memory stays the same. For the 16 projections of the
-hidden-512 llama (``benchmarks/cpu_gemm.py``; docs/benchmarks.md, "Packed weights") 11 / 32 / 128
+freezing does), in place of the plain copy, so memory stays the same (off Intel CPUs). For the 16
+projections of the hidden-512 llama on the EPYC (``benchmarks/cpu_gemm.py``; docs/benchmarks.md, "Packed weights") 11 / 32 / 128
 rows took 2.75 / 4.58 / 13.40 ms packed against 3.72 / 5.52 / 14.61 plain; at hidden 1024 7.40 /
 14.70 / 49.70 against 11.19 / 18.34 / 53.63. oneDNN's packed kernels for 1-2 rows are slower than
 its 4-row one, so calls of 1-3 rows are zero-padded to ``PACKED_MIN_ROWS`` (4) rows; one row is
@@ -45,14 +53,16 @@ unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but
 bfloat16. Where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX:
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, ``PACKED_BFLOAT16``), large bf16 CPU projections are
 packed the same way, with the same 4-128-row calls (``x``, bias and result in bf16, sums in float32,
-as ``F.linear``'s). On the dev machine (``benchmarks/cpu_gemm.py --dtype bfloat16``) the 16 hidden-512
+as ``F.linear``'s), on Intel CPUs too. On the EPYC (``benchmarks/cpu_gemm.py --dtype bfloat16``) the 16 hidden-512
 projections took 1.58 / 1.40 / 1.69 / 2.58 / 7.25 ms for 1 / 4 / 11 / 32 / 128 rows packed against
 1.81 / 2.21 / 2.55 / 3.50 / 8.23 on ``F.linear``, but 512 rows (in 128-row calls) 0.91x of
 ``F.linear``; at hidden 1024, 1.06-1.72x. End to end (``benchmarks/packed_weights.py --dtype
 bfloat16``, in turn, the same tokens) a lone request at hidden 1024 went 1.28x, the 48-request
 burst 1.05x (hidden 1024) and 1.00x (hidden 512): there the GEMMs are a smaller share of a bf16 step
-(torch's bf16 SDPA took 0.68 of 2.5 s in a hidden-1024 profile, the GEMMs 0.90). A plain bf16 weight
-stays on ``F.linear`` (the op was no faster on it), as does every bf16 weight where the CPU lacks
+(torch's bf16 SDPA took 0.68 of 2.5 s in a hidden-1024 profile, the GEMMs 0.90). On the Xeon (AMX)
+packed bf16 took 1.45 / 1.46 / 1.69 / 3.27 ms for 4 / 11 / 32 / 128 rows against ``F.linear``'s 1.61 /
+1.65 / 1.96 / 3.61 (1 row 1.89 against 1.53, 512 rows 14.39 against 10.17), so bf16 stays packed
+there (not compared end to end on that machine). A plain bf16 weight stays on ``F.linear`` (the op was no faster on it), as does every bf16 weight where the CPU lacks
 native bf16 (oneDNN would convert on each call; not measured) and every float16 one (not measured).
 """
 from __future__ import annotations
@@ -63,7 +73,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.cpu_info import cpu_field
+
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# float32 on oneDNN (plain weights up to ONEDNN_MAX_ROWS rows, packed ones always) except on Intel CPUs, where MKL's
+# sgemm (F.linear) was faster (module docstring). A fact of the machine, read once, like the two flags above and below.
+FLOAT32_ONEDNN = ONEDNN_LINEAR and cpu_field("vendor_id") != "GenuineIntel"
 # bfloat16 weights are packed too where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX); elsewhere
 # it would convert every call, and the weights stay plain on F.linear. float16 stays plain: not measured.
 PACKED_BFLOAT16 = ONEDNN_LINEAR and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
@@ -73,13 +88,16 @@ PACKED_WEIGHTS = ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_we
 PACKED_MIN_ROWS = 4  # rows: fewer are zero-padded to this many on a packed weight (oneDNN's 1-2 row kernels are slower there)
 
 
-def pack_weight(weight: Tensor) -> Tensor:
+def pack_weight(weight: Tensor, force: bool = False) -> Tensor:
     """``weight`` [out, in] in oneDNN's blocked layout (a new tensor, ``is_mkldnn``, of the same
-    dtype): a float32 CPU tensor, or a bfloat16 one where this CPU runs bf16 natively
-    (``PACKED_BFLOAT16``), of at least ``ONEDNN_MIN_WEIGHT`` elements that needs no gradient, on a
-    torch with oneDNN switched on. Anything else comes back as it is. Only ``dense_linear`` can
-    multiply by a packed weight."""
+    dtype): a float32 CPU tensor where float32 runs on oneDNN (``FLOAT32_ONEDNN``: not on Intel
+    CPUs, unless ``force``, which benchmarks use to compare the two), or a bfloat16 one where this
+    CPU runs bf16 natively (``PACKED_BFLOAT16``), of at least ``ONEDNN_MIN_WEIGHT`` elements that
+    needs no gradient, on a torch with oneDNN switched on. Anything else comes back as it is. Only
+    ``dense_linear`` can multiply by a packed weight."""
     if not (PACKED_WEIGHTS and torch.backends.mkldnn.enabled and _packable(weight)):
+        return weight
+    if weight.dtype == torch.float32 and not (FLOAT32_ONEDNN or force):
         return weight
     # The batch-size hint picks the blocking: 128, the largest call, timed at least as fast as none
     # or smaller hints at every row count from 1 to 128 (within 1-10%).
@@ -93,7 +111,7 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
         if not _onednn_operands(x, weight, bias):
             return F.linear(x, weight.to_dense(), bias)
         return _packed_linear(x, weight, bias)
-    if weight.dtype == torch.float32 and _packable(weight) and _onednn_operands(x, weight, bias) and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
+    if FLOAT32_ONEDNN and weight.dtype == torch.float32 and _packable(weight) and _onednn_operands(x, weight, bias) and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
