@@ -1,6 +1,7 @@
-"""The CPU base GEMM, three ways: ``dense_linear`` on a packed weight, oneDNN on the plain weight, and
-``F.linear`` (MKL's sgemm). The engine runs the first off Intel CPUs and the third on them in
-float32 (``runtime.models.dense.FLOAT32_ONEDNN``); the header says which.
+"""The CPU base GEMM, three ways: ``dense_linear`` on a packed weight (oneDNN), oneDNN on the plain
+weight, and ``F.linear`` (MKL's sgemm). The engine runs the first or the third
+(``EngineConfig.cpu_gemm``; by default the third for float32 on Intel CPUs, the first elsewhere,
+``runtime.models.dense.FLOAT32_ONEDNN``); the header says which.
 
     python benchmarks/cpu_gemm.py [--hidden 512] [--layers 4] [--rows 1,11,32,64,128,512] [--rounds 5] \
         [--dtype float32|bfloat16] [--json FILE]
@@ -13,11 +14,12 @@ the median of ``--rounds`` passes is printed with the ratios. Each is first chec
 float64 product of the same (rounded) inputs: relative error below 1e-5 in float32, below 1e-2 in
 bfloat16 (whose results keep 8 bits); a disagreement exits 1.
 
-- ``packed``: ``dense_linear`` on ``pack_weight(w, force=True)``: oneDNN on weights in its blocked
+- ``packed``: ``dense_linear`` on ``pack_weight(w, float32=True)``: oneDNN on weights in its blocked
   layout, for weights of at least ``ONEDNN_MIN_WEIGHT`` elements, in chunks of at most
   ``ONEDNN_MAX_ROWS`` rows (on any CPU: forced where the engine would keep float32 plain);
 - ``plain``: oneDNN on ``w`` for such float32 weights and at most ``ONEDNN_MAX_ROWS`` rows,
-  ``F.linear`` otherwise (what ``dense_linear`` does with a plain weight off Intel CPUs);
+  ``F.linear`` otherwise (a path ``dense_linear`` took until 2026-12-02, kept here for comparison
+  with earlier tables);
 - ``F.linear``.
 
 Where torch has no oneDNN linear, or a weight is smaller, all three are ``F.linear`` and the
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.bench.machine import describe as describe_machine  # noqa: E402
 from runtime.models import dense  # noqa: E402
 from runtime.models.dense import ONEDNN_LINEAR, ONEDNN_MAX_ROWS, ONEDNN_MIN_WEIGHT, PACKED_BFLOAT16, PACKED_WEIGHTS, dense_linear, pack_weight  # noqa: E402
 
@@ -65,8 +68,8 @@ def worst_relative_error(linear: Linear, weights: Sequence[torch.Tensor], plain:
 
 def plain_onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """oneDNN on the plain weight for a large float32 weight and at most ``ONEDNN_MAX_ROWS`` rows,
-    ``F.linear`` otherwise: ``dense_linear``'s plain-weight path off Intel CPUs, on any CPU."""
-    if ONEDNN_LINEAR and w.dtype == torch.float32 and w.numel() >= ONEDNN_MIN_WEIGHT and x.shape[0] <= ONEDNN_MAX_ROWS:
+    ``F.linear`` otherwise (``dense_linear``'s plain-weight path before 2026-12-02)."""
+    if ONEDNN_LINEAR and torch.backends.mkldnn.enabled and w.dtype == torch.float32 and w.numel() >= ONEDNN_MIN_WEIGHT and x.shape[0] <= ONEDNN_MAX_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return F.linear(x, w)
 
@@ -83,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rows", default="1,11,32,64,128,512", help="rows per GEMM, comma separated (default: %(default)s; above "
-                   f"{ONEDNN_MAX_ROWS} the plain weight's dense_linear is F.linear, the packed one's takes chunks)")
+                   f"{ONEDNN_MAX_ROWS} the plain column is F.linear, the packed one takes chunks)")
     p.add_argument("--rounds", type=int, default=5, help="passes per kernel and row count; the median is printed (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and inputs (default: %(default)s)")
     p.add_argument("--json", help="also write the results here")
@@ -98,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     weights = projections(a.hidden, a.layers, gen, dtype)
     kernels: dict[str, tuple[Linear, list[torch.Tensor]]] = {
-        "packed": (dense_linear, [pack_weight(w, force=True) for w in weights]), "plain": (plain_onednn, weights), "F.linear": (F.linear, weights)}
+        "packed": (dense_linear, [pack_weight(w, float32=True) for w in weights]), "plain": (plain_onednn, weights), "F.linear": (F.linear, weights)}
     errors = {name: worst_relative_error(fn, ws, weights, 7, gen) for name, (fn, ws) in kernels.items()}
     bad = {name: err for name, err in errors.items() if not err < tolerance}
     if bad:
@@ -114,9 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         kernel_name = (f"oneDNN (torch.ops.mkldnn._linear_pointwise) for the {large} weights of >= {ONEDNN_MIN_WEIGHT} elements "
                        f"({packed} packed; plain ones up to {ONEDNN_MAX_ROWS} rows), F.linear otherwise")
-    engine_kernel = ("packed" if any(pack_weight(w).is_mkldnn for w in weights) else "F.linear" if dtype == torch.float32 or not ONEDNN_LINEAR
-                     else "plain")  # fmt: skip
-    why = " (float32 on an Intel CPU: MKL)" if engine_kernel == "F.linear" and dtype == torch.float32 and large and not dense.FLOAT32_ONEDNN else ""
+    engine_kernel = "packed" if any(pack_weight(w).is_mkldnn for w in weights) else "F.linear"  # what the engine's default stores
+    why = (" (float32 on an Intel CPU: MKL)" if engine_kernel == "F.linear" and dtype == torch.float32 and large and PACKED_WEIGHTS
+           and torch.backends.mkldnn.enabled and not dense.FLOAT32_ONEDNN else "")  # fmt: skip
     print(f"{len(weights)} projections, hidden {a.hidden}, {a.layers} layers, {a.dtype}, {torch.get_num_threads()} threads; "
           f"packed / plain = {kernel_name}; the engine runs {engine_kernel}{why}")
     print(f"{'rows':>6} {'packed ms':>10} {'plain ms':>9} {'F.linear ms':>12} {'plain / packed':>15} {'F.linear / packed':>18}")
@@ -139,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "dtype": a.dtype, "threads": torch.get_num_threads(),
                                             "onednn": ONEDNN_LINEAR, "packed_weights": PACKED_WEIGHTS, "onednn_weights": large,
-                                            "packed": packed, "engine_kernel": engine_kernel, "relative_error": errors, "results": results}, indent=1))
+                                            "packed": packed, "engine_kernel": engine_kernel, "machine": describe_machine(), "relative_error": errors,
+                                            "results": results}, indent=1))
     return 0
 
 

@@ -4,11 +4,11 @@
         [--rounds 6] [--base-only] [--dtype float32|bfloat16] [--max-num-batched-tokens N] [--json FILE]
 
 Both engines load the same synthetic llama. In "packed" every projection (and an untied LM head)
-that oneDNN can take is packed (``runtime.models.dense.pack_weight(force=True)``), whatever the CPU;
-in "plain" every packed weight is unpacked again (``to_dense``), so it runs what a plain weight runs
-on this CPU: off Intel CPUs oneDNN up to 128 rows and MKL above (the choice before packing), on
-Intel CPUs MKL's ``F.linear`` for every call (the engine's own float32 choice there,
-``dense.FLOAT32_ONEDNN``; bf16 stays packed on every CPU with native bf16). Every request is
+that oneDNN can take is packed (``runtime.models.dense.pack_weight(float32=True)``), whatever the
+CPU; in "plain" every packed weight is unpacked again (``to_dense``), so every call is
+``F.linear``'s (MKL). These are the two kernels ``EngineConfig.cpu_gemm`` chooses between
+(``onednn``, ``mkl``); by default the engine packs float32 off Intel CPUs only (``dense.FLOAT32_ONEDNN``),
+and packs bf16 wherever the CPU runs it natively; the JSON records which it would take here. Every request is
 submitted up front (offline, greedy, ``ignore_eos``) and the two engines take one step each in
 turn, the order swapped every round, so machine drift hits both alike. tokens/s of an engine = its
 tokens / the time inside its own steps; the script prints packed / plain per round and the median,
@@ -40,6 +40,8 @@ from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
+from runtime.bench.machine import describe as describe_machine  # noqa: E402
+from runtime.models import dense  # noqa: E402
 from runtime.models.dense import PACKED_BFLOAT16, pack_weight  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
 
@@ -61,18 +63,18 @@ def unpack(engine: Any) -> int:
 
 def pack(engine: Any) -> int:
     """Pack every projection of ``engine`` (and an untied LM head) that oneDNN can take, on any CPU
-    (``pack_weight(force=True)``); how many are packed now."""
+    (``pack_weight(float32=True)``); how many are packed now."""
     model, n = engine.runner.model, 0
     for layer in model.layers:
         for lin in layer.projections.values():
             if not isinstance(lin.weight, torch.Tensor):  # an int8 weight: not packable
                 continue
-            if not lin.weight.is_mkldnn:  # already packed (bf16, or float32 off Intel CPUs): as it is
-                lin.weight = pack_weight(lin.weight, force=True)
+            if not lin.weight.is_mkldnn:  # not yet packed: pack it (a weight the engine packed stays as it is)
+                lin.weight = pack_weight(lin.weight, float32=True)
             n += lin.weight.is_mkldnn
     if model.lm_head is not model.embed:
         if not model.lm_head.is_mkldnn:
-            model.lm_head = pack_weight(model.lm_head, force=True)
+            model.lm_head = pack_weight(model.lm_head, float32=True)
         n += model.lm_head.is_mkldnn
     return n
 
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                            max_lora_rank=max(64, max(spec.ranks)), max_num_batched_tokens=a.max_num_batched_tokens)  # fmt: skip
         try:
             budget = engine_config(setup, setup.workdir).for_backend("cpu").max_num_batched_tokens
-        except ValueError as err:  # e.g. a budget below max_num_seqs
+        except ValueError as err:  # a value EngineConfig refuses, said in its words
             p.error(str(err))
         workload = generate(spec).all_at_once()
         model_dir, adapters = suite.prepare(workload, setup)
@@ -137,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(result)
             print(f"round {i + 1}/{a.rounds}: packed {result['packed_tokens_per_s']} tokens/s, plain {result['plain_tokens_per_s']}, "
                   f"packed / plain {result['packed_over_plain']:.3f}x ({result['packed_weights']} weights packed)", flush=True)
+            if result["packed_weights"] == 0:
+                print(f"packed_weights: no weight of this model can be packed (hidden {a.hidden}: every projection is below "
+                      f"{dense.ONEDNN_MIN_WEIGHT} elements, or this torch cannot pack): the two engines are the same, nothing to compare",
+                      file=sys.stderr)  # fmt: skip
+                return 2
     median = statistics.median(r["packed_over_plain"] for r in rounds)
     print(f"packed / plain, stepped in turn (median of {a.rounds} rounds): {median:.3f}x")
     if a.json:
         Path(a.json).write_text(json.dumps({"hidden": a.hidden, "layers": a.layers, "dtype": a.dtype, "base_only": a.base_only,
-                                            "max_num_batched_tokens": budget, "spec": dataclasses.asdict(workload.spec),
+                                            "max_num_batched_tokens": budget, "engine_float32": "onednn" if dense.float32_packed("auto") else "mkl",
+                                            "machine": describe_machine(), "spec": dataclasses.asdict(workload.spec),
                                             "rounds": rounds, "median_packed_over_plain": median}, indent=1))
     if not all(r["same_tokens"] for r in rounds):
         print("the packed and plain engines generated different tokens", file=sys.stderr)

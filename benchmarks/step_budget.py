@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
+from runtime.bench.machine import describe as describe_machine  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
 from runtime.torch_threads import in_fresh_thread  # noqa: E402
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: up to {differ} of {len(jobs)} requests generated other greedy tokens under the two budgets "
               "(prompt chunks of other sizes round differently)")
     if a.json:
-        Path(a.json).write_text(json.dumps({"budgets": list(budgets), "hidden": a.hidden, "layers": a.layers, "dtype": a.dtype,
+        Path(a.json).write_text(json.dumps({"budgets": list(budgets), "machine": describe_machine(), "hidden": a.hidden, "layers": a.layers, "dtype": a.dtype,
                                             "base_only": a.base_only, "max_num_seqs": a.max_num_seqs, "spec": dataclasses.asdict(workload.spec),
                                             "rounds": rounds, "median_a_over_b": median}, indent=1))
     return 0

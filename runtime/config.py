@@ -17,6 +17,7 @@ DEFAULT_HOST_LORAS = 32  # host-tier adapters when max_cpu_loras is not given (o
 # 2048) against 2048; 128 was no faster than 256, 512 within 2% of it. GPUs and NPUs keep 2048 (not measured there).
 DEFAULT_BATCHED_TOKENS = 2048
 CPU_BATCHED_TOKENS = 256
+CPU_GEMMS = ("auto", "onednn", "mkl")  # cpu_gemm's values (runtime.models.dense.CPU_GEMMS, which config does not import)
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,11 @@ class EngineConfig:
     kv_cache_mb:            cap on KV memory when num_kv_blocks is None; None = DEFAULT_KV_CACHE_MB (1024); with num_kv_blocks it is refused
     enable_prefix_caching:  reuse full KV blocks across requests of the same (base, adapter, version)
     seed:                   seed for sampling when a request gives none
+    cpu_gemm:               auto | onednn | mkl: the cpu backend's float32 base GEMM. onednn packs the large
+                            projections for oneDNN, mkl keeps them plain on F.linear (MKL's sgemm), auto takes
+                            this CPU's measured choice (mkl on Intel CPUs, onednn elsewhere; ``for_backend``
+                            spells it out). Other dtypes and devices ignore the choice, so only auto is
+                            accepted off the cpu backend.
     """
 
     model: str
@@ -63,6 +69,7 @@ class EngineConfig:
     kv_cache_mb: int | None = None
     enable_prefix_caching: bool = False
     seed: int = 0
+    cpu_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -71,6 +78,8 @@ class EngineConfig:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ConfigError(f"cpu_gemm: {self.cpu_gemm!r} is not one of {', '.join(CPU_GEMMS)}")
         positive = ("max_loras", "max_lora_rank", "max_num_seqs", "block_size")
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
@@ -91,11 +100,19 @@ class EngineConfig:
         """This config with the defaults that depend on the backend filled in (the backend's
         ``name``: cpu, cuda, npu): ``max_num_batched_tokens``, when not given, is
         max(CPU_BATCHED_TOKENS, max_num_seqs) on the cpu (every running sequence's decode fits
-        a step) and DEFAULT_BATCHED_TOKENS elsewhere. A given value is kept."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        budget = max(CPU_BATCHED_TOKENS, self.max_num_seqs) if backend_name == "cpu" else DEFAULT_BATCHED_TOKENS
-        return self.replace(max_num_batched_tokens=budget)
+        a step) and DEFAULT_BATCHED_TOKENS elsewhere. A given value is kept. ``cpu_gemm`` auto
+        becomes this CPU's choice (onednn or mkl) on the cpu; off it, only auto is accepted."""
+        config = self
+        if backend_name == "cpu" and self.cpu_gemm == "auto":
+            from runtime.models.dense import float32_packed  # torch: imported only when a backend is known
+
+            config = config.replace(cpu_gemm="onednn" if float32_packed("auto") else "mkl")
+        elif backend_name != "cpu" and self.cpu_gemm != "auto":
+            raise ConfigError(f"cpu_gemm: {self.cpu_gemm!r} chooses the cpu backend's float32 GEMM; this engine runs on {backend_name}: leave it at auto")
+        if config.max_num_batched_tokens is not None:
+            return config
+        budget = max(CPU_BATCHED_TOKENS, config.max_num_seqs) if backend_name == "cpu" else DEFAULT_BATCHED_TOKENS
+        return config.replace(max_num_batched_tokens=budget)
 
     @property
     def kv_cache_cap_mb(self) -> int:

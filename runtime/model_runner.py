@@ -135,7 +135,7 @@ class ModelRunner:
         with _allocating(f"lora_pool_rows: the model (its weights and an adapter pool of {config.pool_rows} rank-rows per target "
                          f"slice x {config.max_loras} slots)", self.device, "--lora-pool-rows or --max-loras / --max-lora-rank, or use a "
                          "smaller --dtype", pool_bytes):  # fmt: skip
-            self.model = LlamaModel(mc, weights, pool, self.max_model_len)
+            self.model = LlamaModel(mc, weights, pool, self.max_model_len, cpu_gemm=config.cpu_gemm)
         del weights
         self.num_kv_blocks = self._num_kv_blocks()
         cache_rows = self.num_kv_blocks * self.block_size

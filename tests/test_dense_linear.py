@@ -16,35 +16,38 @@ from runtime.models.dense import dense_linear
 
 @pytest.fixture(autouse=True)
 def float32_on_onednn(monkeypatch):
-    """These tests check the oneDNN paths, which float32 takes off Intel CPUs; on an Intel machine
-    they are switched on here, so every machine checks them (the Intel rule has its own tests below)."""
+    """``pack_weight`` packs float32 by default off Intel CPUs only; these tests pack it on every
+    machine, so every machine checks the oneDNN path (the Intel rule has its own tests below)."""
     monkeypatch.setattr(dense, "FLOAT32_ONEDNN", dense.ONEDNN_LINEAR)
 
 
 @pytest.mark.parametrize("rows", [(0,), (1,), (11,), (2, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("out_features", [40, 1024])  # a small weight (F.linear) and one of 2^18 elements (oneDNN)
-def test_float32_matches_a_float64_product(rows, with_bias, out_features):
+@pytest.mark.parametrize("out_features", [40, 1024])  # a small weight (never packed) and one of 2^18 elements (packable)
+@pytest.mark.parametrize("packed", [False, True])
+def test_float32_matches_a_float64_product(rows, with_bias, out_features, packed):
     gen = torch.Generator().manual_seed(sum(rows) + with_bias)
     x, w = torch.randn(*rows, 256, generator=gen), torch.randn(out_features, 256, generator=gen)
     b = torch.randn(out_features, generator=gen) if with_bias else None
-    y = dense_linear(x, w, b)
+    y = dense_linear(x, dense.pack_weight(w, float32=True) if packed else w, b)
     want = x.double() @ w.double().T + (0 if b is None else b.double())
     assert y.dtype == torch.float32 and y.shape == (*rows, out_features)
     if want.numel():
         assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-6
 
 
-def test_small_weights_stay_on_f_linear_and_large_ones_take_onednn(monkeypatch):
+def test_plain_weights_take_f_linear_and_packed_ones_onednn(monkeypatch):
     calls = []
     onednn = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(args[1].numel()) or onednn(*args))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(args[0].shape[0]) or onednn(*args))
     gen = torch.Generator().manual_seed(3)
     small, large = torch.randn(1023, 256, generator=gen), torch.randn(1024, 256, generator=gen)
     x = torch.randn(5, 256, generator=gen)
-    assert torch.equal(dense_linear(x, small), F.linear(x, small))
-    dense_linear(x, large)
-    assert calls == ([1 << 18] if dense.ONEDNN_LINEAR else [])
+    for w in (small, large):
+        assert torch.equal(dense_linear(x, w), F.linear(x, w))  # plain: F.linear, bit for bit, whatever the size
+    assert not calls and dense.pack_weight(small, float32=True) is small  # too small to be worth oneDNN's per-call cost
+    dense_linear(x, dense.pack_weight(large, float32=True))
+    assert calls == ([5] if dense.PACKED_WEIGHTS else [])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
@@ -74,12 +77,15 @@ def test_the_script_checks_and_times_all_three_kernels(tmp_path, capsys):
 
 @pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
 def test_the_script_times_packed_weights_in_chunks(tmp_path, monkeypatch):
-    calls = _onednn_calls(monkeypatch)
+    calls = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append((args[0].shape[0], args[1].is_mkldnn)) or onednn(*args))
     out = tmp_path / "gemm.json"
-    assert cpu_gemm.main(["--hidden", "256", "--layers", "1", "--rows", "130", "--rounds", "1", "--json", str(out)]) == 0
+    assert cpu_gemm.main(["--hidden", "256", "--layers", "1", "--rows", "5,130", "--rounds", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["packed"] == report["onednn_weights"] == 1  # gate/up, 1024 x 256 = 2^18; the others are smaller
-    assert {c[0] for c in calls} == {7, 126, 4}  # the error check's 7 rows; 130 rows only as 126 + 4, packed
+    # packed: the error check's 7 rows, 5 rows, 130 rows only as 126 + 4; plain: oneDNN on the plain tensor up to 128 rows
+    assert {rows for rows, packed in calls if packed} == {7, 5, 126, 4} and {rows for rows, packed in calls if not packed} == {7, 5}
 
 
 @pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
@@ -118,27 +124,18 @@ def _onednn_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
 @pytest.mark.parametrize("bias_kind", ["strided", "column", "scalar", "one"])
 def test_a_bias_that_is_not_one_contiguous_vector_takes_f_linear(bias_kind, monkeypatch):
     """The oneDNN op reads the bias's memory as if contiguous: a strided bias gave sums off by ~5,
-    a 0-d one read past its storage, a [1] one raised. Such biases go to F.linear."""
+    a 0-d one read past its storage, a [1] one raised. Such biases go to F.linear, on the packed
+    weight's plain values."""
     calls = _onednn_calls(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(6, 256, generator=gen), torch.randn(1024, 256, generator=gen)
     bias = {"strided": torch.randn(2048, generator=gen)[::2], "column": torch.randn(1024, 4, generator=gen)[:, 1],
             "scalar": torch.tensor(0.5), "one": torch.randn(1, generator=gen)}[bias_kind]  # fmt: skip
-    assert torch.equal(dense_linear(x, w, bias), F.linear(x, w, bias)) and not calls
-
-
-def test_only_steps_of_at_most_128_rows_take_onednn(monkeypatch):
-    calls = _onednn_calls(monkeypatch)
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(1024, 256, generator=gen)
-    for rows in ((128,), (2, 64), (129,), (3, 50)):
-        x = torch.randn(*rows, 256, generator=gen)
-        y = dense_linear(x, w)
-        assert ((y.double() - x.double() @ w.double().T).abs().max() / y.abs().max()).item() < 1e-6
-    assert calls == ([torch.Size([128, 256]), torch.Size([2, 64, 256])] if dense.ONEDNN_LINEAR else [])
+    assert torch.equal(dense_linear(x, dense.pack_weight(w, float32=True), bias), F.linear(x, w, bias)) and not calls
 
 
 def test_gradients_and_a_switched_off_onednn_take_f_linear(monkeypatch):
@@ -150,8 +147,7 @@ def test_gradients_and_a_switched_off_onednn_take_f_linear(monkeypatch):
     assert torch.allclose(xg.grad, w.sum(0).expand(4, 256), rtol=1e-5, atol=1e-4) and not calls
     with torch.backends.mkldnn.flags(enabled=False):
         assert torch.equal(dense_linear(x, w), F.linear(x, w)) and not calls
-    dense_linear(x, w)
-    assert len(calls) == (1 if dense.ONEDNN_LINEAR else 0)
+    assert torch.equal(dense_linear(x, w), F.linear(x, w)) and not calls  # a plain weight never takes oneDNN
 
 
 needs_packing = pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
@@ -271,42 +267,65 @@ def test_a_packed_weight_falls_back_to_f_linear_on_its_plain_values(case, monkey
     assert not calls
 
 
-def test_the_float32_kernel_follows_the_cpu_vendor(tmp_path):
-    """MKL for float32 on Intel CPUs, oneDNN elsewhere: read from the vendor_id line, once."""
+def _dense_on(cpuinfo_text: str, tmp_path, monkeypatch):
+    """runtime.models.dense as loaded on a machine whose /proc/cpuinfo reads ``cpuinfo_text``."""
+    import importlib.util
+
+    from runtime import cpu_info
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(cpuinfo_text)
+    real = cpu_info.cpu_field
+    monkeypatch.setattr(cpu_info, "cpu_field", lambda name, cpuinfo=info: real(name, info))
+    spec = importlib.util.spec_from_file_location("dense_on_that_machine", dense.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("vendor, float32_onednn", [("GenuineIntel", False), ("AuthenticAMD", True), ("", True)])
+def test_the_float32_kernel_follows_the_cpu_vendor(vendor, float32_onednn, tmp_path, monkeypatch):
+    """MKL for float32 on Intel CPUs, oneDNN elsewhere (and where the vendor is not known)."""
+    text = "processor\t: 0\n" + (f"vendor_id\t: {vendor}\n" if vendor else "") + "model name\t: Some CPU\n"
+    module = _dense_on(text, tmp_path, monkeypatch)
+    assert module.FLOAT32_ONEDNN == (float32_onednn and dense.ONEDNN_LINEAR)
+    assert module.float32_packed("auto") == module.FLOAT32_ONEDNN
+    assert module.float32_packed("onednn") and not module.float32_packed("mkl")
+    with pytest.raises(ValueError, match="cpu_gemm: 'blas' is not one of auto, onednn, mkl"):
+        module.float32_packed("blas")
+
+
+def test_cpu_info_reads_a_field_or_says_nothing(tmp_path):
     from runtime.cpu_info import cpu_field
 
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n")
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t:\n")
     assert cpu_field("vendor_id", info) == "GenuineIntel" and cpu_field("model name", info) == "Intel(R) Xeon(R) Processor"
-    assert cpu_field("vendor_id", tmp_path / "missing") == "" and cpu_field("flags", info) == ""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dense_as_loaded", dense.__file__)
-    fresh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fresh)  # the module's own reading of this machine
-    assert fresh.FLOAT32_ONEDNN == (dense.ONEDNN_LINEAR and cpu_field("vendor_id") != "GenuineIntel")
+    assert cpu_field("vendor_id", tmp_path / "missing") == "" and cpu_field("flags", info) == "" and cpu_field("bogus", info) == ""
 
 
 @pytest.mark.parametrize("rows", [(1,), (11,), (128,), (129,), (2, 5)])
 def test_where_mkl_is_preferred_float32_stays_plain_on_f_linear(rows, monkeypatch):
-    """On an Intel CPU (FLOAT32_ONEDNN off): float32 weights are not packed and every call is
-    F.linear's, bit for bit, at every row count; bf16 packing and a forced pack are unaffected."""
+    """On an Intel CPU (FLOAT32_ONEDNN off), or with cpu_gemm mkl: float32 weights are not packed
+    and every call is F.linear's, bit for bit, at every row count; bf16 packing and an explicit
+    ``float32=True`` (cpu_gemm onednn) are unaffected."""
     monkeypatch.setattr(dense, "FLOAT32_ONEDNN", False)
     calls = _onednn_calls(monkeypatch)
     gen = torch.Generator().manual_seed(20 + sum(rows))
     x, w, b = torch.randn(*rows, 256, generator=gen), torch.randn(1024, 256, generator=gen), torch.randn(1024, generator=gen)
-    assert dense.pack_weight(w) is w
+    assert dense.pack_weight(w) is w and dense.pack_weight(w, float32=False) is w
     assert torch.equal(dense_linear(x, w, b), F.linear(x, w, b)) and not calls
     if dense.PACKED_WEIGHTS:
-        forced = dense.pack_weight(w, force=True)  # benchmarks compare the two kernels on any CPU
-        assert forced.is_mkldnn and torch.equal(forced.to_dense(), w)
-        y = dense_linear(x, forced, b)
+        packed = dense.pack_weight(w, float32=True)
+        assert packed.is_mkldnn and torch.equal(packed.to_dense(), w)
+        y = dense_linear(x, packed, b)
         assert calls and ((y.double() - F.linear(x.double(), w.double(), b.double())).abs().max() / y.abs().max()).item() < 1e-6
         assert dense.pack_weight(w.bfloat16()).is_mkldnn == dense.PACKED_BFLOAT16
+        assert dense.pack_weight(w.bfloat16(), float32=False).is_mkldnn == dense.PACKED_BFLOAT16  # cpu_gemm leaves bf16 alone
 
 
-def test_force_does_not_pack_what_cannot_be_packed():
+def test_float32_true_does_not_pack_what_cannot_be_packed():
     gen = torch.Generator().manual_seed(21)
     for weight in (torch.randn(1023, 256, generator=gen), torch.randn(1024, 256, generator=gen).double(),
                    torch.randn(1024, 256, generator=gen).requires_grad_()):
-        assert dense.pack_weight(weight, force=True) is weight
+        assert dense.pack_weight(weight, float32=True) is weight

@@ -422,3 +422,43 @@ def test_step_budget_defaults_by_device(tiny_llama_dir):
     for bad in (0, -5, True, 1.5):
         with pytest.raises(ConfigError, match="max_num_batched_tokens"):
             EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=bad)
+
+
+@pytest.mark.parametrize("cpu_gemm", ["auto", "onednn", "mkl"])
+def test_cpu_gemm_chooses_how_float32_weights_are_stored(tiny_llama_dir, monkeypatch, cpu_gemm):
+    """cpu_gemm onednn packs the float32 projections (and untied LM head) for oneDNN, mkl keeps them
+    plain on F.linear, auto takes this CPU's choice and the resolved config says which; every
+    choice generates the same greedy tokens."""
+    from runtime.models import dense
+
+    if cpu_gemm == "onednn" and not dense.PACKED_WEIGHTS:
+        pytest.skip("this torch cannot pack weights for oneDNN")
+    monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)  # the tiny model's weights count as large
+    want_packed = dense.float32_packed(cpu_gemm) and dense.PACKED_WEIGHTS
+    results = {}
+    for choice in (cpu_gemm, "mkl"):
+        engine = make_engine(tiny_llama_dir, cpu_gemm=choice)
+        try:
+            assert engine.config.cpu_gemm == ("onednn" if dense.float32_packed(choice) else "mkl")  # auto spelt out
+            model = engine.runner.model
+            packed = [lin.weight.is_mkldnn for layer in model.layers for lin in layer.projections.values()]
+            assert packed == [want_packed if choice == cpu_gemm else False] * len(packed)
+            rng = random.Random(3)
+            for i in range(3):
+                engine.add_request(f"r{i}", random_prompt(rng, 9), SamplingParams(max_tokens=6), None)
+            results[choice] = {k: v.token_ids for k, v in run_to_completion(engine).items()}
+        finally:
+            engine.close()
+    assert results[cpu_gemm] == results["mkl"]
+
+
+def test_cpu_gemm_is_checked_and_refused_off_the_cpu(tiny_llama_dir):
+    from runtime.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="cpu_gemm: 'blas' is not one of auto, onednn, mkl"):
+        EngineConfig(model=str(tiny_llama_dir), cpu_gemm="blas")
+    config = EngineConfig(model=str(tiny_llama_dir), cpu_gemm="mkl")
+    assert config.for_backend("cpu").cpu_gemm == "mkl"
+    with pytest.raises(ConfigError, match="cpu_gemm: 'mkl' chooses the cpu backend's float32 GEMM; this engine runs on cuda"):
+        config.for_backend("cuda")
+    assert EngineConfig(model=str(tiny_llama_dir)).for_backend("npu").cpu_gemm == "auto"  # nothing to choose there

@@ -20,7 +20,9 @@ ARGS = ["--num-requests", "3", "--adapters", "2", "--input-len", "2,4", "--outpu
         "--rounds", "2", "--seed", "7"]
 
 
-def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: Path, capsys, monkeypatch) -> None:
+@pytest.mark.parametrize("float32_onednn", [True, False])  # the engine packs float32 itself (off Intel CPUs), or the script does
+def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: Path, capsys, monkeypatch, float32_onednn) -> None:
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", float32_onednn)
     monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 1 << 17)  # the LM head (300 x 512) packed too: the plain engine unpacks it
     left_packed = []  # per round: the plain engine's weights still packed after unpack (none may be)
     real_unpack = packed_weights.unpack
@@ -35,6 +37,7 @@ def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: 
     out = tmp_path / "packed.json"
     assert packed_weights.main(ARGS + ["--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["engine_float32"] == ("onednn" if float32_onednn else "mkl") and report["machine"]["cores"] >= 1
     parser = argparse.ArgumentParser()
     add_spec_arguments(parser)
     spec_args, _ = parser.parse_known_args(ARGS)
@@ -89,3 +92,9 @@ def test_bad_or_ignored_flags_are_refused(tmp_path: Path, flags: list[str], mess
     with pytest.raises(SystemExit) as exit_info:
         packed_weights.main(ARGS + flags + ["--workdir", str(tmp_path / "w")])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_with_nothing_to_pack_is_refused(tmp_path: Path, capsys) -> None:
+    args = [a if a != "512" else "128" for a in ARGS]  # hidden 128: every projection below ONEDNN_MIN_WEIGHT
+    assert packed_weights.main(args + ["--rounds", "1", "--workdir", str(tmp_path / "w")]) == 2
+    assert "the two engines are the same, nothing to compare" in capsys.readouterr().err

@@ -157,22 +157,6 @@ def test_greedy_generation_matches_peft(setup):
     assert len({tuple(r) for r in ours.tolist()}) > len(ORDER) // 2
 
 
-@pytest.mark.skipif(not __import__("runtime.models.dense", fromlist=["x"]).ONEDNN_LINEAR, reason="this torch has no oneDNN linear")
-def test_logits_and_greedy_generation_match_peft_on_onednn(setup, monkeypatch):
-    """The tiny models' weights are below ``ONEDNN_MIN_WEIGHT`` and run on F.linear; the
-    benchmark sizes and real models run on oneDNN. Forced onto oneDNN here, the same bounds hold."""
-    from runtime.models import dense
-
-    calls = []
-    onednn = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", True)  # as off Intel CPUs, where float32 takes oneDNN
-    monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn(*args))
-    test_mixed_batch_logits_match_peft(setup)
-    test_greedy_generation_matches_peft(setup)
-    assert calls
-
-
 @pytest.mark.skipif(not __import__("runtime.models.dense", fromlist=["x"]).PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
 def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkeypatch):
     """Benchmark-sized and real models store their projections packed for oneDNN (``pack_weight``)

@@ -28,10 +28,21 @@ def test_flags_override_config_file(tmp_path: Path, tiny_llama_dir: Path) -> Non
     assert s.server.host == "127.0.0.1"  # default: loopback only
 
 
+def test_the_cpu_gemm_comes_from_the_file_or_the_flag(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\ncpu-gemm: onednn\n")
+    assert serve.load_settings(parse("--config", str(cfg))).engine.cpu_gemm == "onednn"
+    assert serve.load_settings(parse("--config", str(cfg), "--cpu-gemm", "mkl")).engine.cpu_gemm == "mkl"
+    assert serve.load_settings(parse("--model", str(tiny_llama_dir))).engine.cpu_gemm == "auto"
+    with pytest.raises(SystemExit):
+        parse("--cpu-gemm", "blas")
+
+
 @pytest.mark.parametrize(
     "text, key",
     [("max_lorax: 3\n", "max_lorax"), ("max_loras: -1\n", "max_loras"), ("dtype: float64\n", "dtype"),
-     ("port: 70000\n", "port"), ("max_loras: many\n", "max_loras"), ("log_level: loud\n", "log_level")],
+     ("port: 70000\n", "port"), ("max_loras: many\n", "max_loras"), ("log_level: loud\n", "log_level"),
+     ("cpu_gemm: blas\n", "cpu_gemm"), ("cpu_gemm: 3\n", "cpu_gemm")],
 )
 def test_bad_keys_and_values_name_the_key(tmp_path: Path, tiny_llama_dir: Path, text: str, key: str) -> None:
     cfg = tmp_path / "serve.yaml"
@@ -564,6 +575,12 @@ def test_summary_states_the_kv_pool_and_where_admin_loads_from(tiny_llama_dir: P
     assert "kv pool    4 blocks x 8 tokens = 32 tokens (one request: at most 32 of prompt + output)" in text
     assert f"model      {tiny_llama_dir}; requests name it {tiny_llama_dir.name!r} (\"model\" field, GET /v1/models)" in text
     assert f"admin      on, loads from {tmp_path.resolve()}" in text
+    from runtime.models.dense import float32_packed
+
+    auto_kernel = "oneDNN on packed weights" if float32_packed("auto") else "MKL (F.linear)"
+    assert f"dtype float32, float32 GEMM {auto_kernel} (auto for this CPU; --cpu-gemm to choose)" in text
+    assert "float32 GEMM MKL (F.linear)\n" in serve._gemm_note("mkl", engine.engine.config.replace(cpu_gemm="mkl")) + "\n"
+    assert serve._gemm_note("auto", engine.engine.config.replace(dtype="bfloat16")) == ""  # the choice does not touch bf16
     no_root = serve.load_settings(parse("--model", str(tiny_llama_dir), "--enable-adapter-admin"))
     assert serve._admin_line(no_root.server).startswith("on, unload only")
 

@@ -2,8 +2,8 @@
 
 Figures from different machines are not comparable: the CPU development machines of this project
 have been AMD EPYC and Intel Xeon VMs of the same size on different days (docs/benchmarks.md), and
-a ratio measured on one (packed / plain weights: 1.06-1.13x on the EPYC, 0.96-0.99x on the Xeon)
-need not hold on the other. So every summary says which it was.
+they disagree even on which GEMM kernel is faster (oneDNN on the EPYC, MKL on the Xeon). So every
+summary says which machine it was.
 """
 from __future__ import annotations
 

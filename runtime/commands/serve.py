@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_const", const=True, help="reuse KV blocks across requests of the same adapter version: a shared system "
                    "prompt, the n choices of one prompt (computed once, even when they arrive together); off by default")
     p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
+    p.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"],
+                   help="--device cpu, float32: the base GEMM kernel. onednn packs the large projections for oneDNN, mkl keeps "
+                        "them plain on torch's F.linear (MKL); auto (the default) takes mkl on Intel CPUs and onednn elsewhere, "
+                        "as measured in docs/benchmarks.md")
     p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
@@ -130,6 +134,14 @@ def _adapters_line(adapters: Any, shown: int = 10) -> str:
     return listed if len(adapters) <= shown else f"{len(adapters)}: {listed}"
 
 
+def _gemm_note(asked: str, config: Any) -> str:
+    """The cpu backend's float32 GEMM, and why (auto resolves by the CPU's vendor); nothing elsewhere."""
+    if config.cpu_gemm == "auto" or config.dtype != "float32":  # not the cpu backend, or a dtype the choice does not touch
+        return ""
+    kernel = {"onednn": "oneDNN on packed weights", "mkl": "MKL (F.linear)"}[config.cpu_gemm]
+    return f", float32 GEMM {kernel}" + (" (auto for this CPU; --cpu-gemm to choose)" if asked == "auto" else "")
+
+
 def summary(settings: Any, engine: Any) -> str:
     core = engine.engine
     mem = core.runner.memory_report()
@@ -137,7 +149,7 @@ def summary(settings: Any, engine: Any) -> str:
     lines = [
         f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}; requests name it "
         f"{settings.server.served_model_name or engine.model_name!r} (\"model\" field, GET /v1/models)",
-        f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}",
+        f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}" + _gemm_note(settings.engine.cpu_gemm, core.config),
         f"adapters   {_adapters_line(engine.adapters())}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
         f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} max_model_len={engine.max_model_len}",

@@ -1,54 +1,54 @@
 """The dense base GEMM ``y = x @ W^T (+ b)``, on the fastest kernel torch has for the operands.
 
-Which kernel is fastest for float32 depends on the CPU's vendor (``FLOAT32_ONEDNN``). ``F.linear``
-calls MKL's sgemm, which takes its fastest code paths only on Intel CPUs: on the 2-core Intel Xeon
-dev machine (2026-12-02, AVX-512) it beat oneDNN at the small row counts of decode steps (16
-hidden-512 projections, 1 / 11 rows: 1.27 / 2.96 ms against 3.63 / 3.94 on packed weights) and at
-512 rows (38.5 against 48.1 ms), and in the engine, stepped in turn against packed weights, a lone
-request ran 1.37x (hidden 512) and 1.33x (hidden 1024) faster and the 48-request burst 1.08x /
-1.05x. So on Intel CPUs float32 weights stay plain and every float32 call goes to ``F.linear``.
-Everywhere else (AMD, and CPUs whose vendor is not known) float32 takes oneDNN as follows.
+A weight stored packed (``pack_weight``: oneDNN's blocked layout) runs on oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``, the op torch's Inductor compiler emits for CPU linears);
+every plain weight runs on ``F.linear`` (MKL's sgemm on x86 builds of torch). So the kernel is
+chosen once, at load, by packing or not: large float32 CPU projections are packed where oneDNN
+was the faster of the two and kept plain where MKL was (``FLOAT32_ONEDNN``, by the CPU's vendor;
+``EngineConfig.cpu_gemm`` overrides it per engine: ``auto``, ``onednn`` or ``mkl``).
 
-For float32 off Intel CPUs that is oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, the op
-torch's Inductor compiler emits for CPU linears) once the weight is large. On the 2-core AMD EPYC dev machine (``python benchmarks/cpu_gemm.py --hidden H``;
-docs/benchmarks.md), for the 16 projections of a 4-layer llama:
+MKL takes its fastest code paths only on Intel CPUs. On the 2-core Intel Xeon dev machine
+(2026-12-02, AVX-512; ``benchmarks/cpu_gemm.py``, docs/benchmarks.md "MKL for float32 on Intel
+CPUs") 16 hidden-512 projections took 1.27 / 2.96 / 5.79 / 11.77 / 38.5 ms for 1 / 11 / 32 / 128 /
+512 rows on ``F.linear`` against 3.63 / 3.94 / 5.53 / 11.78 / 48.1 packed; at hidden 1024 MKL won
+at 1 row and lost at 11-128 (19.80 / 24.01 / 48.35 against 12.62 / 18.51 / 43.59 ms). In the engine,
+stepped in turn (``benchmarks/packed_weights.py``), plain weights on MKL ran a lone request 1.31x
+(hidden 512) and 1.23x (hidden 1024) faster than packed ones and the 48-request burst 1.03x
+(hidden 512; the hidden-1024 and 2048 bursts in docs/benchmarks.md). So on Intel CPUs float32
+stays plain. On the 2-core AMD EPYC dev machine it was the other way round, and everywhere but on
+Intel CPUs (AMD, and CPUs whose vendor is not known) float32 is packed:
 
-- hidden 512: oneDNN 1.8 / 4.0 / 5.8 / 14.6 ms for 1 / 11 / 32 / 128 rows, MKL 3.8 / 5.4 / 7.5 / 17.9 ms;
+- hidden 512: oneDNN 1.8 / 4.0 / 5.8 / 14.6 ms for 1 / 11 / 32 / 128 rows, MKL 3.8 / 5.4 / 7.5 / 17.9 ms
+  (plain weights; packed ones faster still, below);
 - hidden 64: oneDNN 0.29 ms for 1 row against 0.06 ms. It pays ~18 us a call whatever the size,
-  so small weights stay on ``F.linear``: the cut is ``ONEDNN_MIN_WEIGHT`` elements (2^18, a
+  so small weights stay plain on ``F.linear``: the cut is ``ONEDNN_MIN_WEIGHT`` elements (2^18, a
   512 x 512 matrix; at hidden 384 every projection was faster on oneDNN, at 256 only some).
 
 oneDNN builds a kernel ("primitive") per shape and keeps 1024 of them by default; a new one cost
 ~0.2 ms here. So it only ever sees calls of at most ``ONEDNN_MAX_ROWS`` (128) rows, which bounds
-the shapes a server asks for (rows x a handful of weight shapes) well inside that cache: a plain
-weight takes it for calls of up to 128 rows (decode steps, most of a server's steps), longer
-ones stay on MKL; a packed weight (below) takes it for every call, in chunks of 128 rows.
-A bias that is not one contiguous [out] vector also stays on ``F.linear``: the oneDNN op reads
-the bias's memory as if it were contiguous (a strided or broadcast bias gives wrong sums).
+the shapes a server asks for (rows x a handful of weight shapes) well inside that cache: a packed
+weight takes every call in chunks of at most 128 rows. Where the op cannot take a call on a packed
+weight (oneDNN switched off by ``torch.backends.mkldnn.flags(enabled=False)``, tensors that need
+gradients, which the op has no backward for, another dtype, a bias that is not one contiguous [out]
+vector, whose memory the op would read as if it were), the weight is unpacked for that call and
+the call goes to ``F.linear``. GPU tensors, small weights, float64/float16, and bf16 weights where
+the CPU lacks native bf16 are never packed.
 
-Everything else goes to ``F.linear``: GPU tensors, other dtypes (but packed bfloat16, below), a
-torch built without oneDNN or with it switched off (``torch.backends.mkldnn.flags(enabled=False)``),
-and tensors that need gradients (the oneDNN op has no backward).
 The two differ by float rounding only (~3e-6 relative on those shapes); neither gives a row the
 same bits in every batch size (both round a 1-row product differently from the same row among
 others), so this changes no guarantee. The comparisons with transformers + PEFT (greedy tokens,
 fp32) hold on either kernel.
 
 Packed weights (``pack_weight``). The op is faster given a weight already in oneDNN's own blocked
-layout than given the plain ``[out, in]`` tensor, so the model stores each large float32 CPU
-projection once in that layout (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's weight
-freezing does), in place of the plain copy, so memory stays the same (off Intel CPUs). For the 16
-projections of the hidden-512 llama on the EPYC (``benchmarks/cpu_gemm.py``; docs/benchmarks.md, "Packed weights") 11 / 32 / 128
-rows took 2.75 / 4.58 / 13.40 ms packed against 3.72 / 5.52 / 14.61 plain; at hidden 1024 7.40 /
-14.70 / 49.70 against 11.19 / 18.34 / 53.63. oneDNN's packed kernels for 1-2 rows are slower than
-its 4-row one, so calls of 1-3 rows are zero-padded to ``PACKED_MIN_ROWS`` (4) rows; one row is
-still slower than on the plain weight (2.87 against 2.19 ms at hidden 512, 6.59 against 5.89 at
-1024), and two can be (hidden 512: 2.92 against 2.73): in the engine a lone request's tokens/s
-went 0.99x / 0.97x (hidden 512 / 1024), two requests' 1.09x / 1.20x (``benchmarks/packed_weights.py``). A packed weight
-serves every row count in chunks of at most ``ONEDNN_MAX_ROWS`` rows, which keeps the kernel
-shapes bounded: 512 rows in four chunks took 55.4 ms, MKL 58.5. Where the oneDNN op cannot run
-(oneDNN switched off by then, gradients, another dtype, a strided bias), the packed weight is
-unpacked for that call (``to_dense``, a copy) and goes to ``F.linear``: slow but correct.
+layout than given the plain ``[out, in]`` tensor, so a packed model stores each large projection
+once in that layout (``torch.ops.mkldnn._reorder_linear_weight``, as Inductor's weight freezing
+does), in place of the plain copy, so memory stays the same. For the 16 projections of the
+hidden-512 llama on the EPYC (``benchmarks/cpu_gemm.py``; docs/benchmarks.md, "Packed weights") 11 /
+32 / 128 rows took 2.75 / 4.58 / 13.40 ms packed against 3.72 / 5.52 / 14.61 on oneDNN with the
+plain tensor (a path ``dense_linear`` took until 2026-12-02; plain weights now always take
+``F.linear``); at hidden 1024 7.40 / 14.70 / 49.70 against 11.19 / 18.34 / 53.63. oneDNN's packed
+kernels for 1-2 rows are slower than its 4-row one, so calls of 1-3 rows are zero-padded to
+``PACKED_MIN_ROWS`` (4) rows. 512 rows in four 128-row chunks took 55.4 ms there, MKL 58.5.
 
 bfloat16. Where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX:
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, ``PACKED_BFLOAT16``), large bf16 CPU projections are
@@ -62,8 +62,9 @@ burst 1.05x (hidden 1024) and 1.00x (hidden 512): there the GEMMs are a smaller 
 (torch's bf16 SDPA took 0.68 of 2.5 s in a hidden-1024 profile, the GEMMs 0.90). On the Xeon (AMX)
 packed bf16 took 1.45 / 1.46 / 1.69 / 3.27 ms for 4 / 11 / 32 / 128 rows against ``F.linear``'s 1.61 /
 1.65 / 1.96 / 3.61 (1 row 1.89 against 1.53, 512 rows 14.39 against 10.17), so bf16 stays packed
-there (not compared end to end on that machine). A plain bf16 weight stays on ``F.linear`` (the op was no faster on it), as does every bf16 weight where the CPU lacks
-native bf16 (oneDNN would convert on each call; not measured) and every float16 one (not measured).
+there (not compared end to end on that machine). ``cpu_gemm`` does not change bf16. Every bf16
+weight where the CPU lacks native bf16 stays plain (oneDNN would convert on each call; not
+measured), as does every float16 one (not measured).
 """
 from __future__ import annotations
 
@@ -73,31 +74,40 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.config import CPU_GEMMS  # EngineConfig.cpu_gemm: FLOAT32_ONEDNN's choice, or float32 packed / plain
 from runtime.cpu_info import cpu_field
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# float32 on oneDNN (plain weights up to ONEDNN_MAX_ROWS rows, packed ones always) except on Intel CPUs, where MKL's
-# sgemm (F.linear) was faster (module docstring). A fact of the machine, read once, like the two flags above and below.
+# float32 packed for oneDNN by default (cpu_gemm "auto") except on Intel CPUs, where MKL's sgemm (F.linear) on plain
+# weights was faster (module docstring). A fact of the machine, read once, like the flags around it.
 FLOAT32_ONEDNN = ONEDNN_LINEAR and cpu_field("vendor_id") != "GenuineIntel"
 # bfloat16 weights are packed too where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX); elsewhere
 # it would convert every call, and the weights stay plain on F.linear. float16 stays plain: not measured.
 PACKED_BFLOAT16 = ONEDNN_LINEAR and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
 ONEDNN_MIN_WEIGHT = 1 << 18  # elements: smaller weights are faster on F.linear (oneDNN's per-call cost)
-ONEDNN_MAX_ROWS = 128  # rows of x a call: more go to F.linear (plain weights) or chunks (packed ones); bounds the kernel shapes
+ONEDNN_MAX_ROWS = 128  # rows of x a oneDNN call: more are cut into chunks; bounds the kernel shapes
 PACKED_WEIGHTS = ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 PACKED_MIN_ROWS = 4  # rows: fewer are zero-padded to this many on a packed weight (oneDNN's 1-2 row kernels are slower there)
 
 
-def pack_weight(weight: Tensor, force: bool = False) -> Tensor:
+def float32_packed(cpu_gemm: str) -> bool:
+    """Whether float32 weights are packed for oneDNN under ``EngineConfig.cpu_gemm``: ``onednn`` yes,
+    ``mkl`` no (plain, ``F.linear``), ``auto`` this CPU's choice (``FLOAT32_ONEDNN``)."""
+    if cpu_gemm not in CPU_GEMMS:
+        raise ValueError(f"cpu_gemm: {cpu_gemm!r} is not one of {', '.join(CPU_GEMMS)}")
+    return FLOAT32_ONEDNN if cpu_gemm == "auto" else cpu_gemm == "onednn"
+
+
+def pack_weight(weight: Tensor, *, float32: bool | None = None) -> Tensor:
     """``weight`` [out, in] in oneDNN's blocked layout (a new tensor, ``is_mkldnn``, of the same
-    dtype): a float32 CPU tensor where float32 runs on oneDNN (``FLOAT32_ONEDNN``: not on Intel
-    CPUs, unless ``force``, which benchmarks use to compare the two), or a bfloat16 one where this
-    CPU runs bf16 natively (``PACKED_BFLOAT16``), of at least ``ONEDNN_MIN_WEIGHT`` elements that
-    needs no gradient, on a torch with oneDNN switched on. Anything else comes back as it is. Only
-    ``dense_linear`` can multiply by a packed weight."""
+    dtype), for a CPU tensor of at least ``ONEDNN_MIN_WEIGHT`` elements that needs no gradient, on a
+    torch with oneDNN switched on, that is float32 and ``float32`` says so (None: this CPU's
+    choice, ``FLOAT32_ONEDNN``; True/False: ``float32_packed`` of an explicit ``cpu_gemm``), or
+    bfloat16 where this CPU runs bf16 natively (``PACKED_BFLOAT16``). Anything else comes back as
+    it is. Only ``dense_linear`` can multiply by a packed weight."""
     if not (PACKED_WEIGHTS and torch.backends.mkldnn.enabled and _packable(weight)):
         return weight
-    if weight.dtype == torch.float32 and not (FLOAT32_ONEDNN or force):
+    if weight.dtype == torch.float32 and not (FLOAT32_ONEDNN if float32 is None else float32):
         return weight
     # The batch-size hint picks the blocking: 128, the largest call, timed at least as fast as none
     # or smaller hints at every row count from 1 to 128 (within 1-10%).
@@ -105,14 +115,12 @@ def pack_weight(weight: Tensor, force: bool = False) -> Tensor:
 
 
 def dense_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``x`` [..., in] @ ``weight`` [out, in]^T (+ ``bias`` [out]) -> [..., out]; ``weight`` plain
-    or packed (``pack_weight``)."""
+    """``x`` [..., in] @ ``weight`` [out, in]^T (+ ``bias`` [out]) -> [..., out]: oneDNN for a packed
+    weight (``pack_weight``), ``F.linear`` for a plain one."""
     if weight.is_mkldnn:
         if not _onednn_operands(x, weight, bias):
             return F.linear(x, weight.to_dense(), bias)
         return _packed_linear(x, weight, bias)
-    if FLOAT32_ONEDNN and weight.dtype == torch.float32 and _packable(weight) and _onednn_operands(x, weight, bias) and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

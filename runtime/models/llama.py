@@ -31,7 +31,7 @@ from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.layers import LoRALinear, fuse
 from runtime.lora.slice_weights import LoRASliceWeights
-from runtime.models.dense import dense_linear, pack_weight
+from runtime.models.dense import dense_linear, float32_packed, pack_weight
 from runtime.models.hf_config import ModelConfig
 from runtime.models.rope import RotaryEmbedding
 from runtime.quant.int8 import Int8Weight
@@ -78,14 +78,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape) -> None:
+    def __init__(self, cfg: ModelConfig, idx: int, w: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape, pack_float32: bool) -> None:
         p = f"model.layers.{idx}."
         targets = lora_targets(cfg)
         dtype, device = w[p + "input_layernorm.weight"].dtype, w[p + "input_layernorm.weight"].device
 
         def proj(fused: str) -> LoRALinear:
             names = FUSED_PROJECTIONS[fused]
-            # Popped: once fused and packed, the plain tensors can be freed while the next layers load.
+            # Popped: once fused (and packed, where cpu_gemm says so), the plain tensors can be freed while the next layers load.
             weights = [w.pop(f"{p}{MODULE_PARENT[n]}.{n}.weight") for n in names]
             biases = [w.get(f"{p}{MODULE_PARENT[n]}.{n}.bias") for n in names]
             if any(b is not None for b in biases) and any(b is None for b in biases):
@@ -95,7 +95,8 @@ class DecoderLayer:
                 targets[names[0]][0], [targets[n][1] for n in names], pool.max_slots, pool.row_capacity, dtype, device, pool.interleaved_a
             )
             base = fuse(weights)
-            return LoRALinear(base if isinstance(base, Int8Weight) else pack_weight(base), bias, names, [targets[n][1] for n in names], slices)
+            packed = base if isinstance(base, Int8Weight) else pack_weight(base, float32=pack_float32)
+            return LoRALinear(packed, bias, names, [targets[n][1] for n in names], slices)
 
         self.input_norm = w[p + "input_layernorm.weight"]
         self.post_norm = w[p + "post_attention_layernorm.weight"]
@@ -136,16 +137,19 @@ class LlamaModel:
     """The decoder: embeddings, layers, final norm, LM head (see module docstring).
 
     Building it takes the projection and LM-head entries out of ``weights``: the model keeps its
-    own fused (and on the CPU packed) copies, and the plain ones are freed as it goes, so loading
+    own fused (and on the CPU, where ``cpu_gemm`` chooses oneDNN, packed) copies, and the plain ones are freed as it goes, so loading
     never holds two copies of every projection."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor | Int8Weight], pool: LoRAPoolShape, max_positions: int,
+                 cpu_gemm: str = "auto") -> None:
         self.config = cfg
+        # The float32 kernel on the CPU: packed for oneDNN or plain on F.linear (EngineConfig.cpu_gemm, dense.float32_packed).
+        pack_float32 = float32_packed(cpu_gemm)
         self.embed = weights["model.embed_tokens.weight"]
         # A tied head stays plain: the embedding lookup reads the same tensor.
-        self.lm_head = self.embed if cfg.tie_word_embeddings else pack_weight(weights.pop("lm_head.weight"))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else pack_weight(weights.pop("lm_head.weight"), float32=pack_float32)
         self.norm = weights["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, i, weights, pool) for i in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, i, weights, pool, pack_float32) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryEmbedding(cfg, self.embed.device, max_positions)
 
     def forward(self, token_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], ctx: StepContext) -> Tensor:

@@ -18,7 +18,7 @@ from runtime.server.options import ADAPTER_NAME_RULE, ServerOptions, is_adapter_
 ENGINE_KEYS = (
     "model", "device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_pool_rows",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
-    "kv_cache_mb", "enable_prefix_caching", "seed",
+    "kv_cache_mb", "enable_prefix_caching", "seed", "cpu_gemm",
 )
 SERVER_KEYS = ("host", "port", "served_model_name", "enable_adapter_admin", "api_key", "adapter_root", "max_request_bytes", "metrics_max_adapters")
 OTHER_KEYS = ("lora_modules", "log_level", "ray", "num_replicas", "ray_address", "registry_dir")
@@ -30,7 +30,7 @@ KEY_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     **{k: (*_INT, False) for k in ("max_loras", "max_lora_rank", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "port",
                                    "max_request_bytes", "metrics_max_adapters", "num_replicas")},
     **{k: (*_INT, True) for k in ("max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb")},
-    **{k: (*_STR, False) for k in ("model", "device", "dtype", "host", "log_level")},
+    **{k: (*_STR, False) for k in ("model", "device", "dtype", "host", "log_level", "cpu_gemm")},
     **{k: (*_STR, True) for k in NULLABLE_KEYS},
     **{k: (*_BOOL, False) for k in ("enable_prefix_caching", "enable_adapter_admin", "ray")},
     "adapter_root": ((str, list), "a folder or a list of folders", True),
