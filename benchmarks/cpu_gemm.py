@@ -1,7 +1,7 @@
 """The CPU base GEMM, three ways: ``dense_linear`` on a packed weight (oneDNN), oneDNN on the plain
 weight, and ``F.linear`` (MKL's sgemm). The engine runs the first or the third
-(``EngineConfig.cpu_gemm``; by default the third for float32 on Intel CPUs, the first elsewhere,
-``runtime.models.dense.FLOAT32_ONEDNN``); the header says which.
+(``EngineConfig.cpu_gemm`` onednn or mkl; auto is onednn wherever torch has it,
+``runtime.models.dense.FLOAT32_ONEDNN``); the header says which ``auto`` runs.
 
     python benchmarks/cpu_gemm.py [--hidden 512] [--layers 4] [--rows 1,11,32,64,128,512] [--rounds 5] \
         [--dtype float32|bfloat16] [--json FILE]
@@ -118,10 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kernel_name = (f"oneDNN (torch.ops.mkldnn._linear_pointwise) for the {large} weights of >= {ONEDNN_MIN_WEIGHT} elements "
                        f"({packed} packed; plain ones up to {ONEDNN_MAX_ROWS} rows), F.linear otherwise")
     engine_kernel = "packed" if any(pack_weight(w).is_mkldnn for w in weights) else "F.linear"  # what the engine's default stores
-    why = (" (float32 on an Intel CPU: MKL)" if engine_kernel == "F.linear" and dtype == torch.float32 and large and PACKED_WEIGHTS
-           and torch.backends.mkldnn.enabled and not dense.FLOAT32_ONEDNN else "")  # fmt: skip
     print(f"{len(weights)} projections, hidden {a.hidden}, {a.layers} layers, {a.dtype}, {torch.get_num_threads()} threads; "
-          f"packed / plain = {kernel_name}; the engine runs {engine_kernel}{why}")
+          f"packed / plain = {kernel_name}; the engine runs {engine_kernel} (cpu_gemm auto)")
     print(f"{'rows':>6} {'packed ms':>10} {'plain ms':>9} {'F.linear ms':>12} {'plain / packed':>15} {'F.linear / packed':>18}")
     results = []
     names = list(kernels)

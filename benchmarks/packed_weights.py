@@ -7,8 +7,8 @@ Both engines load the same synthetic llama. In "packed" every projection (and an
 that oneDNN can take is packed (``runtime.models.dense.pack_weight(float32=True)``), whatever the
 CPU; in "plain" every packed weight is unpacked again (``to_dense``), so every call is
 ``F.linear``'s (MKL). These are the two kernels ``EngineConfig.cpu_gemm`` chooses between
-(``onednn``, ``mkl``); by default the engine packs float32 off Intel CPUs only (``dense.FLOAT32_ONEDNN``),
-and packs bf16 wherever the CPU runs it natively; the JSON records which it would take here. Every request is
+(``onednn``, ``mkl``); by default (``auto``) the engine packs float32 wherever torch has oneDNN, and
+bf16 wherever the CPU runs it natively; the JSON records which it would take here. Every request is
 submitted up front (offline, greedy, ``ignore_eos``) and the two engines take one step each in
 turn, the order swapped every round, so machine drift hits both alike. tokens/s of an engine = its
 tokens / the time inside its own steps; the script prints packed / plain per round and the median,

@@ -48,10 +48,10 @@ class EngineConfig:
     enable_prefix_caching:  reuse full KV blocks across requests of the same (base, adapter, version)
     seed:                   seed for sampling when a request gives none
     cpu_gemm:               auto | onednn | mkl: the cpu backend's float32 base GEMM. onednn packs the large
-                            projections for oneDNN, mkl keeps them plain on F.linear (MKL's sgemm), auto takes
-                            this CPU's measured choice (mkl on Intel CPUs, onednn elsewhere; ``for_backend``
-                            spells it out). Other dtypes and devices ignore the choice, so only auto is
-                            accepted off the cpu backend.
+                            projections for oneDNN, mkl keeps them plain on F.linear (MKL's sgemm), auto is
+                            onednn wherever torch has oneDNN (``for_backend`` spells it out; mkl can be faster
+                            for small models or one stream on Intel CPUs: runtime/models/dense.py). Other dtypes
+                            and devices ignore the choice, so only auto is accepted off the cpu backend.
     """
 
     model: str

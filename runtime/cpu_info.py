@@ -1,7 +1,6 @@
-"""What the CPU says about itself in ``/proc/cpuinfo`` (Linux): its vendor and model name.
-
-Kernel choices depend on the vendor (``runtime.models.dense``: MKL's sgemm against oneDNN), and
-benchmark summaries name the model (``runtime.bench.machine``).
+"""What the CPU says about itself in ``/proc/cpuinfo`` (Linux): its vendor and model name, which
+benchmark summaries record (``runtime.bench.machine``): the dev machines' CPUs changed between
+sessions, and so did their figures.
 """
 from __future__ import annotations
 

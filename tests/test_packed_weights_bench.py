@@ -20,7 +20,7 @@ ARGS = ["--num-requests", "3", "--adapters", "2", "--input-len", "2,4", "--outpu
         "--rounds", "2", "--seed", "7"]
 
 
-@pytest.mark.parametrize("float32_onednn", [True, False])  # the engine packs float32 itself (off Intel CPUs), or the script does
+@pytest.mark.parametrize("float32_onednn", [True, False])  # the engine packs float32 itself (auto), or the script does
 def test_both_engines_generate_the_same_tokens_and_the_report_adds_up(tmp_path: Path, capsys, monkeypatch, float32_onednn) -> None:
     monkeypatch.setattr(dense, "FLOAT32_ONEDNN", float32_onednn)
     monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 1 << 17)  # the LM head (300 x 512) packed too: the plain engine unpacks it

@@ -165,7 +165,7 @@ def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkey
     from runtime.models import dense
 
     model_dir, adapters, _, _, ref_model = setup
-    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", True)  # as off Intel CPUs, where float32 weights are packed
+    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", True)  # cpu_gemm auto packs float32 (where torch has oneDNN)
     monkeypatch.setattr(dense, "ONEDNN_MIN_WEIGHT", 0)
     monkeypatch.setattr(dense, "ONEDNN_MAX_ROWS", 7)
     runner, slots = make_runner(model_dir, adapters)
@@ -180,7 +180,7 @@ def test_logits_and_greedy_generation_match_peft_on_packed_weights(setup, monkey
 
 
 def test_where_mkl_is_preferred_the_model_keeps_float32_weights_plain_and_matches_peft(setup, monkeypatch):
-    """On an Intel CPU (``FLOAT32_ONEDNN`` off) no float32 projection is packed, whatever its size,
+    """With ``FLOAT32_ONEDNN`` off (auto as under cpu_gemm mkl) no float32 projection is packed, whatever its size,
     and every GEMM is F.linear's: the PEFT bounds hold there too."""
     from runtime.models import dense
 

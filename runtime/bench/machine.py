@@ -2,7 +2,7 @@
 
 Figures from different machines are not comparable: the CPU development machines of this project
 have been AMD EPYC and Intel Xeon VMs of the same size on different days (docs/benchmarks.md), and
-they disagree even on which GEMM kernel is faster (oneDNN on the EPYC, MKL on the Xeon). So every
+they disagree even on which GEMM kernel is faster at some sizes (MKL won at hidden 512 on the Xeon only). So every
 summary says which machine it was.
 """
 from __future__ import annotations

@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"],
                    help="--device cpu, float32: the base GEMM kernel. onednn packs the large projections for oneDNN, mkl keeps "
-                        "them plain on torch's F.linear (MKL); auto (the default) takes mkl on Intel CPUs and onednn elsewhere, "
-                        "as measured in docs/benchmarks.md")
+                        "them plain on torch's F.linear (MKL); auto (the default) is onednn wherever torch has it. On an Intel CPU mkl "
+                        "can be faster for small models or a single stream (docs/benchmarks.md)")
     p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
@@ -135,7 +135,7 @@ def _adapters_line(adapters: Any, shown: int = 10) -> str:
 
 
 def _gemm_note(asked: str, config: Any) -> str:
-    """The cpu backend's float32 GEMM, and why (auto resolves by the CPU's vendor); nothing elsewhere."""
+    """The cpu backend's float32 GEMM (and whether auto chose it); nothing elsewhere."""
     if config.cpu_gemm == "auto" or config.dtype != "float32":  # not the cpu backend, or a dtype the choice does not touch
         return ""
     kernel = {"onednn": "oneDNN on packed weights", "mkl": "MKL (F.linear)"}[config.cpu_gemm]

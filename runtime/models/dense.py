@@ -3,20 +3,20 @@
 A weight stored packed (``pack_weight``: oneDNN's blocked layout) runs on oneDNN's linear
 (``torch.ops.mkldnn._linear_pointwise``, the op torch's Inductor compiler emits for CPU linears);
 every plain weight runs on ``F.linear`` (MKL's sgemm on x86 builds of torch). So the kernel is
-chosen once, at load, by packing or not: large float32 CPU projections are packed where oneDNN
-was the faster of the two and kept plain where MKL was (``FLOAT32_ONEDNN``, by the CPU's vendor;
-``EngineConfig.cpu_gemm`` overrides it per engine: ``auto``, ``onednn`` or ``mkl``).
+chosen once, at load, by packing or not: ``EngineConfig.cpu_gemm`` ``onednn`` packs the large
+float32 CPU projections, ``mkl`` keeps them plain, and ``auto`` (the default) packs them wherever
+torch has oneDNN (``FLOAT32_ONEDNN``).
 
-MKL takes its fastest code paths only on Intel CPUs. On the 2-core Intel Xeon dev machine
-(2026-12-02, AVX-512; ``benchmarks/cpu_gemm.py``, docs/benchmarks.md "MKL for float32 on Intel
-CPUs") 16 hidden-512 projections took 1.27 / 2.96 / 5.79 / 11.77 / 38.5 ms for 1 / 11 / 32 / 128 /
-512 rows on ``F.linear`` against 3.63 / 3.94 / 5.53 / 11.78 / 48.1 packed; at hidden 1024 MKL won
-at 1 row and lost at 11-128 (19.80 / 24.01 / 48.35 against 12.62 / 18.51 / 43.59 ms). In the engine,
-stepped in turn (``benchmarks/packed_weights.py``), plain weights on MKL ran a lone request 1.31x
-(hidden 512) and 1.23x (hidden 1024) faster than packed ones and the 48-request burst 1.03x
-(hidden 512; the hidden-1024 and 2048 bursts in docs/benchmarks.md). So on Intel CPUs float32
-stays plain. On the 2-core AMD EPYC dev machine it was the other way round, and everywhere but on
-Intel CPUs (AMD, and CPUs whose vendor is not known) float32 is packed:
+Why ``auto`` packs on every CPU. MKL takes its fastest code paths only on Intel CPUs, and on the
+2-core Intel Xeon dev machine (2026-12-02, AVX-512; ``benchmarks/cpu_gemm.py`` and
+``benchmarks/packed_weights.py``, docs/benchmarks.md "MKL or oneDNN for float32 on an Intel CPU")
+it did beat packed oneDNN at hidden 512 (16 projections, 1 / 11 rows: 1.27 / 2.96 ms against 3.63 /
+3.94; in the engine, stepped in turn, a lone request 1.31x and the 48-request burst 1.03-1.07x),
+and for a lone request at hidden 1024 (1.23x). But on the bursts at hidden 1024 and 2048, the
+batched decoding a multi-adapter server does, packed oneDNN was 1.06x and 1.08x faster (MKL lost at
+11-128 rows: hidden 1024, 19.80 / 24.01 / 48.35 ms against 12.62 / 18.51 / 43.59), and on the AMD
+EPYC dev machine packed oneDNN won at every size measured. ``mkl`` is the choice for a small model,
+or a latency-bound single stream, on an Intel CPU. On the EPYC:
 
 - hidden 512: oneDNN 1.8 / 4.0 / 5.8 / 14.6 ms for 1 / 11 / 32 / 128 rows, MKL 3.8 / 5.4 / 7.5 / 17.9 ms
   (plain weights; packed ones faster still, below);
@@ -53,7 +53,7 @@ kernels for 1-2 rows are slower than its 4-row one, so calls of 1-3 rows are zer
 bfloat16. Where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX:
 ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, ``PACKED_BFLOAT16``), large bf16 CPU projections are
 packed the same way, with the same 4-128-row calls (``x``, bias and result in bf16, sums in float32,
-as ``F.linear``'s), on Intel CPUs too. On the EPYC (``benchmarks/cpu_gemm.py --dtype bfloat16``) the 16 hidden-512
+as ``F.linear``'s), whatever ``cpu_gemm`` says. On the EPYC (``benchmarks/cpu_gemm.py --dtype bfloat16``) the 16 hidden-512
 projections took 1.58 / 1.40 / 1.69 / 2.58 / 7.25 ms for 1 / 4 / 11 / 32 / 128 rows packed against
 1.81 / 2.21 / 2.55 / 3.50 / 8.23 on ``F.linear``, but 512 rows (in 128-row calls) 0.91x of
 ``F.linear``; at hidden 1024, 1.06-1.72x. End to end (``benchmarks/packed_weights.py --dtype
@@ -75,12 +75,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.config import CPU_GEMMS  # EngineConfig.cpu_gemm: FLOAT32_ONEDNN's choice, or float32 packed / plain
-from runtime.cpu_info import cpu_field
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# float32 packed for oneDNN by default (cpu_gemm "auto") except on Intel CPUs, where MKL's sgemm (F.linear) on plain
-# weights was faster (module docstring). A fact of the machine, read once, like the flags around it.
-FLOAT32_ONEDNN = ONEDNN_LINEAR and cpu_field("vendor_id") != "GenuineIntel"
+# float32 packed for oneDNN under cpu_gemm "auto": wherever torch has it (module docstring: batched decoding at real model
+# sizes was faster packed on both CPUs measured; cpu_gemm "mkl" keeps float32 plain on F.linear instead).
+FLOAT32_ONEDNN = ONEDNN_LINEAR
 # bfloat16 weights are packed too where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX); elsewhere
 # it would convert every call, and the weights stay plain on F.linear. float16 stays plain: not measured.
 PACKED_BFLOAT16 = ONEDNN_LINEAR and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
