@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench import suite  # noqa: E402
-from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
+from runtime.bench.suite import BenchSetup, add_engine_pair_arguments, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
-from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
+from runtime.bench.workload import add_spec_arguments, generate, offline_spec_problems, spec_from_args  # noqa: E402
 from runtime.bench.machine import describe as describe_machine  # noqa: E402
 from runtime.models import dense  # noqa: E402
 from runtime.models.dense import PACKED_BFLOAT16, pack_weight  # noqa: E402
@@ -94,20 +94,11 @@ def one_round(setup: BenchSetup, model_dir: Path, used: dict[str, Path], jobs: l
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_spec_arguments(p)
-    p.add_argument("--hidden", type=int, default=512, help="model hidden size, a multiple of 64 (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
-    p.add_argument("--max-loras", type=int, default=8, help="device adapter slots (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=6, help="rounds, each engine pair built afresh; the median is printed (default: %(default)s)")
-    p.add_argument("--base-only", action="store_true", help="every request on the base model")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations (default: %(default)s)")
-    p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one, removed at the end)")
+    add_engine_pair_arguments(p, rounds=6)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step, both engines (default: the engine's CPU default, max(256, max_num_seqs))")
-    p.add_argument("--json", help="also write the rounds and the median here")
     a = p.parse_args(argv)
-    problems = ignored_spec_flags(a)
-    problems += [f"{flag}: every request runs at once here (offline); arrival times are not used"
-                 for flag in ("--rate", "--cv") if flag in given_flags(a)]  # fmt: skip
+    problems = offline_spec_problems(a)
     if problems:
         p.error("; ".join(problems))
     try:

@@ -37,7 +37,7 @@ from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, workload_jobs  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from backends import availability, resolve_name  # noqa: E402
-from runtime.bench.workload import add_spec_arguments, generate, given_flags, ignored_spec_flags, spec_from_args  # noqa: E402
+from runtime.bench.workload import add_spec_arguments, generate, offline_spec_problems, spec_from_args  # noqa: E402
 
 LAST = 60  # steps averaged at the end of a pass
 SLOWEST = 5  # slowest steps listed per pass
@@ -95,9 +95,7 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
     # Everything that can be refused is refused before any weights are written.
-    problems = ignored_spec_flags(a)
-    problems += [f"{flag}: every request runs at once here (offline); arrival times are not used"
-                 for flag in ("--rate", "--cv") if flag in given_flags(a)]  # fmt: skip
+    problems = offline_spec_problems(a)
     if problems:
         p.error("; ".join(problems))
     if a.max_loras < 1:

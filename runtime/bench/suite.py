@@ -37,6 +37,20 @@ class BenchSetup:
     targets: tuple[str, ...] = ATTENTION
 
 
+def add_engine_pair_arguments(p: Any, rounds: int) -> None:
+    """The flags of the scripts that step two engines in turn on one synthetic llama
+    (``benchmarks/packed_weights.py``, ``benchmarks/step_budget.py``): model shape, slots, rounds,
+    base-only, dtype, workdir and JSON output."""
+    p.add_argument("--hidden", type=int, default=512, help="model hidden size, a multiple of 64 (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, default=8, help="device adapter slots (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=rounds, help="rounds, each engine pair built afresh; the median is printed (default: %(default)s)")
+    p.add_argument("--base-only", action="store_true", help="every request on the base model")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations (default: %(default)s)")
+    p.add_argument("--workdir", default=None, help="synthetic weights folder (default: a temporary one, removed at the end)")
+    p.add_argument("--json", help="also write the rounds and the median here")
+
+
 def full_warmup_device(device: str) -> Optional[str]:
     """The backend an in-process run on ``device`` resolves to, when it warms up on the whole workload
     before timing (every backend but the CPU's: the first launch of each Triton kernel variant compiles

@@ -363,6 +363,13 @@ def ignored_spec_flags(a: argparse.Namespace) -> list[str]:
     return problems
 
 
+def offline_spec_problems(a: argparse.Namespace) -> list[str]:
+    """``ignored_spec_flags``, plus ``--rate`` and ``--cv`` when typed: for scripts that submit every
+    request before the first step, where arrival times are not used."""
+    return ignored_spec_flags(a) + [f"{flag}: every request runs at once here (offline); arrival times are not used"
+                                    for flag in ("--rate", "--cv") if flag in given_flags(a)]  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_arguments(p)
