@@ -17,7 +17,7 @@ DEFAULT_HOST_LORAS = 32  # host-tier adapters when max_cpu_loras is not given (o
 # 2048) against 2048; 128 was no faster than 256, 512 within 2% of it. GPUs and NPUs keep 2048 (not measured there).
 DEFAULT_BATCHED_TOKENS = 2048
 CPU_BATCHED_TOKENS = 256
-CPU_GEMMS = ("auto", "onednn", "mkl")  # cpu_gemm's values (runtime.models.dense.CPU_GEMMS, which config does not import)
+CPU_GEMMS = ("auto", "onednn", "mkl")  # cpu_gemm's values (runtime.models.dense.float32_packed reads them)
 
 
 class ConfigError(ValueError):

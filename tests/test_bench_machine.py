@@ -30,3 +30,10 @@ def test_describe_names_the_cpu_the_cores_and_torch() -> None:
     assert info["cpu"] == machine.cpu_model() and 1 <= info["cores"] and info["torch"] == torch.__version__
     assert info["torch_threads"] == torch.get_num_threads() and info["arch"] == platform.machine()
     assert ("gpu" in info) == torch.cuda.is_available()
+
+
+def test_a_cpuinfo_field_is_read_or_is_empty(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t:\n")
+    assert machine.cpu_field("vendor_id", info) == "GenuineIntel" and machine.cpu_field("model name", info) == "Intel(R) Xeon(R) Processor"
+    assert machine.cpu_field("vendor_id", tmp_path / "missing") == "" and machine.cpu_field("flags", info) == "" and machine.cpu_field("bogus", info) == ""

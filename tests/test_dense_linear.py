@@ -14,13 +14,6 @@ from runtime.models import dense
 from runtime.models.dense import dense_linear
 
 
-@pytest.fixture(autouse=True)
-def float32_on_onednn(monkeypatch):
-    """``pack_weight`` packs float32 by default wherever torch has oneDNN (``FLOAT32_ONEDNN``); set
-    here explicitly, so the oneDNN tests say what they assume (cpu_gemm mkl has its own tests below)."""
-    monkeypatch.setattr(dense, "FLOAT32_ONEDNN", dense.ONEDNN_LINEAR)
-
-
 @pytest.mark.parametrize("rows", [(0,), (1,), (11,), (2, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_features", [40, 1024])  # a small weight (never packed) and one of 2^18 elements (packable)
@@ -284,15 +277,6 @@ def test_auto_packs_float32_wherever_torch_has_onednn():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the constant as the module sets it, not the fixture's
     assert module.FLOAT32_ONEDNN == module.ONEDNN_LINEAR
-
-
-def test_cpu_info_reads_a_field_or_says_nothing(tmp_path):
-    from runtime.cpu_info import cpu_field
-
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t:\n")
-    assert cpu_field("vendor_id", info) == "GenuineIntel" and cpu_field("model name", info) == "Intel(R) Xeon(R) Processor"
-    assert cpu_field("vendor_id", tmp_path / "missing") == "" and cpu_field("flags", info) == "" and cpu_field("bogus", info) == ""
 
 
 @pytest.mark.parametrize("rows", [(1,), (11,), (128,), (129,), (2, 5)])

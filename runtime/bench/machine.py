@@ -13,7 +13,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.cpu_info import CPUINFO, cpu_field
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_field(name: str, cpuinfo: Path = CPUINFO) -> str:
+    """The first non-empty ``name : value`` of ``cpuinfo`` (e.g. ``vendor_id`` -> "GenuineIntel",
+    ``model name``), or "" where the file or the field is missing (other OSes, some ARM kernels)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name and value.strip():
+            return value.strip()
+    return ""
 
 
 def cpu_model(cpuinfo: Path = CPUINFO) -> str:
