@@ -110,9 +110,11 @@ def confine_adapter_folder(raw: str, roots: Iterable[Path], file_names: Iterable
     A folder inside the root can hold a symlink such as ``adapter_model.safetensors ->
     /etc/secret``: confining the folder alone would let the loader read (and its error
     messages quote parts of) a file outside the root. Files that do not exist yet pass
-    here; the loader reports them missing.
+    here; the loader reports them missing, and a path that is a file, not a folder.
     """
     folder = confine_path(raw, roots)
+    if folder.exists() and not folder.is_dir():
+        return folder  # no files inside a file: the loader names it ("is a file; give the adapter folder ...")
     for name in file_names:
         try:
             confine_path(str(folder / name), roots)

@@ -183,6 +183,21 @@ async def test_bad_adapter_gets_validator_message(app, adapter_root: Path, tiny_
     assert "adapter_config.json" in r.json()["error"]["message"]
 
 
+async def test_adapter_path_naming_a_file_is_named_as_such(app, adapter_root: Path, tiny_adapters) -> None:
+    """A lora_path that names a file (say the folder's adapter_config.json) gets the loader's
+    message for it, not an error about a path under it that the caller never sent."""
+    folder = adapter_root / "as-file"
+    if not folder.exists():
+        shutil.copytree(next(iter(tiny_adapters.values())), folder)
+    config = folder / "adapter_config.json"
+    async with client_for(app) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "as-file", "lora_path": str(config)})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_adapter" and err["param"] == "lora_path", err
+    assert "is a file" in err["message"] and "adapter_config.json/" not in err["message"], err
+
+
 async def test_metrics_have_adapter_labels(app, engine) -> None:
     name = engine.adapters()[2].name
     async with client_for(app) as c:
