@@ -33,11 +33,7 @@ def build_router(state: Any) -> APIRouter:
         if body.max_tokens == 0:
             raise APIError(400, "max_tokens: must be >= 1 (0, scoring a prompt, is for completions with echo)", param="max_tokens",
                            code="invalid_parameter")  # fmt: skip
-        messages = [m.template_fields() for m in body.messages]
-        try:
-            prompt = state.tokenizer.apply_chat_template(messages)
-        except ValueError as err:  # the template refused these messages (raise_exception), or a sandbox violation
-            raise APIError(400, str(err), param="messages", code="invalid_parameter") from err
+        prompt = gen.render_chat(state.tokenizer, body.messages)
         # The template writes the special tokens it wants (e.g. ``{{ bos_token }}``) as text; encoding
         # with special tokens added would put a second BOS in front (as HF and vLLM, encode without).
         prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)

@@ -40,6 +40,19 @@ def resolve_model(engine: Any, base_name: str, model: str) -> Target:
     raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the base model and its adapters", param="model", code="model_not_found")
 
 
+def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
+    """The chat template's text for ``messages`` (pydantic chat messages); a refusal by the template
+    (its ``raise_exception``, a sandbox violation) is a 400 on ``messages`` whose text starts with
+    the field's name, as every field's error does."""
+    try:
+        return tokenizer.apply_chat_template([m.template_fields() for m in messages])
+    except ValueError as err:
+        message = str(err)
+        if not message.startswith("messages"):
+            message = f"messages: {message}"
+        raise APIError(400, message, param="messages", code="invalid_parameter") from err
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """The request's SamplingParams; ``logprobs``: alternatives per token (None: no logprobs), which
     completions and chat spell differently; ``prompt_logprobs``: the same for the prompt's tokens (echo)."""

@@ -29,10 +29,7 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(400, "prompt: give either prompt or messages", param="prompt", code="invalid_parameter")
         tokenizer = state.tokenizer
         if body.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template([m.template_fields() for m in body.messages])
-            except ValueError as err:  # the template refused these messages
-                raise APIError(400, str(err), param="messages", code="invalid_parameter") from err
+            text = gen.render_chat(tokenizer, body.messages)
             ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)

@@ -127,6 +127,19 @@ async def test_error_fields(app, demo_engine) -> None:
     assert vocab.status_code == 400 and vocab.json()["error"]["param"] == "prompt.1", vocab.text
 
 
+async def test_a_template_refusal_is_an_error_on_messages(app, demo_engine) -> None:
+    """The demo template refuses a conversation that ends on the assistant (its raise_exception):
+    chat and /tokenize answer 400 on ``messages``, the text led by the field's name."""
+    messages = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "AB"}]
+    async with client_for(app) as c:
+        chat = await c.post("/v1/chat/completions", json={"model": demo_engine.model_name, "messages": messages})
+        tokenize = await c.post("/tokenize", json={"model": demo_engine.model_name, "messages": messages})
+    for r in (chat, tokenize):
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages" and err["code"] == "invalid_parameter", r.text
+        assert err["message"].startswith("messages: chat_template: ") and "must be a user message" in err["message"], err
+
+
 class _FailsMidStream:
     """The real engine, except that every stream raises ``error`` after its first two outputs
     (what a Ray replica dying mid-request does: ``ReplicaUnavailable``, a 503 APIError)."""
