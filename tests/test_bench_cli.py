@@ -375,6 +375,35 @@ def test_json_folder_is_checked_before_the_run(tmp_path: Path, capsys: pytest.Ca
     assert not work.exists()
 
 
+def test_an_existing_file_is_kept_unless_forced_and_the_workload_always(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json (and the workload tool's --out) used to replace any file there, the workload being
+    replayed included; now an existing file needs --force, and the input file is never written."""
+    saved = tmp_path / "w.jsonl"
+    make = [sys.executable, "-m", "runtime.bench.workload", "--num-requests", "3", "--adapters", "2", "--input-len", "2,3",
+            "--output-len", "2,3", "--rate", "0", "--out", str(saved)]  # fmt: skip
+    assert subprocess.run(make, cwd=ROOT, timeout=120, capture_output=True, text=True).returncode == 0
+    workload = saved.read_bytes()
+    again = subprocess.run(make, cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert again.returncode == 2 and f"--out {saved}: already exists; choose a new file or pass --force" in again.stderr, again.stderr
+    assert subprocess.run([*make, "--force"], cwd=ROOT, timeout=120, capture_output=True, text=True).returncode == 0
+    work = tmp_path / "w"
+    tiny = ["--hidden", "64", "--layers", "1"]
+    for extra in ([], ["--force"]):
+        rc, err = bench_cli(capsys, "--workdir", str(work), *tiny, "--workload", str(saved), "--json", str(saved), *extra)
+        assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {saved}: is the input file {saved}; write elsewhere", err
+    precious = tmp_path / "precious.json"
+    precious.write_text("precious")
+    rc, err = bench_cli(capsys, "--workdir", str(work), *tiny, "--workload", str(saved), "--json", str(precious))
+    assert rc == 2 and one_error_line(err) == f"lorafleet bench: --json {precious}: already exists; choose a new file or pass --force to replace it"
+    rc, err = bench_cli(capsys, "--workdir", str(work), *SMALL, "--force")
+    assert rc == 2 and one_error_line(err) == "lorafleet bench: --force: only applies to --json, which was not given"
+    assert precious.read_text() == "precious" and not work.exists()
+    assert len(saved.read_bytes()) == len(workload)  # rewritten by --force with the same spec, never by bench
+    rc, err = bench_cli(capsys, "--workdir", str(work), *tiny, "--workload", str(saved), "--json", str(precious), "--force")
+    assert rc == 0, err
+    assert json.loads(precious.read_text())["summary"]
+
+
 def test_json_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "s.json"
     path.write_text("old")

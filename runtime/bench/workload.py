@@ -373,7 +373,8 @@ def offline_spec_problems(a: argparse.Namespace) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_arguments(p)
-    p.add_argument("--out", required=True, help="JSONL file to write")
+    p.add_argument("--out", required=True, help="JSONL file to write; an existing file is refused unless --force")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args()
     ignored = ignored_spec_flags(a)
     if ignored:
@@ -381,7 +382,7 @@ def main() -> None:
     from runtime.commands.bench import SetupError, check_output_file  # here: that module imports this one
 
     try:
-        out = check_output_file(a.out, "--out")
+        out = check_output_file(a.out, "--out", force=a.force)
     except SetupError as err:
         p.error(str(err))
     try:

@@ -16,7 +16,7 @@ kernel variant compiles it, which on an H200 made single steps of the first run 
 The CPU backend compiles nothing and starts timing at once.
 
 Everything that can be checked before the run is (flags, the workload file, the engine
-configuration, the backend and its capability limits, --json's folder), before any synthetic
+configuration, the backend and its capability limits, --json's folder, and that it names no existing file without --force), before any synthetic
 weights are written. With --url the server's model list (GET /v1/models) is read before any
 request is sent, and the run is refused when a model name a request would use (each adapter,
 after --adapter-names; the base; --base-model) is not served, or when a request may not fit
@@ -43,7 +43,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from runtime.bench.machine import describe as describe_machine
 from runtime.bench.workload import given_flags
@@ -142,7 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{PROMPT_SPECIAL_TOKENS}, an upper bound several times a subword tokenizer's count (default: checked)")  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on time to first token, seconds (default: %(default)s)")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="SLO on time per output token, seconds (default: %(default)s)")
-    p.add_argument("--json", metavar="PATH", help="also write the workload spec and the full summary as JSON here (default: not written)")
+    p.add_argument("--json", metavar="PATH", help="also write the workload spec and the full summary as JSON here; an existing file "
+                                                  "is refused unless --force (default: not written)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="let --json replace an existing file, never the --workload file (default: refuse an existing file)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,12 +175,19 @@ def _ignored_flags(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def check_output_file(path_text: str, flag: str = "--json") -> Path:
-    """A file path that can be written: not a folder, in a folder that exists and is writable."""
+def check_output_file(path_text: str, flag: str = "--json", force: bool = False, inputs: Sequence[str] = ()) -> Path:
+    """A file path that can be written: not a folder, in a folder that exists and is writable;
+    not an existing file unless ``force``, and never one of ``inputs`` (the file being read)."""
     path = Path(path_text)
     folder = path.parent
     if path.is_dir():
         raise SetupError(f"{flag} {path_text}", "is a folder; give a file path")
+    if path.exists():
+        for given in inputs:
+            if Path(given).exists() and path.samefile(given):
+                raise SetupError(f"{flag} {path_text}", f"is the input file {given}; write elsewhere")
+        if not force:
+            raise SetupError(f"{flag} {path_text}", "already exists; choose a new file or pass --force to replace it")
     if not folder.is_dir():
         raise SetupError(f"{flag} {path_text}", f"{folder} is a file, not a folder" if folder.exists() else f"folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -506,7 +515,9 @@ def _run(args: argparse.Namespace) -> int:
     for flag, value in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
         if not 0 < value < float("inf"):
             raise SetupError(flag, f"must be a positive number of seconds, got {value}")
-    json_path = check_output_file(args.json) if args.json else None
+    if args.force and not args.json:
+        raise SetupError("--force", "only applies to --json, which was not given")
+    json_path = check_output_file(args.json, force=args.force, inputs=[args.workload] if args.workload else []) if args.json else None
     if args.url and args.adapter_names and not args.workload and "--adapters" not in given_flags(args):
         args.adapters = len(args.adapter_names)  # one adapter per name (a different --adapters was refused above)
     workload = _load_workload(args)
