@@ -16,8 +16,8 @@ kernel variant compiles it, which on an H200 made single steps of the first run 
 The CPU backend compiles nothing and starts timing at once.
 
 Everything that can be checked before the run is (flags, the workload file, the engine
-configuration, the backend and its capability limits, --json's folder, and that it names no existing file without --force), before any synthetic
-weights are written. With --url the server's model list (GET /v1/models) is read before any
+configuration, the backend and its capability limits, --json's folder, and that --json names no
+existing file unless --force), before any synthetic weights are written. With --url the server's model list (GET /v1/models) is read before any
 request is sent, and the run is refused when a model name a request would use (each adapter,
 after --adapter-names; the base; --base-model) is not served, or when a request may not fit
 its model card's max_model_len. Prompts are counted by the server's own tokenizer through its
