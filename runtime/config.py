@@ -51,7 +51,7 @@ class EngineConfig:
                             projections for oneDNN, mkl keeps them plain on F.linear (MKL's sgemm), auto is
                             onednn wherever torch has oneDNN (``for_backend`` spells it out; mkl can be faster
                             for small models or one stream on Intel CPUs: runtime/models/dense.py). Other dtypes
-                            and devices ignore the choice, so only auto is accepted off the cpu backend.
+                            and devices ignore the choice, so only auto is accepted with them.
     """
 
     model: str
@@ -101,9 +101,12 @@ class EngineConfig:
         ``name``: cpu, cuda, npu): ``max_num_batched_tokens``, when not given, is
         max(CPU_BATCHED_TOKENS, max_num_seqs) on the cpu (every running sequence's decode fits
         a step) and DEFAULT_BATCHED_TOKENS elsewhere. A given value is kept. ``cpu_gemm`` auto
-        becomes this CPU's choice (onednn or mkl) on the cpu; off it, only auto is accepted."""
+        becomes this CPU's choice (onednn or mkl) on the cpu in float32; off it, and with another
+        dtype, only auto is accepted (and kept)."""
         config = self
-        if backend_name == "cpu" and self.cpu_gemm == "auto":
+        if self.cpu_gemm != "auto" and self.dtype != "float32":
+            raise ConfigError(f"cpu_gemm: {self.cpu_gemm!r} chooses the float32 GEMM; with dtype {self.dtype} it would change nothing: leave it at auto")
+        if backend_name == "cpu" and self.cpu_gemm == "auto" and self.dtype == "float32":
             from runtime.models.dense import float32_packed  # torch: imported only when a backend is known
 
             config = config.replace(cpu_gemm="onednn" if float32_packed("auto") else "mkl")

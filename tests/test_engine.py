@@ -462,3 +462,8 @@ def test_cpu_gemm_is_checked_and_refused_off_the_cpu(tiny_llama_dir):
     with pytest.raises(ConfigError, match="cpu_gemm: 'mkl' chooses the cpu backend's float32 GEMM; this engine runs on cuda"):
         config.for_backend("cuda")
     assert EngineConfig(model=str(tiny_llama_dir)).for_backend("npu").cpu_gemm == "auto"  # nothing to choose there
+    for dtype in ("bfloat16", "float16"):  # the choice would change nothing: refused, not ignored
+        with pytest.raises(ConfigError, match=f"cpu_gemm: 'onednn' chooses the float32 GEMM; with dtype {dtype} it would change nothing"):
+            EngineConfig(model=str(tiny_llama_dir), cpu_gemm="onednn", dtype=dtype).for_backend("cpu")
+        resolved = EngineConfig(model=str(tiny_llama_dir), dtype=dtype).for_backend("cpu")
+        assert resolved.cpu_gemm == "auto" and resolved.for_backend("cpu") == resolved  # nothing chosen; resolving twice is fine
