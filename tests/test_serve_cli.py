@@ -183,9 +183,10 @@ def test_no_model_without_demo_is_a_clear_error() -> None:
         build_settings({}, {}, demo_model=None)
 
 
-@pytest.mark.parametrize("key, value", [("model", ""), ("model", "  "), ("served_model_name", "")])
+@pytest.mark.parametrize("key, value", [("model", ""), ("model", "  "), ("served_model_name", ""), ("host", ""), ("host", " ")])
 def test_an_empty_model_or_served_name_is_refused(tiny_llama_dir: Path, key: str, value: str) -> None:
-    """--model "$MODEL" with MODEL unset served the bundled demo; an empty served name was the folder's."""
+    """--model "$MODEL" with MODEL unset served the bundled demo; an empty served name was the folder's;
+    an empty host listened on every interface, not on the default 127.0.0.1."""
     flags = {"model": str(tiny_llama_dir), key: value}
     with pytest.raises(ConfigError, match=rf"{key}: empty"):
         build_settings({}, normalize_keys(flags, "flags"), demo_model=str(tiny_llama_dir))

@@ -224,6 +224,9 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     if isinstance(merged.get("model"), str) and not merged["model"].strip():
         # e.g. --model "$MODEL" with MODEL unset: serving the demo instead would answer with the wrong model
         raise ConfigError("model: empty; give the model's folder (or leave model out to serve the bundled demo)")
+    if isinstance(merged.get("host"), str) and not merged["host"].strip():
+        # e.g. --host "$HOST" with HOST unset: an empty host binds every interface, not the default 127.0.0.1
+        raise ConfigError("host: empty; give an address (e.g. 127.0.0.1, or 0.0.0.0 for every interface), or leave it out for 127.0.0.1")
     if isinstance(merged.get("served_model_name"), str) and not merged["served_model_name"].strip():
         raise ConfigError("served_model_name: empty; give a name, or leave it out to use the model folder's name")
     uses_demo = merged.get("model") is None
