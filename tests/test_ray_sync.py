@@ -162,6 +162,21 @@ def test_admin_call_reports_a_replica_that_failed_to_apply_and_succeeds_once_it_
     assert client.register("A", str(folders.v2)).version == v2
 
 
+def test_initial_adapters_are_all_validated_before_any_is_recorded(replica, service, folders, monkeypatch, tmp_path) -> None:
+    """A start whose --lora-modules hold one adapter that does not load recorded the ones before it,
+    and the next start (no --lora-modules) served them from the registry; now none is recorded."""
+    monkeypatch.setattr(registry_client, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path)))))
+    client = RegistryClient(LocalHandle(service), replicas, apply_timeout_s=0.0)
+    before = service.manifest.revision
+    with pytest.raises(ValueError, match="adapter folder does not exist"):
+        client.register_all([("good", str(folders.v1)), ("bad", str(tmp_path / "nowhere"))])
+    assert service.manifest.revision == before and service.manifest.by_name() == {}
+    refs = client.register_all([("good", str(folders.v1)), ("other", str(folders.v2))])
+    assert [r.name for r in refs] == ["good", "other"] and set(service.manifest.by_name()) == {"good", "other"}
+
+
 # ---- 2: files are checked against the registered version before they are installed ----------------
 def spy_installs(rep: LoraReplica, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Versions the engine makes current (install_adapter calls), in order."""

@@ -276,6 +276,29 @@ def test_a_local_ray_start_refuses_a_restored_adapter_named_like_the_served_base
     assert "adapter 'up3', registered there earlier, has the served base model's name" in capsys.readouterr().err
 
 
+def test_a_local_ray_start_checks_the_adapter_folders_before_ray_starts(tmp_path: Path, tiny_llama_dir: Path, tiny_adapters, capsys,
+                                                                        monkeypatch) -> None:  # fmt: skip
+    """A missing --lora-modules folder was found only after Ray and the replicas had started (13-19 s),
+    having recorded the adapters listed before it; a single server says so in a second."""
+    ray = pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+
+    started = []
+    monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text("{}")
+    (pickled / "adapter_model.bin").write_bytes(b"not read")
+    for bad, message in ((tmp_path / "nowhere", "adapter folder does not exist"), (pickled, "pickled adapter weights are refused")):
+        settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", "0", "--registry-dir", str(tmp_path / "reg"),
+                                             "--lora-modules", f"good={tiny_adapters['a']}", f"bad={bad}"))  # fmt: skip
+        assert run_ray(settings) == 2 and not started
+        err = capsys.readouterr().err
+        assert err.startswith(f"lorafleet serve: {bad}") and message in err, err
+    assert not (tmp_path / "reg" / "adapters.json").exists()
+
+
 def test_a_registry_dir_that_cannot_be_made_is_found_by_trying(tmp_path: Path) -> None:
     """os.access says yes to root under /proc or on a read-only mount: the check makes (and removes) a folder."""
     from runtime.distributed.manifest import ManifestError, check_folder

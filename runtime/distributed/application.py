@@ -231,7 +231,8 @@ def build(cfg: ScaleOutConfig) -> Any:
 
 def deploy(cfg: ScaleOutConfig) -> Any:
     """Start Serve's HTTP proxy on cfg.server.host:port (``start_serve``), deploy, register
-    ``initial_adapters``.
+    ``initial_adapters`` (a replica validates them all before the first is recorded, so one that
+    does not load leaves the registry as it was).
 
     Returns the ingress handle. Blocks until every replica is up and the ingress serves
     the initial adapters; until then it answers /health and requests with a 503
@@ -243,8 +244,7 @@ def deploy(cfg: ScaleOutConfig) -> Any:
     handle = serve.run(build(cfg), name=cfg.app_name, route_prefix="/")
     if cfg.initial_adapters:
         client = RegistryClient(registry, serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), cfg.apply_timeout_s)
-        for name, path in cfg.initial_adapters:
-            client.register(name, path)
+        client.register_all(cfg.initial_adapters)  # every one validated before any is recorded
     ray.get(registry.set_ready.remote(True))
     handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not wait for that
     return handle

@@ -77,6 +77,7 @@ def run_ray(settings: Any) -> int:
     from runtime.distributed.registry_client import ReplicasFailedToApply
     from runtime.commands.serve import one_line_error
     from runtime.models.hf_config import load_model_config
+    from runtime.lora.adapter import check_adapter_folder
     from runtime.models.loader import weight_files
     from runtime.server.serve_config import check_base_model_names
 
@@ -124,11 +125,14 @@ def run_ray(settings: Any) -> int:
         except ManifestError as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
-        # The replicas will read the model on this machine too: a missing folder, a config that does not
-        # parse or pickled-only weights are found now, not after Ray's start-up and in replica tracebacks.
+        # The replicas will read the model and the adapters on this machine too: a missing folder, a config
+        # that does not parse or pickled-only weights are found now, not after Ray's start-up and in replica
+        # tracebacks. (What the files hold is validated by a replica, for every adapter before any is recorded.)
         try:
             served = settings.server.served_model_name or load_model_config(settings.engine.model).name
             weight_files(settings.engine.model)
+            for module in settings.lora_modules:
+                check_adapter_folder(Path(module.path))
         except (ConfigError, ValueError, OSError) as err:
             print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
             return 2

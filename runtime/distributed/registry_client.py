@@ -10,7 +10,7 @@ and the change stays recorded. Blocking; call it from a worker thread (the admin
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 
@@ -47,11 +47,24 @@ class RegistryClient:
         self.apply_timeout_s = apply_timeout_s
 
     def register(self, name: str, path: str) -> AdapterRef:
+        return self._record(name, path, self.validate(name, path))
+
+    def register_all(self, adapters: Sequence[tuple[str, str]]) -> list[AdapterRef]:
+        """``register`` each (name, path), all or nothing as far as validation goes: every adapter
+        is validated by a replica before the first is recorded, so one bad entry records none."""
+        checked = [(name, path, self.validate(name, path)) for name, path in adapters]
+        return [self._record(name, path, result) for name, path, result in checked]
+
+    def validate(self, name: str, path: str) -> dict[str, Any]:
+        """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or ValueError."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
         checked = self.replicas.validate_adapter.remote(name, str(path)).result()
         if "error" in checked:
             raise ValueError(checked["error"])
+        return checked
+
+    def _record(self, name: str, path: str, checked: dict[str, Any]) -> AdapterRef:
         result = ray.get(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"]))
         self._wait(result["revision"], f"register {name}@{checked['version']}", name)
         return AdapterRef(name, checked["version"])

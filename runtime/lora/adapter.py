@@ -112,20 +112,9 @@ def resolved_files(folder: str | Path) -> tuple[str, ...]:
     return tuple(str(p.resolve()) for p in (Path(folder), Path(folder) / CONFIG_FILE, Path(folder) / WEIGHTS_FILE))
 
 
-def load_adapter(
-    path: str | Path,
-    name: str,
-    targets: Mapping[str, tuple[int, int]],
-    *,
-    num_layers: int,
-    max_lora_rank: int,
-) -> LoRAAdapter:
-    """Validate and read the PEFT adapter at ``path`` (see module docstring).
-
-    ``targets``: module name -> (in, out), from ``ModelRunner.lora_targets()``;
-    ``num_layers`` and ``max_lora_rank`` are keyword-only so they cannot be swapped.
-    """
-    root = Path(path)
+def check_adapter_folder(root: Path) -> tuple[Path, Path]:
+    """The checks on ``root``'s shape that need no file read: a folder holding ``CONFIG_FILE`` and
+    ``WEIGHTS_FILE`` as regular files (pickled weights alone are refused). Returns their paths."""
     if root.is_file():
         raise AdapterError(f"{root}: is a file; give the adapter folder that holds {CONFIG_FILE} ({root.parent})")
     if not root.is_dir():
@@ -144,6 +133,24 @@ def load_adapter(
                 f"save the adapter with safe_serialization=True to get {WEIGHTS_FILE}"
             )
         raise AdapterError(f"{weights_path}: missing (a PEFT adapter folder needs {WEIGHTS_FILE})")
+    return config_path, weights_path
+
+
+def load_adapter(
+    path: str | Path,
+    name: str,
+    targets: Mapping[str, tuple[int, int]],
+    *,
+    num_layers: int,
+    max_lora_rank: int,
+) -> LoRAAdapter:
+    """Validate and read the PEFT adapter at ``path`` (see module docstring).
+
+    ``targets``: module name -> (in, out), from ``ModelRunner.lora_targets()``;
+    ``num_layers`` and ``max_lora_rank`` are keyword-only so they cannot be swapped.
+    """
+    root = Path(path)
+    config_path, weights_path = check_adapter_folder(root)
     files = resolved_files(root)
     raw = _read_config(config_path)
     cfg = _parse_config(raw, config_path, max_lora_rank)
