@@ -163,7 +163,7 @@ def test_only_bin_is_refused_and_never_unpickled(copy_of, targets, tmp_path):
         ({"target_modules": r".*q_proj", "layers_to_transform": [0]}, ["layers_to_transform", "regex"]),
         ({"layers_pattern": "blocks", "layers_to_transform": [0]}, ["layers_pattern", "select no module"]),
         ({"layers_pattern": 3, "layers_to_transform": [0]}, ["layers_pattern", "string"]),
-        ({"rank_pattern": {"q_proj": 128}}, ["rank_pattern", "max_lora_rank"]),
+        ({"rank_pattern": {"q_proj": 128}}, ["rank_pattern['q_proj'] says 128"]),
         ({"use_rslora": "yes"}, ["use_rslora"]),
     ],
 )
@@ -209,6 +209,17 @@ def test_rank_disagrees_between_a_and_b(copy_of, targets):
 
 def test_rank_above_max_lora_rank(tiny_adapters, targets):
     expect(tiny_adapters["c"], targets, "rank 16", "max_lora_rank=8", max_lora_rank=8)
+
+
+def test_a_rank_pattern_key_for_no_targeted_module_is_ignored_as_peft_ignores_it(copy_of, targets):
+    """Adapter "a" targets q_proj and v_proj at rank 4: a rank_pattern entry for gate_proj changes
+    no module's rank, whatever its value (it was refused when above max_lora_rank)."""
+    path = copy_of()
+    edit_config(path, rank_pattern={"gate_proj": 128})
+    adapter = load(path, targets, max_lora_rank=8)
+    assert {m.rank for m in adapter.modules.values()} == {4} and adapter.max_rank == 4
+    edit_config(path, rank_pattern={"q_proj": 128})  # one it does apply to: its tensors must say 128
+    expect(path, targets, "rank_pattern['q_proj'] says 128", max_lora_rank=8)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

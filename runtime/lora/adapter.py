@@ -307,9 +307,8 @@ def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Confi
         exclude_t = tuple(exclude) or None
     elif exclude is not None:
         raise AdapterError(f"{path}: exclude_modules must be a list or a regex string, got {exclude!r}")
-    for k, v in rank_pattern.items():
-        if v > max_lora_rank:
-            raise AdapterError(f"{path}: rank_pattern[{k!r}]={v} exceeds max_lora_rank={max_lora_rank}")
+    # rank_pattern's values are checked against max_lora_rank per module (_check_tensors): a key that
+    # matches no targeted module is ignored, as PEFT ignores it, whatever its value.
     return _Config(r, float(alpha), use_rslora, target_modules, dict(rank_pattern), {k: float(v) for k, v in alpha_pattern.items()}, layers_t,
                    exclude_t, layers_pattern if layers_t is not None else ())
 
