@@ -305,8 +305,20 @@ def test_launchers_reject_bad_arguments() -> None:
         bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0])
     with pytest.raises(ValueError, match=r"bgmv_expand: h must be a 3-D float32"):
         bgmv_expand(h.half(), weights, meta, torch.zeros(3, 40).half(), [0, 16])
-    with pytest.raises(ValueError, match=r"bgmv_expand: slice_offsets must be >= 0"):
+    with pytest.raises(ValueError, match=r"bgmv_expand: slice_offsets must be integers >= 0"):
         bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0, -1])
+    with pytest.raises(ValueError, match=r"bgmv_expand: slice_offsets must be integers >= 0, got \(0, 16.5\)"):  # was truncated to 16
+        bgmv_expand(h, weights, meta, torch.zeros(3, 40).half(), [0, 16.5])
+    # Outputs whose rows share memory (a broadcast row): every program would add into one row (the
+    # per-token path summed all rows' deltas there, the segment path kept the last), a race on a GPU.
+    with pytest.raises(ValueError, match=r"bgmv_expand: y's rows share memory \(shape \(3, 40\), strides \(0, 1\)\)"):
+        bgmv_expand(h, weights, meta, torch.zeros(1, 40).half().expand(3, 40), [0, 16])
+    with pytest.raises(ValueError, match=r"sgmv_shrink: out's elements share memory"):
+        sgmv_shrink(x, weights, meta, torch.zeros(2, 1, 64).expand(2, 3, 64))
+    wide = torch.zeros(3, 100).half()
+    bgmv_expand(h, weights, meta, wide[:, 10:50], [0, 16])  # a column window of a wider y: rows apart, accepted
+    assert wide[:, :10].eq(0).all() and wide[:, 50:].eq(0).all()
+    sgmv_shrink(x, weights, meta, torch.zeros(3, 2, 64).transpose(0, 1))  # a permuted workspace [S, T, R]: accepted
     # Overlapping columns: the expand kernels' load-add-store would race on a GPU (the
     # interpreter runs programs one by one, so it would not show there). Shrink ignores offsets.
     from backends.cuda.sgmv_expand import sgmv_expand

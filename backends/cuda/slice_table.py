@@ -66,8 +66,8 @@ class SliceTable:
         check_weights(op, weights)
         if len(weights) != len(slice_offsets):
             raise ValueError(f"{op}: {len(weights)} slices but {len(slice_offsets)} slice_offsets")
-        if any(int(o) < 0 for o in slice_offsets):
-            raise ValueError(f"{op}: slice_offsets must be >= 0, got {tuple(slice_offsets)}")
+        if any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in slice_offsets):  # 2.7 was truncated to 2
+            raise ValueError(f"{op}: slice_offsets must be integers >= 0, got {tuple(slice_offsets)}")
         rows = [
             [w.a_rows.data_ptr(), w.b_rows.data_ptr(), w.slot_start.data_ptr(), w.slot_rank.data_ptr(),
              w.slot_scale.data_ptr(), w.out_features, int(off), 0]
