@@ -278,6 +278,35 @@ def test_emulated_mismatched_dtype_is_a_clear_error():
         backend.lora.apply(torch.randn(1, 32), torch.randn(1, 32), weights, meta, [0], torch.zeros(1, 1, 16))
 
 
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_emulated_ops_refuse_what_they_cannot_honour(decode_only):
+    """As the cuda launchers: a batch description for other rows than the activations (prefill gave
+    the extra rows no LoRA), a slot the weights lack (a bare IndexError), offsets that are not
+    integers (2.5: a bare TypeError; True: column 1), and outputs whose rows share memory (a
+    broadcast workspace gave wrong sums in prefill) are errors that name the argument."""
+    gen = torch.Generator().manual_seed(11)
+    backend, _ = emulated_backend()
+    weights = make_weights([(32, 32)], [[16, 16, 16, 16]], torch.float16, "cpu", gen)
+    x, y, ws = torch.randn(8, 32).half(), torch.randn(8, 48).half(), torch.zeros(1, 8, 16)
+    slots = [0, 1, 2, 3, 0, 1, 2, 3]
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=decode_only)
+    cases = [
+        (dict(meta=LoRABatchMeta.build(slots[:4], "cpu", decode_only=decode_only)), "meta has 4 token rows, the activations have 8"),
+        (dict(meta=LoRABatchMeta.build([7] + slots[1:], "cpu", decode_only=decode_only)), "meta uses slot 7, the weights have only 4 slots"),
+        (dict(offsets=[2.5]), r"slice_offsets must be integers >= 0, got \(2.5,\)"),
+        (dict(offsets=[True]), r"slice_offsets must be integers >= 0, got \(True,\)"),
+        (dict(y=torch.zeros(1, 48).half().expand(8, 48)), "y's rows share memory"),
+        (dict(ws=torch.zeros(1, 1, 16).expand(1, 8, 16)), "out's elements share memory"),
+    ]
+    for change, message in cases:
+        args = dict(x=x, y=y.clone(), meta=meta, offsets=[0], ws=ws) | change
+        with pytest.raises(ValueError, match=message):
+            backend.lora.apply(args["x"], args["y"], weights, args["meta"], args["offsets"], args["ws"])
+    y_ok = y.clone()
+    backend.lora.apply(x, y_ok, weights, meta, [16], ws)  # the same call with good arguments runs
+    assert not torch.equal(y_ok, y) and torch.equal(y_ok[:, :16], y[:, :16])
+
+
 def test_emulated_whole_model_greedy_matches_cpu_backend(tiny_llama_dir, tiny_adapters):
     """ModelRunner on the emulated Ascend backend (grouped matmul prefill, torch-path decode)
     produces the cpu backend's greedy tokens exactly, in fp32, over a mixed-adapter batch."""
@@ -331,6 +360,8 @@ def test_emulation_enforces_documented_limits():
         ops.npu_grouped_matmul([x] * 129, [w] * 129, group_list=gl, split_item=2, group_type=0)
     with pytest.raises(NpuOpError, match="dtypes"):
         ops.npu_grouped_matmul([x.half()], [w], group_list=gl, split_item=2, group_type=0)
+    with pytest.raises(NpuOpError, match="must not be transposed"):  # "x不支持转置"
+        ops.npu_grouped_matmul([torch.randn(32, 6).t()], [w], group_list=gl, split_item=2, group_type=0)
 
     y = torch.randn(4, 64).half()
     xb = torch.randn(4, 32).half()
@@ -359,6 +390,8 @@ def test_emulation_enforces_documented_limits():
     for kw in rejects:
         with pytest.raises(NpuOpError):
             ops.npu_batch_gather_matmul_(**(base | kw))
+    with pytest.raises(NpuOpError, match="Atlas A2 only"):  # its page: "支持的型号: Atlas A2"
+        EmulatedTorchNpuOps(chip="atlas_inference_310p").npu_batch_gather_matmul_(**base)
 
 
 # ------------------------------------------------------------------ import and code review

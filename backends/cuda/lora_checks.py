@@ -14,6 +14,7 @@ from torch import Tensor
 
 from backends.cuda.kernel_config import SUPPORTED_DTYPES
 from runtime.lora.batch_meta import LoRABatchMeta
+from runtime.lora.op_arguments import check_rows_and_slots, elements_may_share_memory
 from runtime.lora.slice_weights import LoRASliceWeights
 
 if TYPE_CHECKING:
@@ -51,29 +52,12 @@ def check_weights(op: str, weights: Sequence[LoRASliceWeights]) -> None:
             _fail(op, f"weights[{i}] has {w.in_features} in_features, weights[0] has {in_features}: one launch needs one input")
 
 
-def _elements_may_share_memory(t: Tensor) -> bool:
-    """True unless ``t``'s strides place every element apart: each dimension of more than one
-    element, by increasing stride, must step past everything the smaller ones span. (A broadcast
-    row, ``expand`` or a zero stride, fails; so would a rare interleaving that does not overlap,
-    which the kernels then refuse too.)"""
-    span = 1
-    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
-        if stride < span:
-            return True
-        span = stride * size
-    return False
-
-
 def check_meta(op: str, meta: LoRABatchMeta, num_tokens: int, table: "SliceTable") -> None:
-    if meta.num_tokens != num_tokens:
-        _fail(op, f"meta has {meta.num_tokens} token rows, the activations have {num_tokens}")
+    check_rows_and_slots(op, meta, num_tokens, table.max_slots)
     for name in ("token_slots", "sorted_tokens", "seg_slots", "seg_starts"):
         t = getattr(meta, name)
         if t.device != table.device or t.dtype != torch.int32:
             _fail(op, f"meta.{name} must be int32 on {table.device}, got {t.dtype} on {t.device}")
-    top = max(meta.host_seg_slots, default=-1)
-    if top >= table.max_slots:
-        _fail(op, f"meta uses slot {top}, the weights have only {table.max_slots} slots")
 
 
 def check_shrink(x: Tensor, table: "SliceTable", meta: LoRABatchMeta, out: Tensor, max_rank: int, op: str = "shrink") -> None:
@@ -89,7 +73,7 @@ def check_shrink(x: Tensor, table: "SliceTable", meta: LoRABatchMeta, out: Tenso
         _fail(op, f"out must be a 3-D float32 tensor on {x.device} with unit last stride, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if out.shape[0] < table.n_slices or out.shape[1] != x.shape[0] or out.shape[2] < max_rank:
         _fail(op, f"out must be [>= {table.n_slices} slices, T={x.shape[0]}, >= max rank {max_rank}], got {tuple(out.shape)}")
-    if _elements_may_share_memory(out):  # several programs would write one element (a race on a GPU)
+    if elements_may_share_memory(out):  # several programs would write one element (a race on a GPU)
         _fail(op, f"out's elements share memory (shape {tuple(out.shape)}, strides {out.stride()}); pass a tensor with its own memory per element")
 
 
@@ -99,7 +83,7 @@ def check_expand(h: Tensor, table: "SliceTable", meta: LoRABatchMeta, y: Tensor,
         _fail(op, f"y must be 2-D [T, out] with unit column stride, got shape {tuple(y.shape)} strides {y.stride()}")
     if y.dtype != table.dtype or y.device != table.device:
         _fail(op, f"y is {y.dtype} on {y.device}, the weights are {table.dtype} on {table.device}")
-    if _elements_may_share_memory(y):  # rows of one memory: each row's load-add-store would race with the others'
+    if elements_may_share_memory(y):  # rows of one memory: each row's load-add-store would race with the others'
         _fail(op, f"y's rows share memory (shape {tuple(y.shape)}, strides {y.stride()}); pass a tensor with its own memory per row")
     if y.shape[1] < table.y_width:
         _fail(op, f"the slices at offsets {table.offsets} need {table.y_width} columns, y has {y.shape[1]}")

@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.lora_checks import check_weights
+from runtime.lora.op_arguments import check_offsets
 from runtime.lora.slice_weights import LoRASliceWeights
 
 # Layout of one table row; constexpr so the kernels can index with them.
@@ -66,8 +67,7 @@ class SliceTable:
         check_weights(op, weights)
         if len(weights) != len(slice_offsets):
             raise ValueError(f"{op}: {len(weights)} slices but {len(slice_offsets)} slice_offsets")
-        if any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in slice_offsets):  # 2.7 was truncated to 2
-            raise ValueError(f"{op}: slice_offsets must be integers >= 0, got {tuple(slice_offsets)}")
+        check_offsets(op, slice_offsets)
         rows = [
             [w.a_rows.data_ptr(), w.b_rows.data_ptr(), w.slot_start.data_ptr(), w.slot_rank.data_ptr(),
              w.slot_scale.data_ptr(), w.out_features, int(off), 0]

@@ -12,10 +12,12 @@ npu_grouped_matmul, non-quantised, Atlas A2 ("Atlas A2 训练系列产品/Atlas 
     x/weight list length <= 128; group_list int64 1-D, length g <= 1024;
     type 0: non-negative, non-decreasing cumsum, last == M; type 1: non-negative counts,
     length != 1, sum == M; x.dtype == weight.dtype in {fp16, bf16, fp32};
-    last dims (K of x, N of weight) < 65536; output_dtype None (or x's dtype).
+    last dims (K of x, N of weight) < 65536; output_dtype None (or x's dtype); x not transposed
+    ("x不支持转置", both product lines: taken here as a unit column stride).
     Atlas inference (310P) adds: fp16 only, and N % 16 == 0 (``chip="atlas_inference_310p"``).
 
-npu_batch_gather_matmul(_): fp16, input [B, y_col], x [B, H1] (H1 % 16 == 0),
+npu_batch_gather_matmul(_), Atlas A2 only ("支持的型号: Atlas A2"; refused for
+    ``chip="atlas_inference_310p"``): fp16, input [B, y_col], x [B, H1] (H1 % 16 == 0),
     weight_a [W, L, R, H1], weight_b [W, L, H2, R] (H2 % 16 == 0, H2 < y_col),
     R % 16 == 0 in [16, 128], indices int32 [B] (-1 skips the row), layer_idx < L,
     y_offset < y_col; with weight_a None the first matmul is skipped and weight_b is
@@ -97,6 +99,8 @@ class EmulatedTorchNpuOps:
         xs, w = x[0], weight[0]
         if xs.dim() != 2 or w.dim() != 3:
             raise NpuOpError(f"single-single-single needs x 2-D and weight 3-D, got {xs.dim()}-D/{w.dim()}-D")
+        if xs.shape[1] > 1 and xs.stride(1) != 1:
+            raise NpuOpError(f"x must not be transposed (group_type=0), got strides {xs.stride()}")
         if xs.dtype not in A2_FLOAT_DTYPES or w.dtype != xs.dtype:
             raise NpuOpError(f"x/weight dtypes must match and be fp16/bf16/fp32 (Atlas A2), got {xs.dtype}/{w.dtype}")
         if output_dtype not in (None, xs.dtype):
@@ -156,6 +160,8 @@ class EmulatedTorchNpuOps:
 
     def npu_batch_gather_matmul_(self, input, x, weight_b, indices, weight_a=None, layer_idx=0, scale=1e-3,
                                  y_offset=0, y_slice_size=-1) -> Tensor:
+        if self.chip != "atlas_a2":
+            raise NpuOpError(f"npu_batch_gather_matmul runs on Atlas A2 only, not {self.chip}")
         tensors = {"input": input, "x": x, "weight_b": weight_b} | ({} if weight_a is None else {"weight_a": weight_a})
         for name, t in tensors.items():
             if t.dtype != torch.float16:
