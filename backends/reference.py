@@ -32,6 +32,7 @@ from torch import Tensor
 
 from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
+from runtime.lora.op_arguments import check_expand, check_shrink
 from runtime.lora.slice_weights import LoRASliceWeights, interleaved_a, interleaved_b, shared_block
 
 # Decode attention on the CPU gathers K for at most this many bytes per SDPA call (V the
@@ -382,8 +383,8 @@ class ReferenceLoRAOps:
         and scattering whole prefill chunks measured ~2x slower.
         """
         h = workspace[: len(weights), : x.shape[0]]
-        _check_shapes(x, weights, h)
-        _check_expand(h, weights, y, slice_offsets)
+        check_shrink(x, weights, meta, h)
+        check_expand(h, weights, meta, y, slice_offsets)
         if meta.first_row is not None:
             apply_row_ranges(x, y, weights, meta, slice_offsets)
         elif meta.decode_only:
@@ -393,7 +394,7 @@ class ReferenceLoRAOps:
             expand_segment(h, weights, meta, y, slice_offsets)
 
     def shrink(self, x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
-        _check_shapes(x, weights, out)
+        check_shrink(x, weights, meta, out)
         shrink_segment(x, weights, meta, out)
 
     @staticmethod
@@ -414,28 +415,8 @@ class ReferenceLoRAOps:
     def expand(
         self, h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
     ) -> None:
-        _check_expand(h, weights, y, slice_offsets)
+        check_expand(h, weights, meta, y, slice_offsets)
         expand_segment(h, weights, meta, y, slice_offsets)
-
-
-def _check_shapes(x: Tensor, weights: Sequence[LoRASliceWeights], out: Tensor) -> None:
-    if out.dim() != 3 or out.shape[0] < len(weights) or out.shape[1] != x.shape[0]:
-        raise ValueError(f"shrink: out must be [n_slices={len(weights)}, T={x.shape[0]}, R], got {tuple(out.shape)}")
-    for w in weights:
-        if w.in_features != x.shape[1]:
-            raise ValueError(f"shrink: x has {x.shape[1]} features, slice expects {w.in_features}")
-        if w.max_rank > out.shape[2]:
-            raise ValueError(f"shrink: out holds rank {out.shape[2]}, a slot has rank {w.max_rank}")
-
-
-def _check_expand(h: Tensor, weights: Sequence[LoRASliceWeights], y: Tensor, slice_offsets: Sequence[int]) -> None:
-    if len(slice_offsets) != len(weights):
-        raise ValueError(f"expand: {len(weights)} slices but {len(slice_offsets)} offsets")
-    for off, w in zip(slice_offsets, weights):
-        if off < 0 or off + w.out_features > y.shape[1]:
-            raise ValueError(f"expand: slice at {off} with {w.out_features} columns exceeds y's {y.shape[1]}")
-    if h.shape[1] != y.shape[0]:
-        raise ValueError(f"expand: h has {h.shape[1]} rows, y has {y.shape[0]}")
 
 
 @dataclass(frozen=True)

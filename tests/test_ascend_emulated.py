@@ -30,6 +30,7 @@ from runtime.lora.batch_meta import LoRABatchMeta
 from tests.emulation.lora_grid import POPULARITY, TOLERANCE, expected_float64, make_weights, token_slots
 from tests.emulation.whole_model import greedy_tokens, greedy_trace
 from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps, NpuOpError
+from tests.op_argument_cases import ROW_SLOTS, assert_bad_arguments_refused
 
 pytestmark = pytest.mark.emulated
 
@@ -288,20 +289,8 @@ def test_emulated_ops_refuse_what_they_cannot_honour(decode_only):
     backend, _ = emulated_backend()
     weights = make_weights([(32, 32)], [[16, 16, 16, 16]], torch.float16, "cpu", gen)
     x, y, ws = torch.randn(8, 32).half(), torch.randn(8, 48).half(), torch.zeros(1, 8, 16)
-    slots = [0, 1, 2, 3, 0, 1, 2, 3]
-    meta = LoRABatchMeta.build(slots, "cpu", decode_only=decode_only)
-    cases = [
-        (dict(meta=LoRABatchMeta.build(slots[:4], "cpu", decode_only=decode_only)), "meta has 4 token rows, the activations have 8"),
-        (dict(meta=LoRABatchMeta.build([7] + slots[1:], "cpu", decode_only=decode_only)), "meta uses slot 7, the weights have only 4 slots"),
-        (dict(offsets=[2.5]), r"slice_offsets must be integers >= 0, got \(2.5,\)"),
-        (dict(offsets=[True]), r"slice_offsets must be integers >= 0, got \(True,\)"),
-        (dict(y=torch.zeros(1, 48).half().expand(8, 48)), "y's rows share memory"),
-        (dict(ws=torch.zeros(1, 1, 16).expand(1, 8, 16)), "out's elements share memory"),
-    ]
-    for change, message in cases:
-        args = dict(x=x, y=y.clone(), meta=meta, offsets=[0], ws=ws) | change
-        with pytest.raises(ValueError, match=message):
-            backend.lora.apply(args["x"], args["y"], weights, args["meta"], args["offsets"], args["ws"])
+    meta = LoRABatchMeta.build(ROW_SLOTS, "cpu", decode_only=decode_only)
+    assert_bad_arguments_refused(lambda x_, y_, meta_, offsets, ws_: backend.lora.apply(x_, y_, weights, meta_, offsets, ws_), x, y, ws, decode_only)
     y_ok = y.clone()
     backend.lora.apply(x, y_ok, weights, meta, [16], ws)  # the same call with good arguments runs
     assert not torch.equal(y_ok, y) and torch.equal(y_ok[:, :16], y[:, :16])

@@ -31,6 +31,7 @@ from runtime.backend_api import apply_lora
 from runtime.kv.attention_meta import AttentionMeta
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
+from tests.op_argument_cases import ROW_SLOTS, assert_bad_arguments_refused
 
 IN, OUTS, SLOTS, MAX_RANK = 32, (32, 16, 24), 6, 16
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -762,3 +763,21 @@ def test_apply_lora_calls_no_op_for_a_projection_no_resident_adapter_targets():
     weights[1].write_slot(3, 0, torch.randn(4, IN), torch.randn(OUTS[1], 4), 1.0)  # one slot, one slice
     apply_lora(ops, x, y, weights, meta, [0, OUTS[0]], torch.zeros(2, 4, MAX_RANK))
     assert ops.calls == ["shrink", "expand"]
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_the_reference_refuses_arguments_it_cannot_honour(decode_only):
+    """The rules every backend shares (runtime/lora/op_arguments.py): a batch description for fewer
+    rows than x gave the rest no LoRA, slot 7 of 4 was a bare IndexError, offset True was column 1,
+    2.5 a bare TypeError, and a broadcast y summed every row's update into one row."""
+    gen = torch.Generator().manual_seed(23)
+    w = LoRASliceWeights.allocate(16, 8, 4, 16, torch.float32, "cpu")
+    for s in range(4):
+        w.write_slot(s, 4 * s, torch.randn(4, 16, generator=gen), torch.randn(8, 4, generator=gen), 0.5)
+    x, ws = torch.randn(8, 16, generator=gen), torch.zeros(1, 8, 4)
+    meta = LoRABatchMeta.build(ROW_SLOTS, "cpu", decode_only=decode_only)
+    assert_bad_arguments_refused(lambda x_, y_, meta_, offsets, ws_: ReferenceLoRAOps().apply(x_, y_, [w], meta_, offsets, ws_),
+                                 x, torch.zeros(8, 12), ws, decode_only)  # fmt: skip
+    y = torch.zeros(8, 12)
+    ReferenceLoRAOps().apply(x, y, [w], meta, [4], ws)  # good arguments: every row gets its update
+    assert y[:, 4:].abs().sum(1).gt(0).all() and y[:, :4].eq(0).all()

@@ -25,7 +25,7 @@ from backends.ascend.fallback_log import FallbackLog
 from backends.ascend.segment_plan import Segment, rank_buckets, split_calls
 from backends.ascend.soc import SocFamily
 from runtime.lora.batch_meta import LoRABatchMeta
-from runtime.lora.op_arguments import check_offsets, check_rows_and_slots, elements_may_share_memory
+from runtime.lora.op_arguments import check_expand, check_shrink
 from runtime.lora.slice_weights import LoRASliceWeights
 
 
@@ -54,7 +54,7 @@ class AscendLoRAOps:
         self, h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]
     ) -> None:
         """``y[t, o_i:o_i+n_i] += scale * h[i, t, :r] @ B_{i,slot(t)}^T`` in place."""
-        _check_expand(h, weights, meta, y, slice_offsets)
+        check_expand(h, weights, meta, y, slice_offsets)
         if meta.decode_only:
             self._note_split_decode()
             for i, w in enumerate(weights):
@@ -88,7 +88,7 @@ class AscendLoRAOps:
             self.expand(h, weights, meta, y, slice_offsets)
             return
         _check_shrink(x, weights, meta, h)
-        _check_expand(h, weights, meta, y, slice_offsets)
+        check_expand(h, weights, meta, y, slice_offsets)
         for i, w in enumerate(weights):
             self._decode_slice(x, y, w, meta, slice_offsets[i], h[i])
 
@@ -152,33 +152,7 @@ class AscendLoRAOps:
 
 
 def _check_shrink(x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"shrink: x must be 2-D [T, in], got shape {tuple(x.shape)}")
-    check_rows_and_slots("shrink", meta, x.shape[0], min(w.max_slots for w in weights))
-    if out.dim() != 3 or out.shape[0] < len(weights) or out.shape[1] != x.shape[0]:
-        raise ValueError(f"shrink: out must be [n_slices={len(weights)}, T={x.shape[0]}, R], got {tuple(out.shape)}")
-    if elements_may_share_memory(out):
-        raise ValueError(f"shrink: out's elements share memory (shape {tuple(out.shape)}, strides {out.stride()}); pass a tensor with its own memory per element")
+    check_shrink(x, weights, meta, out)
     for i, w in enumerate(weights):
-        if w.in_features != x.shape[1]:
-            raise ValueError(f"shrink: x has {x.shape[1]} features, slice {i} expects {w.in_features}")
-        if w.max_rank > out.shape[2]:
-            raise ValueError(f"shrink: out holds rank {out.shape[2]}, slice {i} has a slot of rank {w.max_rank}")
         if w.a_rows.dtype != x.dtype:
             raise ValueError(f"shrink: x is {x.dtype} but slice {i}'s a_rows are {w.a_rows.dtype}")
-
-
-def _check_expand(h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]) -> None:
-    if len(slice_offsets) != len(weights):
-        raise ValueError(f"expand: {len(weights)} slices but {len(slice_offsets)} offsets")
-    check_offsets("expand", slice_offsets)
-    if y.dim() != 2:
-        raise ValueError(f"expand: y must be 2-D [T, out], got shape {tuple(y.shape)}")
-    check_rows_and_slots("expand", meta, y.shape[0], min(w.max_slots for w in weights))
-    if elements_may_share_memory(y):
-        raise ValueError(f"expand: y's rows share memory (shape {tuple(y.shape)}, strides {y.stride()}); pass a tensor with its own memory per row")
-    for i, (off, w) in enumerate(zip(slice_offsets, weights)):
-        if off < 0 or off + w.out_features > y.shape[1]:
-            raise ValueError(f"expand: slice {i} at {off} with {w.out_features} columns exceeds y's {y.shape[1]}")
-    if h.shape[1] != y.shape[0]:
-        raise ValueError(f"expand: h has {h.shape[1]} rows, y has {y.shape[0]}")
