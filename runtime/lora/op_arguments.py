@@ -16,6 +16,8 @@ def elements_may_share_memory(t: Tensor) -> bool:
     row (``expand``, a zero stride) fails; so would a rare interleaving that does not overlap,
     which the ops then refuse too. Written-to buffers that fail would have several rows'
     updates land in one place (summed, or the last one winning, or a race on a device)."""
+    if t.is_contiguous():  # the common case, at the cost of one call
+        return False
     span = 1
     for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
         if stride < span:
