@@ -392,7 +392,16 @@ def main() -> int:
             s = median_round([rd[n] for rd in sweep_rounds], "throughput_tokens_per_s")
             bound = slot_bound(((q.adapter, q.output_tokens) for q in prepared[n][0].requests), setup.max_loras, setup.max_num_seqs)
             points.append((n, s["throughput_tokens_per_s"], s["adapter_swaps"], s["engine_steps"], bound))
+        # The no-adapter line: run (a)'s throughput, drawn only where the sweep ran the very same requests
+        # (prompts and output lengths; a sweep's workload differs from the main one in its adapters only
+        # unless --sweep-requests or --workload made it another set).
         base_tp = by_label.get("(a) no adapters", {}).get("throughput_tokens_per_s")
+        same_requests = all([(q.prompt, q.output_tokens) for q in prepared[n][0].requests] == [(q.prompt, q.output_tokens) for q in off.requests]
+                            for n in counts)  # fmt: skip
+        if base_tp is not None and not same_requests:
+            log("sweep: the no-adapter line is left out of throughput_vs_adapters.png: run (a) replayed other requests than the sweep")
+            base_tp = None
+        results["sweep_no_adapter_tokens_per_s"] = base_tp
         plots.throughput_vs_adapters([(n, t) for n, t, *_ in points], base_tp, staged("throughput_vs_adapters.png"))
         results["sweep_adapters"] = [{"adapters": n, "requests": len(prepared[n][0].requests), "tokens_per_s": t, "swaps": s, "steps": st,
                                       "slot_bound": b.as_dict()} for n, t, s, st, b in points]
@@ -429,11 +438,11 @@ def main() -> int:
             _, rate_adapters = prepare(w, setup)  # its requests may use adapters the main workload does not (a --workload file)
             log(f"sweep: rate {rate}/s, online")
             s = summarized(run_lorafleet(w, setup, model_dir, rate_adapters, f"rate {rate}"))
-            rpoints.append((rate, s["ttft_p99_s"] or 0.0, s["tpot_p99_s"] or 0.0))
+            rpoints.append((rate, s["ttft_p99_s"], s["tpot_p99_s"]))  # None: not measured (every request failed; one-token outputs)
         plots.p99_vs_rate(rpoints, staged("p99_vs_rate.png"))
         results["sweep_rates"] = [{"rate": r, "ttft_p99_s": t, "tpot_p99_s": q} for r, t, q in rpoints]
         for r, t, q in rpoints:
-            print(f"rate {r:g}/s: p99 TTFT {t:.3f} s, p99 TPOT {q:.3f} s")
+            print(f"rate {r:g}/s: p99 TTFT {'-' if t is None else f'{t:.3f}'} s, p99 TPOT {'-' if q is None else f'{q:.3f}'} s")
     staged("summary.json").write_text(json.dumps(results, indent=2, default=str))
     for name in OUTPUTS:  # the run is complete: its files replace the last run's, and a file it did not write goes
         (out / name).unlink(missing_ok=True)

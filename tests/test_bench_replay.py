@@ -131,6 +131,18 @@ def test_http_stream_with_no_usage_counts_its_text_chunks() -> None:
         assert rec.timing == "text" and rec.output_tokens == 3 and rec.ttft < rec.latency
 
 
+def test_http_stream_whose_text_came_in_one_chunk_is_timed_at_that_chunk(caplog) -> None:
+    """One text chunk and no usage was recorded as failed ("carried no tokens"); one text chunk then
+    usage at the end was timed at the usage chunk, with a TPOT of 0 that nothing measured."""
+    usage_at_end = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}
+    with caplog.at_level(logging.WARNING, logger="lorafleet.bench"):
+        for chunks, n_out in (([_text("a")], 1), ([_text("abcd"), usage_at_end], 4)):
+            for rec in _replay(chunks):
+                assert rec.error is None and rec.timing == "text" and rec.output_tokens == n_out, rec
+                assert rec.ttft is not None and rec.ttft == rec.latency and rec.tpot is None, rec  # first and last token: that chunk
+    assert "2 of 2 streams reported usage only at the end" in caplog.text
+
+
 def test_http_stream_with_nothing_in_it_is_an_error() -> None:
     for rec in _replay([{"choices": []}]):
         assert rec.error is not None and "no tokens" in rec.error and rec.ttft is None

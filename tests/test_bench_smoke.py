@@ -205,6 +205,8 @@ def test_serve_benchmark_smoke(tmp_path: Path) -> None:
     assert offline["(a) no adapters"]["engine_steps"] >= max(want_out.values()) and offline[peft]["engine_steps"] is None
     assert all(len(runs[(f"{n} adapters", rnd)]) == 12 for n in (2, 3) for rnd in (1, 2))  # --sweep-requests, not --num-requests
     assert [p["requests"] for p in res["sweep_adapters"]] == [12, 12]
+    # (a) ran the 8 requests of the main workload, the sweep 12 others: no "no adapters" line under the sweep's points.
+    assert res["sweep_no_adapter_tokens_per_s"] is None and "the no-adapter line is left out" in done.stdout + done.stderr
     sweep_rounds = res["sweep_rounds_tokens_per_s"]
     assert list(sweep_rounds) == ["2", "3"] and all(len(v) == 2 for v in sweep_rounds.values())
     for p in res["sweep_adapters"]:  # each point is its median round
@@ -323,8 +325,9 @@ def test_a_spawned_server_that_cannot_start_is_an_error_with_its_log(tmp_path: P
 
 def test_rate_sweep_of_a_saved_workload_builds_the_adapters_its_own_requests_use(tmp_path: Path) -> None:
     """A saved file whose requests use other adapters than its spec generates: the rate sweep
-    regenerates from the spec, so it must build the adapters those requests use too."""
-    spec = WorkloadSpec(num_requests=4, num_adapters=4, ranks=(8,), input_len=(2, 3), output_len=(2, 3), rate=0, seed=9)
+    regenerates from the spec, so it must build the adapters those requests use too. One-token
+    outputs have no TPOT: the sweep reports None (it reported 0.0, a perfect latency)."""
+    spec = WorkloadSpec(num_requests=4, num_adapters=4, ranks=(8,), input_len=(2, 3), output_len=(1, 1), rate=0, seed=9)
     generated = generate(spec)
     used = {r.adapter for r in generated.requests}
     unused = sorted(set(generated.adapter_ranks) - used)
@@ -339,6 +342,8 @@ def test_rate_sweep_of_a_saved_workload_builds_the_adapters_its_own_requests_use
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((out / "summary.json").read_text())
     assert res["online"]["requests_ok"] == 4 and [p["rate"] for p in res["sweep_rates"]] == [50.0]
+    assert res["sweep_rates"][0]["tpot_p99_s"] is None and res["sweep_rates"][0]["ttft_p99_s"] > 0
+    assert "rate 50/s: p99 TTFT " in proc.stdout and "p99 TPOT - s" in proc.stdout and (out / "p99_vs_rate.png").exists()
 
 
 def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: Path) -> None:

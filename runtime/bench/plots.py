@@ -17,6 +17,7 @@ def _plt() -> Any:
 
 
 def throughput_vs_adapters(points: Sequence[tuple[int, float]], baseline: float | None, out: Path) -> Path:
+    """points: (adapters, tokens/s); ``baseline``: the no-adapter engine's tokens/s on the same requests, or None."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     xs, ys = zip(*points)
@@ -36,17 +37,19 @@ def throughput_vs_adapters(points: Sequence[tuple[int, float]], baseline: float 
     return out
 
 
-def p99_vs_rate(points: Sequence[tuple[float, float, float]], out: Path) -> Path:
-    """points: (rate, ttft p99, tpot p99)."""
+def p99_vs_rate(points: Sequence[tuple[float, float | None, float | None]], out: Path) -> Path:
+    """points: (rate, ttft p99, tpot p99); a None (not measured) is left out, never drawn as 0."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    rates = [p[0] for p in points]
-    ax.plot(rates, [p[1] for p in points], "o-", label="TTFT p99")
-    ax.plot(rates, [p[2] for p in points], "s-", label="TPOT p99")
+    for i, (marker, label) in enumerate((("o-", "TTFT p99"), ("s-", "TPOT p99")), start=1):
+        measured = [(p[0], p[i]) for p in points if p[i] is not None]
+        if measured:
+            ax.plot(*zip(*measured), marker, label=label)
     ax.set_xlabel("arrival rate (requests / s)")
     ax.set_ylabel("seconds")
     ax.set_title("p99 latency vs arrival rate")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -19,9 +19,10 @@ every time; the engine refuses such a group whole, so one unservable request fai
 
 Over HTTP, token times come from the chunks whose running ``usage.completion_tokens`` grew
 (``stream_options.continuous_usage_stats``, which lorafleet and vLLM send). A server that
-reports usage only at the end gets its token times from the chunks that carry text instead
-(``timing: "text"`` in the record, and a warning): a chunk may then hold several tokens. One
-untimed base-model request warms the server up first.
+reports usage only at the end (or never) gets its token times from the chunks that carry text
+instead (``timing: "text"`` in the record, and a warning): a chunk may then hold several tokens,
+and a stream whose text came in one chunk has no TPOT (None). One untimed base-model request
+warms the server up first.
 """
 from __future__ import annotations
 
@@ -83,11 +84,13 @@ async def _paced(requests: Sequence[Any], start: float, run_one: Callable[[Any, 
     return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def _finish(record: RequestRecord, arrival: float, first: Optional[float], last: float, n_out: int) -> RequestRecord:
+def _finish(record: RequestRecord, arrival: float, first: Optional[float], last: float, n_out: int, spread: bool = True) -> RequestRecord:
+    """Times from the first and last token's arrival; ``spread`` False: all ``n_out`` tokens came at
+    one moment (one text chunk), so there is no inter-token time to measure (``tpot`` None)."""
     record.output_tokens = n_out
     if first is not None:
         record.ttft = first - arrival
-        record.tpot = (last - first) / (n_out - 1) if n_out > 1 else None  # one token: no inter-token time
+        record.tpot = (last - first) / (n_out - 1) if n_out > 1 and spread else None  # one token: no inter-token time
         record.latency = last - arrival
     return record
 
@@ -261,13 +264,13 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
             except httpx.HTTPError as err:
                 rec.error = f"{type(err).__name__}: {err}"
                 return rec
-            if counted <= 1 and len(text_times) > 1:  # usage at the end only: time the text chunks
+            if counted <= 1 and text_times:  # usage at the end only (or none): time the text chunks
                 rec.timing = "text"
                 first, last, n_out = text_times[0], text_times[-1], max(n_out, len(text_times))
             if n_out == 0:
                 rec.error = "the stream carried no tokens (no usage counts and no text)"
                 return rec
-            return _finish(rec, arrival, first, last, n_out)
+            return _finish(rec, arrival, first, last, n_out, spread=rec.timing != "text" or len(text_times) > 1)
 
         try:  # untimed: the first request of a fresh server pays one-off costs
             await client.post("/v1/completions", json={"model": base_model, "prompt": "warm up", "max_tokens": 2})
