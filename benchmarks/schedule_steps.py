@@ -7,7 +7,8 @@ The schedule does not depend on the model's size: the KV pool holds ``max_num_se
 sequences and the LoRA pool ``max_loras`` slots whatever the hidden size, and every request is
 greedy with ``ignore_eos``. So a one-layer, hidden-64 llama replays a benchmark workload's
 schedule step for step in seconds (the 384-request sweep of ``benchmarks/cpu/adapter_sweep.sh``:
-550 and 301 steps, as at hidden 512): a quick loop for trying scheduler changes before timing them.
+550 and 299 steps; 550 and 301, as at hidden 512, before the twenty-fourth session's change to
+drains): a quick loop for trying scheduler changes before timing them.
 As in the timed runs, the adapter reads that can start before the first step finish first;
 those queued behind a full host tier (``--max-cpu-loras``) happen while it steps, so a slow disk
 could shift a schedule that needs them.

@@ -49,7 +49,11 @@ If the chosen key X cannot get a device slot (every slot, or the rows it needs, 
 running requests), the scheduler computes the resident adapters whose rows X needs
 and stops admitting *new* requests of those adapters ("drain", sticky until X is placed, so
 the victim cannot flip between adapters from step to step); their running requests finish
-and free the slot, and X takes it when admission next reaches it. Victims: adapters with no waiting request first, then the most served, then the one whose
+and free the slot, and X takes it when admission next reaches it. Meanwhile the keys after X in
+a step's order admit only requests of adapters already resident (and of the base model): a new
+placement could take the rows a victim has just freed before the others free the rest X needs
+(with X needing the rows of two victims, a stream of one-off adapters took each freed range in
+turn, and X waited 1000 steps against a bound of 27). Victims: adapters with no waiting request first, then the most served, then the one whose
 running requests free its slot soonest (ties are never left to set order, which follows string hashes). Draining an
 adapter that nobody waits for stops no admission (its slot frees as its requests end), while
 draining one with a queue holds that queue back and makes it take a slot again later (on the
@@ -114,6 +118,8 @@ class AdapterSlots(Protocol):
     def weights_ready(self, ref: AdapterRef) -> bool: ...
 
     def acquire_device(self, ref: AdapterRef) -> Optional[int]: ...
+
+    def slot_of(self, ref: AdapterRef) -> Optional[int]: ...
 
     def release_device(self, ref: AdapterRef) -> None: ...
 
@@ -287,6 +293,7 @@ class Scheduler:
         heapq.heapify(heap)
         pushes = len(heap)
         blocked = _SlotBlockers(self, charged)  # who holds the slots, computed once per change of the running set
+        reserving = False  # a key ahead in this step's order waits for a drain: what its victims free is kept for it
         while budget > 0 and len(self.running) < self.max_num_seqs and heap:
             c, arrival, _, key = heapq.heappop(heap)
             if key not in ready or c != charged(key) or arrival != self.waiting[key][0].arrival_index:
@@ -298,12 +305,16 @@ class Scheduler:
             if reuse and self.block_manager.prefix_in_flight(seq.request_id, seed, seq.all_token_ids):
                 ready.discard(key)  # a running request is computing its next prompt block: reuse it once published
                 continue
+            if key is not None and reserving and self.pool.slot_of(key) is None:
+                ready.discard(key)  # a new placement could take the rows a drain ahead of it is freeing
+                continue
             if key is not None and self.pool.acquire_device(key) is None:
                 ready.discard(key)
                 victims = [v for v in self._drains.get(key, []) if v in blocked.frees_in()]
                 if not victims:
                     victims = self.pool.device_blockers(key, blocked.prefer()) or []
                 self._drains[key] = victims
+                reserving = reserving or bool(victims)
                 for victim in victims:
                     ready.discard(victim)
                     if victim not in out.drained:

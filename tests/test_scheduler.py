@@ -522,3 +522,39 @@ def test_a_new_adapters_wait_does_not_grow_with_uptime():
     rare adapter waits 12-16 steps whenever it arrives, within the documented bound (43 here)."""
     waits = [_rare_wait_beside_base_traffic(at) for at in (300, 1000)]
     assert all(wait <= bound for wait, bound in waits), waits
+
+
+def test_rows_a_drain_frees_are_kept_for_the_adapter_it_drains_for():
+    """X (rank 32) needs the rows of two residents (rank 24 each; 96 rows, a busy rank-24 adapter R
+    with a queue, 24 free). The drain picks the two nobody waits for; when the first ends, its 24
+    rows were taken by the next one-off rank-24 adapter, ranked after X in the same step, and so on
+    with each drain: X never started (1000 steps against a bound of 27). Now the keys after X place
+    no new adapter while X waits, and X starts within the documented bound."""
+    adapters = {}
+    pool = AdapterPool(FakeWriter(), lambda ref: adapters[ref], 3, 1000, 96, 32, async_loads=False)
+    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=32, max_loras=3)
+    count = iter(range(10**6))
+
+    def add(name, rank, max_tokens):
+        ref = _ref(adapters, pool, name, rank)
+        pool.insert_host(ref, adapters[ref])
+        i = next(count)
+        seq = Sequence(f"s{i}", i, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens), ref, 0.0)
+        _add(sched, pool, seq)
+        return seq
+
+    for name, max_tokens in (("S0", 10), ("S1", 20), ("R", 5)):
+        add(name, 24, max_tokens)
+    _run_step(sched, pool)  # rows 0-24, 24-48 and 48-72 taken
+    x = add("X", 32, 3)
+    busy, filler, fillers = AdapterRef("R", "v"), None, 0
+    for step in range(1, 201):
+        while len(sched.waiting.get(busy, ())) < 2:
+            add("R", 24, 5)
+        if filler is None or filler.num_computed:  # one new one-off rank-24 adapter waiting at any time
+            filler = add(f"F{fillers}", 24, (11, 17, 23)[fillers % 3])
+            fillers += 1
+        _run_step(sched, pool)
+        if x.num_computed:
+            break
+    assert x.num_computed and step <= sched.fairness_bound_steps(4, 23), (step, fillers)
