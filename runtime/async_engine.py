@@ -410,6 +410,7 @@ class AsyncLLMEngine:
     def install_adapter(self, adapter: Any, path: str) -> AdapterRef:
         """Make an adapter already read and checked current (``LLMEngine.install_adapter``), under the lock."""
         with self._lock:
+            self._check_not_shut_down()
             ref = self.engine.install_adapter(adapter, str(path))
             self._adapter_infos = tuple(self.engine.adapters())
             return ref
@@ -419,8 +420,15 @@ class AsyncLLMEngine:
 
     def unregister_adapter(self, name: str) -> None:
         with self._lock:
+            self._check_not_shut_down()
             self.engine.unregister_adapter(name)
             self._adapter_infos = tuple(self.engine.adapters())
+
+    def _check_not_shut_down(self) -> None:
+        """Adapter changes need a live engine (during a drain they still apply); after ``shutdown``
+        they are an EngineDeadError, as requests are, and change nothing."""
+        if self._stopping:
+            raise EngineDeadError(self.dead_error or "engine was shut down")
 
     def adapters(self) -> list[AdapterInfo]:
         """The registered adapters, without the lock (the event loop calls this for every request):

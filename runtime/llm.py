@@ -122,7 +122,9 @@ class LLM:
         """Generate for every prompt; ``params`` and ``adapter`` are one value or a list with one per prompt.
 
         Raises ``GenerationError`` (holding every result) if any request failed, unless
-        ``raise_on_error`` is False.
+        ``raise_on_error`` is False. A request that can never be served (too long, an unknown
+        adapter, a bad parameter) is a ``ValueError`` naming it (``prompts[i]: ...``) before any
+        runs: none of the batch is generated.
         """
         if not isinstance(raise_on_error, bool):
             raise ValueError(f"raise_on_error: expected True or False, got {raise_on_error!r}")

@@ -177,9 +177,19 @@ def test_a_burst_is_admitted_within_a_step_not_four_per_step(tiny_llama_dir: Pat
 
 def test_use_after_shutdown_is_an_engine_dead_error(tiny_llama_dir: Path, tiny_adapters) -> None:
     engine = AsyncLLMEngine(config(tiny_llama_dir))
+    engine.register_adapter("kept", str(tiny_adapters["b"]))
+
+    async def use_it() -> None:  # on the device: unregistering it then reached the released runner
+        async for _ in engine.generate("used", [5, 6], greedy(2), "kept"):
+            pass
+
+    asyncio.run(use_it())
     engine.shutdown()
     with pytest.raises(EngineDeadError):
         engine.register_adapter("a", str(tiny_adapters["a"]))
+    with pytest.raises(EngineDeadError):  # was a RuntimeError from the runner, after the registry had dropped the name
+        engine.unregister_adapter("kept")
+    assert [a.name for a in engine.adapters()] == [i.name for i in engine.engine.registry.infos()] == ["kept"]
 
     async def late() -> None:
         async for _ in engine.generate("late", [5], greedy(1)):
