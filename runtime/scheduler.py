@@ -49,11 +49,13 @@ If the chosen key X cannot get a device slot (every slot, or the rows it needs, 
 running requests), the scheduler computes the resident adapters whose rows X needs
 and stops admitting *new* requests of those adapters ("drain", sticky until X is placed, so
 the victim cannot flip between adapters from step to step); their running requests finish
-and free the slot, and X takes it when admission next reaches it. Meanwhile the keys after X in
-a step's order admit only requests of adapters already resident (and of the base model): a new
-placement could take the rows a victim has just freed before the others free the rest X needs
-(with X needing the rows of two victims, a stream of one-off adapters took each freed range in
-turn, and X waited 1000 steps against a bound of 27). Victims: adapters with no waiting request first, then the most served, then the one whose
+and free the slot, and X takes it when admission next reaches it. The victims stay drained, all
+of them, until none of them runs. Meanwhile the keys after X in a step's order admit only
+requests of adapters already running (and of the base model): a new placement, or a reference to
+an idle resident, could take the rows a victim has just freed before the others free the rest X
+needs (with X needing the rows of two victims, a stream of one-off adapters took each freed range
+in turn, and X waited 1000 steps against a bound of 27; a victim done draining admitted again
+and took its rows back, 67 steps against 22). Victims: adapters with no waiting request first, then the most served, then the one whose
 running requests free its slot soonest (ties are never left to set order, which follows string hashes). Draining an
 adapter that nobody waits for stops no admission (its slot frees as its requests end), while
 draining one with a queue holds that queue back and makes it take a slot again later (on the
@@ -119,7 +121,7 @@ class AdapterSlots(Protocol):
 
     def acquire_device(self, ref: AdapterRef) -> Optional[int]: ...
 
-    def slot_of(self, ref: AdapterRef) -> Optional[int]: ...
+    def device_refs_of(self, ref: AdapterRef) -> int: ...
 
     def release_device(self, ref: AdapterRef) -> None: ...
 
@@ -305,13 +307,17 @@ class Scheduler:
             if reuse and self.block_manager.prefix_in_flight(seq.request_id, seed, seq.all_token_ids):
                 ready.discard(key)  # a running request is computing its next prompt block: reuse it once published
                 continue
-            if key is not None and reserving and self.pool.slot_of(key) is None:
-                ready.discard(key)  # a new placement could take the rows a drain ahead of it is freeing
+            if key is not None and reserving and self.pool.device_refs_of(key) == 0:
+                # Only adapters already running may admit: a new placement, or a reference to an idle
+                # resident, could take the rows a drain ahead of this key is freeing.
+                ready.discard(key)
                 continue
             if key is not None and self.pool.acquire_device(key) is None:
                 ready.discard(key)
-                victims = [v for v in self._drains.get(key, []) if v in blocked.frees_in()]
-                if not victims:
+                # Sticky: the whole victim set is held back while any of it still runs (a victim done
+                # draining would otherwise admit again and take back the rows it just freed).
+                victims = self._drains.get(key, [])
+                if not any(v in blocked.frees_in() for v in victims):
                     victims = self.pool.device_blockers(key, blocked.prefer()) or []
                 self._drains[key] = victims
                 reserving = reserving or bool(victims)

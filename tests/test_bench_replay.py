@@ -143,6 +143,17 @@ def test_http_stream_whose_text_came_in_one_chunk_is_timed_at_that_chunk(caplog)
     assert "2 of 2 streams reported usage only at the end" in caplog.text
 
 
+def test_http_one_token_answer_under_running_usage_is_timed_by_its_count(caplog) -> None:
+    """A chunk with the text and a count of 1 is running usage (lorafleet, vLLM), not usage at the end:
+    no "text" timing and no warning that the server lacks continuous_usage_stats."""
+    with caplog.at_level(logging.WARNING, logger="lorafleet.bench"):
+        records = _replay([{**_text("a"), "usage": {"prompt_tokens": 2, "completion_tokens": 1}},
+                           {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}])  # fmt: skip
+    for rec in records:
+        assert rec.error is None and rec.timing == "tokens" and rec.output_tokens == 1 and rec.tpot is None, rec
+    assert "usage only at the end" not in caplog.text
+
+
 def test_http_stream_with_nothing_in_it_is_an_error() -> None:
     for rec in _replay([{"choices": []}]):
         assert rec.error is not None and "no tokens" in rec.error and rec.ttft is None

@@ -524,15 +524,8 @@ def test_a_new_adapters_wait_does_not_grow_with_uptime():
     assert all(wait <= bound for wait, bound in waits), waits
 
 
-def test_rows_a_drain_frees_are_kept_for_the_adapter_it_drains_for():
-    """X (rank 32) needs the rows of two residents (rank 24 each; 96 rows, a busy rank-24 adapter R
-    with a queue, 24 free). The drain picks the two nobody waits for; when the first ends, its 24
-    rows were taken by the next one-off rank-24 adapter, ranked after X in the same step, and so on
-    with each drain: X never started (1000 steps against a bound of 27). Now the keys after X place
-    no new adapter while X waits, and X starts within the documented bound."""
-    adapters = {}
-    pool = AdapterPool(FakeWriter(), lambda ref: adapters[ref], 3, 1000, 96, 32, async_loads=False)
-    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=32, max_loras=3)
+def _adder(sched, pool, adapters):
+    """``add(name, rank, max_tokens)``: one 4-token request of adapter ``name`` (on the host), queued."""
     count = iter(range(10**6))
 
     def add(name, rank, max_tokens):
@@ -543,6 +536,19 @@ def test_rows_a_drain_frees_are_kept_for_the_adapter_it_drains_for():
         _add(sched, pool, seq)
         return seq
 
+    return add
+
+
+def test_rows_a_drain_frees_are_kept_for_the_adapter_it_drains_for():
+    """X (rank 32) needs the rows of two residents (rank 24 each; 96 rows, a busy rank-24 adapter R
+    with a queue, 24 free). The drain picks the two nobody waits for; when the first ends, its 24
+    rows were taken by the next one-off rank-24 adapter, ranked after X in the same step, and so on
+    with each drain: X never started (1000 steps against a bound of 27). Now the keys after X place
+    no new adapter while X waits, and X starts within the documented bound."""
+    adapters = {}
+    pool = AdapterPool(FakeWriter(), lambda ref: adapters[ref], 3, 1000, 96, 32, async_loads=False)
+    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=32, max_loras=3)
+    add = _adder(sched, pool, adapters)
     for name, max_tokens in (("S0", 10), ("S1", 20), ("R", 5)):
         add(name, 24, max_tokens)
     _run_step(sched, pool)  # rows 0-24, 24-48 and 48-72 taken
@@ -558,3 +564,26 @@ def test_rows_a_drain_frees_are_kept_for_the_adapter_it_drains_for():
         if x.num_computed:
             break
     assert x.num_computed and step <= sched.fairness_bound_steps(4, 23), (step, fillers)
+
+
+def test_victims_stay_drained_until_none_of_them_runs():
+    """X (rank 48) needs the rows of two adjacent rank-24 residents, and all four residents have
+    queues. The first victim done draining stopped being a victim, admitted again and took its rows
+    back while the other drained, and so on: X started after 67 steps against a bound of 22."""
+    adapters = {}
+    pool = AdapterPool(FakeWriter(), lambda ref: adapters[ref], 4, 1000, 96, 48, async_loads=False)
+    sched = Scheduler(BlockManager(4096, 4), pool, max_num_seqs=8, max_num_batched_tokens=32, max_loras=4)
+    add = _adder(sched, pool, adapters)
+    busy = {"A": 18, "Z": 8, "B": 11, "C": 11}
+    for name, max_tokens in busy.items():
+        add(name, 24, max_tokens)
+    _run_step(sched, pool)  # the 96 rows full
+    x = add("X", 48, 3)
+    for step in range(1, 201):
+        for name, max_tokens in busy.items():
+            while len(sched.waiting.get(AdapterRef(name, "v"), ())) < 2:
+                add(name, 24, max_tokens)
+        _run_step(sched, pool)
+        if x.num_computed:
+            break
+    assert x.num_computed and step <= sched.fairness_bound_steps(4, max(busy.values())), step

@@ -239,6 +239,7 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
             body = {"model": req.adapter or base_model, "prompt": req.prompt, "max_tokens": req.output_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             first, last, n_out, counted = None, arrival, 0, 0
+            counted_with_text = False  # a chunk that raised the count carried text too (running usage, not usage at the end)
             text_times: list[float] = []
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -253,7 +254,8 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
                             rec.error = chunk["error"]["message"]
                             return rec
                         now = time.perf_counter()
-                        if any(c.get("text") for c in chunk.get("choices") or ()):
+                        has_text = any(c.get("text") for c in chunk.get("choices") or ())
+                        if has_text:
                             text_times.append(now)
                         usage = chunk.get("usage")
                         if usage:
@@ -261,10 +263,13 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
                             if usage["completion_tokens"] > n_out:  # this chunk brought new tokens
                                 first = now if first is None else first
                                 last, n_out, counted = now, usage["completion_tokens"], counted + 1
+                                counted_with_text = counted_with_text or has_text
             except httpx.HTTPError as err:
                 rec.error = f"{type(err).__name__}: {err}"
                 return rec
-            if counted <= 1 and text_times:  # usage at the end only (or none): time the text chunks
+            # Usage at the end only (or none): time the text chunks. One chunk holding both the text and
+            # a count of 1 is a one-token answer under running usage: timed by its count.
+            if text_times and counted <= 1 and (counted == 0 or not counted_with_text or len(text_times) > 1):
                 rec.timing = "text"
                 first, last, n_out = text_times[0], text_times[-1], max(n_out, len(text_times))
             if n_out == 0:

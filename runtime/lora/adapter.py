@@ -153,7 +153,7 @@ def load_adapter(
     config_path, weights_path = check_adapter_folder(root)
     files = resolved_files(root)
     raw = _read_config(config_path)
-    cfg = _parse_config(raw, config_path, max_lora_rank)
+    cfg = _parse_config(raw, config_path)
     modules = _resolve_modules(cfg, config_path, targets, num_layers)
     header, data_start, blob = _read_safetensors(weights_path)
     header = _without_default_infix(header, weights_path)
@@ -221,7 +221,7 @@ def rewrites_base(init_lora_weights: Any) -> bool:
     return value.startswith(("pissa", "corda")) or value in ("olora", "loftq")
 
 
-def _parse_config(raw: dict[str, Any], path: Path, max_lora_rank: int) -> _Config:
+def _parse_config(raw: dict[str, Any], path: Path) -> _Config:
     peft_type = raw.get("peft_type")
     if peft_type != "LORA":
         raise AdapterError(f"{path}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")

@@ -44,6 +44,8 @@ def check_rows_and_slots(op: str, meta: LoRABatchMeta, num_tokens: int, max_slot
 def check_shrink(x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, out: Tensor) -> None:
     """``shrink``'s arguments (and ``apply``'s x and workspace): ``out`` is [>= n_slices, T, >= max rank]
     with its own memory per element, ``x`` is [T, in] for every slice, ``meta`` describes those T rows."""
+    if not weights:
+        raise ValueError("shrink: weights is empty; pass one LoRASliceWeights per slice")
     if x.dim() != 2:
         raise ValueError(f"shrink: x must be 2-D [T, in], got shape {tuple(x.shape)}")
     check_rows_and_slots("shrink", meta, x.shape[0], min(w.max_slots for w in weights))
@@ -62,6 +64,8 @@ def check_shrink(x: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatch
 def check_expand(h: Tensor, weights: Sequence[LoRASliceWeights], meta: LoRABatchMeta, y: Tensor, slice_offsets: Sequence[int]) -> None:
     """``expand``'s arguments (and ``apply``'s y): integer offsets, each slice's columns inside ``y``,
     ``y``'s rows apart in memory, and ``h`` and ``meta`` for ``y``'s rows."""
+    if not weights:
+        raise ValueError("expand: weights is empty; pass one LoRASliceWeights per slice")
     if len(slice_offsets) != len(weights):
         raise ValueError(f"expand: {len(weights)} slices but {len(slice_offsets)} offsets")
     check_offsets("expand", slice_offsets)
