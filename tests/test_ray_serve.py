@@ -334,6 +334,11 @@ def test_serve_running_elsewhere_or_a_bad_manifest_refuse_to_start_in_one_line(a
     with pytest.raises(ManifestError) as bad:
         application.start_registry(corrupt)
     assert str(bad.value) == f"{tmp_path / 'adapters.json'}: 'revision' must be a non-negative integer, got 'x'"
+    # The app's registry actor keeps its own folder: a start with another one was handed that actor and served its adapters.
+    other = ScaleOutConfig(**{**cfg.__dict__, "registry_dir": str(tmp_path / "other")})
+    with pytest.raises(application.StartError) as elsewhere_dir:
+        application.start_registry(other)
+    assert f"still runs on registry_dir {Path(cfg.registry_dir).resolve()}, not {(tmp_path / 'other').resolve()}: pass --registry-dir" in str(elsewhere_dir.value)
     assert token_ids(complete(url, "a", PROMPTS[0], 2))  # the app was left alone
 
 

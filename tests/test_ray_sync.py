@@ -8,9 +8,11 @@ tests drive ``_sync_once`` / ``_apply`` / ``generate`` themselves, so nothing wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import shutil
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -817,3 +819,94 @@ def test_a_new_deploy_resets_readiness_and_the_drain_left_in_the_detached_regist
     assert service.heartbeat("r1", -1, {})["drain_s"] is None
     service.set_ready(True)
     assert service.view()["ready"] is True
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=4, ignore_eos=True),
+                                    SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=3)], ids=["greedy", "sampled"])
+def test_a_replica_lost_after_the_final_output_is_not_retried(replica, tiny_llama_dir, params) -> None:
+    """The replica died after its last output but before its stream's end: a greedy request was
+    replayed on another replica (a second final output, counted twice in /metrics), a sampled one
+    failed after its reply was complete. The final output ends the request."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    async def wire() -> list[Any]:
+        return [item async for item in replica.generate("req", "hello there", params, None)]
+
+    sent = asyncio.run(wire())
+    assert sent[-1][1].finished
+
+    async def dies_after_final(*args: Any) -> Any:
+        for item in sent:
+            yield item
+        raise ray.exceptions.RayActorError()
+
+    async def replays(*args: Any) -> Any:
+        for item in sent:
+            yield item
+
+    replicas = ScriptedReplicas(dies_after_final, replays)
+    ingress = ReplicaSetEngine(replicas, None, str(tiny_llama_dir), "tiny", 64)
+    seen: list[Any] = []
+    ingress.add_observer(seen.append)
+
+    async def run() -> list[Any]:
+        return [d async for d in ingress.generate("req", "hello there", params, None)]
+
+    got = asyncio.run(run())
+    assert len(replicas.calls) == 1 and [d.finished for d in got].count(True) == 1 and len(seen) == 1
+
+
+def test_a_request_cancelled_during_admission_leaves_no_metrics_behind(replica, monkeypatch) -> None:
+    """Its abort lands from a done-callback after the replica's stream ended: the replica kept its
+    metrics record for ever (one entry per such request)."""
+    engine = replica.engine.engine
+    real_check = engine.check_request
+    gate, entered = threading.Event(), threading.Event()
+
+    def slow_check(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(5)
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "check_request", slow_check)
+
+    async def run() -> None:
+        async def consume() -> None:
+            async for _ in replica.generate("leaky", "hello there", SamplingParams(max_tokens=50, ignore_eos=True), None):
+                pass
+
+        task = asyncio.create_task(consume())
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gate.set()
+        for _ in range(100):  # the abort reaches the observer from the engine's threads
+            await asyncio.sleep(0.02)
+            if not engine.has_unfinished():
+                break
+
+    asyncio.run(run())
+    assert replica._finished == {} and not replica._streaming
+
+
+def test_the_ingress_takes_the_registry_view_after_an_admin_call_that_failed_to_apply(service, tiny_llama_dir, monkeypatch) -> None:
+    """A load recorded in the registry but refused by some replica (a 503) left the ingress on the old
+    revision until its next refresh: requests did not carry the new one to lagging replicas."""
+    from runtime.distributed import replica_set
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    monkeypatch.setattr(replica_set, "ray", SimpleNamespace(get=asyncio.run))
+    ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64)
+
+    def recorded_then_refused(name: str, path: str) -> Any:
+        service.register(name, path, "0" * 64, 4)
+        raise ReplicasFailedToApply("register", name, {"replica-1": [f"{name}: cannot read"]})
+
+    monkeypatch.setattr(ingress.client, "register", recorded_then_refused)
+    with pytest.raises(ReplicasFailedToApply):
+        ingress.register_adapter("A", "/adapters/a")
+    assert ingress._view["revision"] == service.manifest.revision == 1

@@ -5,8 +5,8 @@
              `---------- registry actor "lorafleet-registry-<app>" ---------'   (manifest on disk)
 
 The registry actor is created here, before the deployments, as a detached named actor
-pinned to the node that deploys (its manifest folder lives there; on a multi-node
-cluster use a folder on shared storage so a restart on another node finds it).
+pinned to the node that deploys (its manifest folder lives there; a restart of the actor
+reloads the manifest on that node).
 ``stop`` deletes the application and the actor; the manifest stays, and the next
 ``deploy`` with the same ``registry_dir`` serves the same adapter set.
 
@@ -24,6 +24,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import ray
@@ -166,7 +167,10 @@ def start_registry(cfg: ScaleOutConfig) -> Any:
     """The application's registry actor (created, or the running one); loads the manifest.
 
     Raises ManifestError (one line, naming the file) when the manifest cannot be loaded or the
-    folder cannot be created: the actor's constructor failed with it."""
+    folder cannot be created: the actor's constructor failed with it. Raises StartError when the
+    running actor (from a start that was never stopped: the actor is detached, and Ray hands back
+    an existing one without its arguments) keeps another folder than ``cfg.registry_dir``: it
+    would serve and persist that folder's adapters."""
     node = ray.get_runtime_context().get_node_id()
     actor = (
         ray.remote(AdapterRegistryService)
@@ -188,6 +192,11 @@ def start_registry(cfg: ScaleOutConfig) -> Any:
         if not err.actor_init_failed:
             raise
         raise ManifestError(creation_error(err)) from err
+    held, wanted = ray.get(actor.folder.remote()), str(Path(cfg.registry_dir).expanduser().resolve())
+    if held != wanted:
+        raise StartError(f"the registry actor {cfg.registry_name!r} (namespace {NAMESPACE!r}) of an earlier start that was not stopped "
+                         f"still runs on registry_dir {held}, not {wanted}: pass --registry-dir {held}, or remove that actor first "
+                         f"(ray.kill(ray.get_actor({cfg.registry_name!r}, namespace={NAMESPACE!r})))")  # fmt: skip
     return actor
 
 

@@ -61,6 +61,10 @@ class AdapterRegistryService:
         self.drain_deadline: Optional[float] = None  # time.monotonic() when the drain ends; None: not shutting down
 
     # ---- the registered set --------------------------------------------------------------------
+    def folder(self) -> str:
+        """The manifest's folder (resolved): the ``registry_dir`` this actor was created with."""
+        return str(self.store.folder)
+
     def state(self) -> dict[str, Any]:
         return {"revision": self.manifest.revision, "entries": [vars_of(e) for e in self.manifest.entries]}
 

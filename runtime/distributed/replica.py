@@ -38,6 +38,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
@@ -148,6 +149,9 @@ class LoraReplica:
         self._sync_error: Optional[str] = None  # why the last sync failed (None: it succeeded)
         self._metrics_lock = threading.Lock()
         self._finished: dict[str, Any] = {}
+        # Requests this replica is streaming: only theirs are kept (an abort that lands after its
+        # stream ended, from a cancelled admission, would otherwise leave an entry for ever).
+        self._streaming: Counter[str] = Counter()  # a count: a refused duplicate id ends without ending the other
         self._drain: Optional[threading.Thread] = None  # the engine's shutdown, once the application began draining
         self.engine.add_observer(self._observe)
 
@@ -305,7 +309,8 @@ class LoraReplica:
     # ---- requests ------------------------------------------------------------------------------
     def _observe(self, metrics: Any) -> None:
         with self._metrics_lock:
-            self._finished[metrics.request_id] = metrics
+            if metrics.request_id in self._streaming:
+                self._finished[metrics.request_id] = metrics
 
     async def generate(
         self,
@@ -334,6 +339,8 @@ class LoraReplica:
             if refusal is not None:
                 yield refusal
                 return
+        with self._metrics_lock:
+            self._streaming[request_id] += 1
         stream = self.engine.generate(request_id, prompt, params, adapter)
         first = True
         try:
@@ -353,7 +360,10 @@ class LoraReplica:
         finally:
             await stream.aclose()  # aborts the engine request if the caller went away
             with self._metrics_lock:
-                self._finished.pop(request_id, None)
+                self._streaming[request_id] -= 1
+                if self._streaming[request_id] <= 0:
+                    del self._streaming[request_id]
+                    self._finished.pop(request_id, None)
 
     async def _catch_up(self, revision: int) -> None:
         """Sync now if this replica has not tried ``revision`` yet; if that fails, serve what it

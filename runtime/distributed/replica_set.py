@@ -143,13 +143,16 @@ class ReplicaSetEngine:
 
     # ---- admin -----------------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str) -> AdapterRef:
-        ref = self.client.register(name, path)
-        self._take(ray.get(self.registry.view.remote()))
-        return ref
+        try:
+            return self.client.register(name, path)
+        finally:  # also after a 503 (the change is recorded; some replica failed to apply it): requests carry its revision now
+            self._take(ray.get(self.registry.view.remote()))
 
     def unregister_adapter(self, name: str) -> None:
-        self.client.unregister(name)
-        self._take(ray.get(self.registry.view.remote()))
+        try:
+            self.client.unregister(name)
+        finally:
+            self._take(ray.get(self.registry.view.remote()))
 
     def add_observer(self, callback: Callable[[Any], None]) -> None:
         self._observers.append(callback)
@@ -239,6 +242,8 @@ class ReplicaSetEngine:
                         observer(metrics)
                 raise
             except ray.exceptions.RayActorError as err:
+                if finished:  # the final output was passed on before the stream's end got lost: nothing to retry
+                    return
                 if self.shutting_down:  # the replicas are going away; another one would not serve it either
                     raise APIError(503, f"request {request_id}: the server is shutting down, and the replica serving the request stopped "
                                         f"before it finished ({type(err).__name__})", code="engine_unavailable") from err
