@@ -5,7 +5,7 @@ import hmac
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -82,8 +82,11 @@ def confine_path(raw: str, roots: Iterable[Path]) -> Path:
     """Resolve ``raw`` (symlinks included) and return it if it lies inside one of ``roots``.
 
     Raises PermissionError otherwise, and ValueError for a string that is no usable path (a
-    NUL byte, a symlink loop). Nothing inside the path is read: only the path components are
-    resolved.
+    NUL byte; inside a root, a symlink loop). Nothing inside the path is read: only the path
+    components are resolved. Whether the path lies in a root is settled first, without an error
+    from the file system, so a path outside gets the same 403 whatever is there (a 400 "Not a
+    directory" for /etc/shadow/x, against a 403 for a path that is not a file, told a caller what
+    exists outside the roots).
     """
     roots = [Path(r).resolve() for r in roots]
     if not roots:
@@ -92,16 +95,25 @@ def confine_path(raw: str, roots: Iterable[Path]) -> Path:
     if not candidate.is_absolute():
         raise PermissionError(f"lora_path must be absolute, got {raw!r}")
     try:
+        real = Path(os.path.realpath(candidate))  # not strict: a missing file or a symlink loop raises nothing here
+    except ValueError as err:  # a NUL byte, a lone surrogate
+        raise ValueError(f"lora_path {raw!r} is not a usable path: {err}") from None
+    if not _inside(real, roots):
+        raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")
+    try:
         resolved = candidate.resolve()
         os.stat(resolved)  # Python 3.13's resolve() leaves a symlink loop in place; stat names it (ELOOP)
     except FileNotFoundError:
         pass  # a missing file is the loader's to report
-    except (ValueError, RuntimeError, OSError) as err:  # a NUL byte; a symlink loop (RuntimeError up to Python 3.12)
+    except (ValueError, RuntimeError, OSError) as err:  # a symlink loop (RuntimeError up to Python 3.12)
         raise ValueError(f"lora_path {raw!r} is not a usable path: {err}") from None
-    for root in roots:
-        if resolved == root or root in resolved.parents:
-            return resolved
-    raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")
+    if not _inside(resolved, roots):  # the two resolutions agree on every path without a loop; never trust one alone
+        raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")
+    return resolved
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
 
 
 def confine_adapter_folder(raw: str, roots: Iterable[Path], file_names: Iterable[str]) -> Path:

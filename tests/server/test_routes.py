@@ -454,6 +454,19 @@ async def test_a_configured_adapter_given_by_a_relative_path_has_an_absolute_roo
     assert cards["relative"]["root"] == str(adapter_root / "a")
 
 
+async def test_paths_outside_the_root_are_403s_whatever_is_there(app, adapter_root: Path, tmp_path_factory) -> None:
+    """A path outside every root got a 400 "Not a directory" under a file (/etc/passwd/x) or a 400
+    "Symlink loop" through a loop, against a 403 elsewhere: the answer told what exists outside."""
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "a-file").write_text("secret")
+    os.symlink(outside / "loop", outside / "loop")
+    async with client_for(app) as c:
+        for path in (outside / "a-file" / "x", outside / "loop" / "x", outside / "nothing" / "x"):
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "probe", "lora_path": str(path)})
+            assert r.status_code == 403, (path, r.text)
+            assert r.json()["error"]["message"] == f"lora_path {str(path)!r} resolves outside every --adapter-root", r.text
+
+
 async def test_unusable_adapter_paths_are_400s(app, adapter_root: Path, engine) -> None:
     loop = adapter_root / "loop"
     if not loop.is_symlink():
