@@ -242,8 +242,6 @@ class AdapterPool:
     def retire(self, ref: AdapterRef) -> None:
         """``ref`` is no longer the current version of its name: free it after its last reader."""
         self._retired.add(ref)
-        if ref == self._host_victim:  # a retired version is never drained (see host_drain): pick again
-            self._host_victim = None
         if self._demand.get(ref, 0) == 0:
             self._free_version(ref)
 
@@ -448,6 +446,7 @@ class AdapterPool:
             victim = next((r for r in idle if r not in self._slot_of), None) or next(iter(idle), None)
             if victim is None:
                 drained = self._host_victim
+                # A version retired after host_drain chose it is never drained: its folder may hold other content now.
                 if (not evict_drained or drained is None or drained not in self._host or drained in self._retired
                         or self._device_refs.get(drained, 0) > 0):
                     return False

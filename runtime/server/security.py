@@ -5,7 +5,7 @@ import hmac
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -95,25 +95,18 @@ def confine_path(raw: str, roots: Iterable[Path]) -> Path:
     if not candidate.is_absolute():
         raise PermissionError(f"lora_path must be absolute, got {raw!r}")
     try:
-        real = Path(os.path.realpath(candidate))  # not strict: a missing file or a symlink loop raises nothing here
+        resolved = Path(os.path.realpath(candidate))  # not strict: a missing file or a symlink loop raises nothing here
     except ValueError as err:  # a NUL byte, a lone surrogate
         raise ValueError(f"lora_path {raw!r} is not a usable path: {err}") from None
-    if not _inside(real, roots):
+    if not any(resolved == root or root in resolved.parents for root in roots):
         raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")
     try:
-        resolved = candidate.resolve()
-        os.stat(resolved)  # Python 3.13's resolve() leaves a symlink loop in place; stat names it (ELOOP)
+        os.stat(resolved)  # inside a root: a symlink loop, which realpath leaves in place, is ELOOP here
     except FileNotFoundError:
         pass  # a missing file is the loader's to report
-    except (ValueError, RuntimeError, OSError) as err:  # a symlink loop (RuntimeError up to Python 3.12)
+    except OSError as err:
         raise ValueError(f"lora_path {raw!r} is not a usable path: {err}") from None
-    if not _inside(resolved, roots):  # the two resolutions agree on every path without a loop; never trust one alone
-        raise PermissionError(f"lora_path {raw!r} resolves outside every --adapter-root")
     return resolved
-
-
-def _inside(path: Path, roots: Sequence[Path]) -> bool:
-    return any(path == root or root in path.parents for root in roots)
 
 
 def confine_adapter_folder(raw: str, roots: Iterable[Path], file_names: Iterable[str]) -> Path:
