@@ -8,7 +8,8 @@ aborts it) through small helper threads, and awaits them. ``adapters()`` and ``a
 take no lock: ``adapters()`` returns a copy of the registered set that register/unregister
 replace under the lock. The other calls (``snapshot()``, register/unregister) take the lock:
 async callers run them in a worker thread (``asyncio.to_thread``). Outputs are handed to each
-request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Cancelling a consumer of
+request's ``OutputMailbox`` with ``loop.call_soon_threadsafe``; outputs its consumer has not read
+yet are merged there, so a stream nobody reads holds one output, not one per step. Cancelling a consumer of
 ``generate`` aborts its request, which releases its KV blocks and adapter references.
 When nothing can run until an adapter is read from disk, the step thread waits for the
 load without the lock.
@@ -40,7 +41,9 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from runtime.config import EngineConfig
 from runtime.engine import CheckedRequest, LLMEngine
 from runtime.lora.registry import AdapterInfo
+from runtime.output_mailbox import OutputMailbox
 from runtime.request import AdapterRef, RequestOutput, SamplingParams
+from runtime.tokenizer import LONG_TEXT_CHARS
 from runtime.torch_threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
@@ -112,7 +115,7 @@ class _Admission:
     params: Optional[SamplingParams]
     adapter: Optional[str]
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: OutputMailbox
     future: "Future[None]" = field(default_factory=Future)
 
 
@@ -126,6 +129,7 @@ class AdmissionGroup:
         self.size = size
         self.tickets: list[_Admission] = []
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the loop of its first request; the others must share it
+        self.refused: Optional[str] = None  # why, once a request was refused before it joined (``_leave_group``)
 
 
 def admits_groups(engine: Any) -> bool:
@@ -160,7 +164,7 @@ class AsyncLLMEngine:
         self._built: "Future[LLMEngine]" = Future()
         self._lock = _FairLock()
         self._wake = threading.Condition(self._lock)
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, OutputMailbox]] = {}
         self._queues_lock = threading.Lock()  # guards _queues alone, for dict operations only
         # The engine lock can be held for a whole step, so the event loop never takes it:
         # admissions and aborts run in these helper threads (one OpenMP team: see torch_threads).
@@ -259,7 +263,16 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Validation errors raise before the first output.
         ``group``: admit this request together with the group's other requests."""
-        ticket = _Admission(request_id, prompt, params, adapter, asyncio.get_running_loop(), asyncio.Queue())
+        if isinstance(prompt, str) and len(prompt) >= LONG_TEXT_CHARS:
+            # Encoded here, in a worker thread that lets go of the GIL, not at admission under the
+            # lock: a prompt near the body limit takes about a second, which every stream would wait.
+            try:
+                prompt = await asyncio.to_thread(self.engine.encode_prompt, prompt)
+            except BaseException as err:  # refused or cancelled before it joined its group: the others must not wait for it
+                if group is not None:
+                    self._leave_group(group, request_id, None if isinstance(err, asyncio.CancelledError) else err)
+                raise
+        ticket = _Admission(request_id, prompt, params, adapter, asyncio.get_running_loop(), OutputMailbox())
         queue = ticket.queue
         if group is None:
             self._admissions.append((ticket,))
@@ -271,6 +284,8 @@ class AsyncLLMEngine:
             with self._parked_lock:  # against shutdown() and _die() failing the parked groups
                 if not self.accepting:
                     raise EngineDeadError(self.dead_error or "engine is shutting down; no new requests are accepted")
+                if group.refused is not None:
+                    raise GroupRefused(group.refused)
                 if len(group.tickets) >= group.size:
                     raise ValueError(f"AdmissionGroup: more than its {group.size} requests")
                 group.tickets.append(ticket)
@@ -300,6 +315,29 @@ class AsyncLLMEngine:
             else:  # the consumer went away: abort, off the event loop. Shielded: a second cancellation
                 # (anyio cancel scopes repeat theirs) must not cancel the queued abort and orphan the request.
                 await asyncio.shield(asyncio.wrap_future(self._off_loop(self._abort_and_forget, request_id)))
+
+    def _leave_group(self, group: AdmissionGroup, request_id: str, refusal: Optional[BaseException]) -> None:
+        """A request of ``group`` that will not join it: its ``generate`` was refused (``refusal``)
+        or cancelled before it joined. Refused: the whole group is (its other requests get
+        ``GroupRefused``, as at admission). Cancelled: the group waits for one request fewer, and
+        is queued if the rest have all arrived (as a consumer that leaves a queued group is skipped)."""
+        with self._parked_lock:
+            group.size -= 1
+            if refusal is not None and group.refused is None:
+                group.refused = f"request {request_id!r} of its group was refused: {refusal}"
+            full = group.refused is None and bool(group.tickets) and len(group.tickets) == group.size
+            refused = list(group.tickets) if group.refused is not None else []
+            if full or refused or group.size == 0:
+                self._parked.discard(group)
+            if full:
+                self._admissions.append(tuple(group.tickets))
+            if refused:
+                group.tickets.clear()
+        for ticket in refused:
+            if ticket.future.set_running_or_notify_cancel():
+                ticket.future.set_exception(GroupRefused(group.refused))
+        if full:
+            self._off_loop(self._admit_queued)
 
     @staticmethod
     def admission_group(size: int) -> AdmissionGroup:
@@ -506,10 +544,10 @@ class AsyncLLMEngine:
             if target is not None:
                 self._deliver(out.request_id, target, out)
 
-    def _deliver(self, request_id: str, target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], out: RequestOutput) -> None:
+    def _deliver(self, request_id: str, target: tuple[asyncio.AbstractEventLoop, OutputMailbox], out: RequestOutput) -> None:
         loop, queue = target
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            loop.call_soon_threadsafe(queue.put, out)
         except RuntimeError:  # its event loop was closed (checking first would race with the close): nobody to tell
             with self._queues_lock:
                 self._queues.pop(request_id, None)

@@ -261,19 +261,11 @@ class LLMEngine:
                 raise ValueError(f"{name}: token ids {outside[:4]} are outside the model's vocabulary (size {self._vocab_size})")
         if params.min_tokens > 0 and self._holds_back_every_token(params):
             raise ValueError(f"min_tokens: the stop_token_ids and eos ids it holds back cover the whole vocabulary (size {self._vocab_size}); nothing could be sampled")
+        if isinstance(prompt, (list, tuple)):  # refused at its length before every id is checked (under the engine's lock)
+            self._check_prompt_length(len(prompt), params)
         prompt_ids = self._prompt_ids(prompt)
         n = len(prompt_ids)
-        if params.max_tokens == 0 and n > self.max_model_len:
-            raise PromptTooLongError(f"prompt: {n} tokens; max_model_len is {self.max_model_len}")
-        if params.max_tokens > 0 and n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt: {n} tokens leave no room for output: max_model_len is {self.max_model_len} (prompt + output), "
-                f"so a prompt has at most {self.max_model_len - 1}"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
-            )
+        self._check_prompt_length(n, params)
         # One request holds at most the whole pool, prompt + output, like max_model_len: the limit the
         # server's banner and its default max_tokens use. (The last sampled token never gets KV, so the
         # engine could run one token more; one number everywhere is worth that token.)
@@ -285,6 +277,20 @@ class LLMEngine:
             raise RequestRejected(f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} tokens, but {pool}")
         ref = self.registry.resolve(adapter) if adapter is not None else None
         return CheckedRequest(request_id, prompt_ids, params, ref)
+
+    def _check_prompt_length(self, n: int, params: SamplingParams) -> None:
+        """PromptTooLongError unless a prompt of ``n`` tokens and ``params.max_tokens`` fit max_model_len."""
+        if params.max_tokens == 0 and n > self.max_model_len:
+            raise PromptTooLongError(f"prompt: {n} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens > 0 and n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt: {n} tokens leave no room for output: max_model_len is {self.max_model_len} (prompt + output), "
+                f"so a prompt has at most {self.max_model_len - 1}"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={self.max_model_len}"
+            )
 
     def _refuse_in_flight(self, request_id: str) -> None:
         """An id stays taken until ``step()`` has returned its final output (an aborted request's
@@ -362,6 +368,22 @@ class LLMEngine:
                 self.model_name, size, self._vocab_size, self._vocab_size,
             )
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids, as ``add_request`` encodes it, each checked to be in the model's
+        vocab (ValueError "prompt: ..." otherwise). Reads only the tokenizer: callers may run it
+        outside the engine's lock (``AsyncLLMEngine.generate`` does for long prompts)."""
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as err:
+            raise ValueError(f"prompt: {err}") from None
+        bad = sorted({t for t in ids if not 0 <= t < self._vocab_size})
+        if bad:
+            raise ValueError(
+                f"prompt: encodes to token ids {bad[:4]} outside the model's vocab [0, {self._vocab_size}): "
+                f"the checkpoint's tokenizer and model disagree on the vocabulary"
+            )
+        return ids
+
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         """The prompt's token ids; every id, given or encoded, must be in [0, vocab_size).
 
@@ -369,16 +391,7 @@ class LLMEngine:
         reach the model runner, raise inside ``step()`` and fail every request in flight.
         """
         if isinstance(prompt, str):
-            try:
-                ids = self.tokenizer.encode(prompt)
-            except ValueError as err:
-                raise ValueError(f"prompt: {err}") from None
-            bad = sorted({t for t in ids if not 0 <= t < self._vocab_size})
-            if bad:
-                raise ValueError(
-                    f"prompt: encodes to token ids {bad[:4]} outside the model's vocab [0, {self._vocab_size}): "
-                    f"the checkpoint's tokenizer and model disagree on the vocabulary"
-                )
+            ids = self.encode_prompt(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size]

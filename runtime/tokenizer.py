@@ -60,6 +60,11 @@ class TokenizerError(ValueError):
     """The checkpoint's tokenizer files are missing or inconsistent; names file and key."""
 
 
+# Texts this long (characters) are encoded without holding the GIL (``Tokenizer._encoding``);
+# callers on an event loop or under the engine's lock hand them to a worker thread.
+LONG_TEXT_CHARS = 16_384
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         root = Path(model_dir)
@@ -129,6 +134,10 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"not valid Unicode text: a lone surrogate {text[err.start]!r} at character {err.start}") from None
+        if len(text) >= LONG_TEXT_CHARS:
+            # The same encoding; ``encode_batch`` lets go of the GIL while it works, ``encode`` does
+            # not: a ~1 MiB prompt (~1 s) would stop every other Python thread, the step loop's too.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _added_specials(self, ids: Sequence[int], add_special_tokens: bool) -> tuple[bool, bool]:

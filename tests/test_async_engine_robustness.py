@@ -13,6 +13,7 @@ import pytest
 from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
+from runtime.output_mailbox import OutputMailbox
 from runtime.request import RequestOutput, SamplingParams
 from tests.engine_helpers import run_to_completion
 
@@ -93,7 +94,7 @@ def test_a_closed_consumer_loop_does_not_kill_the_step_thread(tiny_llama_dir: Pa
         closed = asyncio.new_event_loop()
         closed.close()
         with engine._queues_lock:
-            engine._queues["gone"] = (closed, asyncio.Queue())
+            engine._queues["gone"] = (closed, OutputMailbox())
         out = RequestOutput("gone", None, (1,), "a", (1,), "a", False, None, None, (5,))
         engine._dispatch([out])  # raised RuntimeError("Event loop is closed") in the step thread before
         assert "gone" not in engine._queues

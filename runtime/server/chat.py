@@ -36,7 +36,7 @@ def build_router(state: Any) -> APIRouter:
         prompt = gen.render_chat(state.tokenizer, body.messages)
         # The template writes the special tokens it wants (e.g. ``{{ bos_token }}``) as text; encoding
         # with special tokens added would put a second BOS in front (as HF and vLLM, encode without).
-        prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = await gen.encode_text(state.tokenizer, prompt, add_special_tokens=False)
         prompt_len = len(prompt_ids)
         # Default: whatever room the context (and the KV pool: max_seq_tokens) has left, as vLLM does for chat.
         max_tokens = body.max_tokens if body.max_tokens is not None else gen.default_max_tokens(state.max_seq_tokens, prompt_len, state.max_seq_tokens)

@@ -33,13 +33,13 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return [list(ids) for ids in p]
 
 
-def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any:
+async def _params(body: CompletionRequest, prompt: str | list[int], state: Any) -> Any:
     """The prompt's SamplingParams: an explicit max_tokens as sent (the engine refuses one that
     does not fit), else the default 16 capped by the room the prompt leaves."""
     prompt_logprobs = body.logprobs if body.echo else None
     if body.max_tokens is not None:  # 0 (echo, score only): the engine computes (and scores) the prompt, generates nothing
         return gen.sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
-    prompt_len = len(prompt) if isinstance(prompt, list) else len(state.tokenizer.encode(prompt))  # as the engine encodes it
+    prompt_len = len(prompt) if isinstance(prompt, list) else len(await gen.encode_text(state.tokenizer, prompt))  # as the engine encodes it
     max_tokens = gen.default_max_tokens(gen.DEFAULT_COMPLETION_TOKENS, prompt_len, state.max_seq_tokens)
     return gen.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
 
@@ -116,7 +116,7 @@ def build_router(state: Any) -> APIRouter:
         if len(prompts) * body.n > MAX_PROMPTS:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} is more than {MAX_PROMPTS} choices per request; send several requests",
                            param="n", code="invalid_parameter")  # fmt: skip
-        choices_in, params = gen.choices_of(prompts, [_params(body, prompt, state) for prompt in prompts], body.n)
+        choices_in, params = gen.choices_of(prompts, [await _params(body, prompt, state) for prompt in prompts], body.n)
         request_id = gen.new_id("cmpl")
         gen.log_request(request_id, body, target)
         created = int(time.time())

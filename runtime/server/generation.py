@@ -18,6 +18,7 @@ from runtime.async_engine import EngineDeadError, GroupRefused, admits_groups
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import _SamplingFields
+from runtime.tokenizer import LONG_TEXT_CHARS
 
 DEFAULT_COMPLETION_TOKENS = 16
 log = logging.getLogger("lorafleet.requests")
@@ -38,6 +39,15 @@ def resolve_model(engine: Any, base_name: str, model: str) -> Target:
     if any(info.name == model for info in engine.adapters()):
         return Target(model, model)
     raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the base model and its adapters", param="model", code="model_not_found")
+
+
+async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)`` without stalling the event loop: a long text (a prompt near the
+    body limit takes about a second) is encoded in a worker thread, which the tokenizer runs
+    without the GIL (``runtime/tokenizer.py``), so other streams and the step loop go on."""
+    if len(text) < LONG_TEXT_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
@@ -230,20 +240,24 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several output streams as (index, output), in arrival order.
 
-    Closing this generator closes every underlying stream (aborting their requests).
+    The hand-over queue holds at most one item per stream: while the consumer (a client that
+    reads slowly, or not at all) lags, the streams' outputs wait in their engine mailboxes,
+    which merge them (``runtime/output_mailbox.py``) instead of piling up here, one full copy
+    of each output per step. Closing this generator closes every underlying stream (aborting
+    their requests).
     """
-    queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=len(streams))
     done_marker = object()
 
     async def pump(index: int, first: Any, rest: AsyncIterator[Any]) -> None:
         try:
             async for item in _chain(first, rest):
                 await queue.put((index, item))
+            await queue.put((index, done_marker))
+        except asyncio.CancelledError:  # the consumer is closing: nobody reads the queue any more
+            raise
         except BaseException as err:  # forwarded to the consumer, re-raised there
             await queue.put((index, err))
-            raise
-        finally:
-            await queue.put((index, done_marker))
 
     tasks = [asyncio.create_task(pump(i, f, r)) for i, (f, r) in enumerate(streams)]
     remaining = len(tasks)
