@@ -325,8 +325,9 @@ class AsyncLLMEngine:
             group.size -= 1
             if refusal is not None and group.refused is None:
                 group.refused = f"request {request_id!r} of its group was refused: {refusal}"
-            full = group.refused is None and bool(group.tickets) and len(group.tickets) == group.size
-            refused = list(group.tickets) if group.refused is not None else []
+            waiting = group in self._parked  # its tickets are still ours: not queued, not failed by shutdown
+            full = waiting and group.refused is None and len(group.tickets) == group.size
+            refused = list(group.tickets) if waiting and group.refused is not None else []
             if full or refused or group.size == 0:
                 self._parked.discard(group)
             if full:

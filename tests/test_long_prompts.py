@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import runtime.tokenizer as tokenizer_module
-from runtime.async_engine import AsyncLLMEngine, GroupRefused
+from runtime.async_engine import AsyncLLMEngine, EngineDeadError, GroupRefused
 from runtime.config import EngineConfig
 from runtime.request import PromptTooLongError, SamplingParams
 from runtime.tokenizer import LONG_TEXT_CHARS, Tokenizer
@@ -160,4 +160,91 @@ def test_a_group_member_cancelled_while_its_long_prompt_is_encoded_lets_the_othe
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         gate.go.set()
+        engine.shutdown()
+
+
+async def _drain(stream) -> list:  # type: ignore[no-untyped-def]
+    return [out async for out in stream]
+
+
+def test_a_member_refused_after_shutdown_failed_its_group_gets_its_own_error(tiny_llama_dir: Path) -> None:
+    """shutdown() fails the parked group first; the member still encoding is then refused with
+    its own error, not a RuntimeError from a future that shutdown had already settled."""
+    engine = AsyncLLMEngine(_config(tiny_llama_dir))
+    gate = _GatedEncode(engine.engine.tokenizer)
+    engine.engine.tokenizer = gate
+    bad = _long_text(LONG_TEXT_CHARS) + "\ud800"
+
+    async def main() -> list:
+        group = engine.admission_group(2)
+        first = asyncio.ensure_future(_drain(engine.generate("g-0", [5, 6, 7], SamplingParams(max_tokens=4), group=group)))
+        second = asyncio.ensure_future(_drain(engine.generate("g-1", bad, SamplingParams(max_tokens=4), group=group)))
+        await asyncio.to_thread(gate.started.wait, 20)
+        await asyncio.to_thread(engine.shutdown_in_background(5.0).join)
+        gate.go.set()
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    try:
+        first, second = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        gate.go.set()
+    assert isinstance(first, EngineDeadError), first
+    assert type(second) is ValueError and "Unicode" in str(second), second
+
+
+def test_a_member_cancelled_during_a_drain_does_not_queue_its_failed_group_again(tiny_llama_dir: Path) -> None:
+    """shutdown_in_background() (a graceful drain) fails the parked group; the member still encoding
+    is then cancelled. Its group must not be queued again: draining those settled tickets raised in
+    whichever thread admitted them, and in the step thread that killed every request in flight."""
+    engine = AsyncLLMEngine(_config(tiny_llama_dir))
+    gate = _GatedEncode(engine.engine.tokenizer)
+    engine.engine.tokenizer = gate
+    real_step, release = engine.engine.step, threading.Event()
+
+    def slow_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.01)  # keeps "other" running through the drain
+        return real_step(*args, **kwargs)
+
+    engine.engine.step = slow_step
+
+    async def main() -> list:
+        other = asyncio.ensure_future(_drain(engine.generate("other", [5, 6, 7], SamplingParams(max_tokens=80, ignore_eos=True))))
+        group = engine.admission_group(2)
+        first = asyncio.ensure_future(_drain(engine.generate("g-0", [5, 6, 7], SamplingParams(max_tokens=4), group=group)))
+        second = asyncio.ensure_future(_drain(engine.generate("g-1", _long_text(LONG_TEXT_CHARS), SamplingParams(max_tokens=4), group=group)))
+        await asyncio.to_thread(gate.started.wait, 20)
+        for _ in range(4):  # the submit helpers busy: the step thread admits what is queued itself
+            engine._submit.submit(release.wait, 5)
+        drainer = engine.shutdown_in_background(30.0)
+        await asyncio.sleep(0.1)
+        second.cancel()
+        results = await asyncio.gather(first, second, other, return_exceptions=True)
+        release.set()
+        gate.go.set()
+        await asyncio.to_thread(drainer.join)
+        return results
+
+    try:
+        first, second, other = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        gate.go.set()
+        release.set()
+    assert isinstance(first, EngineDeadError) and isinstance(second, asyncio.CancelledError), (first, second)
+    assert not isinstance(other, BaseException) and other[-1].finish_reason == "length", other
+    assert "step failed" not in (engine.dead_error or "")
+
+
+def test_a_member_beyond_its_group_s_size_is_refused_with_its_own_error(tiny_llama_dir: Path) -> None:
+    engine = AsyncLLMEngine(_config(tiny_llama_dir))
+    bad = _long_text(LONG_TEXT_CHARS) + "\ud800"
+
+    async def main() -> None:
+        group = engine.admission_group(2)
+        await asyncio.gather(*(_drain(engine.generate(f"g-{k}", [5, 6, 7], SamplingParams(max_tokens=4), group=group)) for k in range(2)))
+        with pytest.raises(ValueError, match="Unicode"):
+            await _drain(engine.generate("g-2", bad, SamplingParams(max_tokens=4), group=group))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
         engine.shutdown()

@@ -7,6 +7,8 @@ import random
 import threading
 from pathlib import Path
 
+import pytest
+
 from runtime.async_engine import AsyncLLMEngine
 from runtime.config import EngineConfig
 from runtime.output_mailbox import OutputMailbox
@@ -143,5 +145,30 @@ def test_merge_streams_holds_at_most_one_output_per_stream_while_its_consumer_la
         rest = [item async for item in merged]
         assert sorted(k for i, k in [(0, 0)] + rest if i == 0) == list(range(100))
         assert sorted(k for i, k in [(0, 0)] + rest if i == 1) == list(range(100))
+
+    asyncio.run(main())
+
+
+def test_merge_streams_forwards_a_stream_s_own_errors_cancellation_included() -> None:
+    async def failing(err: BaseException):  # type: ignore[no-untyped-def]
+        yield 2
+        raise err
+
+    async def fine():  # type: ignore[no-untyped-def]
+        for k in range(3):
+            yield k
+            await asyncio.sleep(0.01)
+
+    async def collect(err: BaseException) -> list:
+        streams = []
+        for stream in (failing(err), fine()):
+            streams.append((await stream.__anext__(), stream))
+        return [item async for item in merge_streams(streams)]
+
+    async def main() -> None:
+        with pytest.raises(KeyError):
+            await asyncio.wait_for(collect(KeyError("x")), 10)
+        with pytest.raises(asyncio.CancelledError):  # it used to hang: the pump took it for its own cancellation
+            await asyncio.wait_for(collect(asyncio.CancelledError()), 10)
 
     asyncio.run(main())

@@ -254,8 +254,10 @@ async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> As
             async for item in _chain(first, rest):
                 await queue.put((index, item))
             await queue.put((index, done_marker))
-        except asyncio.CancelledError:  # the consumer is closing: nobody reads the queue any more
-            raise
+        except asyncio.CancelledError as err:
+            if asyncio.current_task().cancelling():  # the consumer is closing: nobody reads the queue any more
+                raise
+            await queue.put((index, err))  # the stream's own: forwarded like any other error
         except BaseException as err:  # forwarded to the consumer, re-raised there
             await queue.put((index, err))
 
