@@ -910,3 +910,22 @@ def test_the_ingress_takes_the_registry_view_after_an_admin_call_that_failed_to_
     with pytest.raises(ReplicasFailedToApply):
         ingress.register_adapter("A", "/adapters/a")
     assert ingress._view["revision"] == service.manifest.revision == 1
+
+
+def test_a_replica_that_died_without_a_goodbye_is_forgotten_after_a_while(service: AdapterRegistryService, monkeypatch) -> None:
+    """Its entry stays while it might come back, is dropped long after it stopped being live, and
+    a replica that does come back is recorded again."""
+    import runtime.distributed.registry_service as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    service.heartbeat("dead", 0, {"running": 1})
+    service.heartbeat("alive", 0, {})
+    clock[0] += service.live_after_s + 1
+    service.heartbeat("alive", 0, {})
+    assert set(service.live_replicas()) == {"alive"} and "dead" in service.replicas
+    clock[0] += service.forget_after_s
+    service.heartbeat("alive", 0, {})
+    assert set(service.replicas) == {"alive"}
+    service.heartbeat("dead", 0, {})  # back after all
+    assert set(service.live_replicas()) == {"alive", "dead"}

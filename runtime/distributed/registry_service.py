@@ -52,10 +52,17 @@ class ReplicaStatus:
 
 
 class AdapterRegistryService:
+    # A replica silent this many times ``live_after_s`` (at least a minute) is dropped from
+    # ``replicas``: one that died without its goodbye (``forget``) would otherwise stay there, and
+    # a long-lived actor would collect one entry, snapshot included, per crashed replica. It is
+    # not live long before that, and a replica that comes back is recorded again by its heartbeat.
+    FORGET_AFTER_LIVE = 30
+
     def __init__(self, registry_dir: str, live_after_s: float = 2.0) -> None:
         self.store = ManifestStore(registry_dir)
         self.manifest: Manifest = self.store.load()
         self.live_after_s = live_after_s
+        self.forget_after_s = max(60.0, self.FORGET_AFTER_LIVE * live_after_s)
         self.replicas: dict[str, ReplicaStatus] = {}
         self.ready = True
         self.drain_deadline: Optional[float] = None  # time.monotonic() when the drain ends; None: not shutting down
@@ -107,6 +114,8 @@ class AdapterRegistryService:
         so it gets the state again at every heartbeat and retries them.
         """
         now = time.monotonic()
+        for rid in [rid for rid, s in self.replicas.items() if now - s.last_seen > self.forget_after_s]:
+            del self.replicas[rid]
         attempted = max(applied_revision, attempted_revision if attempted_revision is not None else applied_revision)
         status = self.replicas.get(replica_id)
         if status is None:
