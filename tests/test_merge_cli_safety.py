@@ -330,3 +330,93 @@ def test_an_output_folder_holding_the_input_is_refused_with_what_to_do(tmp_path:
     for current in (".", str(tmp_path), str(tmp_path.parent)):
         with pytest.raises(OutputPathError, match=r"is, or contains, the current folder"):
             check_output(current, [], force=True)
+
+
+def _rewrite_base(src: Path, dst: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of the checkpoint ``src`` whose tensors ``change(dict)`` edited in place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("case, says", [
+    ("missing", "missing tensor(s) model.norm.weight"),
+    ("reshaped", "tensor model.layers.0.self_attn.q_proj.weight has shape (1, "),
+])  # fmt: skip
+def test_a_base_that_does_not_match_its_config_is_refused_before_writing_even_without_verification(tiny_llama_dir, tiny_adapters, tmp_path, capsys, case, says):
+    """--no-verify used to write it and exit 0: a missing tensor gave a checkpoint nothing loads,
+    a q_proj of one row was broadcast into a full-size (wrong) merged weight that loads everywhere."""
+    def change(tensors):  # type: ignore[no-untyped-def]
+        if case == "missing":
+            del tensors["model.norm.weight"]
+        else:
+            tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:1].clone()
+
+    base = _rewrite_base(tiny_llama_dir, tmp_path / "base", change)
+    out = tmp_path / "m"
+    assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+
+
+def test_a_shard_that_lacks_a_tensor_its_index_names_is_an_input_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+    import json
+
+    base = _rewrite_base(tiny_llama_dir, tmp_path / "base", lambda tensors: tensors.pop("model.norm.weight"))
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), "pt") as f:
+        names = {name: "model.safetensors" for name in f.keys()}
+    (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    out = tmp_path / "m"
+    assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 2
+    err = capsys.readouterr().err
+    assert "model.norm.weight is not in this shard" in err and "Traceback" not in err, err
+
+
+def test_the_default_dtype_is_the_stored_one_when_the_config_names_none(tiny_llama_dir, tiny_adapters, tmp_path):
+    """A bf16 checkpoint whose config.json has no torch_dtype was written as float32, twice its size."""
+    import json
+
+    from safetensors import safe_open
+
+    base = _rewrite_base(tiny_llama_dir, tmp_path / "base", lambda tensors: tensors.update({k: v.bfloat16() for k, v in tensors.items()}))
+    config = json.loads((base / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    (base / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "m"
+    assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 0
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+
+
+def test_a_previous_output_that_cannot_be_deleted_leaves_the_new_one_in_place_and_says_where(tmp_path, monkeypatch, capsys):
+    """With --force, an rmtree of the previous output that failed (EBUSY: NFS files a server still
+    reads) was reported as "unexpected failure ... nothing was written" with the new output in place."""
+    import errno
+
+    from runtime.merge import staging
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "lorafleet_merge.json").write_text('{"files_written": ["model.safetensors"]}')
+    (out / "model.safetensors").write_bytes(b"old")
+
+    def busy(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+
+    monkeypatch.setattr(staging.shutil, "rmtree", busy)
+    staged = StagedOutput(check_output(out, [], force=True), force=True)
+    with staged as tmp:
+        (tmp / "model.safetensors").write_bytes(b"new")
+        staged.publish()
+    err = capsys.readouterr().err
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".m.old-")]
+    assert (out / "model.safetensors").read_bytes() == b"new" and len(left) == 1
+    assert "could not be deleted" in err and str(left[0]) in err

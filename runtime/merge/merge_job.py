@@ -36,7 +36,7 @@ from runtime.merge.staging import StagedOutput, check_output
 from runtime.merge.verify import DEFAULT_NEW_TOKENS, VERIFY_PROMPTS, compare, prompt_ids, trace
 from runtime.models.hf_config import load_model_config
 from runtime.models.llama import lora_targets
-from runtime.models.loader import DTYPES, checkpoint_quantization
+from runtime.models.loader import DTYPES, check_checkpoint, checkpoint_quantization, stored_float_dtype
 from runtime.quant.int8 import QUANTIZATION_CONFIG
 from runtime.tokenizer import TokenizerError
 
@@ -49,7 +49,7 @@ class MergeOptions:
     model: str
     adapter: str
     out: str
-    dtype: str | None = None  # None = the base checkpoint's dtype (float32 for an int8 base)
+    dtype: str | None = None  # None = the base checkpoint's dtype: config.json's, else its float tensors' (float32 for an int8 base)
     force: bool = False
     verify: bool = True
     threshold: float = DEFAULT_THRESHOLD
@@ -93,9 +93,10 @@ def run_merge(opts: MergeOptions) -> MergeResult:
             "int8 base (to get an int8 merged model, run `lorafleet quantize` on the merged output)"
         )
     requantize = source_q is not None and opts.requantize is not False
+    files, _ = check_checkpoint(cfg, model_dir)  # names and shapes against config.json, as serving checks them
     name = opts.adapter_name or Path(opts.adapter).resolve().name
     adapter = load_adapter(opts.adapter, name, lora_targets(cfg), num_layers=cfg.num_hidden_layers, max_lora_rank=MERGE_MAX_RANK)
-    dtype = DTYPES[_output_dtype(opts.dtype, cfg.torch_dtype, source_q is not None)]
+    dtype = DTYPES[_output_dtype(opts.dtype, cfg.torch_dtype or stored_float_dtype(files), source_q is not None)]
     out = check_output(opts.out, [opts.model, opts.adapter], opts.force)
     device = _verification_device(opts.device) if opts.verify else opts.device
     prompts = _verification_prompts(model_dir, opts.new_tokens, cfg.max_model_len) if opts.verify else []

@@ -114,7 +114,10 @@ def write_checkpoint(spec: MergeSpec, out_dir: Path, progress: bool = True) -> W
     for name, tensor in _read_float(files, names, source_quantized):
         target = deltas.get(name)
         if target is not None and spec.adapter is not None:
-            tensor = tensor + lora_delta(spec.adapter, *target)  # float32 + float32; cast once, in _encode
+            delta = lora_delta(spec.adapter, *target)
+            if delta.shape != tensor.shape:  # never broadcast: a base checked against config.json cannot get here
+                raise MergeError(f"{files[name]}: tensor {name} has shape {tuple(tensor.shape)}; the adapter's update is {tuple(delta.shape)}")
+            tensor = tensor + delta  # float32 + float32; cast once, in _encode
             merged += 1
         for out_name, out_tensor in _encode(name, tensor, spec):
             size = out_tensor.numel() * out_tensor.element_size()
@@ -154,7 +157,10 @@ def _read_float(files: dict[str, Path], names: list[str], quantized: bool) -> It
             raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
         with handle as f:
             for name in group:
-                t = f.get_tensor(name)
+                try:
+                    t = f.get_tensor(name)
+                except Exception as err:  # SafetensorError: a shard that lacks a tensor its index names, or a truncated one
+                    raise CheckpointError(f"{path}: cannot read tensor {name}: {err}") from err
                 if quantized and is_quantized_projection(name):
                     s_name = scale_name(name)
                     if s_name not in files:

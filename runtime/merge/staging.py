@@ -152,7 +152,11 @@ class StagedOutput:
         self._holding = True
         old = self._swap_in()
         if old is not None:
-            shutil.rmtree(old)
+            try:
+                shutil.rmtree(old)
+            except OSError as err:  # e.g. EBUSY on NFS while a server still reads the old weights: the new output stands
+                print(f"lorafleet merge: warning: the new output is in {self.out}, but the previous one could not be deleted "
+                      f"({err.strerror or err}); it is left in {old}: delete it yourself", file=sys.stderr)  # fmt: skip
 
     def _swap_in(self) -> Path | None:
         """Rename staging -> out (the previous out moved aside first); returns where the previous out went."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path, PurePath
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
@@ -151,14 +151,11 @@ def _keys(path: Path) -> list[str]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
 
 
-def load_weights(
-    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device
-) -> dict[str, Tensor | Int8Weight]:
-    """Check names and shapes first (from headers), then read every tensor cast to ``dtype``.
-
-    For an int8 checkpoint the projections come back as ``Int8Weight`` (codes stay int8,
-    scales float32), keyed by their ``.weight`` name; their ``_scale`` tensors are folded in.
-    """
+def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
+    """The checkpoint's tensors against ``config.json``, from the files' headers alone (no tensor
+    is read): every tensor the config implies is there, in the shard the index names, with the
+    shape the config implies, and nothing else is (bar the tolerated extras). Returns
+    (name -> file, name -> shape); a CheckpointError names the file and the tensor otherwise."""
     files = weight_files(model_dir)
     quantized = checkpoint_quantization(model_dir) is not None
     shapes = quantized_shapes(cfg) if quantized else expected_shapes(cfg)
@@ -169,13 +166,8 @@ def load_weights(
     unexpected = [n for n in files if n not in shapes and not _tolerated(n, cfg)]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor(s) {', '.join(sorted(unexpected)[:8])} for a {cfg.model_type} of this config")
-    raw: dict[str, Tensor] = {}
     for path, names in _by_file(files, shapes).items():
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as err:  # SafetensorError and friends: a truncated or garbled file (size is checked at open)
-            raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
-        with handle as f:
+        with _open(path) as f:
             held = set(f.keys())
             absent = [n for n in names if n not in held]
             if absent:  # only an index can claim a tensor for a file that lacks it
@@ -186,6 +178,43 @@ def load_weights(
                 got = tuple(f.get_slice(name).get_shape())
                 if got != shapes[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json implies {shapes[name]}")
+    return files, shapes
+
+
+def stored_float_dtype(files: dict[str, Path]) -> str | None:
+    """The dtype most of the checkpoint's float tensors are stored in, from the headers
+    ("float32", "bfloat16" or "float16"); None if it holds no float tensor of those."""
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    counts: dict[str, int] = {}
+    for path, group in _by_file(files, files).items():
+        with _open(path) as f:
+            for name in group:
+                stored = names.get(f.get_slice(name).get_dtype())
+                if stored is not None:
+                    counts[stored] = counts.get(stored, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as err:  # SafetensorError and friends: a truncated or garbled file (size is checked at open)
+        raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
+
+
+def load_weights(
+    cfg: ModelConfig, model_dir: str | Path, dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor | Int8Weight]:
+    """Check names and shapes first (from headers), then read every tensor cast to ``dtype``.
+
+    For an int8 checkpoint the projections come back as ``Int8Weight`` (codes stay int8,
+    scales float32), keyed by their ``.weight`` name; their ``_scale`` tensors are folded in.
+    """
+    files, shapes = check_checkpoint(cfg, model_dir)
+    quantized = checkpoint_quantization(model_dir) is not None
+    raw: dict[str, Tensor] = {}
+    for path, names in _by_file(files, shapes).items():
+        with _open(path) as f:
             for name in names:
                 raw[name] = f.get_tensor(name)
                 if quantized:
