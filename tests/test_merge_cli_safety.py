@@ -20,6 +20,14 @@ def _merge(base: Path, adapter: Path, out: Path, *extra: str) -> int:
     return cli_main(["merge", "--model", str(base), "--adapter", str(adapter), "--out", str(out), *extra])
 
 
+def _publish_over(out: Path) -> None:
+    """Stage a new output ("new" in model.safetensors) and publish it over ``out`` with --force."""
+    staged = StagedOutput(check_output(out, [], force=True), force=True)
+    with staged as tmp:
+        (tmp / "model.safetensors").write_bytes(b"new")
+        staged.publish()
+
+
 def _siblings(out: Path) -> list[str]:
     return sorted(p.name for p in out.parent.iterdir())
 
@@ -231,10 +239,7 @@ def test_a_signal_while_the_previous_output_is_deleted_is_held_too(tmp_path, mon
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(staging.shutil, "rmtree", signal_then_rmtree)
-    staged = StagedOutput(check_output(out, [], force=True), force=True)
-    with staged as tmp:
-        (tmp / "model.safetensors").write_bytes(b"new")
-        staged.publish()
+    _publish_over(out)
     err = capsys.readouterr().err
     assert f"{signal.Signals(signum).name} arrived while the output was being moved into place; the new output is in place" in err
     assert (out / "model.safetensors").read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # old copy gone
@@ -412,10 +417,7 @@ def test_a_previous_output_that_cannot_be_deleted_leaves_the_new_one_in_place_an
         raise OSError(errno.EBUSY, "Device or resource busy", str(path))
 
     monkeypatch.setattr(staging.shutil, "rmtree", busy)
-    staged = StagedOutput(check_output(out, [], force=True), force=True)
-    with staged as tmp:
-        (tmp / "model.safetensors").write_bytes(b"new")
-        staged.publish()
+    _publish_over(out)
     err = capsys.readouterr().err
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".m.old-")]
     assert (out / "model.safetensors").read_bytes() == b"new" and len(left) == 1
