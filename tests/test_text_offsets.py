@@ -40,3 +40,43 @@ def test_offsets_index_the_decoded_text(pieces, offsets):
         own = pieces[i].decode("utf-8", errors="ignore")
         if own and pieces[i][0] < 0x80:
             assert text.startswith(own, start), (i, start, text)
+
+
+def test_offsets_of_an_output_with_no_prompt_text_before_it_on_a_sentencepiece_tokenizer(tmp_path) -> None:
+    """A SentencePiece (Metaspace) decoder drops the leading space of the first token of a decode:
+    with a prompt of special tokens only (``""`` is a bos), the output's text starts without it.
+    The offsets counted it: every one was one too high, and streamed entries came a chunk late."""
+    from pathlib import Path
+
+    from runtime.request import SamplingParams
+    from runtime.server.logprobs import StreamedEntries, completion_logprobs, has_text_before
+    from tests.engine_helpers import make_engine
+    from tests.fixtures.tiny_models import build_tiny_model
+    from tests.test_detokenizer_context import write_metaspace_tokenizer
+
+    model = build_tiny_model(Path(tmp_path), "llama", seed=3)
+    write_metaspace_tokenizer(model)
+    engine = make_engine(model)
+    tok = engine.tokenizer
+    checked_empty = 0
+    for k, prompt in enumerate(["", "Hello", "", "w12 w40"] * 3):
+        engine.add_request(f"r{k}", prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=k, logprobs=0))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        final = outs[-1]
+        before = has_text_before(tok, final.prompt_token_ids)
+        assert before == (prompt != "")
+        entries = completion_logprobs(tok, final.logprobs, TextOffsets(tok, before))
+        for offset, token_id, token in zip(entries["text_offset"], final.token_ids, entries["tokens"]):
+            piece = token[1:] if offset == 0 and not before and token.startswith(" ") else token
+            assert final.text[offset : offset + len(piece)] == piece, (prompt, final.text, entries)
+        ends = entries["text_offset"][1:] + [len(final.text)]  # a token's text ends where the next one's starts
+        streamed, released, sent = StreamedEntries(tok, before), 0, 0
+        for out in outs:  # an entry comes with the chunk whose text reaches its token's end: not earlier, not later
+            streamed.add(out.new_logprobs or ())
+            sent += len(out.new_text)
+            released += len(streamed.release(out.new_text, out.finished))
+            assert released == (len(ends) if out.finished else sum(1 for end in ends[: len(out.token_ids)] if end <= sent)), (prompt, out)
+        checked_empty += not before and final.text[:1] != " " and tok.token_text(final.token_ids[0]).startswith(" ")
+    assert checked_empty, "no empty-prompt output started with a token whose leading space the decoder drops"

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route, error_body
-from runtime.server.logprobs import StreamedEntries, chat_logprobs
+from runtime.server.logprobs import StreamedEntries, chat_logprobs, has_text_before
 from runtime.server.protocol import ChatCompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -78,7 +78,8 @@ def build_router(state: Any) -> APIRouter:
                     role = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                     yield event(payload("chat.completion.chunk", [role], prompt_only if continuous else None))
                 last: dict[int, Any] = {}
-                pending = {k: StreamedEntries(state.tokenizer) for k in range(body.n)}  # an entry waits for its token's text
+                before = has_text_before(state.tokenizer, prompt_ids)
+                pending = {k: StreamedEntries(state.tokenizer, before) for k in range(body.n)}  # an entry waits for its token's text
                 try:
                     async for k, out in gen.merge_streams(streams):
                         if out.finish_reason == "error":

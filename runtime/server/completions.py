@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route, error_body
-from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs, prompt_text_offsets
+from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs, has_text_before, prompt_text_offsets
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from runtime.server.sse import DONE, event
 
@@ -71,7 +71,7 @@ def _whole_logprobs(out: Any, tokenizer: Any, prompt: str | list[int], echoed: s
     prompt's tokens first, then the generated ones."""
     if out.logprobs is None:
         return None
-    offsets = TextOffsets(tokenizer)
+    offsets = TextOffsets(tokenizer, has_text_before(tokenizer, out.prompt_token_ids))
     if echoed is None:
         return completion_logprobs(tokenizer, out.logprobs, offsets)
     head = _prompt_logprobs(out, tokenizer, offsets, prompt, echoed)
@@ -137,8 +137,8 @@ def build_router(state: Any) -> APIRouter:
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
                 # With logprobs, an entry waits for the chunk that carries its token's text (StreamedEntries).
-                pending = {i: StreamedEntries(state.tokenizer) for i in range(len(choices_in))}
-                offsets = {i: TextOffsets(state.tokenizer) for i in range(len(choices_in))}
+                pending: dict[int, StreamedEntries] = {}
+                offsets: dict[int, TextOffsets] = {}
                 started: set[int] = set()
                 try:
                     async for index, out in gen.merge_streams(streams):
@@ -146,6 +146,9 @@ def build_router(state: Any) -> APIRouter:
                             failure = gen.failure_of(out)
                             yield event(error_body(failure.status, failure.message, code=failure.code))
                             break
+                        if index not in started:  # its prompt is known now: is there text before the output?
+                            before = has_text_before(state.tokenizer, out.prompt_token_ids)
+                            pending[index], offsets[index] = StreamedEntries(state.tokenizer, before), TextOffsets(state.tokenizer, before)
                         if body.echo and index not in started:  # the prompt first, in a chunk of its own
                             echoed = _echoed(choices_in[index], state.tokenizer)
                             logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed) if body.logprobs is not None else None

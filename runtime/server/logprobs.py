@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 from typing import Any, Optional, Sequence
 
+from runtime.detokenizer import prompt_context
 from runtime.request import TokenLogprobs
 
 
@@ -31,8 +32,12 @@ class TextOffsets:
     across streamed chunks; ``restart_at`` after an echoed prompt, whose text is the prompt as sent.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, text_before: bool = True) -> None:
+        """``text_before``: the text is decoded to the right of some prompt text (``has_text_before``).
+        Without it, a SentencePiece (Metaspace) or Strip decoder drops the leading space of the
+        first token that has text, which is then not counted either."""
         self._tokenizer = tokenizer
+        self._first_text = not text_before  # the next token with text may lose its leading space
         self.restart_at(0)
 
     def restart_at(self, position: int) -> None:
@@ -59,8 +64,23 @@ class TextOffsets:
             text = self._utf8.decode(raw)
             if waiting and raw and not 0x80 <= raw[0] <= 0xBF:
                 offset += len(text) - len(codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw))
+            if self._first_text and text:
+                self._first_text = False
+                if text.startswith(" ") and not self._tokenizer.decode([token_id], skip_special_tokens=True).startswith(" "):
+                    text = text[1:]  # the decoder drops it at the start of a decode, as the output's text does
             self.position += len(text)
         return offset
+
+
+def has_text_before(tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
+    """Whether a request's output is decoded to the right of prompt text: the detokenizer's
+    context (``prompt_context``) decodes to some text. Not so for a prompt of special tokens
+    only (a bos for ``""``), or one that ends inside a character; ``TextOffsets`` then drops
+    the leading space that SentencePiece decoders drop."""
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    return bool(decode(prompt_context(decode, prompt_ids)))
 
 
 def prompt_text_offsets(tokenizer: Any, prompt: str, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[int]:
@@ -101,8 +121,8 @@ class StreamedEntries:
     with the first chunk at or past where it stands. The last chunk of the choice takes every entry
     left (the token that completed a stop string, whose text is never sent, among them)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._ends = TextOffsets(tokenizer)
+    def __init__(self, tokenizer: Any, text_before: bool = True) -> None:
+        self._ends = TextOffsets(tokenizer, text_before)
         self._waiting: list[tuple[Optional[int], TokenLogprobs]] = []  # (where its text ends, None: inside a character; entry)
         self._sent = 0  # characters of generated text sent so far
 
