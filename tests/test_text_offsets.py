@@ -29,6 +29,11 @@ class ByteTokens:
     ([b"\xe2", b"\xe2", b"Z"], [0, 1, 2]),  # two such lead bytes
     ([b"\xe2", b"\x82", b"Z"], [0, 0, 1]),  # a truncated character: both its bytes start at its U+FFFD
     ([b"a\xe2", b"Zb"], [0, 2]),  # the waiting byte ends one token, the next token starts after its U+FFFD
+    ([b"n", b"\xe0", b"\x85", b"Z"], [0, 1, 2, 3]),  # E0 takes A0-BF next: 85 is no continuation of it, its own U+FFFD
+    ([b"\xf0", b"\x8b", b"Z"], [0, 1, 2]),  # F0 takes 90-BF next
+    ([b"\xf4", b"\x90", b"Z"], [0, 1, 2]),  # F4 takes 80-8F next (90 is beyond U+10FFFF)
+    ([b"\xf0", b"\x9f", b"\x99", b"\x82"], [0, 0, 0, 0]),  # a valid four-byte character in four tokens
+    ([b"\xef\xbf", b"\xbd", b"!"], [0, 0, 1]),  # U+FFFD itself, written in the text, split over two tokens
 ])
 def test_offsets_index_the_decoded_text(pieces, offsets):
     tok = ByteTokens(pieces)

@@ -52,17 +52,18 @@ class TextOffsets:
     def advance(self, token_id: int) -> int:
         """The offset of ``token_id``, the next token; moves past it.
 
-        Bytes left waiting by earlier tokens that this token does not continue (its first byte is
-        no UTF-8 continuation byte) were no character: they come out now as U+FFFD, ahead of this
-        token's own text, which therefore starts after them."""
+        Bytes left waiting by earlier tokens that this token does not continue (its first byte
+        cannot come next in a UTF-8 character: no continuation byte, or one out of the lead
+        byte's range, as after E0, F0 and F4) were no character: they come out now as U+FFFD,
+        ahead of this token's own text, which therefore starts after them."""
         offset = self.position
         if not self._tokenizer.is_special(token_id):
             raw = self._tokenizer.token_bytes(token_id)
             if raw is None:
                 raw = self._tokenizer.token_text(token_id).encode("utf-8")
-            waiting = self.in_character
+            waiting = self._utf8.getstate()[0]
             text = self._utf8.decode(raw)
-            if waiting and raw and not 0x80 <= raw[0] <= 0xBF:
+            if waiting and raw and not _continues(waiting, raw[0]):
                 offset += len(text) - len(codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw))
             if self._first_text and text:
                 self._first_text = False
@@ -70,6 +71,17 @@ class TextOffsets:
                     text = text[1:]  # the decoder drops it at the start of a decode, as the output's text does
             self.position += len(text)
         return offset
+
+
+def _continues(waiting: bytes, byte: int) -> bool:
+    """``byte`` can follow the bytes of an unfinished UTF-8 character, as Python's decoder (the one
+    that writes the text) judges it: E0 takes A0-BF next, F0 90-BF, F4 80-8F, any other lead
+    byte 80-BF. (It holds ED A0-BF, a surrogate's start, until the next byte, as it does here.)"""
+    try:
+        codecs.getincrementaldecoder("utf-8")(errors="strict").decode(waiting + bytes([byte]))
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def has_text_before(tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
