@@ -143,16 +143,20 @@ class LLM:
         n = len(batch)
         param_list = _broadcast(params if params is not None else SamplingParams(), n, "params", SamplingParams, "a SamplingParams")
         adapter_list = _broadcast(adapter, n, "adapter", (str, type(None)), "an adapter name (str) or None")
+        # Every prompt is checked before any is added, so a refused batch leaves no trace: no
+        # request queued and aborted, no seed drawn, no adapter read started, nothing in the metrics.
+        checked = []
+        for i, (prompt, p, a) in enumerate(zip(batch, param_list, adapter_list)):
+            try:
+                checked.append(self.engine.check_request(f"llm-{self._next_id + i}", prompt, p, a))
+            except ValueError as err:
+                raise type(err)(f"prompts[{i}]: {err}") from err
+        self._next_id += n
         ids: list[str] = []
         try:
-            for i, (prompt, p, a) in enumerate(zip(batch, param_list, adapter_list)):
-                request_id = f"llm-{self._next_id}"
-                self._next_id += 1
-                ids.append(request_id)  # before it is added: an interrupt right after the add still aborts it below
-                try:
-                    self.engine.add_request(request_id, prompt, p, a)
-                except ValueError as err:
-                    raise type(err)(f"prompts[{i}]: {err}") from err
+            for request in checked:
+                ids.append(request.request_id)  # before it is added: an interrupt right after the add still aborts it below
+                self.engine.add_checked(request)
             results: dict[str, CompletionResult] = {}
             wanted = set(ids)
             while len(results) < n:

@@ -193,3 +193,23 @@ def test_a_closed_llm_refuses_every_call_and_adapters_can_be_unregistered(tiny_l
                  lambda: llm.generate(["x"], SamplingParams(max_tokens=1))):  # fmt: skip
         with pytest.raises(RuntimeError, match="LLM: closed"):
             call()
+
+
+def test_a_refused_batch_leaves_no_trace(tiny_llama_dir, tiny_adapters):
+    """The README says a refused batch is refused before anything runs. Its earlier prompts used
+    to be queued and aborted: they drew seeds (an unseeded run after it differed from one on a
+    fresh LLM), started adapter reads and counted as requests in the metrics."""
+    def fresh() -> LLM:
+        return LLM(str(tiny_llama_dir), adapters={n: str(p) for n, p in tiny_adapters.items()}, max_lora_rank=16, max_loras=2,
+                   num_kv_blocks=64, block_size=4)  # fmt: skip
+
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    with fresh() as reference:
+        expected = reference.generate(["hello"], sampled)[0].token_ids
+    with fresh() as llm:
+        before = llm.engine.snapshot()
+        with pytest.raises(ValueError, match=r"prompts\[2\]"):
+            llm.generate(["hello", "x", [99999]], sampled, adapter=["a", "c", None])
+        after = llm.engine.snapshot()
+        assert after["adapters"] == before["adapters"] and after.get("requests") == before.get("requests")
+        assert llm.generate(["hello"], sampled)[0].token_ids == expected

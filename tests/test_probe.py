@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import backends
@@ -100,3 +101,28 @@ def test_probe_help_lists_the_exit_codes() -> None:
     for code, words in ((OK, "verified"), (FAILED, "failed"), (MATRIX_UNREADABLE, "matrix is unreadable"), (DEVICE_ABSENT, "device is absent")):
         assert f"  {code}  " in status and words in status, status
     assert len({OK, FAILED, MATRIX_UNREADABLE, DEVICE_ABSENT}) == 4
+
+
+def test_probe_fails_on_a_matrix_that_leaves_capabilities_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A candidate matrix with only some capabilities printed "all declared capabilities verified"."""
+    data = yaml.safe_load(DEFAULT_MATRIX_PATH.read_text())
+    for backend in ("cpu", "cuda", "npu"):
+        data[backend] = {k: v for k, v in data[backend].items() if k in ("paged_attention", "prefix_caching")}
+    path = tmp_path / "partial.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert main(["probe", "--device", "cpu", "--json", "--matrix", str(path)]) == 1
+    status = {r["capability"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert status["prefix_caching"]["status"] == "pass"
+    assert status["max_rank"]["status"] == "fail" and "not declared" in status["max_rank"]["detail"]
+
+
+def test_probe_int8_check_compares_the_quantizer_with_the_float_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It compared the int8 path with the dequantized codes only: a quantizer writing all-zero codes passed."""
+    import runtime.quant.capability as capability
+    from runtime.quant.int8 import Int8Weight
+    from runtime.verifiers import VERIFIERS
+
+    assert VERIFIERS["quantized_base_int8"]("cpu").status == "pass"
+    monkeypatch.setattr(capability, "quantize_int8", lambda w: Int8Weight(torch.zeros(w.shape, dtype=torch.int8), torch.ones(w.shape[0])))
+    result = VERIFIERS["quantized_base_int8"]("cpu")
+    assert result.status == "fail" and "quantize_int8" in result.detail

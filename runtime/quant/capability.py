@@ -31,6 +31,12 @@ def check_int8_base(backend: Any, dtypes: tuple[torch.dtype, ...] = (torch.float
     d_in, outs, ranks, slots = 64, (64, 32, 32), (4, 12), [0, -1, 1, 1, 0, -1, 1]
     w = [torch.randn(o, d_in, generator=g) / d_in**0.5 for o in outs]
     q = [quantize_int8(x) for x in w]
+    for i, (wi, qi) in enumerate(zip(w, q)):  # the quantizer itself, against the float weight: |W - q s| <= s / 2 per row
+        bound = qi.scale.float()[:, None] * (0.5 + 1e-6)
+        err = (wi - qi.dequantize()).abs()
+        if not (err <= bound).all() or not (qi.q.abs().amax(dim=1) == 127).all():
+            raise AssertionError(f"quantized_base_int8: quantize_int8 of weight {i} is off the float weight by {float(err.max()):.3e} "
+                                 f"(bound s/2 = {float(bound.max()):.3e}), or a row's largest code is not 127")  # fmt: skip
     lora = [[(torch.randn(r, d_in, generator=g), torch.randn(o, r, generator=g) * 0.1) for r in ranks] for o in outs]
     scales = (2.0, 0.5)
     x = torch.randn(len(slots), d_in, generator=g)

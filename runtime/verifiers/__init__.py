@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable
 
-from runtime.capabilities import CapabilityMatrix, load_matrix
+from runtime.capabilities import CapabilityMatrix, CapabilityMatrixError, load_matrix
 from runtime.verifiers.attention import verify_paged_attention, verify_prefix_caching
 from runtime.verifiers.cuda_graph import verify_cuda_graph_safety
 from runtime.verifiers.dtypes import verify_dtypes
@@ -48,7 +48,8 @@ VERIFIERS: MappingProxyType[str, Verifier] = MappingProxyType(
 def run_all(
     backend_name: str, matrix: CapabilityMatrix | None = None, backend: object = None, progress: Callable[[int, int, str], None] | None = None
 ) -> dict[str, VerifierResult]:
-    """Every capability of ``backend_name``'s section, in matrix order (``backend``: see ``verifier``).
+    """Every capability of ``backend_name``'s section, in matrix order (``backend``: see ``verifier``),
+    then a failure for each capability the runtime checks that the section leaves out.
     ``progress(i, n, capability)`` is called before the i-th (from 1) of n verifiers runs."""
     m = matrix or load_matrix()
     results = {}
@@ -60,7 +61,13 @@ def run_all(
         if verify is None:
             results[capability] = VerifierResult("fail", f"no verifier registered for {capability!r} (runtime/verifiers)")
         else:
-            results[capability] = verify(backend_name, m, backend)
+            try:
+                results[capability] = verify(backend_name, m, backend)
+            except CapabilityMatrixError as err:  # it reads an entry the section leaves out
+                results[capability] = VerifierResult("fail", f"cannot be checked with this matrix: {err}")
+    for capability in VERIFIERS:  # a matrix that leaves one out cannot be used by the runtime, which reads every entry
+        if capability not in results:
+            results[capability] = VerifierResult("fail", f"not declared: {m.path.name} has no {backend_name}.{capability} entry")
     return results
 
 
