@@ -126,3 +126,24 @@ def test_probe_int8_check_compares_the_quantizer_with_the_float_weight(monkeypat
     monkeypatch.setattr(capability, "quantize_int8", lambda w: Int8Weight(torch.zeros(w.shape, dtype=torch.int8), torch.ones(w.shape[0])))
     result = VERIFIERS["quantized_base_int8"]("cpu")
     assert result.status == "fail" and "quantize_int8" in result.detail
+
+
+@pytest.mark.parametrize("capability", ["dtypes", "lora_ops_segment", "paged_attention", "max_rank", "multi_slice_expand", "prefix_caching",
+                                        "mixed_ranks", "quantized_base_int8"])  # fmt: skip
+def test_an_unsupported_declaration_passes_only_through_the_runtime_s_own_refusal(tmp_path: Path, capability: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default refusal check called require(), which refuses every unsupported entry: it could
+    not fail. It now asks the gate the runtime itself runs; with that gate silenced, it fails."""
+    import runtime.capabilities as capabilities
+    from runtime.verifiers import VERIFIERS
+
+    data = yaml.safe_load(DEFAULT_MATRIX_PATH.read_text())
+    data["cpu"][capability]["supported"] = False
+    path = tmp_path / "unsupported.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    matrix = load_matrix(path)
+    result = VERIFIERS[capability]("cpu", matrix)
+    assert result.status == "pass" and f"[cpu.{capability}]" in result.metrics["refusal"], result
+    for gate in ("check_engine_config", "check_adapter", "require"):
+        monkeypatch.setattr(capabilities, gate, lambda *args, **kwargs: [])
+    monkeypatch.setattr("runtime.verifiers.result.require", lambda *args, **kwargs: None)
+    assert VERIFIERS[capability]("cpu", matrix).status == "fail"

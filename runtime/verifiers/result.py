@@ -44,16 +44,64 @@ Refusal = Callable[[Capability, CapabilityMatrix], str]
 NOT_APPLICABLE = None  # ``verifier(..., refusal=NOT_APPLICABLE)``: declared unsupported -> skipped, not pass
 
 
-def refused_by_require(entry: Capability, matrix: CapabilityMatrix) -> str:
-    """The runtime's ``require`` must refuse an unsupported capability, quoting the entry."""
+# Capabilities every engine uses (prefix caching: one that enables it): the engine's config gate
+# (``check_engine_config``, which ``LLMEngine`` runs at start) refuses them when declared unsupported.
+ENGINE_GATED = ("dtypes", "lora_ops_segment", "lora_ops_per_token", "paged_attention", "max_rank", "multi_slice_expand", "prefix_caching")
+
+
+@dataclass(frozen=True)
+class _TwoRankAdapter:
+    """What the adapter gate reads of an adapter whose modules have two ranks."""
+
+    name: str = "probe-mixed-ranks"
+
+    @property
+    def modules(self) -> dict[tuple[int, str], Any]:
+        return {(0, "q_proj"): _Rank(4), (0, "v_proj"): _Rank(8)}
+
+
+@dataclass(frozen=True)
+class _Rank:
+    rank: int
+
+
+def refused_by_runtime(entry: Capability, matrix: CapabilityMatrix) -> str:
+    """The runtime's own gate must refuse an unsupported capability, quoting its entry: the engine's
+    config gate for what every engine uses (``ENGINE_GATED``), the adapter gate for mixed ranks
+    (modules of two ranks in one adapter; a mix across adapters is not gated), and ``require`` for
+    the int8 base, which the model runner calls on loading an int8 checkpoint. (It only called
+    ``require``, which refuses every unsupported entry: a check that could not fail.)"""
+    from runtime.capabilities import check_adapter, check_engine_config
+    from runtime.config import EngineConfig
+
+    if entry.name in ENGINE_GATED:
+        config = EngineConfig(model="lorafleet-probe", device=entry.backend, enable_prefix_caching=entry.name == "prefix_caching")
+        where = "the engine's config gate (check_engine_config)"
+
+        def attempt() -> object:
+            return check_engine_config(config, entry.backend, matrix)
+    elif entry.name == "mixed_ranks":
+        where = "the adapter gate (check_adapter) on an adapter with modules of ranks 4 and 8"
+
+        def attempt() -> object:
+            return check_adapter(_TwoRankAdapter(), entry.backend, matrix)
+    elif entry.name == "quantized_base_int8":
+        where = "require(), the model runner's check on an int8 checkpoint"
+
+        def attempt() -> object:
+            return require(entry.name, entry.backend, matrix)
+    else:
+        raise VerificationFailure(f"declared unsupported, but the probe knows no place where the runtime refuses {entry.name}")
     try:
-        require(entry.name, entry.backend, matrix)
+        attempt()
     except CapabilityError as err:
-        return str(err)
-    raise VerificationFailure(f"declared unsupported, but require({entry.name!r}) did not refuse it")
+        if entry.quote() not in str(err):
+            raise VerificationFailure(f"{where} refused, but for another entry than {entry.key}: {err}") from err
+        return f"{where}: {err}"
+    raise VerificationFailure(f"declared unsupported, but {where} did not refuse it")
 
 
-def verifier(capability: str, refusal: Refusal | None = refused_by_require) -> Callable[[Body], Callable[..., VerifierResult]]:
+def verifier(capability: str, refusal: Refusal | None = refused_by_runtime) -> Callable[[Body], Callable[..., VerifierResult]]:
     """Wrap ``body(backend, entry, matrix)`` into ``verify(backend_name, matrix=None)``.
     ``refusal``: how a backend that declares the capability unsupported must refuse it (its
     ``how`` attribute, if any, is shown); ``NOT_APPLICABLE``: such a backend reports skipped."""
@@ -83,7 +131,7 @@ def verifier(capability: str, refusal: Refusal | None = refused_by_require) -> C
                     message = refusal(entry, m)
                     if entry.note not in message:
                         raise VerificationFailure(f"the refusal does not quote the matrix note {entry.note!r}: {message}")
-                    how = getattr(refusal, "how", "by require()")
+                    how = getattr(refusal, "how", "by the runtime's own gate")
                     result = VerifierResult("pass", f"refused as declared ({how}), quoting the matrix: {entry.note}", {"refusal": message})
                 else:
                     result = body(backend if backend is not None else backends.get_backend(backend_name), entry, m)
