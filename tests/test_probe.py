@@ -147,3 +147,15 @@ def test_an_unsupported_declaration_passes_only_through_the_runtime_s_own_refusa
         monkeypatch.setattr(capabilities, gate, lambda *args, **kwargs: [])
     monkeypatch.setattr("runtime.verifiers.result.require", lambda *args, **kwargs: None)
     assert VERIFIERS[capability]("cpu", matrix).status == "fail"
+
+
+def test_probe_op_checks_see_weights_rewritten_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that kept computing with a slot's old weights after a hot update into the same rows
+    passed the probe: the reference backend's float32 copies of a bfloat16 pool, made blind to writes."""
+    import backends.reference as reference
+    from runtime.verifiers import VERIFIERS
+
+    assert VERIFIERS["lora_ops_segment"]("cpu").status == "pass"
+    monkeypatch.setattr(reference, "_data_stamp", lambda weights: ((), ()))  # the copies never learn of a write
+    result = VERIFIERS["lora_ops_segment"]("cpu")
+    assert result.status == "fail" and "slots rewritten" in result.detail, result.detail[:300]

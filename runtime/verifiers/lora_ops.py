@@ -32,7 +32,7 @@ import torch
 
 from runtime.capabilities import Capability, CapabilityMatrix, Limits
 from runtime.verifiers.accumulation import cancelling, keeps_h_in_fp32
-from runtime.verifiers.lora_problem import LoRAProblem, build_problem, check_lora_ops
+from runtime.verifiers.lora_problem import LoRAProblem, build_problem, check_lora_ops, rewrite_slots
 from runtime.verifiers.paths import expect_path, forced_fallback
 from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
 from runtime.verifiers.sampling import declared_dtypes, fresh_seed, pick_ranks, torch_dtype
@@ -108,6 +108,9 @@ def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix
         p = build_problem(backend.device, torch_dtype(name), ranks, QKV_OUTS, IN_FEATURES, seed,
                           extra_rows=extra, untargeted=frozenset({(1, 0)}), interleaved=interleaved_a(backend))
         runs.append(_checked(backend, p, decode_only, name, primary=True))
+        # The same slots rewritten in place (a hot update into the same rows): nothing computed from
+        # the first weights may be used again.
+        runs.append(_checked(backend, rewrite_slots(p, fresh_seed()), decode_only, f"{name}, slots rewritten", primary=True))
     for name in names:
         seed = fresh_seed()
         metrics = batched_expand_case(backend, name, pick_ranks(limits, DEFAULT_SLOTS, seed), seed, decode_only)

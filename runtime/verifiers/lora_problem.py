@@ -31,6 +31,8 @@ shrink/expand calls, and during the ``apply_lora`` calls, the engine's entry poi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import time
 from dataclasses import dataclass
@@ -136,6 +138,28 @@ def build_problem(
         dtype, device, x.to(device), token_slots, tuple(weights), tuple(offsets), col,
         tuple(ranks), tuple(a64), tuple(b64), tuple(scales), seed,
     )
+
+
+def rewrite_slots(p: LoRAProblem, seed: int) -> LoRAProblem:
+    """``p`` after every targeted slot got new A and B of its rank (drawn from ``seed``; the scale
+    kept, as for a new version of an adapter with the same rank and alpha), written in place
+    through ``write_slot`` as a hot update of an adapter into the same rows does: a backend that
+    keeps copies or views of a slot's weights (the reference backend's float32 copies of a
+    bfloat16 pool) must compute with the new ones, though no slot table changed."""
+    g = torch.Generator().manual_seed(seed)
+    in_features = p.x.shape[1]
+    a64, b64 = [], []
+    for i, w in enumerate(p.weights):
+        a_i, b_i = {}, {}
+        for s, r in enumerate(p.ranks[i]):
+            if r == 0:
+                continue
+            a = (torch.randn(r, in_features, generator=g, dtype=torch.float64) / in_features**0.5).to(p.dtype)
+            b = (torch.randn(w.out_features, r, generator=g, dtype=torch.float64) / r**0.5).to(p.dtype)
+            w.write_slot(s, w.host_start[s], a.to(p.device), b.to(p.device), p.scales[i][s])
+            a_i[s], b_i[s] = a.double(), b.double()
+        a64.append(a_i), b64.append(b_i)
+    return dataclasses.replace(p, a64=tuple(a64), b64=tuple(b64), seed=seed)
 
 
 def reference_shrink(p: LoRAProblem, width: int) -> tuple[Tensor, Tensor, Tensor]:
