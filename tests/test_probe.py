@@ -159,3 +159,23 @@ def test_probe_op_checks_see_weights_rewritten_in_place(monkeypatch: pytest.Monk
     monkeypatch.setattr(reference, "_data_stamp", lambda weights: ((), ()))  # the copies never learn of a write
     result = VERIFIERS["lora_ops_segment"]("cpu")
     assert result.status == "fail" and "slots rewritten" in result.detail, result.detail[:300]
+
+
+@pytest.mark.parametrize("modules, says", [
+    (["q_proj", "lm_head"], "declares target module(s) lm_head, which the adapter loader never accepts"),
+    (["q_proj", "v_proj"], None),  # a subset: the others are refused by the gate, as declared
+])  # fmt: skip
+def test_probe_checks_the_declared_target_modules_against_the_loader_and_the_gate(tmp_path: Path, modules: list[str], says: str | None) -> None:
+    """No check read target_modules: a matrix listing lm_head (which the loader always refuses) verified."""
+    from runtime.verifiers import VERIFIERS
+
+    data = yaml.safe_load(DEFAULT_MATRIX_PATH.read_text())
+    for capability in ("lora_ops_segment", "lora_ops_per_token"):
+        data["cpu"][capability]["limits"]["target_modules"] = modules
+    path = tmp_path / "targets.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = VERIFIERS["lora_ops_segment"]("cpu", load_matrix(path))
+    if says is None:
+        assert result.status == "pass" and "target modules: 2 admitted, 5 refused" in result.detail, result.detail[-200:]
+    else:
+        assert result.status == "fail" and says in result.detail, result.detail

@@ -47,18 +47,13 @@ MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_a
                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def lora_targets(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """HF module name -> (in_features, out_features) of every LoRA-targetable linear."""
+    """HF module name -> (in_features, out_features) of every LoRA-targetable linear (``LORA_TARGET_MODULES``)."""
     h, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
+    return dict(zip(LORA_TARGET_MODULES, ((h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h))))
 
 
 @dataclass(frozen=True)

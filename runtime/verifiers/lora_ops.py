@@ -26,6 +26,8 @@ inside the primary limits must take no fallback in ``apply_lora`` other than the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -92,8 +94,49 @@ def _accumulation_cases(backend: Any, names: tuple[str, ...], limits: Limits, de
     return runs
 
 
+def check_target_modules(entry: Capability, matrix: CapabilityMatrix) -> str:
+    """The entry's ``target_modules`` against the runtime: each is a module the adapter loader takes
+    (``LORA_TARGET_MODULES``) and the adapter gate admits; each one the model has that the entry
+    leaves out is refused by the gate. Returns a note for the verifier's detail."""
+    from runtime.capabilities import CapabilityError, check_adapter
+    from runtime.models.llama import LORA_TARGET_MODULES
+
+    declared = entry.limits.target_modules
+    if declared is None:
+        return f"target modules: any of {len(LORA_TARGET_MODULES)}"
+    unknown = [m for m in declared if m not in LORA_TARGET_MODULES]
+    if unknown:
+        raise VerificationFailure(f"{entry.key}: declares target module(s) {', '.join(unknown)}, which the adapter loader never "
+                                  f"accepts (it loads {', '.join(LORA_TARGET_MODULES)})")  # fmt: skip
+    rank = matrix.entry(entry.backend, "max_rank").limits.admissible_ranks()[0]
+    for module in LORA_TARGET_MODULES:
+        adapter = _OneModuleAdapter(f"probe-{module}", module, rank)
+        try:
+            check_adapter(adapter, entry.backend, matrix)
+        except CapabilityError as err:
+            if module in declared or f"target module {module!r}" not in str(err):
+                raise VerificationFailure(f"{entry.key}: the adapter gate refuses an adapter of rank {rank} on {module}: {err}") from err
+        else:
+            if module not in declared:
+                raise VerificationFailure(f"{entry.key}: leaves out target module {module}, but the adapter gate admits an adapter on it")
+    return f"target modules: {len(declared)} admitted, {len(LORA_TARGET_MODULES) - len(declared)} refused"
+
+
+@dataclass(frozen=True)
+class _OneModuleAdapter:
+    """What the adapter gate reads of an adapter with one module."""
+
+    name: str
+    module: str
+    rank: int
+
+    @property
+    def modules(self) -> dict[tuple[int, str], Any]:
+        return {(0, self.module): SimpleNamespace(rank=self.rank)}
+
+
 def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix, decode_only: bool) -> VerifierResult:
-    runs, notes = [], []
+    runs, notes = [], [check_target_modules(entry, matrix)]
     limits = entry.limits
     n_slots = limits.max_adapters_per_batch or DEFAULT_SLOTS
     names = declared_dtypes(entry, matrix)
