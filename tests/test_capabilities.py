@@ -668,3 +668,25 @@ def test_graph_replay_check_passes_the_triton_kernels_interpreted() -> None:
     for decode_only in (False, True):
         p = build_problem(backend.device, torch.float32, [4, 16, 9], QKV_OUTS, 32, seed=6)
         assert check_replay(backend, p, decode_only, _eager_capture) < 1e-4
+
+
+def test_the_engine_runs_the_gates_at_start_and_at_adapter_load(tmp_path: Path, tiny_llama_dir: Path, tiny_adapters, monkeypatch) -> None:
+    """The gate functions are tested above; this checks that LLMEngine calls them: a config beyond
+    max_rank is refused at start, and an adapter on a module the matrix leaves out at load."""
+    import runtime.capabilities as capabilities
+    from runtime.engine import LLMEngine
+
+    def config(**overrides) -> EngineConfig:  # type: ignore[no-untyped-def]
+        return EngineConfig(model=str(tiny_llama_dir), device="cpu", max_loras=2, max_cpu_loras=4, num_kv_blocks=32, block_size=4, **overrides)
+
+    with pytest.raises(CapabilityError, match=r"max_lora_rank=300 exceeds max_rank 256.*\[cpu.max_rank\]"):
+        LLMEngine(config(max_lora_rank=300))
+    path = _matrix_copy(tmp_path, lambda d: [d["cpu"][c]["limits"].update(target_modules=["q_proj"]) for c in ("lora_ops_segment", "lora_ops_per_token")])
+    monkeypatch.setattr(capabilities, "DEFAULT_MATRIX_PATH", path)
+    engine = LLMEngine(config(max_lora_rank=16))
+    try:
+        with pytest.raises(CapabilityError, match=r"target module 'v_proj' is not one of q_proj"):
+            engine.register_adapter("a", str(tiny_adapters["a"]))  # adapter "a" targets q_proj and v_proj
+        assert not engine.adapters()
+    finally:
+        engine.close()
