@@ -13,6 +13,8 @@ as llm:``) releases them at once instead of whenever the garbage collector runs.
 """
 from __future__ import annotations
 
+import numbers
+
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -191,12 +193,23 @@ def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts: expected a string, a list of token ids, or a list of those, got {type(prompts).__name__}")
     items = list(prompts)
-    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [items]  # one pre-tokenised prompt
+    if items and all(_is_token_id(t) for t in items):
+        return [[int(t) for t in items]]  # one pre-tokenised prompt (numpy integers become ints)
+    if any(_is_token_id(t) for t in items):
+        first = next(i for i, t in enumerate(items) if not _is_token_id(t))
+        raise ValueError(f"prompts: a list of token ids must hold integers only; item {first} is {type(items[first]).__name__} "
+                         f"(several prompts: pass a list of strings or of token-id lists)")  # fmt: skip
     for i, item in enumerate(items):
         if not isinstance(item, (str, list, tuple)):
             raise ValueError(f"prompts[{i}]: expected a string or a list of token ids, got {type(item).__name__}")
+        if not isinstance(item, str):
+            items[i] = [int(t) if _is_token_id(t) else t for t in item]  # the engine says which id is wrong
     return items
+
+
+def _is_token_id(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _broadcast(value: Any, n: int, name: str, kind: Any, what: str) -> list[Any]:

@@ -213,3 +213,17 @@ def test_a_refused_batch_leaves_no_trace(tiny_llama_dir, tiny_adapters):
         after = llm.engine.snapshot()
         assert after["adapters"] == before["adapters"] and after.get("requests") == before.get("requests")
         assert llm.generate(["hello"], sampled)[0].token_ids == expected
+
+
+def test_token_id_prompts_take_numpy_integers_and_a_mixed_list_is_named(tiny_llama_dir):
+    import numpy as np
+
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4) as llm:
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        plain = llm.generate([[5, 6, 7]], params)[0].token_ids
+        assert llm.generate(list(np.array([5, 6, 7])), params)[0].token_ids == plain  # one prompt of numpy int64
+        assert llm.generate([np.array([5, 6, 7]).tolist(), list(np.array([5, 6, 7]))], params)[1].token_ids == plain
+        with pytest.raises(ValueError, match=r"must hold integers only; item 1 is str"):  # it blamed item 0, "got int"
+            llm.generate([1, "a"], params)
+        with pytest.raises(ValueError, match=r"item 1 is bool"):
+            llm.generate([5, True, 7], params)
