@@ -14,10 +14,11 @@ as llm:``) releases them at once instead of whenever the garbage collector runs.
 from __future__ import annotations
 
 import numbers
-
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
+
+from tqdm import tqdm
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
@@ -120,19 +121,23 @@ class LLM:
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         adapter: Union[str, None, Sequence[Optional[str]]] = None,
         raise_on_error: bool = True,
+        use_tqdm: Optional[bool] = None,
     ) -> list[CompletionResult]:
         """Generate for every prompt; ``params`` and ``adapter`` are one value or a list with one per prompt.
 
         Raises ``GenerationError`` (holding every result) if any request failed, unless
         ``raise_on_error`` is False. A request that can never be served (too long, an unknown
         adapter, a bad parameter) is a ``ValueError`` naming it (``prompts[i]: ...``) before any
-        runs: none of the batch is generated.
+        runs: none of the batch is generated. ``use_tqdm``: a progress bar on stderr, one step per
+        finished prompt (as vLLM's ``LLM.generate``); None (the default): only when stderr is a terminal.
         """
         if not isinstance(raise_on_error, bool):
             raise ValueError(f"raise_on_error: expected True or False, got {raise_on_error!r}")
+        if use_tqdm is not None and not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm: expected True, False or None, got {use_tqdm!r}")
         with self._turn:
             self._check_open()
-            return self._generate(prompts, params, adapter, raise_on_error)
+            return self._generate(prompts, params, adapter, raise_on_error, use_tqdm)
 
     def _generate(
         self,
@@ -140,6 +145,7 @@ class LLM:
         params: Union[SamplingParams, Sequence[SamplingParams], None],
         adapter: Union[str, None, Sequence[Optional[str]]],
         raise_on_error: bool,
+        use_tqdm: Optional[bool],
     ) -> list[CompletionResult]:
         batch = _as_prompt_list(prompts)
         n = len(batch)
@@ -161,19 +167,21 @@ class LLM:
                 self.engine.add_checked(request)
             results: dict[str, CompletionResult] = {}
             wanted = set(ids)
-            while len(results) < n:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = CompletionResult(
-                            text=out.text,
-                            token_ids=out.token_ids,
-                            finish_reason=out.finish_reason,
-                            adapter=out.adapter.name if out.adapter is not None else None,
-                            prompt_token_ids=out.prompt_token_ids,
-                            error=out.error,
-                            logprobs=out.logprobs,
-                            prompt_logprobs=out.prompt_logprobs,
-                        )
+            with tqdm(total=n, desc="generate", unit="prompt", disable=None if use_tqdm is None else not use_tqdm) as bar:
+                while len(results) < n:
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            bar.update(1)
+                            results[out.request_id] = CompletionResult(
+                                text=out.text,
+                                token_ids=out.token_ids,
+                                finish_reason=out.finish_reason,
+                                adapter=out.adapter.name if out.adapter is not None else None,
+                                prompt_token_ids=out.prompt_token_ids,
+                                error=out.error,
+                                logprobs=out.logprobs,
+                                prompt_logprobs=out.prompt_logprobs,
+                            )
         except BaseException:
             for request_id in ids:  # leave the engine clean for the next call (nobody reads their outputs)
                 self.engine.abort(request_id)

@@ -227,3 +227,14 @@ def test_token_id_prompts_take_numpy_integers_and_a_mixed_list_is_named(tiny_lla
             llm.generate([1, "a"], params)
         with pytest.raises(ValueError, match=r"item 1 is bool"):
             llm.generate([5, True, 7], params)
+
+
+def test_use_tqdm_shows_one_step_per_finished_prompt(tiny_llama_dir, capsys):
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4) as llm:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        llm.generate(["a", "b", "c"], params, use_tqdm=True)
+        assert "3/3" in capsys.readouterr().err
+        llm.generate(["a", "b", "c"], params)  # the default: only on a terminal
+        assert "3/3" not in capsys.readouterr().err
+        with pytest.raises(ValueError, match="use_tqdm"):
+            llm.generate(["a"], params, use_tqdm="yes")
