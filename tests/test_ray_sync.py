@@ -8,6 +8,7 @@ tests drive ``_sync_once`` / ``_apply`` / ``generate`` themselves, so nothing wa
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import dataclasses
 import inspect
@@ -929,3 +930,30 @@ def test_a_replica_that_died_without_a_goodbye_is_forgotten_after_a_while(servic
     assert set(service.replicas) == {"alive"}
     service.heartbeat("dead", 0, {})  # back after all
     assert set(service.live_replicas()) == {"alive", "dead"}
+
+
+def test_a_replica_applying_a_slow_update_stays_live_so_the_admin_call_waits_for_it(replica, service, folders, monkeypatch) -> None:
+    """Reading a large adapter can outlast the registry's live_after_s. The replica sent no
+    heartbeat meanwhile, dropped out of the live set, and wait_applied (what the admin call
+    waits on) returned at once with nobody lagging, before the replica had applied anything."""
+    service.live_after_s = 0.3
+    monkeypatch.setattr(LoraReplica, "KEEPALIVE_S", 0.05)
+    real_apply = replica._apply
+
+    def slow_apply(state):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)
+        return real_apply(state)
+
+    monkeypatch.setattr(replica, "_apply", slow_apply)
+    revision = record(replica, service, "A", folders.v1)["revision"]
+
+    async def main() -> tuple[dict, bool]:
+        sync = asyncio.ensure_future(replica._sync_once())
+        await asyncio.sleep(0.6)  # past live_after_s, the apply still running
+        waited = await service.wait_applied(revision, timeout_s=0.2)
+        await sync
+        return waited, "A" in held(replica)
+
+    waited, applied = asyncio.run(main())
+    assert waited["lagging"] == ["replica-1"] and waited["applied"] == [], waited
+    assert applied and service.live_replicas()["replica-1"]["applied_revision"] == revision

@@ -112,6 +112,9 @@ class LoraReplica:
     # registry actor is away: it restarts from its manifest, and restarting replicas would not
     # help). Long enough for a slow apply (validating a large adapter on shared storage).
     SYNC_STALE_AFTER_S = 60.0
+    # While an apply runs, a heartbeat this often keeps the replica live in the registry (whose
+    # live_after_s is 2 s), so admin calls wait for it (``_apply_keeping_alive``).
+    KEEPALIVE_S = 0.5
 
     async def __init__(self, engine_config: EngineConfig, registry_name: str, namespace: str, sync_interval_s: float = 0.25,
                        log_level: str = "info") -> None:
@@ -239,9 +242,24 @@ class LoraReplica:
                 state = await self._heartbeat()
                 if state is None or state["revision"] == attempted:
                     break  # current, or this revision failed a moment ago: the next sync retries it
-                await asyncio.to_thread(self._apply, state)
+                await self._apply_keeping_alive(state)
                 attempted = state["revision"]
             self._sync_fine_at, self._sync_error = self._clock(), None
+
+    async def _apply_keeping_alive(self, state: dict[str, Any]) -> None:
+        """``_apply`` in a thread, with a heartbeat every ``KEEPALIVE_S`` while it runs. Reading a
+        large adapter can take longer than the registry's ``live_after_s``: without them this
+        replica would drop out of the live set, and an admin call waiting for every live replica
+        to apply the revision would return before this one had (its heartbeats say it is behind)."""
+        applying = asyncio.ensure_future(asyncio.to_thread(self._apply, state))
+        while True:
+            done, _ = await asyncio.wait({applying}, timeout=self.KEEPALIVE_S)
+            if done:
+                return applying.result()
+            try:
+                await self._heartbeat()  # its state (this replica is behind) is being applied already
+            except Exception as err:  # noqa: BLE001 - the registry may be away; the apply goes on
+                logger.debug("replica %s: heartbeat while applying failed: %s", self.replica_id, err)
 
     async def _sync_loop(self) -> None:
         """Sync every ``sync_interval_s`` until cancelled. A failed sync is logged and retried at
