@@ -957,3 +957,36 @@ def test_a_replica_applying_a_slow_update_stays_live_so_the_admin_call_waits_for
     waited, applied = asyncio.run(main())
     assert waited["lagging"] == ["replica-1"] and waited["applied"] == [], waited
     assert applied and service.live_replicas()["replica-1"]["applied_revision"] == revision
+
+
+def test_a_heartbeat_during_an_apply_never_pairs_one_revision_s_errors_with_another_s_number(replica, service, folders, monkeypatch) -> None:
+    """The keep-alive heartbeats run while _apply records its outcome in a thread. Recorded field by
+    field, a heartbeat could send revision 2 as attempted with revision 1's errors: wait_applied(2)
+    then saw A's old error instead of B's, and `register B` answered 200 though B failed here."""
+    import traceback
+
+    record(replica, service, "A", folders.v1)
+    hidden_a = folders.v1.rename(folders.root / "hidden-a")  # revision 1: A's files are not on this node yet
+    sync(replica)
+    assert replica.apply_errors and replica.apply_errors[0].startswith("A: ")
+    hidden_a.rename(folders.v1)
+    revision = record(replica, service, "B", folders.v2)["revision"]
+    folders.v2.rename(folders.root / "hidden-b")  # revision 2: A is there now, B is not
+    monkeypatch.setattr(LoraReplica, "KEEPALIVE_S", 0.05)
+    real_adapters = replica.engine.adapters
+
+    def adapters():  # type: ignore[no-untyped-def]
+        if any(frame.name == "_record_apply" for frame in traceback.extract_stack()):
+            time.sleep(0.3)  # a slow moment inside _record_apply (a GIL switch, a log write)
+        return real_adapters()
+
+    monkeypatch.setattr(replica.engine, "adapters", adapters)
+
+    async def main() -> dict:
+        syncing = asyncio.ensure_future(replica._sync_once())
+        waited = await service.wait_applied(revision, timeout_s=5.0, poll_s=0.01)
+        await syncing
+        return waited
+
+    waited = asyncio.run(main())
+    assert [e.split(":")[0] for e in waited["errors"]["replica-1"]] == ["B"], waited

@@ -85,3 +85,40 @@ def test_offsets_of_an_output_with_no_prompt_text_before_it_on_a_sentencepiece_t
             assert released == (len(ends) if out.finished else sum(1 for end in ends[: len(out.token_ids)] if end <= sent)), (prompt, out)
         checked_empty += not before and final.text[:1] != " " and tok.token_text(final.token_ids[0]).startswith(" ")
     assert checked_empty, "no empty-prompt output started with a token whose leading space the decoder drops"
+
+
+def test_echoed_token_ids_with_no_text_just_before_the_output(tmp_path) -> None:
+    """A token-id prompt with text whose last tokens are special: the output has no text just before
+    it (it starts without its leading space), while the echoed prompt's own tokens do have text.
+    Counting the prompt's tokens used up the dropped space, and the output's offsets were one high."""
+    from pathlib import Path
+
+    from runtime.request import SamplingParams
+    from runtime.server.completions import _echoed, _whole_logprobs
+    from tests.engine_helpers import make_engine
+    from tests.fixtures.tiny_models import build_tiny_model
+    from tests.test_detokenizer_context import write_metaspace_tokenizer
+
+    model = build_tiny_model(Path(tmp_path), "llama", seed=3)
+    write_metaspace_tokenizer(model)
+    engine = make_engine(model)
+    tok = engine.tokenizer
+    prompt = tok.encode("Hello w12 w40", add_special_tokens=False) + [tok.bos_token_id] * 5
+    for seed in range(4):
+        engine.add_request(f"r{seed}", prompt, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=seed, logprobs=0, prompt_logprobs=0))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        final = outs[-1]
+        echoed = _echoed(prompt, tok)
+        entries = _whole_logprobs(final, tok, prompt, echoed)
+        text, n = echoed + final.text, len(final.prompt_token_ids)
+        offsets, tokens = entries["text_offset"][n:], entries["tokens"][n:]
+        assert offsets[0] == len(echoed)
+        first_text = True
+        for offset, token, token_id in zip(offsets, tokens, final.token_ids):
+            if tok.is_special(token_id):  # takes no room in the text
+                continue
+            piece = token[1:] if first_text and token.startswith(" ") and not final.text.startswith(" ") else token
+            first_text = False
+            assert text[offset : offset + len(piece)] == piece, (text, offsets, tokens)

@@ -141,9 +141,10 @@ class LoraReplica:
         self.replica_id = replica_id
         self.registry = registry
         self.sync_interval_s = sync_interval_s
-        self.applied_revision = -1  # the newest revision applied in full
-        self.attempted_revision = -1  # the newest revision applied, in full or not (apply_errors says what failed)
-        self.apply_errors: tuple[str, ...] = ()
+        # (applied_revision, attempted_revision, apply_errors), replaced whole: a heartbeat sent while
+        # an apply runs in its thread (``_apply_keeping_alive``) must not pair one revision's errors
+        # with another's numbers.
+        self._progress: tuple[int, int, tuple[str, ...]] = (-1, -1, ())
         self._unservable: dict[str, str] = {}  # registered names this replica cannot serve yet -> why
         self._sync_lock = asyncio.Lock()
         self._sync_task: Optional[asyncio.Task] = None
@@ -203,22 +204,34 @@ class LoraReplica:
             self.engine.unregister_adapter(name)  # never serve a version the registry no longer names
         return f"{name}: {problem}"
 
+    @property
+    def applied_revision(self) -> int:
+        """The newest revision applied in full."""
+        return self._progress[0]
+
+    @property
+    def attempted_revision(self) -> int:
+        """The newest revision applied, in full or not (``apply_errors`` says what failed)."""
+        return self._progress[1]
+
+    @property
+    def apply_errors(self) -> tuple[str, ...]:
+        return self._progress[2]
+
     def _record_apply(self, revision: int, failed: dict[str, str]) -> None:
         """Record the outcome of applying ``revision``: applied only when nothing failed."""
-        self.attempted_revision = revision
-        if not failed:
-            self.applied_revision = revision
         self._unservable = {name: failed[name] for name in failed if name not in {a.name for a in self.engine.adapters()}}
         errors = tuple(failed[name] for name in sorted(failed))
         if errors != self.apply_errors:  # log changes, not every retry
             for e in errors:
                 logger.error("replica %s: %s", self.replica_id, e)
-        self.apply_errors = errors
+        self._progress = (self.applied_revision if failed else revision, revision, errors)
 
     async def _heartbeat(self) -> Optional[dict[str, Any]]:
         """Report progress to the registry; returns its state when this replica is behind."""
         report = await asyncio.to_thread(self.report)  # snapshot() takes the engine lock: never on the event loop
-        reply = await self.registry.heartbeat.remote(self.replica_id, self.applied_revision, report, self.apply_errors, self.attempted_revision)
+        applied, attempted, errors = self._progress
+        reply = await self.registry.heartbeat.remote(self.replica_id, applied, report, errors, attempted)
         if reply["drain_s"] is not None:
             self.begin_drain(reply["drain_s"])
         return reply["state"]

@@ -23,6 +23,7 @@ uses the embedding matrix then, and so do we).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path, PurePath
 from typing import Any, Iterable
 
@@ -182,16 +183,18 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
 
 
 def stored_float_dtype(files: dict[str, Path]) -> str | None:
-    """The dtype most of the checkpoint's float tensors are stored in, from the headers
-    ("float32", "bfloat16" or "float16"); None if it holds no float tensor of those."""
+    """The dtype most of the checkpoint's float weights (by element count, so float32 norms
+    beside bfloat16 matrices do not decide) are stored in, from the headers ("float32",
+    "bfloat16" or "float16"); None if it holds no float tensor of those."""
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     counts: dict[str, int] = {}
     for path, group in _by_file(files, files).items():
         with _open(path) as f:
             for name in group:
-                stored = names.get(f.get_slice(name).get_dtype())
+                tensor = f.get_slice(name)
+                stored = names.get(tensor.get_dtype())
                 if stored is not None:
-                    counts[stored] = counts.get(stored, 0) + 1
+                    counts[stored] = counts.get(stored, 0) + math.prod(tensor.get_shape())
     return max(counts, key=counts.__getitem__) if counts else None
 
 

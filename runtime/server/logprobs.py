@@ -37,11 +37,13 @@ class TextOffsets:
         Without it, a SentencePiece (Metaspace) or Strip decoder drops the leading space of the
         first token that has text, which is then not counted either."""
         self._tokenizer = tokenizer
-        self._first_text = not text_before  # the next token with text may lose its leading space
+        self._text_before = text_before
         self.restart_at(0)
 
     def restart_at(self, position: int) -> None:
+        """Count on from ``position`` (after an echoed prompt: the output's own tokens follow)."""
         self.position = position
+        self._first_text = not self._text_before  # the next token with text may lose its leading space
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property

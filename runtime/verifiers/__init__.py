@@ -65,7 +65,7 @@ def run_all(
                 results[capability] = verify(backend_name, m, backend)
             except CapabilityMatrixError as err:  # it reads an entry the section leaves out
                 results[capability] = VerifierResult("fail", f"cannot be checked with this matrix: {err}")
-    for capability in VERIFIERS:  # a matrix that leaves one out cannot be used by the runtime, which reads every entry
+    for capability in VERIFIERS:  # every capability the probe verifies must be declared, supported or not
         if capability not in results:
             results[capability] = VerifierResult("fail", f"not declared: {m.path.name} has no {backend_name}.{capability} entry")
     return results

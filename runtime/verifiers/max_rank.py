@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.capabilities import Capability, CapabilityError, CapabilityMatrix, check_adapter, check_engine_config
-from runtime.config import EngineConfig
 from runtime.verifiers.lora_problem import build_problem, check_lora_ops
-from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
+from runtime.verifiers.result import VerificationFailure, VerifierResult, probe_engine_config, verifier
 from runtime.verifiers.sampling import fresh_seed, torch_dtype
 
 
@@ -50,9 +49,9 @@ def verify_max_rank(backend: Any, entry: Capability, matrix: CapabilityMatrix) -
     if entry.quote() not in refusal:
         raise VerificationFailure(f"the refusal of rank {above} does not quote the matrix entry: {refusal}")
     # The engine's own start-up gate: a config asking for more than max_rank is refused, one at it is not.
-    check_engine_config(EngineConfig(model="lorafleet-probe", device=entry.backend, max_lora_rank=top), entry.backend, matrix)
+    check_engine_config(probe_engine_config(entry.backend, matrix, max_lora_rank=top), entry.backend, matrix)
     try:
-        check_engine_config(EngineConfig(model="lorafleet-probe", device=entry.backend, max_lora_rank=above), entry.backend, matrix)
+        check_engine_config(probe_engine_config(entry.backend, matrix, max_lora_rank=above), entry.backend, matrix)
     except CapabilityError as err:
         if entry.quote() not in str(err):
             raise VerificationFailure(f"max_lora_rank={above} was refused, but not quoting the matrix entry: {err}") from err

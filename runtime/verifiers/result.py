@@ -65,6 +65,31 @@ class _Rank:
     rank: int
 
 
+def probe_engine_config(backend: str, matrix: CapabilityMatrix, **overrides: Any) -> Any:
+    """An ``EngineConfig`` for ``backend`` within its section's declared limits (its first dtype,
+    ``max_lora_rank`` <= max_rank, ``max_loras`` and the token budget within the LoRA op rows), so
+    that the engine's config gate refuses only what a check asks it about."""
+    from runtime.capabilities import LORA_OP_CAPABILITIES
+    from runtime.config import EngineConfig
+
+    def limits(capability: str) -> Any:
+        return matrix.entry(backend, capability).limits
+
+    values: dict[str, Any] = {"model": "lorafleet-probe", "device": backend}
+    if limits("dtypes").dtypes:
+        values["dtype"] = limits("dtypes").dtypes[0]
+    if limits("max_rank").max_rank is not None:
+        values["max_lora_rank"] = min(64, limits("max_rank").max_rank)
+    caps = [limits(c).max_adapters_per_batch for c in LORA_OP_CAPABILITIES if limits(c).max_adapters_per_batch is not None]
+    rows = [limits(c).max_rows_per_launch for c in LORA_OP_CAPABILITIES if limits(c).max_rows_per_launch is not None]
+    if caps:
+        values["max_loras"] = min(8, *caps)
+    if rows:
+        values["max_num_batched_tokens"] = min(rows)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
 def refused_by_runtime(entry: Capability, matrix: CapabilityMatrix) -> str:
     """The runtime's own gate must refuse an unsupported capability, quoting its entry: the engine's
     config gate for what every engine uses (``ENGINE_GATED``), the adapter gate for mixed ranks
@@ -72,10 +97,9 @@ def refused_by_runtime(entry: Capability, matrix: CapabilityMatrix) -> str:
     the int8 base, which the model runner calls on loading an int8 checkpoint. (It only called
     ``require``, which refuses every unsupported entry: a check that could not fail.)"""
     from runtime.capabilities import check_adapter, check_engine_config
-    from runtime.config import EngineConfig
 
     if entry.name in ENGINE_GATED:
-        config = EngineConfig(model="lorafleet-probe", device=entry.backend, enable_prefix_caching=entry.name == "prefix_caching")
+        config = probe_engine_config(entry.backend, matrix, enable_prefix_caching=entry.name == "prefix_caching")
         where = "the engine's config gate (check_engine_config)"
 
         def attempt() -> object:
