@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("interpreter") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def interactive_sigint():
+    """SIGINT as in a foreground process. A shell's background job (`make test &`, `nohup ... &`)
+    starts with SIGINT ignored, and children inherit that through exec: a test that sends SIGINT to
+    a subprocess would see it ignored. With a handler set here, a child starts with the default."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -550,7 +550,7 @@ def test_the_length_check_counts_the_synthetic_tokenizer_exactly(tmp_path: Path)
         bench._check_fits(args, SimpleNamespace(requests=[SimpleNamespace(**vars(request), output_tokens=1025 - fits)]), 1024)
 
 
-def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path, interactive_sigint: None) -> None:
     """Ctrl-C during the replay printed three chained tracebacks (asyncio's, the engine's and its
     thread join's); now one line, exit 130, and no --json written."""
     import signal

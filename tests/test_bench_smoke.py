@@ -404,7 +404,7 @@ def test_serve_benchmark_refuses_bad_values_before_any_run(tmp_path: Path, flags
     assert proc.returncode == 2 and f"--out {a_file}: is a file, not a folder" in proc.stderr and a_file.read_text() == "mine"
 
 
-def test_serve_benchmark_replaces_a_previous_run_only_when_it_completes(tmp_path: Path) -> None:
+def test_serve_benchmark_replaces_a_previous_run_only_when_it_completes(tmp_path: Path, interactive_sigint: None) -> None:
     """A run stopped midway (SIGINT here) leaves the previous run's files as they were; a complete
     one replaces them all, a plot it did not draw included, and leaves no staged file behind."""
     out = tmp_path / "bench"

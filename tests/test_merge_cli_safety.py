@@ -89,15 +89,6 @@ def test_errors_mid_write_leave_nothing_and_have_their_own_exit_code(tiny_llama_
     assert says in capsys.readouterr().err and _siblings(out) == []
 
 
-@pytest.fixture
-def interactive_sigint():
-    """SIGINT as in a foreground process (a shell's background job, e.g. `make test &`, starts
-    with it ignored, which the staging block rightly leaves alone)."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
-
-
 def test_ctrl_c_inside_the_staging_block_cleans_up(tmp_path, interactive_sigint):
     out = check_output(tmp_path / "m", [], force=False)
     with pytest.raises(KeyboardInterrupt):
