@@ -73,8 +73,16 @@ class _FairLock:
             turn = threading.Lock()
             turn.acquire()
             self._waiters.append(turn)
-        if turn.acquire(timeout=timeout):  # released by release(): ownership handed over
-            return True
+        try:
+            if turn.acquire(timeout=timeout):  # released by release(): ownership handed over
+                return True
+        except BaseException:  # interrupted (Ctrl-C in the main thread): leave the queue, or pass on what came
+            with self._mutex:
+                if turn in self._waiters:
+                    self._waiters.remove(turn)
+                    raise
+            self.release()  # handed over meanwhile: a lock nobody would release otherwise
+            raise
         with self._mutex:
             if turn in self._waiters:
                 self._waiters.remove(turn)

@@ -352,3 +352,40 @@ def test_a_built_engine_with_another_config_or_a_backend_is_refused(tiny_llama_d
         AsyncLLMEngine(None, backend=object(), engine=built)
     with pytest.raises(ValueError, match="give a config"):
         AsyncLLMEngine(None)
+
+
+def test_a_waiter_interrupted_in_the_engine_lock_does_not_take_it_with_it() -> None:
+    """Ctrl-C while the main thread waited for the engine lock (snapshot() during a step) left its
+    turn queued: the next release handed the lock to nobody, and every later caller, the step
+    thread and shutdown() included, waited for ever."""
+    import signal
+
+    from runtime.async_engine import _FairLock
+
+    lock = _FairLock()
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+
+    def interrupt(signum, frame):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire()  # waits for the holder; the timer interrupts it
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    release.set()
+    thread.join(10)
+    assert lock.acquire(timeout=5), "the lock went to the interrupted waiter"
+    lock.release()
