@@ -9,7 +9,7 @@ take no lock: ``adapters()`` returns a copy of the registered set that register/
 replace under the lock. The other calls (``snapshot()``, register/unregister) take the lock:
 async callers run them in a worker thread (``asyncio.to_thread``). Outputs are handed to each
 request's ``OutputMailbox`` with ``loop.call_soon_threadsafe``; outputs its consumer has not read
-yet are merged there, so a stream nobody reads holds one output, not one per step. Cancelling a consumer of
+yet are merged there, so a stream nobody reads holds a few outputs, not one per step. Cancelling a consumer of
 ``generate`` aborts its request, which releases its KV blocks and adapter references.
 When nothing can run until an adapter is read from disk, the step thread waits for the
 load without the lock.

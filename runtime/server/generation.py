@@ -41,13 +41,17 @@ def resolve_model(engine: Any, base_name: str, model: str) -> Target:
     raise APIError(404, f"model {model!r} does not exist; GET /v1/models lists the base model and its adapters", param="model", code="model_not_found")
 
 
+async def off_loop_if_long(size: int, work: Callable[[], Any]) -> Any:
+    """``work()``, in a worker thread when ``size`` is that of a long text (``LONG_TEXT_CHARS``),
+    so the event loop goes on serving other streams meanwhile."""
+    return work() if size < LONG_TEXT_CHARS else await asyncio.to_thread(work)
+
+
 async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """``tokenizer.encode(text)`` without stalling the event loop: a long text (a prompt near the
     body limit takes about a second) is encoded in a worker thread, which the tokenizer runs
     without the GIL (``runtime/tokenizer.py``), so other streams and the step loop go on."""
-    if len(text) < LONG_TEXT_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+    return await off_loop_if_long(len(text), lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
@@ -254,11 +258,9 @@ async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> As
             async for item in _chain(first, rest):
                 await queue.put((index, item))
             await queue.put((index, done_marker))
-        except asyncio.CancelledError as err:
-            if asyncio.current_task().cancelling():  # the consumer is closing: nobody reads the queue any more
-                raise
-            await queue.put((index, err))  # the stream's own: forwarded like any other error
-        except BaseException as err:  # forwarded to the consumer, re-raised there
+        except BaseException as err:  # the stream's own error (a CancelledError too): forwarded, re-raised there
+            if isinstance(err, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise  # this pump's: the consumer is closing, and nobody reads the queue any more
             await queue.put((index, err))
 
     tasks = [asyncio.create_task(pump(i, f, r)) for i, (f, r) in enumerate(streams)]

@@ -6,20 +6,13 @@
 """
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import APIRouter
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import DetokenizeRequest, TokenizeRequest
-from runtime.tokenizer import LONG_TEXT_CHARS
-
-
-async def _off_loop_if_long(size: int, work: Callable[[], Any]) -> Any:
-    """``work()``, in a worker thread when ``size`` is that of a long text (other streams go on)."""
-    return work() if size < LONG_TEXT_CHARS else await asyncio.to_thread(work)
 
 
 def build_router(state: Any) -> APIRouter:
@@ -42,7 +35,7 @@ def build_router(state: Any) -> APIRouter:
             ids = await gen.encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens is not False)
         reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            reply["token_strs"] = await _off_loop_if_long(len(ids), lambda: [tokenizer.token_text(t) for t in ids])
+            reply["token_strs"] = await gen.off_loop_if_long(len(ids), lambda: [tokenizer.token_text(t) for t in ids])
         return reply
 
     @router.post("/detokenize", tags=["tokenizer"])

@@ -26,14 +26,13 @@ inside the primary limits must take no fallback in ``apply_lora`` other than the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from runtime.capabilities import Capability, CapabilityMatrix, Limits
 from runtime.verifiers.accumulation import cancelling, keeps_h_in_fp32
+from runtime.verifiers.gate_adapter import GateAdapter
 from runtime.verifiers.lora_problem import LoRAProblem, build_problem, check_lora_ops, rewrite_slots
 from runtime.verifiers.paths import expect_path, forced_fallback
 from runtime.verifiers.result import VerificationFailure, VerifierResult, verifier
@@ -110,7 +109,7 @@ def check_target_modules(entry: Capability, matrix: CapabilityMatrix) -> str:
                                   f"accepts (it loads {', '.join(LORA_TARGET_MODULES)})")  # fmt: skip
     rank = matrix.entry(entry.backend, "max_rank").limits.admissible_ranks()[0]
     for module in LORA_TARGET_MODULES:
-        adapter = _OneModuleAdapter(f"probe-{module}", module, rank)
+        adapter = GateAdapter(f"probe-{module}", {(0, module): rank})
         try:
             check_adapter(adapter, entry.backend, matrix)
         except CapabilityError as err:
@@ -120,19 +119,6 @@ def check_target_modules(entry: Capability, matrix: CapabilityMatrix) -> str:
             if module not in declared:
                 raise VerificationFailure(f"{entry.key}: leaves out target module {module}, but the adapter gate admits an adapter on it")
     return f"target modules: {len(declared)} admitted, {len(LORA_TARGET_MODULES) - len(declared)} refused"
-
-
-@dataclass(frozen=True)
-class _OneModuleAdapter:
-    """What the adapter gate reads of an adapter with one module."""
-
-    name: str
-    module: str
-    rank: int
-
-    @property
-    def modules(self) -> dict[tuple[int, str], Any]:
-        return {(0, self.module): SimpleNamespace(rank=self.rank)}
 
 
 def _run_op_capability(backend: Any, entry: Capability, matrix: CapabilityMatrix, decode_only: bool) -> VerifierResult:

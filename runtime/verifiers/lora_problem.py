@@ -31,11 +31,9 @@ shrink/expand calls, and during the ``apply_lora`` calls, the engine's entry poi
 """
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -159,7 +157,7 @@ def rewrite_slots(p: LoRAProblem, seed: int) -> LoRAProblem:
             w.write_slot(s, w.host_start[s], a.to(p.device), b.to(p.device), p.scales[i][s])
             a_i[s], b_i[s] = a.double(), b.double()
         a64.append(a_i), b64.append(b_i)
-    return dataclasses.replace(p, a64=tuple(a64), b64=tuple(b64), seed=seed)
+    return replace(p, a64=tuple(a64), b64=tuple(b64), seed=seed)
 
 
 def reference_shrink(p: LoRAProblem, width: int) -> tuple[Tensor, Tensor, Tensor]:

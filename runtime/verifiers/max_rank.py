@@ -4,32 +4,13 @@ granularity step above it is refused at adapter load with the matrix's words, as
 engine config asking for it (``max_lora_rank``, the engine's start-up gate)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from runtime.capabilities import Capability, CapabilityError, CapabilityMatrix, check_adapter, check_engine_config
+from runtime.verifiers.gate_adapter import GateAdapter
 from runtime.verifiers.lora_problem import build_problem, check_lora_ops
 from runtime.verifiers.result import VerificationFailure, VerifierResult, probe_engine_config, verifier
 from runtime.verifiers.sampling import fresh_seed, torch_dtype
-
-
-@dataclass(frozen=True)
-class RankOnlyModule:
-    """The attributes of a LoRAModule the gate reads."""
-
-    rank: int
-
-
-@dataclass(frozen=True)
-class RankOnlyAdapter:
-    """The attributes of a LoRAAdapter the gate reads: one q_proj module of ``max_rank``."""
-
-    name: str
-    max_rank: int
-
-    @property
-    def modules(self) -> dict[tuple[int, str], RankOnlyModule]:
-        return {(0, "q_proj"): RankOnlyModule(self.max_rank)}
 
 
 @verifier("max_rank")
@@ -38,10 +19,10 @@ def verify_max_rank(backend: Any, entry: Capability, matrix: CapabilityMatrix) -
     if top is None:
         raise VerificationFailure(f"{entry.key}: declares no max_rank")
     low = entry.limits.admissible_ranks()[0]
-    check_adapter(RankOnlyAdapter("probe-max-rank", top), entry.backend, matrix)  # must not raise
+    check_adapter(GateAdapter("probe-max-rank", {(0, "q_proj"): top}), entry.backend, matrix)  # must not raise
     above = top + (entry.limits.rank_granularity or 1)
     try:
-        check_adapter(RankOnlyAdapter("probe-above-max-rank", above), entry.backend, matrix)
+        check_adapter(GateAdapter("probe-above-max-rank", {(0, "q_proj"): above}), entry.backend, matrix)
     except CapabilityError as err:
         refusal = str(err)
     else:

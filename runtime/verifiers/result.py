@@ -49,22 +49,6 @@ NOT_APPLICABLE = None  # ``verifier(..., refusal=NOT_APPLICABLE)``: declared uns
 ENGINE_GATED = ("dtypes", "lora_ops_segment", "lora_ops_per_token", "paged_attention", "max_rank", "multi_slice_expand", "prefix_caching")
 
 
-@dataclass(frozen=True)
-class _TwoRankAdapter:
-    """What the adapter gate reads of an adapter whose modules have two ranks."""
-
-    name: str = "probe-mixed-ranks"
-
-    @property
-    def modules(self) -> dict[tuple[int, str], Any]:
-        return {(0, "q_proj"): _Rank(4), (0, "v_proj"): _Rank(8)}
-
-
-@dataclass(frozen=True)
-class _Rank:
-    rank: int
-
-
 def probe_engine_config(backend: str, matrix: CapabilityMatrix, **overrides: Any) -> Any:
     """An ``EngineConfig`` for ``backend`` within its section's declared limits (its first dtype,
     ``max_lora_rank`` <= max_rank, ``max_loras`` and the token budget within the LoRA op rows), so
@@ -97,6 +81,7 @@ def refused_by_runtime(entry: Capability, matrix: CapabilityMatrix) -> str:
     the int8 base, which the model runner calls on loading an int8 checkpoint. (It only called
     ``require``, which refuses every unsupported entry: a check that could not fail.)"""
     from runtime.capabilities import check_adapter, check_engine_config
+    from runtime.verifiers.gate_adapter import GateAdapter
 
     if entry.name in ENGINE_GATED:
         config = probe_engine_config(entry.backend, matrix, enable_prefix_caching=entry.name == "prefix_caching")
@@ -108,7 +93,7 @@ def refused_by_runtime(entry: Capability, matrix: CapabilityMatrix) -> str:
         where = "the adapter gate (check_adapter) on an adapter with modules of ranks 4 and 8"
 
         def attempt() -> object:
-            return check_adapter(_TwoRankAdapter(), entry.backend, matrix)
+            return check_adapter(GateAdapter("probe-mixed-ranks", {(0, "q_proj"): 4, (0, "v_proj"): 8}), entry.backend, matrix)
     elif entry.name == "quantized_base_int8":
         where = "require(), the model runner's check on an int8 checkpoint"
 
