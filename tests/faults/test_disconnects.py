@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,7 @@ async def one_client(url: str, k: int, rng: random.Random, model: str) -> tuple[
                     got += bool(line)
                     if got >= keep:
                         break
-            return behaviour, body, None
+            return (behaviour if got >= keep else "stream-ended"), body, None
         try:
             await asyncio.wait_for(client.post("/v1/completions", json=body), rng.uniform(0.01, 1.5))
         except asyncio.TimeoutError:
@@ -49,6 +50,12 @@ def test_random_disconnects_and_timeouts_leave_server_idle(tiny_llama_dir: Path,
     try:
         for name in ("a", "b", "c"):
             engine.register_adapter(name, str(tiny_adapters[name]))
+        finished: list = []
+        engine.add_observer(finished.append)
+        # 20 ms a step: a 48-token request takes about a second, so its client's hang-up comes before its end.
+        runner = engine.engine.runner
+        real_execute = runner.execute
+        runner.execute = lambda steps: (time.sleep(0.02), real_execute(steps))[1]
         models = [engine.model_name, "a", "b", "c"]
         with running_server(create_app(engine, ServerOptions())) as url:
             async def crowd():
@@ -57,6 +64,16 @@ def test_random_disconnects_and_timeouts_leave_server_idle(tiny_llama_dir: Path,
             results = asyncio.run(crowd())
             assert {b for b, _, _ in results} >= {"drop-stream", "timeout"}
             assert wait_until(lambda: not idle_problems(engine.snapshot(), registered=3), timeout_s=30), idle_problems(engine.snapshot())
+            runner.execute = real_execute
+            # Each completed request ran to its end; each client that hung up on a 48-token stream after at most 6
+            # events left a request that the server aborted. (A timed-out client may have gone before its request
+            # reached the server, so those are not counted.)
+            completed = sum(b == "complete" for b, _, _ in results)
+            hung_up = sum(b == "drop-stream" and body["max_tokens"] == 48 for b, body, _ in results)
+            assert hung_up >= 1, results
+            reasons = lambda: [m.finish_reason for m in finished]  # noqa: E731
+            assert wait_until(lambda: reasons().count("length") >= completed and reasons().count("abort") >= hung_up), (reasons(), results)
+            assert set(reasons()) <= {"length", "abort"} and len(finished) <= CLIENTS, reasons()
             # Completed requests are unaffected by their neighbours' disconnects.
             with httpx.Client(base_url=url, timeout=60) as client:
                 for _, body, text in results:

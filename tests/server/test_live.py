@@ -128,7 +128,34 @@ def test_admin_load_hot_update_inflight_unload(live, engine, adapter_root: Path,
     assert wait_until(lambda: idle(engine))
 
 
-def test_stream_disconnect_frees_everything(live, engine) -> None:
+@pytest.fixture
+def slow_aborts(engine):
+    """Steps slowed to 20 ms each, so an 80-token request outlives the client's disconnect, and the
+    RequestMetrics of every request that finishes meanwhile (the test's own, as nothing else runs)."""
+    runner = engine.engine.runner
+    real_execute = runner.execute
+
+    def slow_execute(steps):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return real_execute(steps)
+
+    finished: list = []
+    engine.add_observer(finished.append)
+    runner.execute = slow_execute
+    try:
+        yield finished
+    finally:
+        runner.execute = real_execute
+
+
+def assert_one_abort(finished: list, max_tokens: int) -> None:
+    """The disconnected request finished as an abort, before its last token."""
+    assert wait_until(lambda: finished)
+    assert [m.finish_reason for m in finished] == ["abort"], finished
+    assert finished[0].output_tokens < max_tokens
+
+
+def test_stream_disconnect_frees_everything(live, engine, slow_aborts) -> None:
     name = engine.adapters()[1].name
     body = {"model": name, "prompt": "disconnect me", "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=live, timeout=60) as h:
@@ -137,9 +164,10 @@ def test_stream_disconnect_frees_everything(live, engine) -> None:
             assert next(l for l in lines if l).startswith("data: ")
         # leaving the block closes the connection mid-stream
     assert wait_until(lambda: idle(engine), timeout_s=15), engine.snapshot()
+    assert_one_abort(slow_aborts, 80)
 
 
-def test_nonstream_disconnect_aborts(live, engine) -> None:
+def test_nonstream_disconnect_aborts(live, engine, slow_aborts) -> None:
     body = {"model": engine.model_name, "prompt": "slow one", "max_tokens": 80, "temperature": 0, "ignore_eos": True}
     done = threading.Event()
 
@@ -153,3 +181,4 @@ def test_nonstream_disconnect_aborts(live, engine) -> None:
     threading.Thread(target=fire).start()
     assert done.wait(10)
     assert wait_until(lambda: idle(engine), timeout_s=15), engine.snapshot()
+    assert_one_abort(slow_aborts, 80)
