@@ -218,11 +218,18 @@ def test_tiled_k_and_columns_interpreted(path: str) -> None:
 
 @interpreter
 @pytest.mark.interpreter
-def test_backend_ops_pick_path_and_reuse_tables_interpreted() -> None:
+def test_backend_ops_pick_path_and_reuse_tables_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaLoRAOps through apply_lora equals the reference ops on the same inputs, for a
-    decode step (per-token kernels) and a prefill step (segment kernels)."""
+    decode step (per-token kernels) and a prefill step (segment kernels), and launches those."""
+    import importlib
+
     from backends.cuda.backend import CudaLoRAOps
 
+    launched: list[str] = []
+    for name in ("bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand"):
+        module = importlib.import_module(f"backends.cuda.{name}")
+        launcher = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _name=name, _launch=launcher, **k: (launched.append(_name), _launch(*a, **k))[1])
     ops, ref = CudaLoRAOps(), ReferenceLoRAOps()
     weights = finite(make_slices(32, (16, 32), SMALL_RANKS[1:], torch.float32, "cpu", seed=3))
     x = torch.randn(len(SMALL_SLOTS), 32)
@@ -233,6 +240,9 @@ def test_backend_ops_pick_path_and_reuse_tables_interpreted() -> None:
         apply_lora(ops, x, got, weights, meta, [0, 16], torch.zeros(2, len(SMALL_SLOTS), 64))
         apply_lora(ref, x, want, weights, meta, [0, 16], torch.zeros(2, len(SMALL_SLOTS), 64))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        kind = "bgmv" if decode_only else "sgmv"
+        assert launched == [f"{kind}_shrink", f"{kind}_expand"], (decode_only, launched)
+        launched.clear()
     assert len(ops.tables) == 2  # one shrink table and one expand table, reused across steps
 
 
@@ -258,7 +268,7 @@ def test_no_adapter_batch_writes_nothing_interpreted() -> None:
 def test_whole_model_greedy_matches_cpu_backend_interpreted(tiny_llama_dir, tiny_adapters) -> None:
     """The kernels inside the real model (slice groups, offsets, workspace from
     ModelRunner): greedy tokens of a mixed batch equal the cpu backend's in fp32."""
-    runner_mod = pytest.importorskip("runtime.model_runner", reason="runtime/model_runner.py (ModelRunner) is not there yet")
+    import runtime.model_runner as runner_mod
     from backends import get_backend
 
     cpu = greedy_tokens(runner_mod, tiny_llama_dir, tiny_adapters, get_backend("cpu"), "float32", new_tokens=3)
@@ -510,7 +520,7 @@ def test_whole_model_greedy_matches_cpu_backend(tmp_path, dtype: str) -> None:
     CPU's top two logits are more than 4 bf16 rounding steps apart: bf16 rounding differs between
     the kernels and torch's CPU matmuls, so a near-tie (the tiny model has gaps of one step) can
     legitimately go either way."""
-    runner_mod = pytest.importorskip("runtime.model_runner", reason="runtime/model_runner.py (ModelRunner) is not there yet")
+    import runtime.model_runner as runner_mod
     from tests.fixtures.tiny_models import build_standard_adapters, build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", "llama", seed=0)
