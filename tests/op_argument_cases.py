@@ -32,3 +32,22 @@ def assert_bad_arguments_refused(apply: Callable[..., None], x: torch.Tensor, y:
         args = dict(x=x, y=y.clone(), meta=meta(ROW_SLOTS), offsets=[0], workspace=workspace) | change
         with pytest.raises(ValueError, match=message):
             apply(args["x"], args["y"], args["meta"], args["offsets"], args["workspace"])
+
+
+GOOD_SLOTS = [0, 1, -1, 3, 0, 1, 2, 3]  # the same rows with one on the base model
+
+
+def assert_good_arguments_applied(apply: Callable[..., None], weights: Any, x: torch.Tensor, y: torch.Tensor, workspace: torch.Tensor,
+                                  decode_only: bool, offset: int, tolerance: float) -> None:
+    """The call ``assert_bad_arguments_refused`` varies, with good arguments, at slice offset ``offset``
+    over ``GOOD_SLOTS``: each row gets its own slot's update (float64 reference), the base-model row and
+    the columns outside the slice keep their bits."""
+    from tests.emulation.lora_grid import expected_float64
+
+    got = y.clone()
+    apply(x, got, LoRABatchMeta.build(GOOD_SLOTS, "cpu", decode_only=decode_only), [offset], workspace)
+    want = expected_float64(x, y, weights, GOOD_SLOTS, [offset])
+    torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
+    base_row = GOOD_SLOTS.index(-1)
+    assert torch.equal(got[base_row], y[base_row]) and torch.equal(got[:, :offset], y[:, :offset])
+    assert not torch.equal(got, y)
