@@ -680,9 +680,8 @@ def test_ray_second_signal_during_start_up_interrupts_the_deployment(tiny_llama_
         finished.append(True)
 
     fake = FakeRay(monkeypatch, deploy=deploy)
-    started = time.monotonic()
     assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
-    assert time.monotonic() - started < 10 and not finished
+    assert not finished  # run_ray came back while the deployment still slept
     assert fake.calls == ["init", "deploy", "stop", "shutdown"]
 
 

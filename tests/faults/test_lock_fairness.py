@@ -46,7 +46,6 @@ def test_api_calls_are_not_held_up_by_an_adapter_load(tiny_llama_dir: Path, tiny
     """When nothing can run until an adapter is read from disk, the step thread waits for the
     load without the engine lock: a snapshot and an abort answer while the load is in flight."""
     import threading
-    import time
 
     release = threading.Event()
     engine = AsyncLLMEngine(engine_config(tiny_llama_dir, max_loras=1, max_cpu_loras=1))
@@ -69,20 +68,18 @@ def test_api_calls_are_not_held_up_by_an_adapter_load(tiny_llama_dir: Path, tiny
                     break
                 await asyncio.sleep(0.01)
             for call in (engine.snapshot, lambda: engine.abort("slow")):
-                t0 = time.monotonic()
-                result = await asyncio.to_thread(call)
-                # Not a performance figure: the old loop held the lock for up to 1 s per load wait.
-                assert time.monotonic() - t0 < 0.5, "an API call waited on the adapter load"
+                result = await asyncio.wait_for(asyncio.to_thread(call), 20)  # a hang guard (the disk answers after 30 s)
                 assert result is True or result["pool"]["loads_in_flight"] == 1
+            # Both calls came back while the load still waits for the disk: neither waited on it (the old
+            # loop held the lock for up to 1 s per load wait).
+            assert (await asyncio.to_thread(engine.snapshot))["pool"]["loads_in_flight"] == 1
             release.set()
             await asyncio.wait_for(task, 10)
             pool.wait_for_load(timeout=10)
             async for _ in engine.generate("after", [1, 2], SamplingParams(max_tokens=1)):  # a step collects the load
                 pass
 
-        started = time.monotonic()
         asyncio.run(scenario())
-        assert time.monotonic() - started < 25  # (a hang would wait for the 30 s release)
         assert idle_problems(engine.snapshot()) == []
     finally:
         release.set()
@@ -93,7 +90,6 @@ def test_event_loop_never_waits_for_the_engine_lock(tiny_llama_dir: Path) -> Non
     """A new request is admitted off the event loop: while a (simulated) long step holds the
     engine lock, other coroutines (other clients' streams) keep running."""
     import threading
-    import time
 
     engine = AsyncLLMEngine(engine_config(tiny_llama_dir))
     held, release = threading.Event(), threading.Event()
@@ -103,7 +99,7 @@ def test_event_loop_never_waits_for_the_engine_lock(tiny_llama_dir: Path) -> Non
             held.set()
             release.wait(10)
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         async def consume() -> int:
             return len([o async for o in engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))])
 
@@ -111,18 +107,18 @@ def test_event_loop_never_waits_for_the_engine_lock(tiny_llama_dir: Path) -> Non
         holder.start()
         held.wait(10)
         task = asyncio.create_task(consume())
-        started = time.monotonic()
         for _ in range(10):
             await asyncio.sleep(0.01)  # runs only while the event loop is free
-        ticking = time.monotonic() - started
+        # The loop ticked ten times while the lock's holder still held it (the old admission blocked the
+        # loop until the holder let go, after its 10 s wait).
+        assert holder.is_alive() and not release.is_set()
         assert not task.done()
         release.set()
         assert await asyncio.wait_for(task, 30) >= 1
         holder.join()
-        return ticking
 
     try:
-        assert asyncio.run(scenario()) < 5.0  # the old admission blocked the loop until the 10 s release
+        asyncio.run(scenario())
     finally:
         release.set()
         engine.shutdown()
