@@ -29,7 +29,7 @@ def adapter_of(base: Path, path: Path, name: str = "x"):  # type: ignore[no-unty
     return load_adapter(path, name, lora_targets(cfg), num_layers=cfg.num_hidden_layers, max_lora_rank=64)
 
 
-@pytest.mark.parametrize("name", ["a", "c", "d", "e"])  # rank 4/16, MLP-only, rsLoRA, rank_pattern + alpha_pattern
+@pytest.mark.parametrize("name", ["a", "b", "c", "d", "e"])  # rank 4, all attention, rank 16 MLP-only, rsLoRA, rank_pattern + alpha_pattern
 def test_merged_weights_match_peft_merge_and_unload(name: str, tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -88,13 +88,20 @@ def test_cli_merge_verifies_and_writes_a_traceable_manifest(tiny_llama_dir: Path
 
 
 def test_bf16_output_is_the_float32_merge_cast_once(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     merge(tiny_llama_dir, tiny_adapters["b"], tmp_path / "m", dtype="bfloat16")
     ours = load_file(str(tmp_path / "m" / "model.safetensors"))
     base = load_file(str(tiny_llama_dir / "model.safetensors"))
     adapter = adapter_of(tiny_llama_dir, tiny_adapters["b"])
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    peft_merged = PeftModel.from_pretrained(hf, str(tiny_adapters["b"])).merge_and_unload().state_dict()
     for (layer, module) in adapter.modules:
         name = module_weight_name(layer, module)
         assert torch.equal(ours[name], (base[name] + lora_delta(adapter, layer, module)).to(torch.bfloat16))
+        # and PEFT's float32 merge, rounded to bf16, within one bf16 step (2^-8 relative) of it
+        torch.testing.assert_close(ours[name].float(), peft_merged[name].to(torch.bfloat16).float(), rtol=2**-8, atol=1e-6)
     assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -310,14 +317,29 @@ def test_read_only_output_path(tiny_llama_dir: Path, tiny_adapters: dict[str, Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="runs as root: chmod 0o555 does not stop root from writing (the regular-file case above covers root)")
 def test_read_only_output_folder(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As root, in a child without the capabilities that let root write anywhere (setpriv drops
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its bounding set), where chmod 0o555 binds."""
+    import shutil
+    import subprocess
+    import sys
+
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        assert _cli(tiny_llama_dir, tiny_adapters["a"], ro / "m") == 2
-        assert f"{ro / 'm'}: cannot write into {ro}" in capsys.readouterr().err
+        if os.geteuid() != 0:
+            rc, err = _cli(tiny_llama_dir, tiny_adapters["a"], ro / "m"), capsys.readouterr().err
+        else:
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                pytest.skip("runs as root without util-linux's setpriv: nothing here can make chmod 0o555 bind")
+            args = ["merge", "--model", str(tiny_llama_dir), "--adapter", str(tiny_adapters["a"]), "--out", str(ro / "m"), "--no-verify"]
+            proc = subprocess.run([setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable, "-m", "runtime.cli", *args],
+                                  capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+            rc, err = proc.returncode, proc.stderr
+        assert rc == 2, err
+        assert f"{ro / 'm'}: cannot write into {ro}" in err
         assert list(ro.iterdir()) == []
     finally:
         ro.chmod(0o755)
