@@ -51,7 +51,9 @@ class EngineConfig:
                             projections for oneDNN, mkl keeps them plain on F.linear (MKL's sgemm), auto is
                             onednn wherever torch has oneDNN (``for_backend`` spells it out; mkl can be faster
                             for small models or one stream on Intel CPUs: runtime/models/dense.py). Other dtypes
-                            and devices ignore the choice, so only auto is accepted with them.
+                            and devices ignore the choice, so only auto is accepted with them. An int8 checkpoint runs its
+                            projections int8: the choice is then its untied LM head's only, and refused
+                            when the head is tied (``model_runner.check_cpu_gemm_applies``).
     """
 
     model: str

@@ -36,7 +36,7 @@ from runtime.kv.prefix_cache import PrefixCache
 from runtime.lora.adapter import AdapterError, LoRAAdapter, load_adapter, resolved_files
 from runtime.lora.pool import AdapterPool
 from runtime.lora.registry import AdapterInfo, AdapterRegistry
-from runtime.model_runner import ModelRunner, SeqStep
+from runtime.model_runner import ModelRunner, SeqStep, check_cpu_gemm_applies
 from runtime.request import (
     AdapterRef,
     ErrorKind,
@@ -105,7 +105,9 @@ class LLMEngine:
             from backends import get_backend
 
             backend = get_backend(config.device)
+        asked_gemm = config.cpu_gemm
         config = config.for_backend(backend.name)  # the step budget's default depends on the device
+        check_cpu_gemm_applies(config, asked_gemm)  # an int8 checkpoint with a tied LM head has no float32 GEMM to choose
         self.config = config
         self.backend = backend
         self.backend_name = backend.name

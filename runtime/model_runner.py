@@ -112,6 +112,17 @@ def _allocating(what: str, device: torch.device, lower: str, nbytes: int | None 
         raise ConfigError(f"{what} does not fit in {device} memory ({detail}); lower {lower}") from None
 
 
+def check_cpu_gemm_applies(config: EngineConfig, asked: str) -> None:
+    """Refuse an explicit ``cpu_gemm`` (``asked``, before ``for_backend`` resolved auto) that would change
+    nothing for this checkpoint: an int8 one (``lorafleet quantize``) runs its projections int8 whatever
+    the choice, so only an untied LM head is left for it to choose the kernel of; with the head tied to
+    the embedding no float32 GEMM is left at all. Reads config.json only, before any weight is loaded."""
+    if asked == "auto" or checkpoint_quantization(config.model) is None or not load_model_config(config.model).tie_word_embeddings:
+        return
+    raise ConfigError(f"cpu_gemm: {asked!r} chooses the float32 GEMM; this int8 checkpoint runs its projections int8 and its LM head "
+                      "is tied to the embedding (tie_word_embeddings), so it would change nothing: leave it at auto")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: Any) -> None:
         config = config.for_backend(backend.name)

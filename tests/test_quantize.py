@@ -267,3 +267,28 @@ def test_capability_check_passes_on_cpu_and_catches_a_backend_that_drops_lora() 
 
     with pytest.raises(AssertionError, match="quantized_base_int8 float32: relative error"):
         check_int8_base(Broken(NoExpand(cpu.lora)))
+
+
+def test_cpu_gemm_on_an_int8_checkpoint_with_a_tied_lm_head_is_refused(tmp_path: Path) -> None:
+    """cpu_gemm picks the kernel of the float32 weights; an int8 checkpoint's projections run int8 whatever it
+    says, so it chooses only the kernel of an untied LM head. With the head tied to the embedding there is no
+    weight left for it to choose for: onednn and mkl built the same model. An explicit choice is refused there
+    (as with another dtype), not ignored; auto stays accepted, and an untied int8 checkpoint keeps the choice."""
+    from runtime.config import ConfigError
+    from runtime.engine import LLMEngine
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    tied = build_tiny_model(tmp_path / "tied", "llama", seed=0, tie_word_embeddings=True)
+    assert _quantize(tied, tmp_path / "tied-q8") == 0
+    untied = build_tiny_model(tmp_path / "untied", "llama", seed=0)
+    assert _quantize(untied, tmp_path / "untied-q8") == 0
+
+    def config(model: Path, cpu_gemm: str) -> EngineConfig:
+        return EngineConfig(model=str(model), device="cpu", cpu_gemm=cpu_gemm, max_loras=1, max_lora_rank=8, num_kv_blocks=16, block_size=8)
+
+    for choice in ("onednn", "mkl"):
+        with pytest.raises(ConfigError, match=f"cpu_gemm: {choice!r} .*int8.*tied.*would change nothing"):
+            LLMEngine(config(tmp_path / "tied-q8", choice))
+        for model in (tmp_path / "untied-q8", tied):  # an untied int8 LM head, or a float32 model: the choice applies
+            LLMEngine(config(model, choice)).close()
+    LLMEngine(config(tmp_path / "tied-q8", "auto")).close()

@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"],
                    help="--device cpu, float32: the base GEMM kernel. onednn packs the large projections for oneDNN, mkl keeps "
                         "them plain on torch's F.linear (MKL); auto (the default) is onednn wherever torch has it. On an Intel CPU mkl "
-                        "can be faster for small models or a single stream (docs/benchmarks.md). Other devices and dtypes take only auto")
+                        "can be faster for small models or a single stream (docs/benchmarks.md). Other devices and dtypes take only auto; "
+                        "an int8 checkpoint runs its projections int8, so the choice there is the untied LM head's only "
+                        "(refused when the head is tied)")
     p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
