@@ -327,19 +327,25 @@ class Scheduler:
                         out.drained.append(victim)
                 continue
             self._drains.pop(key, None)
-            seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids, reuse=reuse)
-            n = min(seq.num_uncomputed, budget)
-            if not self.block_manager.ensure(seq.request_id, seq.num_computed + n):
+            try:
+                seq.num_computed = self.block_manager.acquire_prefix(seq.request_id, seed, seq.all_token_ids, reuse=reuse)
+                n = min(seq.num_uncomputed, budget)
+                fits = self.block_manager.ensure(seq.request_id, seq.num_computed + n)
+                if fits:
+                    self.block_manager.count_prefix_lookup(seq.request_id)
+                    self.waiting[key].popleft()
+                    bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
+            except BaseException:
+                # Interrupted (Ctrl-C while a long prompt is hashed) before it runs: a request that
+                # is not running must hold no slot reference nor blocks, or its abort leaves them behind.
+                if seq not in self.running:
+                    self._unadmit(seq, key)
+                raise
+            if not fits:
                 # Not enough KV for even its first chunk: stop admitting (first come first
                 # served on memory, so a large request is not overtaken forever).
-                self.block_manager.free(seq.request_id)
-                seq.num_computed = 0
-                if key is not None:
-                    self.pool.release_device(key)
+                self._unadmit(seq, key)
                 break
-            self.block_manager.count_prefix_lookup(seq.request_id)
-            self.waiting[key].popleft()
-            bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
             out.admitted.append(seq)
             planned[seq] = n
             planned_tokens[key] = planned_tokens.get(key, 0) + n
@@ -352,6 +358,16 @@ class Scheduler:
                 del self.waiting[key]
                 ready.discard(key)
         return budget
+
+    def _unadmit(self, seq: Sequence, key: Optional[AdapterRef]) -> None:
+        """Give back what an admission of ``seq`` took (blocks, its slot reference); it stays waiting, first."""
+        self.block_manager.free(seq.request_id)
+        seq.num_computed = 0
+        if key is not None:
+            self.pool.release_device(key)
+        queue = self.waiting.setdefault(key, deque())
+        if not queue or queue[0] is not seq:
+            queue.appendleft(seq)
 
     def _advance_virtual_time(self, backlogged: set, tokens: int, served: set) -> None:
         """V <- max(V, min(max(V + tokens / |backlogged|, m), max(s, m))): each backlogged key's fair
