@@ -95,10 +95,11 @@ class BlockManager:
                 self._hashes[seq_id].append(block_hash)
             # Counted by ``count_prefix_lookup`` once the admission holds, so a retried admission counts once.
             self._lookups[seq_id] = (cacheable, len(self._hashes[seq_id]))
-        pending = hashes[len(self._hashes[seq_id]) :]
-        self._to_publish[seq_id] = deque(pending)
-        for block_hash in pending:
+        # Each hash is recorded for ``free`` only once counted: an interrupt half-way leaves the two balanced.
+        to_publish = self._to_publish[seq_id] = deque()
+        for block_hash in hashes[len(self._hashes[seq_id]) :]:
             self._in_flight[block_hash] = self._in_flight.get(block_hash, 0) + 1
+            to_publish.append(block_hash)
         return len(self._hashes[seq_id]) * self.block_size
 
     def prefix_in_flight(self, seq_id: str, seed: Optional[bytes], token_ids: Sequence[int]) -> bool:

@@ -62,3 +62,33 @@ def test_an_interrupt_during_admission_leaves_no_device_reference(tiny_llama_dir
         (out,) = llm.generate([PROMPT], GREEDY, adapter="b")
         assert out.finish_reason == "length" and out.token_ids == expected
         assert idle(llm) == []
+
+
+class _InterruptOnSet(dict):
+    """The block manager's in-flight counts, raising KeyboardInterrupt on the ``nth`` store."""
+
+    def __init__(self, nth: int) -> None:
+        super().__init__()
+        self.left = nth
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise KeyboardInterrupt
+        super().__setitem__(key, value)
+
+
+def test_an_interrupt_while_prompt_blocks_are_marked_in_flight_leaves_counts_balanced(tiny_llama_dir: Path, tiny_adapters: dict[str, Path]) -> None:
+    """Ctrl-C in ``acquire_prefix`` after the blocks to publish were recorded but before each was
+    counted in flight: freeing the sequence then uncounted a block never counted (KeyError), so
+    the abort failed half-way with the sequence's KV blocks never returned."""
+    expected = fresh_tokens(tiny_llama_dir, tiny_adapters, None)
+    with make_llm(tiny_llama_dir, tiny_adapters) as llm:
+        bm = llm.engine.block_manager
+        bm._in_flight = _InterruptOnSet(nth=2)  # the first block is counted, the second is not
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT], GREEDY)
+        assert idle(llm) == []
+        bm._in_flight = {}
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == expected
+        assert idle(llm) == []
