@@ -141,6 +141,25 @@ def test_malformed_workload_file_names_the_file_line_and_what_is_missing(tmp_pat
     assert str(info.value).startswith(f"{path}: ") and want in str(info.value)
 
 
+@pytest.mark.parametrize("adapter", [["lora-0000"], {"name": "lora-0000"}, 7])
+def test_a_request_whose_adapter_is_not_a_name_is_a_line_error_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                                 adapter: object) -> None:
+    """A JSON list or object as a request's adapter made ``Workload.load`` raise TypeError (unhashable,
+    from the adapter_ranks lookup): a traceback from `lorafleet bench --workload` instead of the line."""
+    path = _saved(tmp_path)
+    lines = path.read_text().splitlines()
+    request = json.loads(lines[2])
+    request["adapter"] = adapter
+    lines[2] = json.dumps(request)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"line 3: adapter: "):
+        Workload.load(path)
+    work = tmp_path / "w"
+    rc, err = bench_cli(capsys, "--workdir", str(work), "--workload", str(path))
+    assert rc == 2 and one_error_line(err).startswith(f"lorafleet bench: {path}: line 3: adapter: ")
+    assert not work.exists()
+
+
 def test_bad_workload_file_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"foo": 1}\n')

@@ -183,6 +183,8 @@ def _request_from_line(path: str | Path, n: int, line: str, adapter_ranks: dict[
         bad = f"index: expected an integer, got {raw['index']!r}"
     elif type(raw["arrival_s"]) not in (int, float) or not 0 <= raw["arrival_s"] < math.inf:
         bad = f"arrival_s: expected a number >= 0, got {raw['arrival_s']!r}"
+    elif raw["adapter"] is not None and not isinstance(raw["adapter"], str):  # a list or object is unhashable: not a lookup
+        bad = f"adapter: expected an adapter name (a string) or null, got {raw['adapter']!r:.80}"
     elif raw["adapter"] is not None and raw["adapter"] not in adapter_ranks:
         bad = f"adapter: {raw['adapter']!r} is not in the header's adapter_ranks"
     elif raw["rank"] != (adapter_ranks[raw["adapter"]] if raw["adapter"] is not None else None):
