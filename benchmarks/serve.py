@@ -206,8 +206,9 @@ def main() -> int:
             p.error(f"--sweep-rates: {rate} is not a finite rate >= 0")
     if a.workload and generate(spec) != loaded and (counts or rates):
         log(f"note: {a.workload} holds other requests than its spec generates; the sweeps regenerate from the spec")
+    # The slot width fits every rank: the spec's (the sweeps regenerate from it) and the file's adapters' (it may be edited).
     setup = BenchSetup(Path(a.workdir) if a.workdir else out / "weights", shape, a.device, a.dtype, max_loras=a.max_loras,
-                       max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, max(spec.ranks)),
+                       max_cpu_loras=max_cpu_loras, max_lora_rank=max(64, *spec.ranks, *(loaded.adapter_ranks.values() if loaded else ())),
                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, slo_ttft_s=a.slo_ttft,
                        slo_tpot_s=a.slo_tpot)
     try:

@@ -527,3 +527,25 @@ def test_step_times_refuses_bad_flags_before_writing_weights(tmp_path: Path, fla
     done = subprocess.run(cmd, cwd=ROOT, timeout=120, capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_serve_benchmark_sizes_the_slots_for_a_saved_workloads_own_ranks(tmp_path: Path) -> None:
+    """A saved file whose adapters have a rank its spec's rank set lacks (above 64): the slots were
+    sized from the spec's ranks only (max_lora_rank 64), so loading the adapters raised AdapterError,
+    a traceback after the weights were written. `lorafleet bench --workload` sizes them from both."""
+    spec = WorkloadSpec(num_requests=4, num_adapters=2, ranks=(8,), input_len=(2, 3), output_len=(2, 3), rate=0, seed=5)
+    generated = generate(spec)
+    ranks = {name: 96 + 8 * i for i, name in enumerate(sorted(generated.adapter_ranks))}
+    edited = dataclasses.replace(generated, adapter_ranks=ranks,
+                                 requests=tuple(dataclasses.replace(r, rank=ranks[r.adapter]) if r.adapter else r for r in generated.requests))
+    saved = tmp_path / "w.jsonl"
+    edited.save(saved)
+    assert Workload.load(saved) == edited and any(r.adapter for r in edited.requests)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
+           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", ""]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((out / "summary.json").read_text())
+    assert res["online"]["requests_ok"] == 4 and res["online"]["requests_failed"] == 0
+    assert int(res["setup"]["max_lora_rank"]) == max(ranks.values())
