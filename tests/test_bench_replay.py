@@ -154,6 +154,18 @@ def test_http_one_token_answer_under_running_usage_is_timed_by_its_count(caplog)
     assert "usage only at the end" not in caplog.text
 
 
+@pytest.mark.parametrize("n_out", [2, 5, 17])
+def test_http_answer_whose_tokens_all_came_in_one_counted_chunk_has_no_tpot(caplog, n_out: int) -> None:
+    """One chunk carrying the whole text and a count of n_out > 1 (a server that streams the answer in
+    one piece, or one that coalesced every step into one chunk): the tokens arrived together, so no
+    inter-token time was measured. It was timed as tokens with TPOT (t - t) / (n_out - 1) = 0.0, a
+    perfect TPOT that met any SLO and pulled the percentiles down."""
+    chunk = {**_text("x" * n_out), "usage": {"prompt_tokens": 3, "completion_tokens": n_out}}
+    for rec in _replay([chunk, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n_out}}]):
+        assert rec.error is None and rec.output_tokens == n_out and rec.ttft is not None and rec.ttft == rec.latency, rec
+        assert rec.tpot is None, rec
+
+
 def test_http_stream_with_nothing_in_it_is_an_error() -> None:
     for rec in _replay([{"choices": []}]):
         assert rec.error is not None and "no tokens" in rec.error and rec.ttft is None

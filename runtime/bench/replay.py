@@ -21,7 +21,8 @@ Over HTTP, token times come from the chunks whose running ``usage.completion_tok
 (``stream_options.continuous_usage_stats``, which lorafleet and vLLM send). A server that
 reports usage only at the end (or never) gets its token times from the chunks that carry text
 instead (``timing: "text"`` in the record, and a warning): a chunk may then hold several tokens,
-and a stream whose text came in one chunk has no TPOT (None). One untimed base-model request
+and a stream whose text came in one chunk has no TPOT (None), as one whose
+tokens all came in one chunk that carried their count. One untimed base-model request
 warms the server up first.
 """
 from __future__ import annotations
@@ -275,7 +276,8 @@ async def replay_http(base_url: str, base_model: str, requests: Sequence[Any], l
             if n_out == 0:
                 rec.error = "the stream carried no tokens (no usage counts and no text)"
                 return rec
-            return _finish(rec, arrival, first, last, n_out, spread=rec.timing != "text" or len(text_times) > 1)
+            # Every token in one chunk (one text chunk, or one chunk that raised the count to n_out): no inter-token time.
+            return _finish(rec, arrival, first, last, n_out, spread=len(text_times) > 1 if rec.timing == "text" else counted > 1)
 
         try:  # untimed: the first request of a fresh server pays one-off costs
             await client.post("/v1/completions", json={"model": base_model, "prompt": "warm up", "max_tokens": 2})
