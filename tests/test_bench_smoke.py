@@ -549,3 +549,15 @@ def test_serve_benchmark_sizes_the_slots_for_a_saved_workloads_own_ranks(tmp_pat
     res = json.loads((out / "summary.json").read_text())
     assert res["online"]["requests_ok"] == 4 and res["online"]["requests_failed"] == 0
     assert int(res["setup"]["max_lora_rank"]) == max(ranks.values())
+
+
+def test_workload_script_runs_this_checkouts_code_without_an_install(tmp_path: Path) -> None:
+    """`python benchmarks/workload.py` (its documented use) put only benchmarks/ on sys.path: without an
+    installed lorafleet it failed with ModuleNotFoundError: runtime, and with one installed from another
+    checkout it ran that checkout's generator. -S leaves site-packages (and any install) out."""
+    out = tmp_path / "w.jsonl"
+    cmd = [sys.executable, "-S", str(ROOT / "benchmarks" / "workload.py"), "--out", str(out), "--num-requests", "7", "--adapters", "3",
+           "--seed", "11", "--rate", "2.5"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Workload.load(out) == generate(WorkloadSpec(num_requests=7, num_adapters=3, seed=11, rate=2.5))
