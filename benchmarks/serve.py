@@ -101,7 +101,9 @@ def main() -> int:
     p.add_argument("--sweep-requests", type=int, default=None,
                    help="requests per run of the adapter sweep (default: --num-requests). A short burst is mostly ramp-up and "
                         "drain; with many more requests than slots the sweep measures a backlogged engine's steady state")
-    p.add_argument("--sweep-rates", default="1,2,4", help="arrival rates (requests/s) for the latency sweep ('' to skip; default %(default)s)")
+    p.add_argument("--sweep-rates", default=None,
+                   help="arrival rates (requests/s) for the latency sweep, run in-process ('' to skip; default 1,2,4, "
+                        "and none with --url)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
                    help="run the offline comparisons and the adapter sweep this many times in interleaved rounds; "
                         "tables show each run's median round, ratios are medians of within-round ratios (default %(default)s)")  # fmt: skip
@@ -136,6 +138,10 @@ def main() -> int:
         p.error("--spawn-server: the server needs fastapi and uvicorn, which this Python lacks (pip install -e .)")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
+    if a.sweep_rates is None:
+        a.sweep_rates = "" if a.url else "1,2,4"
+    elif a.sweep_rates and a.url:
+        p.error("--sweep-rates: the arrival-rate sweep runs in-process only, not with --url; drop it (or pass '')")
     ignored = ignored_spec_flags(a)
     if ignored:
         p.error("; ".join(ignored))
@@ -430,9 +436,7 @@ def main() -> int:
                 print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters (median of rounds): {sr['ratio']:.2f}x")
             if sr["ratio_stepped_in_turn"] is not None:
                 print(f"{sr['adapters'][1]} / {sr['adapters'][0]} adapters, stepped in turn (median of rounds): {sr['ratio_stepped_in_turn']:.2f}x")
-    if rates and a.url:
-        log("sweep: the arrival-rate sweep runs in-process only; skipped with --url")
-    if rates and not a.url:
+    if rates:
         rpoints = []
         for rate in rates:
             w = generate(dataclasses.replace(spec, rate=rate))

@@ -236,6 +236,8 @@ def test_alpha_is_refused_unless_popularity_is_zipf(tmp_path: Path, capsys: pyte
     (["--rate", "0", "--cv", "3"], "--cv: only used with arrivals at a --rate above 0 (at 0 every request arrives at once)"),
     (["--base-fraction", "1", "--ranks", "4,8"], "--ranks: no request uses an adapter with --base-fraction 1"),
     (["--popularity", "identical", "--adapters", "40"], "--adapters: with --popularity identical every request uses the one adapter"),
+    (["--adapters", "1", "--popularity", "uniform"], "--popularity: with --adapters 1 every request that uses an adapter uses the one adapter"),
+    (["--adapters", "1", "--alpha", "2"], "--alpha: with --adapters 1 every request that uses an adapter uses the one adapter"),
 ])
 def test_workload_flags_the_others_make_meaningless_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, message) -> None:
     """Each changed no request (the workload came out the same with or without it), in
@@ -247,6 +249,13 @@ def test_workload_flags_the_others_make_meaningless_are_refused(tmp_path: Path, 
     proc = subprocess.run([sys.executable, "-m", "runtime.bench.workload", *flags, "--out", str(tmp_path / "w.jsonl")],
                           cwd=ROOT, timeout=120, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and message in proc.stderr and not (tmp_path / "w.jsonl").exists()
+
+
+def test_adapter_names_beyond_the_first_are_refused_when_every_request_uses_one_adapter(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --popularity identical every request went to the most popular name; the others got none."""
+    rc, err = bench_cli(capsys, "--url", "http://127.0.0.1:9", "--adapter-names", "upper,reverse", "--popularity", "identical")
+    assert rc == 2 and one_error_line(err) == ("lorafleet bench: --adapter-names: gives 2 names but --popularity identical sends every "
+                                               "request to one adapter; give one name, or another --popularity")  # fmt: skip
 
 
 def test_every_ignored_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:

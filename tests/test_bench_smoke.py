@@ -367,6 +367,7 @@ def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: 
     (["--sweep-adapters", "", "--sweep-requests", "3"], "--sweep-requests: only used with --sweep-adapters"),
     (["--spawn-server", "--url", "http://127.0.0.1:9"], "--spawn-server and --url"),
     (["--api-key", "k"], "--api-key: only used with --url"),
+    (["--url", "http://127.0.0.1:9", "--sweep-rates", "1,2"], "--sweep-rates: the arrival-rate sweep runs in-process only, not with --url"),
 ])
 def test_serve_benchmark_refuses_flags_its_runs_would_ignore(tmp_path: Path, flags: list[str], message: str) -> None:
     """A misspelt baseline ran no comparison and exited 0; flags the chosen runs never read were dropped."""

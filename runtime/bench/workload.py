@@ -362,6 +362,9 @@ def ignored_spec_flags(a: argparse.Namespace) -> list[str]:
                      for f in ("--adapters", "--popularity", "--alpha", "--ranks") if f in given and not (f == "--alpha" and a.popularity != "zipf")]
     elif "--adapters" in given and a.popularity == "identical":
         problems.append("--adapters: with --popularity identical every request uses the one adapter")
+    elif "--adapters" in given and a.adapters == 1:
+        problems += [f"{f}: with --adapters 1 every request that uses an adapter uses the one adapter" for f in ("--popularity", "--alpha")
+                     if f in given and not (f == "--alpha" and a.popularity != "zipf")]  # fmt: skip
     return problems
 
 

@@ -172,6 +172,9 @@ def _ignored_flags(args: argparse.Namespace) -> list[str]:
         if "--adapters" in given and args.adapters != len(args.adapter_names):
             problems.append(f"--adapter-names: gives {len(args.adapter_names)} names but --adapters is {args.adapters}; give one name "
                             "per adapter, or drop --adapters (it defaults to the number of names)")  # fmt: skip
+        if args.popularity == "identical" and len(args.adapter_names) > 1 and args.base_fraction < 1:
+            problems.append(f"--adapter-names: gives {len(args.adapter_names)} names but --popularity identical sends every request to "
+                            "one adapter; give one name, or another --popularity")  # fmt: skip
     return problems
 
 
