@@ -49,7 +49,7 @@ from runtime.commands.bench import LONG_REPLAY_S, SetupError, check_lengths, che
 from runtime.bench import suite  # noqa: E402
 from runtime.bench.suite import BenchSetup, engine_config, host_tier_size, run_lorafleet, workload_jobs  # noqa: E402
 from runtime.bench.slot_bound import slot_bound  # noqa: E402
-from runtime.bench.summary import BASE, median, median_round, percentile, summarize, table  # noqa: E402
+from runtime.bench.summary import fairness as adapter_fairness, median, median_round, summarize, table, ttft_by_adapter  # noqa: E402
 from runtime.bench.synthetic import LlamaShape  # noqa: E402
 from runtime.bench.workload import Workload, add_spec_arguments, generate, ignored_spec_flags, spec_from_args  # noqa: E402
 from runtime.config import ConfigError  # noqa: E402
@@ -359,22 +359,8 @@ def main() -> int:
     else:
         online = run_lorafleet(workload, setup, model_dir, adapters, "lorafleet online")
     on = summarized(online)
-    ttfts: dict[str, list[float]] = {}
-    for rec in online.records:
-        if rec.ttft is not None and rec.error is None:  # as the summary's percentiles: failed requests are not timed
-            ttfts.setdefault(rec.adapter or BASE, []).append(rec.ttft)
-    popular = sorted((n for n in ttfts if n != BASE), key=lambda n: -len(ttfts[n]))  # adapters only, not the base rows
-    fairness = None
-    if len(popular) >= 2:
-        # Ties count on both sides, against lorafleet: the best p99 TTFT of the adapters tied for the
-        # most requests, the worst p99 of those tied for the fewest (often many one-request adapters).
-        top = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[0]])]
-        rare = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[-1]])]
-        most = min(percentile(ttfts[n], 99) for n in top)
-        least = max(percentile(ttfts[n], 99) for n in rare)
-        fairness = {"most_popular": top, "most_popular_p99_ttft_s": most, "least_popular": rare, "least_popular_p99_ttft_s": least,
-                    "ratio": least / most if most else None}
-    on["fairness"] = fairness
+    ttfts = ttft_by_adapter(online.records)
+    on["fairness"] = fairness = adapter_fairness(ttfts)
     results["online"] = on
     print(table([on]))
     if fairness and fairness["ratio"] is not None:  # None: the most popular adapter's p99 TTFT was 0

@@ -470,12 +470,17 @@ def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.
     out = tmp_path / "summary.json"
     from runtime.cli import main
 
-    rc = main(["bench", "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--ranks", "8", "--rate", "0",
+    rc = main(["bench", "--workdir", str(tmp_path / "w"), *SMALL, "--adapters", "2", "--popularity", "distinct", "--ranks", "8", "--rate", "0",
                "--input-len", "2,3", "--output-len", "2,3", "--json", str(out)])  # fmt: skip
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     data = json.loads(out.read_text())
     assert data["summary"]["requests_ok"] == 4 and data["summary"]["requests_failed"] == 0
+    # two requests per adapter (distinct): tied for most and for fewest, so both are on both sides
+    fair = data["summary"]["fairness"]
+    assert sorted(fair["most_popular"]) == sorted(fair["least_popular"]) == ["lora-0000", "lora-0001"]
+    assert fair["ratio"] == pytest.approx(fair["least_popular_p99_ttft_s"] / fair["most_popular_p99_ttft_s"], rel=1e-12) and fair["ratio"] >= 1
+    assert f"fairness: p99 TTFT of the least popular adapter / the most popular = {fair['ratio']:.2f}" in captured.out
     assert data["workload"]["spec"]["num_requests"] == 4
     assert data["setup"]["device"] == "cpu" and data["setup"]["hidden_size"] == int(SMALL[SMALL.index("--hidden") + 1])
     assert data["setup"]["max_num_batched_tokens"] == 256  # the cpu's default step budget, spelt out

@@ -562,3 +562,23 @@ def test_workload_script_runs_this_checkouts_code_without_an_install(tmp_path: P
     proc = subprocess.run(cmd, cwd=tmp_path, timeout=120, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Workload.load(out) == generate(WorkloadSpec(num_requests=7, num_adapters=3, seed=11, rate=2.5))
+
+
+def test_fairness_compares_the_fewest_requested_adapters_with_the_most_and_leaves_the_base_out() -> None:
+    """Random TTFTs for adapters of 5, 5, 2 and 2 requests and many base rows: the ratio is the worst
+    p99 of the two-request adapters over the best p99 of the five-request ones (ties count against
+    the engine), computed here with numpy's percentile."""
+    import numpy as np
+
+    from runtime.bench.summary import BASE, fairness
+
+    rng = np.random.default_rng(7)
+    ttfts = {name: list(rng.uniform(0.01, 0.5, size=k)) for name, k in (("a", 5), ("b", 5), ("c", 2), ("d", 2), (BASE, 40))}
+    got = fairness(ttfts)
+    assert got is not None and sorted(got["most_popular"]) == ["a", "b"] and sorted(got["least_popular"]) == ["c", "d"]
+    most = min(np.percentile(ttfts[n], 99) for n in "ab")
+    least = max(np.percentile(ttfts[n], 99) for n in "cd")
+    assert got["most_popular_p99_ttft_s"] == pytest.approx(most, rel=1e-12) and got["least_popular_p99_ttft_s"] == pytest.approx(least, rel=1e-12)
+    assert got["ratio"] == pytest.approx(least / most, rel=1e-12)
+    assert fairness({"a": [0.1, 0.2], BASE: [0.3]}) is None  # one adapter: nothing to compare
+    assert fairness({"a": [0.0], "b": [0.2]})["ratio"] is None  # the most popular's p99 is 0

@@ -91,6 +91,32 @@ def summarize(result: ReplayResult, slo_ttft_s: float, slo_tpot_s: float) -> dic
     }
 
 
+def ttft_by_adapter(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """TTFTs of the completed requests, by adapter (``BASE`` for the base model's rows)."""
+    ttfts: dict[str, list[float]] = {}
+    for rec in records:
+        if rec.ttft is not None and rec.error is None:  # as the summary's percentiles: failed requests are not timed
+            ttfts.setdefault(rec.adapter or BASE, []).append(rec.ttft)
+    return ttfts
+
+
+def fairness(ttfts: dict[str, list[float]]) -> Optional[dict[str, Any]]:
+    """p99 TTFT of the least popular adapter / that of the most popular, popularity being the
+    number of completed requests (the base rows left out); None with fewer than two adapters.
+    Ties count on both sides, against the engine: the best p99 of the adapters tied for the most
+    requests, the worst p99 of those tied for the fewest (often many one-request adapters).
+    ``ratio`` is None when the most popular adapter's p99 is 0."""
+    popular = sorted((n for n in ttfts if n != BASE), key=lambda n: -len(ttfts[n]))
+    if len(popular) < 2:
+        return None
+    top = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[0]])]
+    rare = [n for n in popular if len(ttfts[n]) == len(ttfts[popular[-1]])]
+    most = min(percentile(ttfts[n], 99) for n in top)
+    least = max(percentile(ttfts[n], 99) for n in rare)
+    return {"most_popular": top, "most_popular_p99_ttft_s": most, "least_popular": rare, "least_popular_p99_ttft_s": least,
+            "ratio": least / most if most else None}
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of the headline figures of several summaries."""
     head = f"{'run':<28} {'ok':>4} {'fail':>4} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'SLO':>5} {'swaps':>5}"

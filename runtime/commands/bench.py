@@ -534,7 +534,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from runtime.bench.replay import replay_http
     from runtime.bench.suite import full_warmup_device, prepare, run_lorafleet
-    from runtime.bench.summary import summarize, table
+    from runtime.bench.summary import fairness, summarize, table, ttft_by_adapter
     from runtime.capabilities import CapabilityError
     from runtime.config import ConfigError
     from runtime.torch_threads import in_fresh_thread
@@ -578,6 +578,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     summary = summarize(result, args.slo_ttft, args.slo_tpot)
+    summary["fairness"] = fairness(ttft_by_adapter(result.records))
     spec = workload.spec
     where = (f"against {args.url} (base model {base})" if setup is None else
              f"in-process on {setup.device} ({setup.dtype}; synthetic llama, hidden {setup.shape.hidden_size} x {setup.shape.num_hidden_layers} "
@@ -586,6 +587,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(workload.requests)} requests, arriving {arrivals}, {where}: {summary['prompt_tokens']} prompt and "
           f"{summary['output_tokens']} output tokens in {summary['wall_s']:.1f} s; tok/s = output tokens / that time")
     print(table([summary]))
+    fair = summary["fairness"]
+    if fair is not None and fair["ratio"] is not None:
+        print(f"fairness: p99 TTFT of the least popular adapter / the most popular = {fair['ratio']:.2f} "
+              f"({', '.join(fair['least_popular'][:3])}{', ...' if len(fair['least_popular']) > 3 else ''} / {', '.join(fair['most_popular'])})")
     if summary["cache"]["device_hit_rate"] is not None:
         print(f"adapter device hit rate {summary['cache']['device_hit_rate']:.2f}, swaps {summary['adapter_swaps']}")
     elif args.url:
