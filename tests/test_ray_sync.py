@@ -557,6 +557,49 @@ def test_a_request_the_client_abandons_is_counted_as_an_abort_at_the_ingress(tin
     assert 'lorafleet_prompt_tokens_total{adapter="A"} 5.0' in text and 'lorafleet_generation_tokens_total{adapter="A"} 3.0' in text
 
 
+def test_a_request_failed_by_its_replica_dying_is_counted_as_an_error_at_the_ingress(tiny_llama_dir) -> None:
+    """A sampled request whose replica died after streaming tokens (no replay), or whose greedy
+    replay died too, fails with a 503; the replica's record never comes back, so /metrics
+    counted it nowhere. The ingress counts it as an error, with the tokens passed on, once."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine, ReplicaUnavailable
+    from runtime.request import RequestOutput
+    from runtime.server.metrics import ServerMetrics
+
+    def out(n: int) -> RequestOutput:
+        ids = tuple(range(10, 10 + n))
+        return RequestOutput("req", AdapterRef("A", "v1"), ids[-1:], "x", ids, "x" * n, False, None, None, (1, 2, 3, 4, 5))
+
+    async def dies_after_two(*args: Any) -> Any:
+        for n in (1, 2):
+            yield ("out", out(n), None)
+        raise ray.exceptions.RayActorError()
+
+    async def dies_at_once(*args: Any) -> Any:
+        raise ray.exceptions.RayActorError()
+        yield
+
+    metrics = ServerMetrics(lambda: {})
+    seen: list[Any] = []
+    for name, scripts, params in (("sampled", (dies_after_two,), SamplingParams(max_tokens=50, temperature=1.0)),
+                                  ("no-output", (dies_at_once, dies_at_once), SamplingParams(max_tokens=50))):
+        ingress = ReplicaSetEngine(ScriptedReplicas(*scripts), None, str(tiny_llama_dir), "tiny", 64)
+        ingress.add_observer(seen.append)
+        ingress.add_observer(metrics.observe)
+
+        async def run() -> None:
+            async for _ in ingress.generate(name, "hello", params, "A"):
+                pass
+
+        with pytest.raises(ReplicaUnavailable):
+            asyncio.run(run())
+    assert [(m.request_id, m.finish_reason, m.prompt_tokens, m.output_tokens) for m in seen] == [("sampled", "error", 5, 2), ("no-output", "error", 0, 0)]
+    text = metrics.render().decode()
+    assert 'lorafleet_requests_total{adapter="A",finish_reason="error"} 2.0' in text
+    assert 'lorafleet_generation_tokens_total{adapter="A"} 2.0' in text and 'lorafleet_prompt_tokens_total{adapter="A"} 5.0' in text
+
+
 def test_logprobs_cross_the_wire_per_step_and_survive_a_replay(replica, tiny_llama_dir) -> None:
     """A replica sends each output's new-token logprobs only (and prompt logprobs once); the
     ingress rebuilds the whole tuples, also across a greedy replay after a replica died."""

@@ -201,6 +201,16 @@ class ReplicaSetEngine:
         prompt_ids: Sequence[int] = ()  # known once an output arrived
         logprobs: list[TokenLogprobs] = []  # rebuilt from the wire's new-token entries (replica.on_the_wire)
         prompt_logprobs: Optional[tuple[Optional[TokenLogprobs], ...]] = None
+        counted = False  # a replica's record of this request reached the observers
+
+        def count_failure() -> None:
+            """The request fails after a replica took it (the replica died, or its replay failed):
+            the replica's record never comes back, so count it here, as an error, unless one came."""
+            if not counted:
+                metrics = abandoned_request_metrics(request_id, adapter, pinned, prompt_ids, emitted_ids, finish_reason="error")
+                for observer in self._observers:
+                    observer(metrics)
+
         attempt = 0
         while True:
             stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter, pinned)
@@ -213,6 +223,7 @@ class ReplicaSetEngine:
                         raise replica_error(item[1], item[2])
                     out, metrics = item[1], item[2]
                     if metrics is not None:
+                        counted = True
                         for observer in self._observers:
                             observer(metrics)
                     if out.logprobs is not None:  # this output's new tokens only; a replay repeats positions already held
@@ -235,6 +246,9 @@ class ReplicaSetEngine:
                     finished = out.finished
                     yield delta
                 return
+            except ReplicaUnavailable:  # the replay was refused, ran on another version, or diverged
+                count_failure()
+                raise
             except (GeneratorExit, asyncio.CancelledError):
                 if not finished:  # the client went away: the replica aborts, but its record of that never comes back here
                     metrics = abandoned_request_metrics(request_id, adapter, pinned, prompt_ids, emitted_ids)
@@ -245,10 +259,12 @@ class ReplicaSetEngine:
                 if finished:  # the final output was passed on before the stream's end got lost: nothing to retry
                     return
                 if self.shutting_down:  # the replicas are going away; another one would not serve it either
+                    count_failure()
                     raise APIError(503, f"request {request_id}: the server is shutting down, and the replica serving the request stopped "
                                         f"before it finished ({type(err).__name__})", code="engine_unavailable") from err
                 replayable = not emitted_ids or params.greedy
                 if attempt >= 1 or not replayable:
+                    count_failure()
                     raise ReplicaUnavailable(request_id, type(err).__name__) from err
                 logger.warning("request %s: replica died (%s); retrying once on another replica", request_id, type(err).__name__)
                 attempt += 1
@@ -309,15 +325,17 @@ class PrefixView(SequenceABC):
 
 
 def abandoned_request_metrics(
-    request_id: str, adapter: Optional[str], version: Optional[str], prompt_ids: Sequence[int], output_ids: Sequence[int]
+    request_id: str, adapter: Optional[str], version: Optional[str], prompt_ids: Sequence[int], output_ids: Sequence[int],
+    finish_reason: str = "abort",
 ) -> RequestMetrics:
     """What the ingress knows of a request whose client went away: its adapter and the tokens
     passed on (prompt tokens only once an output showed the prompt ran), no timings. The
     replica's engine records the abort in full, but its stream is cancelled before that record
-    could travel back, so /metrics counts the abort from this."""
+    could travel back, so /metrics counts the abort from this. ``finish_reason`` "error": one
+    that failed because its replica died (or its replay failed), whose record is lost too."""
     return RequestMetrics(request_id=request_id, adapter=adapter, adapter_version=version, queue_time=None, ttft=None, tpot=None,
                           prompt_tokens=len(prompt_ids), output_tokens=len(output_ids), preemptions=0, adapter_location="unknown",
-                          finish_reason="abort")
+                          finish_reason=finish_reason)
 
 
 def _version(out: RequestOutput) -> Optional[str]:
