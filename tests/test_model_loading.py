@@ -105,6 +105,22 @@ def test_rope_parameters_without_theta_inside_matches_transformers(tmp_path):
     assert parsed.rope_theta == 10000.0 and parsed.rope_scaling.rope_type == "llama3"
 
 
+def test_rope_theta_inside_legacy_rope_scaling_matches_transformers(tmp_path):
+    """A rope_theta inside rope_scaling is the one transformers uses (it wins over the top-level
+    one, as inside rope_parameters); it was read from the top level, else 10000."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0, "rope_theta": 50.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope_theta == 50.0
+    ids = prompt()
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    cfg.pop("rope_theta")  # and with no top-level rope_theta at all
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope_theta == 50.0
+
+
 def test_conflicting_rope_parameters_and_rope_scaling_is_an_error(tmp_path):
     path = build_tiny_model(tmp_path / "m", "llama", seed=2)
     cfg = json.loads((path / "config.json").read_text())
@@ -115,6 +131,11 @@ def test_conflicting_rope_parameters_and_rope_scaling_is_an_error(tmp_path):
     cfg["rope_scaling"] = {"type": "linear", "factor": 2.0}  # the same scaling in both layouts is fine
     (path / "config.json").write_text(json.dumps(cfg))
     assert load_model_config(path).rope_scaling == RopeScaling("linear", 2.0)
+    # The same scaling but another theta: transformers takes rope_scaling's (here the top-level 10000), not 50.
+    cfg.update(rope_theta=10000.0, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"config\.json: rope_parameters and rope_scaling disagree .*rope_theta 50\.0 vs 10000\.0"):
+        load_model_config(path)
     cfg.update(rope_parameters=[1, 2], rope_scaling=None)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelConfigError, match=r"config\.json: rope_parameters must be an object or null"):

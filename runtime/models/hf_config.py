@@ -6,8 +6,9 @@ is a ``ModelConfigError`` naming the file and the field; nothing is silently ign
 Rope: both layouts are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and
 transformers 5.x (``rope_parameters`` holding ``rope_type``, the scaling fields and
 usually ``rope_theta``; a ``rope_theta`` missing there is taken from the top level, else
-10000, as transformers does). When both layouts are present they must agree. Supported
-rope types: default, ``linear``, ``llama3``.
+10000, as transformers does; a ``rope_theta`` inside ``rope_scaling`` likewise wins over the
+top-level one). When both layouts are present they must agree, on the scaling and on the theta
+each yields. Supported rope types: default, ``linear``, ``llama3``.
 
 Sliding window (mistral; qwen2 with ``use_sliding_window`` in the layers that use it): the
 decoder runs full causal attention, which equals sliding-window attention as long as a
@@ -209,20 +210,31 @@ def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling 
             raise ModelConfigError(f"{path}: rope_parameters per layer type ({', '.join(nested)}) is not supported")
         # transformers 5.x layout. rope_theta may also sit at the top level next to it: transformers
         # then copies it in (rope_parameters.setdefault("rope_theta", rope_theta)), else its default.
-        theta = params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+        theta = _layout_theta(params, raw)
         scaling = _rope_scaling(params, "rope_parameters", path)
-        if legacy is not None and _rope_scaling(legacy, "rope_scaling", path) != scaling:
+        # transformers takes rope_scaling over rope_parameters when both are given (an empty one is
+        # not: ``rope_scaling or rope_parameters``): they must agree, on the theta each yields too.
+        if legacy and (_rope_scaling(legacy, "rope_scaling", path) != scaling or _layout_theta(legacy, raw) != theta):
             raise ModelConfigError(
-                f"{path}: rope_parameters and rope_scaling disagree ({params!r} vs {legacy!r}); keep one of them"
+                f"{path}: rope_parameters and rope_scaling disagree ({params!r} vs {legacy!r}, rope_theta "
+                f"{theta!r} vs {_layout_theta(legacy, raw)!r}); keep one of them"
             )
-    else:  # transformers 4.x layout
-        theta = raw.get("rope_theta", DEFAULT_ROPE_THETA)
+    else:  # transformers 4.x layout; a rope_theta inside rope_scaling wins over the top-level one, as in transformers
         scaling = _rope_scaling(legacy, "rope_scaling", path)
+        theta = _layout_theta(legacy, raw)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelConfigError(f"{path}: rope_theta={theta!r} must be a positive number")
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelConfigError(f"{path}: partial_rotary_factor other than 1.0 is not supported")
     return float(theta), scaling
+
+
+def _layout_theta(rope: Any, raw: Mapping[str, Any]) -> Any:
+    """The rope_theta one rope layout (``rope_parameters`` or ``rope_scaling``, a dict or None) yields:
+    its own ``rope_theta``, else the top-level one, else the default (transformers'
+    ``rope_parameters.setdefault("rope_theta", rope_theta)``)."""
+    top = raw.get("rope_theta", DEFAULT_ROPE_THETA)
+    return rope.get("rope_theta", top) if isinstance(rope, dict) else top
 
 
 def _rope_scaling(scaling_src: Any, field: str, path: Path) -> RopeScaling | None:
