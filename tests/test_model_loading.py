@@ -121,6 +121,27 @@ def test_rope_theta_inside_legacy_rope_scaling_matches_transformers(tmp_path):
     assert load_model_config(path).rope_theta == 50.0
 
 
+def test_llama3_top_level_original_max_position_embeddings(tmp_path):
+    """transformers 5 takes a top-level original_max_position_embeddings over the one in the rope
+    dict (4.x read the rope dict's); it was ignored: read when the rope dict has none, refused when they differ."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=5)
+    cfg = json.loads((path / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
+    cfg.update(rope_parameters=dict(llama3), original_max_position_embeddings=8)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8)
+    ids = prompt()
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    cfg["rope_parameters"]["original_max_position_embeddings"] = 8  # the same in both places is fine
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).rope_scaling.original_max_position_embeddings == 8
+    cfg["rope_parameters"]["original_max_position_embeddings"] = 32
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"config\.json: original_max_position_embeddings=8 \(top level\) and "
+                                               r"rope_parameters\.original_max_position_embeddings=32 disagree"):
+        load_model_config(path)
+
+
 def test_conflicting_rope_parameters_and_rope_scaling_is_an_error(tmp_path):
     path = build_tiny_model(tmp_path / "m", "llama", seed=2)
     cfg = json.loads((path / "config.json").read_text())

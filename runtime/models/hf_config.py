@@ -211,16 +211,16 @@ def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling 
         # transformers 5.x layout. rope_theta may also sit at the top level next to it: transformers
         # then copies it in (rope_parameters.setdefault("rope_theta", rope_theta)), else its default.
         theta = _layout_theta(params, raw)
-        scaling = _rope_scaling(params, "rope_parameters", path)
+        scaling = _rope_scaling(params, "rope_parameters", path, raw)
         # transformers takes rope_scaling over rope_parameters when both are given (an empty one is
         # not: ``rope_scaling or rope_parameters``): they must agree, on the theta each yields too.
-        if legacy and (_rope_scaling(legacy, "rope_scaling", path) != scaling or _layout_theta(legacy, raw) != theta):
+        if legacy and (_rope_scaling(legacy, "rope_scaling", path, raw) != scaling or _layout_theta(legacy, raw) != theta):
             raise ModelConfigError(
                 f"{path}: rope_parameters and rope_scaling disagree ({params!r} vs {legacy!r}, rope_theta "
                 f"{theta!r} vs {_layout_theta(legacy, raw)!r}); keep one of them"
             )
     else:  # transformers 4.x layout; a rope_theta inside rope_scaling wins over the top-level one, as in transformers
-        scaling = _rope_scaling(legacy, "rope_scaling", path)
+        scaling = _rope_scaling(legacy, "rope_scaling", path, raw)
         theta = _layout_theta(legacy, raw)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelConfigError(f"{path}: rope_theta={theta!r} must be a positive number")
@@ -237,8 +237,12 @@ def _layout_theta(rope: Any, raw: Mapping[str, Any]) -> Any:
     return rope.get("rope_theta", top) if isinstance(rope, dict) else top
 
 
-def _rope_scaling(scaling_src: Any, field: str, path: Path) -> RopeScaling | None:
-    """The scaling described by ``rope_parameters`` or ``rope_scaling`` (``field``); None = plain rope."""
+def _rope_scaling(scaling_src: Any, field: str, path: Path, raw: Mapping[str, Any]) -> RopeScaling | None:
+    """The scaling described by ``rope_parameters`` or ``rope_scaling`` (``field``); None = plain rope.
+
+    llama3: an ``original_max_position_embeddings`` at the top level of config.json is the one
+    transformers 5 uses (``standardize_rope_params`` gives it priority), where 4.x read the one in
+    ``field``: taken when ``field`` has none, refused when the two differ."""
     if scaling_src is None:
         return None
     if not isinstance(scaling_src, dict):
@@ -257,6 +261,15 @@ def _rope_scaling(scaling_src: Any, field: str, path: Path) -> RopeScaling | Non
         raise ModelConfigError(f"{path}: {field}.factor={factor!r} must be a positive number for rope_type {rope_type!r}")
     if rope_type == "linear":
         return RopeScaling("linear", float(factor))
+    top_len = raw.get("original_max_position_embeddings")
+    if top_len is not None:
+        inner = scaling_src.get("original_max_position_embeddings")
+        if inner is not None and inner != top_len:
+            raise ModelConfigError(
+                f"{path}: original_max_position_embeddings={top_len!r} (top level) and {field}.original_max_position_embeddings="
+                f"{inner!r} disagree: transformers 5 uses the top-level one, 4.x the one in {field}; keep one of them"
+            )
+        scaling_src = {**scaling_src, "original_max_position_embeddings": top_len}
     needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in needed if not isinstance(scaling_src.get(k), (int, float))]
     if missing:
