@@ -182,6 +182,20 @@ def test_tied_embeddings_and_mistral_match_transformers(tmp_path):
     assert_rel(chunked_logits(runner_for(mistral), ids), hf_logits(mistral, ids), 1e-4)
 
 
+def test_tied_embeddings_with_a_distinct_lm_head_is_refused(tmp_path):
+    """tie_word_embeddings=true but the checkpoint also stores an lm_head.weight: a copy of the embedding
+    loads (tied, as before); a different one is what transformers 5 computes the logits with (it unties
+    them), where the tied head here is the embedding: refused, naming the tensor and the field."""
+    path = build_tiny_model(tmp_path / "tied", "llama", seed=3, tie_word_embeddings=True)
+    ids = prompt(1)
+    rewrite(path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    rewrite(path, lambda t: t.__setitem__("lm_head.weight", torch.randn(t["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(9))))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor lm_head\.weight differs from model\.embed_tokens\.weight, "
+                                              r"but config\.json has tie_word_embeddings=true"):
+        runner_for(path)
+
+
 def test_qwen2_biases_are_loaded(tiny_qwen2_dir):
     ids = prompt(2)
     tensors = load_file(str(tiny_qwen2_dir / "model.safetensors"))

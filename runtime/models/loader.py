@@ -17,8 +17,11 @@ float32 ``<name>_scale`` [out]) and stays int8 in memory; every other tensor is 
 and cast to the compute dtype as usual. Any other ``quantization_config`` is refused.
 
 Tolerated extras: ``*.rotary_emb.inv_freq`` (a buffer older checkpoints saved; we
-recompute it from the config) and ``lm_head.weight`` when embeddings are tied (HF
-uses the embedding matrix then, and so do we).
+recompute it from the config) and ``lm_head.weight`` when embeddings are tied, if it
+equals ``model.embed_tokens.weight`` (HF uses the embedding matrix then, and so do we).
+A tied ``lm_head.weight`` that differs is a ``CheckpointError``: transformers 5 then
+unties the two and uses it as the head, so which matrix computes the logits is the
+checkpoint's call, not ours.
 """
 from __future__ import annotations
 
@@ -214,6 +217,8 @@ def load_weights(
     scales float32), keyed by their ``.weight`` name; their ``_scale`` tensors are folded in.
     """
     files, shapes = check_checkpoint(cfg, model_dir)
+    if cfg.tie_word_embeddings and "lm_head.weight" in files:
+        _check_tied_head(files)
     quantized = checkpoint_quantization(model_dir) is not None
     raw: dict[str, Tensor] = {}
     for path, names in _by_file(files, shapes).items():
@@ -229,6 +234,23 @@ def load_weights(
         elif not (quantized and name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")])):
             out[name] = tensor.to(device=device, dtype=dtype)
     return out
+
+
+def _check_tied_head(files: dict[str, Path]) -> None:
+    """A checkpoint with tied embeddings may also store ``lm_head.weight``, but only as a copy of the
+    embedding: transformers 5 unties the two when they differ (``torch.equal``) and computes the
+    logits with ``lm_head.weight``, where the tied head here is the embedding matrix."""
+    tensors = {}
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        with _open(files[name]) as f:
+            tensors[name] = f.get_tensor(name)
+    head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+    if head.shape != embed.shape or not torch.equal(head.float(), embed.float()):
+        raise CheckpointError(
+            f"{files['lm_head.weight']}: tensor lm_head.weight differs from model.embed_tokens.weight, but config.json has "
+            "tie_word_embeddings=true (the LM head is the embedding matrix); transformers 5 then unties them and uses "
+            "lm_head.weight. Set tie_word_embeddings to false in config.json to use it, or drop it from the checkpoint"
+        )
 
 
 def _check_quantized_dtype(name: str, tensor: Tensor, path: Path) -> None:
