@@ -366,8 +366,10 @@ def test_a_shard_that_lacks_a_tensor_its_index_names_is_an_input_error(tiny_llam
     base = _rewrite_base(tiny_llama_dir, tmp_path / "base", lambda tensors: tensors.pop("model.norm.weight"))
     from safetensors import safe_open
 
+    shard = "model-00001-of-00001.safetensors"  # a model.safetensors beside the index would be read instead of it
+    (base / "model.safetensors").rename(base / shard)
     with safe_open(str(tiny_llama_dir / "model.safetensors"), "pt") as f:
-        names = {name: "model.safetensors" for name in f.keys()}
+        names = {name: shard for name in f.keys()}
     (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
     out = tmp_path / "m"
     assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 2

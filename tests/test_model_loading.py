@@ -261,6 +261,19 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_llama_dir):
     assert_rel(chunked_logits(runner_for(sharded), ids), hf_logits(sharded, ids), 1e-4)
 
 
+def test_single_file_beside_an_index_is_what_loads(tmp_path):
+    """A folder with both model.safetensors and model.safetensors.index.json (other weights in each):
+    transformers loads model.safetensors; the index was read instead."""
+    path = build_tiny_model(tmp_path / "both", "llama", seed=0, max_shard_size="30KB")
+    other = build_tiny_model(tmp_path / "other", "llama", seed=7)
+    shutil.copy(other / "model.safetensors", path / "model.safetensors")
+    assert (path / "model.safetensors.index.json").is_file()
+    ids = prompt(3)
+    ours = chunked_logits(runner_for(path), ids)
+    assert_rel(ours, hf_logits(path, ids), 1e-4)
+    assert_rel(ours, chunked_logits(runner_for(other), ids), 1e-6)
+
+
 @pytest.mark.parametrize("dtype, tol", [("bfloat16", 5e-2), ("float16", 1e-2)])
 def test_half_dtypes_agree_with_float32(tiny_llama_dir, dtype, tol):
     ids = prompt(4)

@@ -1,7 +1,8 @@
 """Load a HF checkpoint's weights from safetensors: single file or sharded index.
 
 Accepted layouts: ``model.safetensors``, or ``model.safetensors.index.json`` whose
-``weight_map`` names the shard of every tensor; a shard entry must be a relative path
+``weight_map`` names the shard of every tensor (where both are there, ``model.safetensors``
+is read and the index is not, as transformers' ``from_pretrained`` does); a shard entry must be a relative path
 inside the checkpoint folder (no absolute path, no ``..``; where a symlink points does not
 matter, as in the HF hub cache), and a shard that is not a readable safetensors file is a
 ``CheckpointError`` naming it. Pickled weights (``*.bin``, ``*.pt``,
@@ -105,10 +106,12 @@ def quantized_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file that holds it (from the index, or the single file)."""
+    """Tensor name -> safetensors file that holds it (the single file, else from the index)."""
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     single = root / "model.safetensors"
+    if single.is_file():  # first, as in transformers: a model.safetensors beside an index is what it loads
+        return {name: single for name in _keys(single)}
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -121,8 +124,6 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
             if not shard.is_file():
                 raise CheckpointError(f"{index}: tensor {name!r} lives in shard {shard.name}, which is missing")
         return files
-    if single.is_file():
-        return {name: single for name in _keys(single)}
     pickled = sorted(p.name for p in root.glob("*") if p.suffix in PICKLE_SUFFIXES)
     if pickled:
         raise CheckpointError(
