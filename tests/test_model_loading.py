@@ -203,6 +203,22 @@ def test_qwen2_biases_are_loaded(tiny_qwen2_dir):
     assert_rel(chunked_logits(runner_for(tiny_qwen2_dir), ids), hf_logits(tiny_qwen2_dir, ids), 1e-4)
 
 
+def test_mistral_attention_bias_is_not_read(tmp_path):
+    """MistralAttention has no biases whatever config.json says: attention_bias=true on a mistral made the
+    loader demand q/k/v/o biases, and biases in the checkpoint were added where transformers drops them."""
+    path = build_tiny_model(tmp_path / "m", "mistral", seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert not load_model_config(path).attention_bias and not load_model_config(path).o_proj_bias
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    rewrite(path, lambda t: t.update({f"model.layers.0.self_attn.{n}_proj.bias": torch.randn(size) for n, size in
+                                      (("q", 64), ("k", 32), ("v", 32), ("o", 64))}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) model\.layers\.0\.self_attn\.k_proj\.bias"):
+        runner_for(path)
+
+
 def test_sliding_window_caps_max_model_len(tmp_path):
     path = build_tiny_model(tmp_path / "m", "mistral", seed=4, sliding_window=64)
     runner = runner_for(path)

@@ -68,7 +68,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     vocab_size: int
-    attention_bias: bool  # q/k/v carry a bias (qwen2 always; llama with attention_bias)
+    attention_bias: bool  # q/k/v carry a bias (qwen2 always; llama with attention_bias; mistral never)
     o_proj_bias: bool  # llama's attention_bias also puts a bias on o_proj
     sliding_window: int | None  # honoured by capping max_model_len to it
     bos_token_id: int | None
@@ -135,7 +135,10 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: head_dim={head_dim!r} must be an even integer")
     theta, scaling = _parse_rope(raw, path)
     max_pos = f.get("max_position_embeddings", int)
-    attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+    # Only LlamaAttention reads attention_bias (q/k/v and o); Qwen2Attention always has q/k/v biases and
+    # MistralAttention never has any, whatever their config.json says.
+    llama_bias = model_type == "llama" and bool(raw.get("attention_bias", False))
+    attention_bias = model_type == "qwen2" or llama_bias
     return ModelConfig(
         name=path.parent.resolve().name,
         path=str(path.parent),
@@ -153,7 +156,7 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         vocab_size=f.get("vocab_size", int),
         attention_bias=attention_bias,
-        o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+        o_proj_bias=llama_bias,
         sliding_window=_sliding_window(raw, model_type, path),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
         eos_token_ids=eos_ids(raw.get("eos_token_id"), path, "eos_token_id"),
