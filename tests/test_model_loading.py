@@ -290,6 +290,24 @@ def test_single_file_beside_an_index_is_what_loads(tmp_path):
     assert_rel(ours, chunked_logits(runner_for(other), ids), 1e-6)
 
 
+def test_transformers_weights_naming_another_file_is_refused(tmp_path):
+    """config.json's transformers_weights makes transformers load that file instead of model.safetensors;
+    it was ignored (other weights, no error). Naming the file lorafleet reads anyway is fine."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    other = build_tiny_model(tmp_path / "other", "llama", seed=7)
+    shutil.copy(other / "model.safetensors", path / "weights-b.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["transformers_weights"] = "model.safetensors"
+    (path / "config.json").write_text(json.dumps(cfg))
+    ids = prompt(3)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    cfg["transformers_weights"] = "weights-b.safetensors"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: transformers_weights='weights-b\.safetensors' names the weights file "
+                                              r"transformers loads, but lorafleet reads model\.safetensors"):
+        runner_for(path)
+
+
 @pytest.mark.parametrize("dtype, tol", [("bfloat16", 5e-2), ("float16", 1e-2)])
 def test_half_dtypes_agree_with_float32(tiny_llama_dir, dtype, tol):
     ids = prompt(4)

@@ -2,7 +2,9 @@
 
 Accepted layouts: ``model.safetensors``, or ``model.safetensors.index.json`` whose
 ``weight_map`` names the shard of every tensor (where both are there, ``model.safetensors``
-is read and the index is not, as transformers' ``from_pretrained`` does); a shard entry must be a relative path
+is read and the index is not, as transformers' ``from_pretrained`` does; a config.json
+``transformers_weights`` naming another file, which transformers would load instead, is a
+``CheckpointError``); a shard entry must be a relative path
 inside the checkpoint folder (no absolute path, no ``..``; where a symlink points does not
 matter, as in the HF hub cache), and a shard that is not a readable safetensors file is a
 ``CheckpointError`` naming it. Pickled weights (``*.bin``, ``*.pt``,
@@ -110,6 +112,14 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     root = Path(model_dir)
     index = root / "model.safetensors.index.json"
     single = root / "model.safetensors"
+    explicit = _explicit_weights(root)
+    chosen = single.name if single.is_file() else index.name
+    if explicit is not None and explicit != chosen:
+        raise CheckpointError(
+            f"{root / 'config.json'}: transformers_weights={explicit!r} names the weights file transformers loads, but "
+            f"lorafleet reads {chosen} and does not follow transformers_weights: make {explicit!r} the checkpoint's "
+            f"model.safetensors (or model.safetensors.index.json) and drop the field"
+        )
     if single.is_file():  # first, as in transformers: a model.safetensors beside an index is what it loads
         return {name: single for name in _keys(single)}
     if index.is_file():
@@ -131,6 +141,16 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
             "Convert the checkpoint to safetensors (model.safetensors)."
         )
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+
+def _explicit_weights(root: Path) -> Any:
+    """config.json's ``transformers_weights`` (the weights file transformers' ``from_pretrained`` loads
+    in place of model.safetensors / its index), or None; an unreadable config.json is reported elsewhere."""
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return raw.get("transformers_weights") if isinstance(raw, dict) else None
 
 
 def _shard_path(root: Path, index: Path, name: str, shard: object) -> Path:
