@@ -266,7 +266,8 @@ def _check_tied_head(files: dict[str, Path]) -> None:
         with _open(files[name]) as f:
             tensors[name] = f.get_tensor(name)
     head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
-    if head.shape != embed.shape or not torch.equal(head.float(), embed.float()):
+    same = head.shape == embed.shape and (torch.equal(head, embed) if head.dtype == embed.dtype else torch.equal(head.float(), embed.float()))
+    if not same:  # (the float copies only for mixed dtypes: a large vocabulary's head is hundreds of MB)
         raise CheckpointError(
             f"{files['lm_head.weight']}: tensor lm_head.weight differs from model.embed_tokens.weight, but config.json has "
             "tie_word_embeddings=true (the LM head is the embedding matrix); transformers 5 then unties them and uses "
