@@ -415,3 +415,22 @@ def test_a_previous_output_that_cannot_be_deleted_leaves_the_new_one_in_place_an
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".m.old-")]
     assert (out / "model.safetensors").read_bytes() == b"new" and len(left) == 1
     assert "could not be deleted" in err and str(left[0]) in err
+
+
+@pytest.mark.parametrize("command", ["merge", "quantize"])
+def test_a_tied_config_over_a_distinct_stored_head_is_refused_before_writing(tiny_llama_dir, tiny_adapters, tmp_path, capsys, command):
+    """tie_word_embeddings=true over a checkpoint whose lm_head.weight is not the embedding: serving refuses it
+    (transformers 5 would compute the logits with that head), and merge and quantize wrote it through."""
+    import json
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    assert not config.get("tie_word_embeddings")  # the fixture stores its own head
+    (base / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    out = tmp_path / "out"
+    args = ["--model", str(base), "--out", str(out)] + (["--adapter", str(tiny_adapters["a"]), "--no-verify"] if command == "merge" else [])
+    assert cli_main([command, *args]) == 2
+    err = capsys.readouterr().err
+    assert "tensor lm_head.weight differs from model.embed_tokens.weight" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]

@@ -21,7 +21,7 @@ from runtime.merge.manifest import QUANTIZE_MANIFEST, base_record, quantize_mani
 from runtime.merge.merger import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, MergeError, MergeSpec, weights_sha256, write_checkpoint
 from runtime.merge.staging import OutputPathError, StagedOutput, check_output
 from runtime.models.hf_config import ModelConfigError, load_model_config
-from runtime.models.loader import DTYPES, CheckpointError, checkpoint_quantization
+from runtime.models.loader import DTYPES, CheckpointError, check_checkpoint, check_tied_head, checkpoint_quantization
 from runtime.quant.int8 import QUANTIZATION_CONFIG
 
 
@@ -41,6 +41,8 @@ def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: b
     cfg = load_model_config(model_dir)
     if checkpoint_quantization(model_dir) is not None:
         raise MergeError(f"{model_dir / 'config.json'}: quantization_config says this checkpoint is already int8")
+    files, _ = check_checkpoint(cfg, model_dir)  # what serving would refuse is refused before anything is written
+    check_tied_head(cfg, files)
     name = dtype or (cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32")
     target = check_output(out, [model], force)
     spec = MergeSpec(model_dir, None, DTYPES[name], quantize_output=True, max_shard_bytes=max_shard_bytes)

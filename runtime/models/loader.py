@@ -238,8 +238,7 @@ def load_weights(
     scales float32), keyed by their ``.weight`` name; their ``_scale`` tensors are folded in.
     """
     files, shapes = check_checkpoint(cfg, model_dir)
-    if cfg.tie_word_embeddings and "lm_head.weight" in files:
-        _check_tied_head(files)
+    check_tied_head(cfg, files)
     quantized = checkpoint_quantization(model_dir) is not None
     raw: dict[str, Tensor] = {}
     for path, names in _by_file(files, shapes).items():
@@ -257,10 +256,13 @@ def load_weights(
     return out
 
 
-def _check_tied_head(files: dict[str, Path]) -> None:
+def check_tied_head(cfg: ModelConfig, files: dict[str, Path]) -> None:
     """A checkpoint with tied embeddings may also store ``lm_head.weight``, but only as a copy of the
     embedding: transformers 5 unties the two when they differ (``torch.equal``) and computes the
-    logits with ``lm_head.weight``, where the tied head here is the embedding matrix."""
+    logits with ``lm_head.weight``, where the tied head here is the embedding matrix. Reads the two
+    tensors (``check_checkpoint`` reads headers only); serving, merge and quantize all call it."""
+    if not cfg.tie_word_embeddings or "lm_head.weight" not in files:
+        return
     tensors = {}
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
         with _open(files[name]) as f:
