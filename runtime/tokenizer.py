@@ -4,6 +4,8 @@ Sources, in the checkpoint folder:
 - ``tokenizer.json`` (required): vocabulary, normaliser, pre-tokenizer, post-processor, decoder.
 - ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token``, ``add_bos_token``,
   ``add_eos_token``, ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects.
+- ``special_tokens_map.json`` (optional): read, as transformers does, only when tokenizer_config
+  has no ``added_tokens_decoder`` (older saves); then its named special tokens replace tokenizer_config's.
 - ``chat_template.jinja`` (optional): the chat template as transformers >= 4.50 saves it; when
   present it is used instead of tokenizer_config's ``chat_template``, as transformers does.
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
@@ -54,6 +56,8 @@ def _byte_level_alphabet() -> Mapping[str, int]:
 BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 METASPACE = "\u2581"  # SentencePiece's visible space, "▁"
 REPLACEMENT_CHAR = "\ufffd"
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens a chat template sees.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TokenizerError(ValueError):
@@ -76,10 +80,20 @@ class Tokenizer:
         except Exception as err:  # the tokenizers library raises plain Exception subclasses; name the file
             raise TokenizerError(f"{path}: cannot be parsed by the tokenizers library: {err}") from err
         cfg = _read_json(root / "tokenizer_config.json")
+        # Where each named special token comes from: special_tokens_map.json's entries replace
+        # tokenizer_config's when the latter has no added_tokens_decoder (transformers' legacy
+        # loading, v4 and v5 alike); with one, special_tokens_map.json is not read.
+        token_file = dict.fromkeys(SPECIAL_TOKEN_NAMES, root / "tokenizer_config.json")
+        if "added_tokens_decoder" not in cfg:
+            token_map = _read_json(root / "special_tokens_map.json")
+            for name in SPECIAL_TOKEN_NAMES:
+                if name in token_map:
+                    cfg[name] = token_map[name]
+                    token_file[name] = root / "special_tokens_map.json"
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.pad_token = _token_text(cfg.get("pad_token"))
-        self.bos_token_id = self._id_of(self.bos_token, root / "tokenizer_config.json", "bos_token")
+        self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
         template = cfg.get("chat_template")
@@ -91,7 +105,7 @@ class Tokenizer:
             template = jinja_file.read_text(encoding="utf-8")
         self.chat_template: str | None = template if isinstance(template, str) else None
         eos: list[int] = []
-        tok_eos = self._id_of(self.eos_token, root / "tokenizer_config.json", "eos_token")
+        tok_eos = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
         if tok_eos is not None:
             eos.append(tok_eos)
         generation_eos = _eos_ids(_read_json(root / "generation_config.json").get("eos_token_id"), root / "generation_config.json")

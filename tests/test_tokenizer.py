@@ -237,3 +237,42 @@ def test_an_added_bos_does_not_take_a_bos_spelled_in_the_prompt():
     ids, spans = tok.encode_with_spans(prompt)
     assert ids[:3] == [tok.bos_token_id] * 3 and spans[0] == (0, 0)
     assert prompt_text_offsets(tok, prompt, ids, spans) == [0, 0, len(bos)] + [2 * len(bos) + i for i in range(5)]
+
+
+def _set_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_special_tokens_map_json_names_the_special_tokens_as_in_transformers(model_copy):
+    """A tokenizer_config.json without added_tokens_decoder (older saves) takes its named special
+    tokens from special_tokens_map.json, which wins over its own; lorafleet ignored that file: no
+    eos id to stop on and a chat template rendered without bos/eos, or with the wrong eos."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    _set_config(model_copy, bos_token=None, eos_token=None, pad_token=None, add_bos_token=None)
+    (model_copy / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}))
+    (model_copy / "generation_config.json").unlink()
+    (model_copy / "config.json").write_text(json.dumps({k: v for k, v in json.loads((model_copy / "config.json").read_text()).items() if k != "eos_token_id"}))
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    assert (ours.bos_token, ours.eos_token) == (ref.bos_token, ref.eos_token) == ("<s>", "</s>")
+    assert ours.eos_token_ids == (ref.eos_token_id,)
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    _set_config(model_copy, eos_token="</s>")
+    (model_copy / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<pad>"}))  # it wins over tokenizer_config's
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    assert ours.eos_token == ref.eos_token == "<pad>" and ours.eos_token_ids == (ours.token_to_id("<pad>"),)
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    _set_config(model_copy, added_tokens_decoder={"257": {"content": "</s>", "special": True}})  # then the file is not read
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    assert ours.eos_token == ref.eos_token == "</s>"
+    (model_copy / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+    _set_config(model_copy, added_tokens_decoder=None)
+    with pytest.raises(TokenizerError, match=r"special_tokens_map\.json: eos_token '<\|nope\|>' is not in"):
+        Tokenizer(model_copy)
