@@ -23,7 +23,7 @@ prepended (older Llama tokenizer.json files leave that to the Python class). Lik
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``, a
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
-``raise_exception``; ``bos_token``, ``eos_token`` and ``pad_token`` as variables), so a template
+``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables), so a template
 renders the same prompt text as under transformers. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
@@ -93,6 +93,8 @@ class Tokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.pad_token = _token_text(cfg.get("pad_token"))
+        # The named special tokens that are set, as transformers passes them to a chat template.
+        self._template_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
         self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
@@ -245,9 +247,7 @@ class Tokenizer:
             return template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                pad_token=self.pad_token or "",
+                **self._template_tokens,
             )
         except jinja2.TemplateError as err:
             raise TokenizerError(f"chat_template: cannot render: {err}") from err

@@ -276,3 +276,16 @@ def test_special_tokens_map_json_names_the_special_tokens_as_in_transformers(mod
     _set_config(model_copy, added_tokens_decoder=None)
     with pytest.raises(TokenizerError, match=r"special_tokens_map\.json: eos_token '<\|nope\|>' is not in"):
         Tokenizer(model_copy)
+
+
+def test_a_chat_template_sees_every_named_special_token_as_in_transformers(model_copy):
+    """transformers renders a template with all named special tokens that are set (unk, sep, cls,
+    mask too), and leaves unset ones undefined; lorafleet passed bos/eos/pad only, as "" when unset."""
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, unk_token="<pad>", sep_token="</s>", pad_token=None,
+                chat_template="[{{ unk_token }}|{{ sep_token }}|{{ pad_token is defined }}]{{ messages[0]['content'] }}")  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    ours = Tokenizer(model_copy).apply_chat_template(messages)
+    assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == "[<pad>|</s>|False]hi"
