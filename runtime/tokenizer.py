@@ -80,6 +80,9 @@ class Tokenizer:
         except Exception as err:  # the tokenizers library raises plain Exception subclasses; name the file
             raise TokenizerError(f"{path}: cannot be parsed by the tokenizers library: {err}") from err
         cfg = _read_json(root / "tokenizer_config.json")
+        # transformers hands split_special_tokens to the backend: special tokens spelled in the text
+        # are then read as plain text, not as the special tokens.
+        self._tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         # Where each named special token comes from: special_tokens_map.json's entries replace
         # tokenizer_config's when the latter has no added_tokens_decoder (transformers' legacy
         # loading, v4 and v5 alike); with one, special_tokens_map.json is not read.

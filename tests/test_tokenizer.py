@@ -289,3 +289,16 @@ def test_a_chat_template_sees_every_named_special_token_as_in_transformers(model
     ours = Tokenizer(model_copy).apply_chat_template(messages)
     assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours == "[<pad>|</s>|False]hi"
+
+
+def test_split_special_tokens_reads_their_spelling_as_text_as_in_transformers(model_copy):
+    """tokenizer_config's split_special_tokens: transformers encodes "<s>" typed in the text as its
+    characters; lorafleet ignored the field and read the special token."""
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, split_special_tokens=True)
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    for text in ("a</s>b", "<s>x"):
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == ref(text, add_special_tokens=special)["input_ids"], text
+    assert ours.token_to_id("</s>") not in ours.encode("a</s>b")
