@@ -102,10 +102,17 @@ class Tokenizer:
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
         template = cfg.get("chat_template")
+        # Set when the config names its templates but none "default": transformers then refuses to
+        # render (it does not fall back to a built-in template), and so does apply_chat_template.
+        self._no_default_template: str | None = None
+        jinja_file = root / "chat_template.jinja"  # where transformers >= 4.50 saves it; it wins over the config's, as there
         if isinstance(template, list):  # HF also allows [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        jinja_file = root / "chat_template.jinja"  # where transformers >= 4.50 saves it; it wins over the config's, as there
+            if "default" not in named and not jinja_file.is_file():
+                self._no_default_template = (
+                    f"{root / 'tokenizer_config.json'}: chat_template lists named templates "
+                    f"({', '.join(sorted(map(str, named)))}) but none named 'default', the one chat uses")
         if jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
         self.chat_template: str | None = template if isinstance(template, str) else None
@@ -229,6 +236,8 @@ class Tokenizer:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        if self._no_default_template is not None:
+            raise TokenizerError(self._no_default_template)
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"messages[{i}]: each message needs 'role' and 'content'")

@@ -302,3 +302,24 @@ def test_split_special_tokens_reads_their_spelling_as_text_as_in_transformers(mo
         for special in (True, False):
             assert ours.encode(text, add_special_tokens=special) == ref(text, add_special_tokens=special)["input_ids"], text
     assert ours.token_to_id("</s>") not in ours.encode("a</s>b")
+
+
+def test_named_chat_templates_without_a_default_are_refused_as_in_transformers(model_copy):
+    """chat_template as a list of named templates: "default" is the chat template. With none of
+    that name transformers refuses to render; lorafleet rendered its own DEFAULT_CHAT_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    _set_config(model_copy, chat_template=[{"name": "tool_use", "template": "T{{ messages[0]['content'] }}"}])
+    with pytest.raises(ValueError, match="no default"):
+        AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False)
+    tok = Tokenizer(model_copy)
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: chat_template lists named templates \(tool_use\) but none named 'default'"):
+        tok.apply_chat_template(messages)
+    assert tok.encode("hi")  # plain prompts still work
+    _set_config(model_copy, chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages[0]['content'] }}"}])
+    assert Tokenizer(model_copy).apply_chat_template(messages) == "Dhi"
+    _set_config(model_copy, chat_template=[{"name": "tool_use", "template": "T"}])
+    (model_copy / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")  # the file is the default
+    ours = Tokenizer(model_copy).apply_chat_template(messages)
+    assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "Jhi"
