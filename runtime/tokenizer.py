@@ -83,6 +83,15 @@ class Tokenizer:
         # transformers hands split_special_tokens to the backend: special tokens spelled in the text
         # are then read as plain text, not as the special tokens.
         self._tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
+        # transformers' decode then removes spaces before punctuation (" ." -> "."), except on a BPE
+        # model (v5 skips it there unless told to corrupt BPE output); lorafleet's text never does.
+        model_type = type(self._tok.model).__name__
+        if cfg.get("clean_up_tokenization_spaces") and (
+            model_type != "BPE" or cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        ):
+            raise TokenizerError(
+                f"{root / 'tokenizer_config.json'}: clean_up_tokenization_spaces is true for a {model_type} tokenizer: "
+                "transformers' decode would then drop spaces before punctuation, which lorafleet does not do; set it to false")
         # Where each named special token comes from: special_tokens_map.json's entries replace
         # tokenizer_config's when the latter has no added_tokens_decoder (transformers' legacy
         # loading, v4 and v5 alike); with one, special_tokens_map.json is not read.

@@ -323,3 +323,35 @@ def test_named_chat_templates_without_a_default_are_refused_as_in_transformers(m
     (model_copy / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")  # the file is the default
     ours = Tokenizer(model_copy).apply_chat_template(messages)
     assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "Jhi"
+
+
+def test_clean_up_tokenization_spaces_on_a_non_bpe_tokenizer_is_refused(tmp_path):
+    """transformers' decode applies clean_up_tokenization_spaces to a WordLevel/WordPiece/Unigram
+    tokenizer ("hello , world" -> "hello, world"); lorafleet's text kept the spaces, silently.
+    Such a folder is refused; false, or a BPE tokenizer (where transformers skips it), loads."""
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", "hello", ",", "world", "!"])}
+    hf = HF(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "[UNK]", "clean_up_tokenization_spaces": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ref.decode(ref("hello , world !")["input_ids"]) == "hello, world!"
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: clean_up_tokenization_spaces is true for a WordLevel tokenizer"):
+        Tokenizer(tmp_path)
+    _set_config(tmp_path, clean_up_tokenization_spaces=False)
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = ref("hello , world !")["input_ids"]
+    assert ours.encode("hello , world !") == ids and ours.decode(ids) == ref.decode(ids) == "hello , world !"
+
+
+def test_clean_up_tokenization_spaces_on_a_bpe_tokenizer_loads_as_transformers_skips_it(model_copy):
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, clean_up_tokenization_spaces=True)
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    ids = ours.encode("hello , world 's !")
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "hello , world 's !"
