@@ -312,6 +312,15 @@ def test_serve_benchmark_over_http_to_a_server_it_spawns(tmp_path: Path) -> None
     assert "HTTP server and engine stopped" in (out / "server.log").read_text()
 
 
+def _serve_on_workload(saved: Path, out: Path, sweep_rates: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """benchmarks/serve.py on a saved workload, tiny model, no baselines or adapter sweep; (process, summary.json)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
+           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", sweep_rates]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, json.loads((out / "summary.json").read_text())
+
+
 def test_a_spawned_server_that_cannot_start_is_an_error_with_its_log(tmp_path: Path) -> None:
     from runtime.bench.server_process import ServerStartError, spawned_server
     from runtime.bench.suite import BenchSetup
@@ -336,11 +345,7 @@ def test_rate_sweep_of_a_saved_workload_builds_the_adapters_its_own_requests_use
     saved = tmp_path / "w.jsonl"
     dataclasses.replace(generated, requests=others).save(saved)
     out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
-           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", "50"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads((out / "summary.json").read_text())
+    proc, res = _serve_on_workload(saved, out, "50")
     assert res["online"]["requests_ok"] == 4 and [p["rate"] for p in res["sweep_rates"]] == [50.0]
     assert res["sweep_rates"][0]["tpot_p99_s"] is None and res["sweep_rates"][0]["ttft_p99_s"] > 0
     assert "rate 50/s: p99 TTFT " in proc.stdout and "p99 TPOT - s" in proc.stdout and (out / "p99_vs_rate.png").exists()
@@ -542,12 +547,7 @@ def test_serve_benchmark_sizes_the_slots_for_a_saved_workloads_own_ranks(tmp_pat
     saved = tmp_path / "w.jsonl"
     edited.save(saved)
     assert Workload.load(saved) == edited and any(r.adapter for r in edited.requests)
-    out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--out", str(out), "--workload", str(saved), "--hidden", "64",
-           "--layers", "1", "--baselines", "none", "--sweep-adapters", "", "--sweep-rates", ""]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, timeout=600, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads((out / "summary.json").read_text())
+    _, res = _serve_on_workload(saved, tmp_path / "bench", "")
     assert res["online"]["requests_ok"] == 4 and res["online"]["requests_failed"] == 0
     assert int(res["setup"]["max_lora_rank"]) == max(ranks.values())
 
