@@ -102,11 +102,10 @@ class Tokenizer:
                 if name in token_map:
                     cfg[name] = token_map[name]
                     token_file[name] = root / "special_tokens_map.json"
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
-        self.pad_token = _token_text(cfg.get("pad_token"))
         # The named special tokens that are set, as transformers passes them to a chat template.
         self._template_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
+        self.bos_token = self._template_tokens.get("bos_token")
+        self.eos_token = self._template_tokens.get("eos_token")
         self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
