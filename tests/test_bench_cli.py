@@ -7,6 +7,7 @@ Everything runs in this process through ``runtime.cli.main``; a stub HTTP server
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -130,15 +131,28 @@ def _saved(tmp_path: Path, **spec: object) -> Path:
     (lambda lines: lines[:2] + ["{"], "line 3: the request is not JSON"),
     (lambda lines: lines[:2] + [lines[2].replace('"rank": 8', '"rank": 64')], "line 3: rank: expected 8, its adapter's rank in the header, got 64"),
     (lambda lines: lines[:3] + [lines[3].replace('"index": 2', '"index": 0')], "line 4: index: 0 is already the index of line 2"),
+    (lambda lines: lines[:3], "the header says 3 request lines follow, found 2: the file was cut short"),
+    (lambda lines: [lines[0].replace('"request_lines": 3', '"request_lines": "3"')] + lines[1:], "the header says '3' request lines follow"),
 ])  # fmt: skip
 def test_malformed_workload_file_names_the_file_line_and_what_is_missing(tmp_path: Path, edit, want: str) -> None:  # type: ignore[no-untyped-def]
     path = _saved(tmp_path)
     lines = path.read_text().splitlines()
-    assert '"seed": 0' in lines[0] and '"cv": 1.0' in lines[0] and '"ranks": [8]' in lines[0] and '"lora-000' in lines[2]  # the edits apply
+    assert all(key in lines[0] for key in ('"seed": 0', '"cv": 1.0', '"ranks": [8]', '"request_lines": 3')) and '"lora-000' in lines[2]  # the edits apply
     path.write_text("\n".join(edit(lines)) + "\n")
     with pytest.raises(ValueError) as info:
         Workload.load(path)
     assert str(info.value).startswith(f"{path}: ") and want in str(info.value)
+
+
+def test_a_header_without_request_lines_still_loads(tmp_path: Path) -> None:
+    """Files written before the header recorded its request count load as they did, unchecked."""
+    path = _saved(tmp_path)
+    complete = Workload.load(path)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    del header["request_lines"]
+    path.write_text("\n".join([json.dumps(header)] + lines[1:-1]) + "\n")  # the last request dropped too: nothing to check it by
+    assert Workload.load(path) == dataclasses.replace(complete, requests=complete.requests[:-1])
 
 
 @pytest.mark.parametrize("adapter", [["lora-0000"], {"name": "lora-0000"}, 7])

@@ -86,9 +86,11 @@ class Workload:
     requests: tuple[WorkloadRequest, ...] = field(default_factory=tuple)
 
     def save(self, path: str | Path) -> None:
-        """JSONL: a header line with the spec and adapter ranks, then one line per request."""
+        """JSONL: a header line with the spec, the adapter ranks and the number of request lines
+        that follow (so a file cut short is caught on load), then one line per request."""
+        header = {"spec": asdict(self.spec), "adapter_ranks": self.adapter_ranks, "request_lines": len(self.requests)}
         with open(path, "w") as f:
-            f.write(json.dumps({"spec": asdict(self.spec), "adapter_ranks": self.adapter_ranks}) + "\n")
+            f.write(json.dumps(header) + "\n")
             for r in self.requests:
                 f.write(json.dumps(asdict(r)) + "\n")
 
@@ -132,6 +134,10 @@ class Workload:
         requests = tuple(requests)
         if not requests:
             raise ValueError(f"{path}: no requests after the header line")
+        expected = head.get("request_lines")  # absent in files written before it was recorded
+        if expected is not None and (type(expected) is not int or expected != len(requests)):
+            raise ValueError(f"{path}: the header says {expected!r} request lines follow, found {len(requests)}: the file was cut short "
+                             "or edited; regenerate it, or set 'request_lines' in the header to the number of requests you kept")  # fmt: skip
         return cls(spec, dict(adapter_ranks), requests)
 
 
