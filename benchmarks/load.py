@@ -164,7 +164,7 @@ def requests_finished(url: str, headers: dict[str, str] | None = None) -> int:
 
 def is_idle(g: dict[str, float]) -> bool:
     """running 0, waiting 0, every KV block free, no adapter demand or device refs."""
-    return all(g.get(k, -1) == 0 for k in IDLE_GAUGES) and g.get("lorafleet_kv_blocks_free") == g.get("lorafleet_kv_blocks_total")
+    return all(g.get(k, -1) == 0 for k in IDLE_GAUGES) and g.get("lorafleet_kv_blocks_free") == g.get("lorafleet_kv_blocks")
 
 
 def wait_idle(url: str, timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> dict[str, float]:
@@ -402,7 +402,7 @@ class LoadReport:
             ("latency p50 / p99", f"{self.latency(0.50):.3f} s / {self.latency(0.99):.3f} s"),
             ("server RSS before / after", f"{mib(self.rss_before)} / {mib(self.rss_after)} ({(self.rss_after - self.rss_before) / 2**20:+.1f} MiB)"),
             ("after: running / waiting", f"{g.get('lorafleet_requests_running', -1):.0f} / {g.get('lorafleet_requests_waiting', -1):.0f}"),
-            ("after: KV blocks free / total", f"{g.get('lorafleet_kv_blocks_free', -1):.0f} / {g.get('lorafleet_kv_blocks_total', -1):.0f}"),
+            ("after: KV blocks free / total", f"{g.get('lorafleet_kv_blocks_free', -1):.0f} / {g.get('lorafleet_kv_blocks', -1):.0f}"),
             ("after: adapter demand / device refs", f"{g.get('lorafleet_adapter_demand', -1):.0f} / {g.get('lorafleet_adapter_device_refs', -1):.0f}"),
             ("after: adapter pool bytes in use / host entries", f"{g.get('lorafleet_adapter_pool_bytes_in_use', -1):.0f} / {g.get('lorafleet_adapter_host_entries', -1):.0f}"),
             ("after: idle", str(is_idle(g))),

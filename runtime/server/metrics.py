@@ -135,7 +135,7 @@ class _SnapshotCollector:
         gauges = {
             "running": GaugeMetricFamily("lorafleet_requests_running", "Sequences running", labels=extra),
             "waiting": GaugeMetricFamily("lorafleet_requests_waiting", "Sequences waiting", labels=extra),
-            "kv_blocks_total": GaugeMetricFamily("lorafleet_kv_blocks_total", "KV blocks in the pool", labels=extra),
+            "kv_blocks_total": GaugeMetricFamily("lorafleet_kv_blocks", "KV blocks in the pool (free or not)", labels=extra),
             "kv_blocks_free": GaugeMetricFamily("lorafleet_kv_blocks_free", "KV blocks free", labels=extra),
             "pool_device_bytes_in_use": GaugeMetricFamily("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", labels=extra),
             "pool_device_bytes_capacity": GaugeMetricFamily("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", labels=extra),

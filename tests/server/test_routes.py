@@ -205,8 +205,11 @@ async def test_metrics_have_adapter_labels(app, engine) -> None:
         text = (await c.get("/metrics")).text
     assert f'lorafleet_requests_total{{adapter="{name}"' in text
     assert f'lorafleet_time_to_first_token_seconds_count{{adapter="{name}"}}' in text
-    for gauge in ("lorafleet_kv_blocks_free", "lorafleet_requests_running", "lorafleet_adapter_pool_bytes_in_use"):
-        assert gauge in text
+    for gauge in ("lorafleet_kv_blocks_free", "lorafleet_kv_blocks", "lorafleet_requests_running", "lorafleet_adapter_pool_bytes_in_use"):
+        assert f"# TYPE {gauge} gauge" in text
+    # Prometheus keeps the _total suffix for counters: a gauge named so reads as one to rate() and to promtool
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+    assert not [name for name, kind in types.items() if kind != "counter" and name.endswith("_total")], types
     base = engine.model_name
     async with client_for(app) as c:
         await c.post("/v1/completions", json=greedy(base, "the base model too"))
