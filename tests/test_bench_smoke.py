@@ -582,3 +582,20 @@ def test_fairness_compares_the_fewest_requested_adapters_with_the_most_and_leave
     assert got["ratio"] == pytest.approx(least / most, rel=1e-12)
     assert fairness({"a": [0.1, 0.2], BASE: [0.3]}) is None  # one adapter: nothing to compare
     assert fairness({"a": [0.0], "b": [0.2]})["ratio"] is None  # the most popular's p99 is 0
+
+
+def test_slo_attainment_counts_each_half_and_a_one_token_answer_meets_the_tpot_half() -> None:
+    """Random TTFT/TPOT around the SLO lines: attainment is the share of successful requests under
+    both; a one-token answer (no TPOT) is judged on TTFT alone; a failed request never attains."""
+    import random
+
+    from runtime.bench.replay import ReplayResult, RequestRecord
+    from runtime.bench.summary import summarize
+
+    rng = random.Random(5)
+    records = [RequestRecord(i, "a", 0.0, 3, 4, ttft=rng.uniform(0.0, 2.0), tpot=rng.uniform(0.0, 0.2), latency=3.0) for i in range(40)]
+    records += [RequestRecord(40 + i, "b", 0.0, 3, 1, ttft=rng.uniform(0.0, 2.0), tpot=None, latency=1.0) for i in range(10)]
+    records.append(RequestRecord(50, "a", 0.0, error="boom"))
+    want = sum(r.ttft <= 1.0 and (r.tpot is None or r.tpot <= 0.1) for r in records if r.error is None) / len(records)  # a failure counts, unmet
+    got = summarize(ReplayResult("run", records, wall_s=2.0), 1.0, 0.1)["slo"]["attainment"]
+    assert 0 < want < 1 and got == pytest.approx(want)
