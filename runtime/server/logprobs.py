@@ -2,8 +2,8 @@
 
 Values are the model's own log-probabilities (``log_softmax`` of its logits, before
 penalties, temperature, top-k and top-p, as vLLM reports them). Every generated token has an
-entry, also one that adds no text (a special token, part of a multi-byte character, the
-token that completed a stop string), matching ``usage.completion_tokens``.
+entry, also one that adds no text (a special token, part of a multi-byte character, a
+token whose text a stop string cut off), matching ``usage.completion_tokens``.
 
 Completions (legacy format), for tokens t_1..t_n of one choice (with ``echo``, the prompt's tokens
 first, the first of them with null logprob and top_logprobs):
@@ -133,7 +133,7 @@ class StreamedEntries:
     far reaches the end of its token's text (``TextOffsets`` over the generated tokens): the tokens
     of a split character end where the character does; a special token, which adds no text, goes
     with the first chunk at or past where it stands. The last chunk of the choice takes every entry
-    left (the token that completed a stop string, whose text is never sent, among them)."""
+    left (those of the tokens a stop string cut off, whose text is never sent, among them)."""
 
     def __init__(self, tokenizer: Any, text_before: bool = True) -> None:
         self._ends = TextOffsets(tokenizer, text_before)
