@@ -121,6 +121,36 @@ def test_sharded_base_gives_a_sharded_output_with_an_index(tiny_adapters: dict[s
         assert torch.equal(hf_sharded[key], t), key
 
 
+def test_each_shard_is_saved_once_full_so_memory_holds_one_shard(tiny_adapters: dict[str, Path], tiny_llama_dir: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard goes to disk as soon as the next tensor would overflow it, not after the whole model
+    has been read: a 140 GB model must not need 140 GB of memory to merge."""
+    from runtime.merge import merger
+
+    read: list[str] = []
+    read_when_saved: list[int] = []
+    real_read, real_save = merger._read_float, merger._save
+
+    def reading(*args):  # type: ignore[no-untyped-def]
+        for name, tensor in real_read(*args):
+            read.append(name)
+            yield name, tensor
+
+    def saving(shard, path):  # type: ignore[no-untyped-def]
+        read_when_saved.append(len(read))
+        real_save(shard, path)
+
+    monkeypatch.setattr(merger, "_read_float", reading)
+    monkeypatch.setattr(merger, "_save", saving)
+    out = tmp_path / "m"
+    run_merge(MergeOptions(model=str(tiny_llama_dir), adapter=str(tiny_adapters["a"]), out=str(out), verify=False, progress=False, max_shard_bytes=100_000))
+    assert len(read_when_saved) > 2 and read_when_saved == sorted(read_when_saved) and read_when_saved[0] < len(read)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+
+
 def test_merging_is_single_tenant(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path) -> None:
     """A model merged for adapter A serves B's requests wrongly: A's delta is baked into every request."""
     merged_a = tmp_path / "merged_a"

@@ -19,7 +19,8 @@ Output: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` pl
 ``model.safetensors.index.json`` (HF's ``{"metadata": {"total_size"}, "weight_map"}``)
 when the tensors exceed ``max_shard_bytes``. ``config.json`` is copied with the dtype
 and ``quantization_config`` updated; ``generation_config.json`` and the tokenizer files
-are copied unchanged. Tensors are read one at a time, so peak memory is one shard.
+are copied unchanged. Tensors are read one at a time and each shard is saved once full,
+so peak memory is one shard.
 """
 from __future__ import annotations
 
@@ -107,8 +108,7 @@ def write_checkpoint(spec: MergeSpec, out_dir: Path, progress: bool = True) -> W
     missing = [w for w in deltas if w not in files]
     if missing:
         raise MergeError(f"{spec.model_dir}: the adapter targets {missing[0]}, which the checkpoint does not hold")
-    shards: list[dict[str, Tensor]] = [{}]
-    shard_bytes = [0]
+    shards = _ShardWriter(out_dir, spec.max_shard_bytes)
     merged = 0
     bar = tqdm(total=len(names), desc="merge" if spec.adapter else "write", unit="tensor", disable=not progress)
     for name, tensor in _read_float(files, names, source_quantized):
@@ -120,18 +120,13 @@ def write_checkpoint(spec: MergeSpec, out_dir: Path, progress: bool = True) -> W
             tensor = tensor + delta  # float32 + float32; cast once, in _encode
             merged += 1
         for out_name, out_tensor in _encode(name, tensor, spec):
-            size = out_tensor.numel() * out_tensor.element_size()
-            if shard_bytes[-1] and shard_bytes[-1] + size > spec.max_shard_bytes:
-                shards.append({})
-                shard_bytes.append(0)
-            shards[-1][out_name] = out_tensor
-            shard_bytes[-1] += size
+            shards.add(out_name, out_tensor)
         bar.update(1)
     bar.close()
-    written = _save_shards(shards, out_dir)
+    written = shards.finish()
     _write_config(spec, out_dir)
     _copy_side_files(spec.model_dir, out_dir)
-    return WriteSummary(sum(len(s) for s in shards), merged, sum(shard_bytes), tuple(written))
+    return WriteSummary(len(shards.weight_map), merged, shards.total_bytes, tuple(written))
 
 
 def _is_scale(name: str) -> bool:
@@ -196,24 +191,48 @@ def _save(shard: dict[str, Tensor], path: Path) -> None:
     os.chmod(path, new_file_mode())
 
 
-def _save_shards(shards: list[dict[str, Tensor]], out_dir: Path) -> list[str]:
-    if len(shards) == 1:
-        _save(shards[0], out_dir / "model.safetensors")
-        return ["model.safetensors"]
-    n = len(shards)
-    weight_map: dict[str, str] = {}
-    names = []
-    total = 0
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        _save(shard, out_dir / fname)
-        names.append(fname)
-        for key, t in shard.items():
-            weight_map[key] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return names + ["model.safetensors.index.json"]
+class _ShardWriter:
+    """Tensors in, shards out: a shard is saved as soon as the next tensor would take it past
+    ``max_bytes``, so memory holds one shard. Shards are numbered as they are saved and renamed
+    ``model-0000i-of-0000n.safetensors`` by ``finish`` (or ``model.safetensors`` when there is one),
+    once ``n`` is known, together with the index."""
+
+    def __init__(self, out_dir: Path, max_bytes: int) -> None:
+        self.out_dir = out_dir
+        self.max_bytes = max_bytes
+        self.shard: dict[str, Tensor] = {}
+        self.shard_bytes = 0
+        self.total_bytes = 0
+        self.saved: list[Path] = []
+        self.weight_map: dict[str, int] = {}  # tensor name -> shard number, from 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.shard and self.shard_bytes + size > self.max_bytes:
+            self._save_shard()
+        self.shard[name] = tensor
+        self.weight_map[name] = len(self.saved)
+        self.shard_bytes += size
+        self.total_bytes += size
+
+    def _save_shard(self) -> None:
+        path = self.out_dir / f"model-{len(self.saved) + 1:05d}.safetensors.partial"
+        _save(self.shard, path)
+        self.saved.append(path)
+        self.shard, self.shard_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Save the last shard, give every shard its final name, write the index; returns the file names."""
+        self._save_shard()
+        n = len(self.saved)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        for path, name in zip(self.saved, names):
+            os.rename(path, self.out_dir / name)
+        if n == 1:
+            return names
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": {k: names[i] for k, i in sorted(self.weight_map.items())}}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names + ["model.safetensors.index.json"]
 
 
 def _write_config(spec: MergeSpec, out_dir: Path) -> None:
