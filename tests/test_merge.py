@@ -278,6 +278,17 @@ def test_adapter_for_another_base_is_refused(tiny_llama_dir: Path, tmp_path: Pat
     assert "in_features=64" in err and list((tmp_path / "o").iterdir()) == []
 
 
+def test_adapter_for_a_deeper_base_names_the_layer_count(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Same widths, more layers: the error says so, not that target_modules failed to select the tensor."""
+    deeper = build_tiny_model(tmp_path / "deeper", "llama", seed=3, num_hidden_layers=4)
+    wrong = build_adapter(deeper, tmp_path / "wrong", r=4, target_modules=["q_proj"], seed=1)
+    (tmp_path / "o").mkdir()
+    assert _cli(tiny_llama_dir, wrong, tmp_path / "o" / "m") == 2
+    err = capsys.readouterr().err
+    assert "tensor base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight is for layer 2, but the base has 2 layers" in err
+    assert "not selected by target_modules" not in err and list((tmp_path / "o").iterdir()) == []
+
+
 def test_hand_edited_shape_and_dora_are_refused(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     edited = _copy(tiny_adapters["a"], tmp_path / "edited")
     tensors = load_file(str(edited / "adapter_model.safetensors"))

@@ -157,7 +157,7 @@ def load_adapter(
     modules = _resolve_modules(cfg, config_path, targets, num_layers)
     header, data_start, blob = _read_safetensors(weights_path)
     header = _without_default_infix(header, weights_path)
-    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank)
+    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank, num_layers)
     tensors = _decode_tensors(header, data_start, blob, weights_path)
     built: dict[tuple[int, str], LoRAModule] = {}
     for key, (rank, scale, a_name, b_name) in plan.items():
@@ -492,6 +492,7 @@ def _check_tensors(
     targets: Mapping[str, tuple[int, int]],
     cfg: _Config,
     max_lora_rank: int,
+    num_layers: int,
 ) -> dict[tuple[int, str], tuple[int, float, str, str]]:
     """Names and shapes against the base; returns (layer, module) -> (rank, scale, A name, B name)."""
     expected: dict[str, tuple[int, str, str]] = {}
@@ -499,6 +500,11 @@ def _check_tensors(
         for ab in "AB":
             expected[f"{KEY_PREFIX}{_module_path(layer, name)}.lora_{ab}.weight"] = (layer, name, ab)
     extra = sorted(set(header) - set(expected))
+    beyond = [(e, int(m.group(1))) for e in extra if (m := _TENSOR_KEY.match(e)) and int(m.group(1)) >= num_layers]
+    if beyond:  # same widths, more layers: an adapter for another model, which target_modules has nothing to do with
+        tensor, layer = min(beyond, key=lambda b: b[1])
+        raise AdapterError(f"{path}: tensor {tensor} is for layer {layer}, but the base has {num_layers} layers: "
+                           "the adapter was trained on another model")
     if extra:
         hint = " (not selected by target_modules)" if any(_TENSOR_KEY.match(e) for e in extra) else ""
         raise AdapterError(f"{path}: unexpected tensor {extra[0]}{hint}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else ""))
