@@ -33,7 +33,9 @@ strings are looked for only from the token that reaches it on, and only those th
 its text or later (each stop string ``s`` from ``len(s) - 1`` characters before that text, as
 vLLM does). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
-stop string that a later token completes.
+stop string that a later token completes. With ``include_stop`` nothing is held back (as in
+vLLM): a stop string found in the text of a new token ends after the text searched before it,
+so the cut, right after the stop string, never falls inside text already handed out.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._include_stop = include_stop
         self._min_tokens = min_tokens
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
         context = prompt_context(decode, prompt_ids)
         self._context = context
         # Offsets index context + output ids.

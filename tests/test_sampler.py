@@ -81,6 +81,35 @@ def test_include_stop_keeps_the_earliest_then_longest_stop_string(stops, kept):
     assert d.stopped and d.text == kept and emitted == kept
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_streamed_deltas_add_up_to_the_text_and_hold_back_only_what_a_stop_could_take_back(include_stop: bool) -> None:
+    """Random pieces and stop strings over a small alphabet: the deltas add up to the final text, which
+    ends at (or right after, with include_stop) the earliest stop string; text handed out is never
+    taken back; and with include_stop nothing is held back, so every delta is all the text so far."""
+    import random
+
+    rng = random.Random(11 + include_stop)
+    for _ in range(300):
+        vocab = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 3))) for _ in range(6)]
+        stops = tuple({"".join(rng.choice("abc") for _ in range(rng.randint(2, 4))) for _ in range(rng.randint(1, 3))})
+        d = IncrementalDetokenizer(lambda ids: "".join(vocab[i] for i in ids), stop=stops, include_stop=include_stop)
+        ids, emitted = [], ""
+        for _ in range(12):
+            ids.append(rng.randrange(len(vocab)))
+            d.add_tokens(ids)
+            emitted += d.take_delta(finished=d.stopped)
+            assert d.text.startswith(emitted)
+            if include_stop:
+                assert emitted == d.text
+            if d.stopped:
+                break
+        emitted += d.take_delta(finished=True)
+        full = "".join(vocab[i] for i in ids)
+        hits = [(full.find(s), -len(s)) for s in stops if s in full]
+        at, neg_len = min(hits) if hits else (len(full), 0)
+        assert emitted == d.text == (full[: at - neg_len] if include_stop and hits else full[:at])
+
+
 def _float64_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(z.double() / temperature, 0)
 
