@@ -292,3 +292,20 @@ def test_cpu_gemm_on_an_int8_checkpoint_with_a_tied_lm_head_is_refused(tmp_path:
         for model in (tmp_path / "untied-q8", tied):  # an untied int8 LM head, or a float32 model: the choice applies
             LLMEngine(config(model, choice)).close()
     LLMEngine(config(tmp_path / "tied-q8", "auto")).close()
+
+
+def test_quantize_default_dtype_is_the_stored_one_when_config_json_names_none(tmp_path: Path) -> None:
+    """--dtype's default is "the base's dtype": a bfloat16 checkpoint whose config.json names no dtype keeps
+    its float tensors bfloat16 (read from the weights, as `lorafleet merge` does), not float32 at twice the size."""
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "bf16", "llama", seed=0, dtype=torch.bfloat16)
+    cfg = json.loads((base / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        cfg.pop(key, None)
+    (base / "config.json").write_text(json.dumps(cfg))
+    assert _quantize(base, tmp_path / "q8") == 0
+    tensors = load_file(str(tmp_path / "q8" / "model.safetensors"))
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert tensors["model.norm.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["torch_dtype"] == "bfloat16"

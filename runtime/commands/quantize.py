@@ -4,7 +4,7 @@
 
 The seven projections of every layer become int8 codes with float32 per-output-channel
 scales (format: runtime/quant/int8.py); embeddings, lm_head and norms stay float (``--dtype``,
-default the base's). The folder loads with lorafleet (not transformers) and carries
+default the base's: config.json's dtype, else the dtype most of its float weights are stored in). The folder loads with lorafleet (not transformers) and carries
 ``lorafleet_quantize.json``. Written atomically: a failure, Ctrl-C, SIGTERM or SIGHUP leaves
 nothing behind (only SIGKILL can leave a hidden staging folder; the next run names it).
 Exit status: 0 written; 2 bad input; 3 an unexpected error (with its traceback); 130
@@ -21,14 +21,14 @@ from runtime.merge.manifest import QUANTIZE_MANIFEST, base_record, quantize_mani
 from runtime.merge.merger import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, MergeError, MergeSpec, weights_sha256, write_checkpoint
 from runtime.merge.staging import OutputPathError, StagedOutput, check_output
 from runtime.models.hf_config import ModelConfigError, load_model_config
-from runtime.models.loader import DTYPES, CheckpointError, check_checkpoint, check_tied_head, checkpoint_quantization
+from runtime.models.loader import DTYPES, CheckpointError, check_checkpoint, check_tied_head, checkpoint_quantization, stored_float_dtype
 from runtime.quant.int8 import QUANTIZATION_CONFIG
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="float HF checkpoint folder")
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the int8 checkpoint; must not exist (see --force)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="dtype of the tensors that stay float (default: the base's dtype)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="dtype of the tensors that stay float (default: the base's dtype, from its config.json or else the dtype its weights are stored in)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out folder, only if it is empty or an earlier lorafleet merge/quantize output (never the input)")
 
 
@@ -43,7 +43,8 @@ def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: b
         raise MergeError(f"{model_dir / 'config.json'}: quantization_config says this checkpoint is already int8")
     files, _ = check_checkpoint(cfg, model_dir)  # what serving would refuse is refused before anything is written
     check_tied_head(cfg, files)
-    name = dtype or (cfg.torch_dtype if cfg.torch_dtype in DTYPES else "float32")
+    base_dtype = cfg.torch_dtype or stored_float_dtype(files)  # config.json's, else the weights' (as `lorafleet merge`)
+    name = dtype or (base_dtype if base_dtype in DTYPES else "float32")
     target = check_output(out, [model], force)
     spec = MergeSpec(model_dir, None, DTYPES[name], quantize_output=True, max_shard_bytes=max_shard_bytes)
     staged = StagedOutput(target, force)
