@@ -18,7 +18,8 @@ from runtime.cli import main as cli_main
 from runtime.config import EngineConfig
 from runtime.merge.merger import MergeSpec, write_checkpoint
 from runtime.model_runner import ModelRunner, SeqStep
-from runtime.models.loader import CheckpointError
+from runtime.models.hf_config import load_model_config
+from runtime.models.loader import CheckpointError, check_checkpoint
 from runtime.quant.int8 import QUANT_METHOD, Int8Weight, dequantize_int8, int8_linear, is_quantized_projection, quantize_int8
 from tests.test_peft_match import make_runner, peft_model, rel_err
 
@@ -309,3 +310,17 @@ def test_quantize_default_dtype_is_the_stored_one_when_config_json_names_none(tm
     assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "q8" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_integer_tensors_in_a_float_checkpoint_are_refused_not_cast(int8_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """int8 codes whose quantization_config (and scales) were dropped are not weights: cast to float they
+    are W / s, 100-1000x too large. Serving refuses such a checkpoint from the headers, naming the tensor,
+    and so does quantize (before anything is written)."""
+    broken = _broken_copy(int8_dirs[0], tmp_path, lambda t: [t.pop(n) for n in list(t) if n.endswith("_scale")])
+    cfg = json.loads((broken / "config.json").read_text())
+    del cfg["quantization_config"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.\S+_proj\.weight is stored as I8; .*float"):
+        _runner(broken)
+    with pytest.raises(CheckpointError, match=r"is stored as I8"):
+        check_checkpoint(load_model_config(broken), broken)

@@ -9,7 +9,8 @@ inside the checkpoint folder (no absolute path, no ``..``; where a symlink point
 matter, as in the HF hub cache), and a shard that is not a readable safetensors file is a
 ``CheckpointError`` naming it. Pickled weights (``*.bin``, ``*.pt``,
 ``*.pth``) are refused and never opened. Every expected tensor must be present with
-the shape ``ModelConfig`` implies; a missing, misshapen or unexpected tensor is a
+the shape ``ModelConfig`` implies, and in a float checkpoint (no ``quantization_config``)
+stored as a float dtype; a missing, misshapen, integer or unexpected tensor is a
 ``CheckpointError`` naming the tensor and the file. Weights are cast to the compute
 dtype on the way in.
 
@@ -179,7 +180,8 @@ def _keys(path: Path) -> list[str]:
 def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
     """The checkpoint's tensors against ``config.json``, from the files' headers alone (no tensor
     is read): every tensor the config implies is there, in the shard the index names, with the
-    shape the config implies, and nothing else is (bar the tolerated extras). Returns
+    shape the config implies (stored as a float dtype, unless config.json names the int8 scheme),
+    and nothing else is (bar the tolerated extras). Returns
     (name -> file, name -> shape); a CheckpointError names the file and the tensor otherwise."""
     files = weight_files(model_dir)
     quantized = checkpoint_quantization(model_dir) is not None
@@ -200,9 +202,16 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
                     f"{path}: tensor {absent[0]} is not in this shard (model.safetensors.index.json names it)"
                 )
             for name in names:
-                got = tuple(f.get_slice(name).get_shape())
+                tensor = f.get_slice(name)
+                got = tuple(tensor.get_shape())
                 if got != shapes[name]:
                     raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json implies {shapes[name]}")
+                stored = tensor.get_dtype()  # safetensors' name: F32, BF16, F16, F8_E4M3, ... I8, U8, I32, BOOL
+                if not quantized and not stored.startswith(("F", "BF")):
+                    raise CheckpointError(
+                        f"{path}: tensor {name} is stored as {stored}; config.json has no quantization_config, so every "
+                        "weight must be float (int8 codes without their scales would be cast to float as if they were weights)"
+                    )
     return files, shapes
 
 
