@@ -324,3 +324,29 @@ def test_integer_tensors_in_a_float_checkpoint_are_refused_not_cast(int8_dirs: t
         _runner(broken)
     with pytest.raises(CheckpointError, match=r"is stored as I8"):
         check_checkpoint(load_model_config(broken), broken)
+
+
+@pytest.mark.parametrize("damage, message", [("negative_scale", "holds a scale that is not a finite positive number"),
+                                             ("bf16_scale", "is torch.bfloat16; the int8 weight-only format stores it as torch.float32"),
+                                             ("code_-128", "holds code -128")])  # fmt: skip
+def test_merge_reads_an_int8_base_with_the_checks_serving_makes(int8_dirs: tuple[Path, Path], tmp_path: Path, damage: str, message: str) -> None:
+    """Merge (and the float copy verification writes) dequantize the int8 base themselves: a scale or code
+    that serving refuses must be refused there too, not folded into W = q * s (a negative scale flips a
+    row's sign, and the requantized output, with fresh valid scales, would then load without complaint)."""
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def edit(tensors: dict) -> None:
+        if damage == "code_-128":
+            tensors[name][3, 1] = -128
+        elif damage == "negative_scale":
+            tensors[name + "_scale"][4] *= -1
+        else:
+            tensors[name + "_scale"] = tensors[name + "_scale"].to(torch.bfloat16)
+
+    broken = _broken_copy(int8_dirs[0], tmp_path, edit)
+    name += "" if damage == "code_-128" else "_scale"
+    for requantize in (False, True):
+        out = tmp_path / f"out-{requantize}"
+        out.mkdir()
+        with pytest.raises(CheckpointError, match=rf"tensor {name.replace('.', '[.]')} {message}"):
+            write_checkpoint(MergeSpec(broken, None, torch.float32, quantize_output=requantize), out, progress=False)

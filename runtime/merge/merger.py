@@ -6,7 +6,8 @@ For every targeted module (layer l, module m) of the adapter, in float32:
     out = cast(W', dtype)
 
 Every other tensor is copied, cast to ``dtype``. With an int8 weight-only base
-(``runtime/quant/int8.py``) a projection is first dequantized, ``W = q * s``, then
+(``runtime/quant/int8.py``) a projection is first dequantized, ``W = q * s`` (codes and
+scales checked as serving checks them: int8 in -127..127, float32 finite and > 0), then
 merged in float, then either requantized (``quantize_output=True``: new codes and new
 scales from ``W'``) or written as float. A float delta is never added to integer
 codes: the codes' grid (the scale) would not move with the weights.
@@ -40,7 +41,7 @@ from tqdm import tqdm
 
 from runtime.file_mode import new_file_mode
 from runtime.lora.adapter import LoRAAdapter
-from runtime.models.loader import CheckpointError, checkpoint_quantization, weight_files
+from runtime.models.loader import CheckpointError, check_quantized_tensor, checkpoint_quantization, weight_files
 from runtime.quant.int8 import QUANTIZATION_CONFIG, dequantize_int8, is_quantized_projection, quantize_int8, scale_name
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # HF's default shard size
@@ -160,10 +161,10 @@ def _read_float(files: dict[str, Path], names: list[str], quantized: bool) -> It
                     s_name = scale_name(name)
                     if s_name not in files:
                         raise CheckpointError(f"{path}: int8 tensor {name} has no scale tensor {s_name}")
-                    if t.dtype != torch.int8:
-                        raise CheckpointError(f"{path}: tensor {name} is {t.dtype}; the int8 weight-only format stores int8")
+                    check_quantized_tensor(name, t, path)  # as serving: int8 codes in -127..127
                     with safe_open(str(files[s_name]), framework="pt", device="cpu") as fs:
                         scale = fs.get_tensor(s_name)
+                    check_quantized_tensor(s_name, scale, files[s_name])  # float32, finite, > 0
                     yield name, dequantize_int8(t, scale)
                 elif not t.is_floating_point():
                     raise CheckpointError(f"{path}: tensor {name} is {t.dtype}; expected a float tensor")

@@ -255,7 +255,7 @@ def load_weights(
             for name in names:
                 raw[name] = f.get_tensor(name)
                 if quantized:
-                    _check_quantized_dtype(name, raw[name], path)
+                    check_quantized_tensor(name, raw[name], path)
     out: dict[str, Tensor | Int8Weight] = {}
     for name, tensor in raw.items():
         if quantized and is_quantized_projection(name):
@@ -286,8 +286,10 @@ def check_tied_head(cfg: ModelConfig, files: dict[str, Path]) -> None:
         )
 
 
-def _check_quantized_dtype(name: str, tensor: Tensor, path: Path) -> None:
-    """An int8 checkpoint: projection codes int8, their scales float32, everything else float."""
+def check_quantized_tensor(name: str, tensor: Tensor, path: Path) -> None:
+    """One tensor of an int8 checkpoint: projection codes int8 in -127..127, their scales float32,
+    finite and > 0, everything else float. Serving (``load_weights``) and merge (which dequantizes
+    ``q * s`` itself) both call it, so neither takes a tensor the other refuses."""
     if is_quantized_projection(name):
         want = torch.int8
     elif name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")]):
