@@ -350,3 +350,16 @@ def test_merge_reads_an_int8_base_with_the_checks_serving_makes(int8_dirs: tuple
         out.mkdir()
         with pytest.raises(CheckpointError, match=rf"tensor {name.replace('.', '[.]')} {message}"):
             write_checkpoint(MergeSpec(broken, None, torch.float32, quantize_output=requantize), out, progress=False)
+
+
+def test_a_row_too_small_for_a_float32_scale_quantizes_to_zero_codes_with_scale_one() -> None:
+    """max|W| / 127 underflows float32 for a row of subnormals below ~9e-44: the scale must not come out 0 (the
+    loader refuses a scale <= 0, so quantize would write a checkpoint it cannot serve); as for an all-zero row,
+    s = 1 and the codes are 0, within the round-to-nearest bound |W - q s| <= s / 2."""
+    w = torch.zeros(3, 4)
+    w[0, 0], w[1, 2], w[2, 1] = 1e-44, -3e-45, 1e-40
+    qw = quantize_int8(w)
+    assert bool((qw.scale > 0).all()) and bool(torch.isfinite(qw.scale).all())
+    assert qw.scale[:2].tolist() == [1.0, 1.0] and int(qw.q[:2].abs().max()) == 0
+    assert int(qw.q[2, 1]) == 127  # a subnormal row whose scale is representable keeps its codes
+    assert bool(((dequantize_int8(qw.q, qw.scale).double() - w.double()).abs() <= qw.scale.double()[:, None] / 2).all())

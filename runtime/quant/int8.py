@@ -2,7 +2,8 @@
 
 For a linear weight ``W [out, in]`` (float32 math):
 
-    s[o]    = max_i |W[o, i]| / 127            (s[o] = 1 for an all-zero row, whose codes are all 0)
+    s[o]    = max_i |W[o, i]| / 127            (s[o] = 1 where that is 0 in float32: an all-zero row, or one
+                                                whose quotient underflows, max|W| < ~9e-44; its codes are all 0)
     q[o, i] = clamp(round(W[o, i] / s[o]), -127, 127)   stored as int8
     W~      = q * s[:, None]                    (dequantize)
     |W - W~| <= s[o] / 2 elementwise            (round-to-nearest; the clamp never bites since |W/s| <= 127)
@@ -111,8 +112,8 @@ def quantize_int8(weight: Tensor) -> Int8Weight:
     w = weight.float()
     if not torch.isfinite(w).all():
         raise ValueError("quantize_int8: the weight contains NaN or Inf")
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    scale = w.abs().amax(dim=1) / QMAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # tested after the division: it can underflow to 0
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return Int8Weight(q.contiguous(), scale.contiguous())
 
