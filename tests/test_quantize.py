@@ -363,3 +363,15 @@ def test_a_row_too_small_for_a_float32_scale_quantizes_to_zero_codes_with_scale_
     assert qw.scale[:2].tolist() == [1.0, 1.0] and int(qw.q[:2].abs().max()) == 0
     assert int(qw.q[2, 1]) == 127  # a subnormal row whose scale is representable keeps its codes
     assert bool(((dequantize_int8(qw.q, qw.scale).double() - w.double()).abs() <= qw.scale.double()[:, None] / 2).all())
+
+
+def test_quantize_names_the_hashing_stage_after_the_progress_bar(tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After the write bar reaches 100% the base's weights are hashed for the manifest: minutes of silence on a
+    large model unless a line says so (as `lorafleet merge` does); progress=False prints nothing."""
+    from runtime.commands.quantize import quantize_checkpoint
+
+    assert _quantize(tiny_llama_dir, tmp_path / "q8") == 0
+    err = capsys.readouterr().err
+    assert "hashing the base weights" in err and err.index("hashing the base weights") > err.rindex("write")
+    quantize_checkpoint(str(tiny_llama_dir), str(tmp_path / "quiet"), progress=False)
+    assert capsys.readouterr().err == ""

@@ -51,6 +51,8 @@ def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: b
     with staged as tmp:
         summary = write_checkpoint(spec, tmp, progress=progress)
         output = {"dtype": DTYPE_NAMES[spec.dtype], "quantization": dict(QUANTIZATION_CONFIG), "files": list(summary.files)}
+        if progress:  # reads every weight file of the base again: minutes on a large model, after the bar reached 100%
+            print("hashing the base weights for the manifest ...", file=sys.stderr, flush=True)
         write_manifest(tmp, QUANTIZE_MANIFEST, quantize_manifest(base_record(cfg.name, model_dir, weights_sha256(model_dir), None), output))
         staged.publish()
     return target
