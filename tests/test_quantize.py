@@ -170,6 +170,18 @@ def test_unknown_quantization_method_is_refused(tiny_llama_dir: Path, tmp_path: 
         _runner(bad)
 
 
+def test_a_legacy_gptq_quantize_config_json_is_refused_by_name(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Older AutoGPTQ checkpoints keep their settings in quantize_config.json, not in config.json: they
+    were refused only as missing float tensors (their qweight/scales names), which did not say why."""
+    bad = tmp_path / "old-gptq"
+    bad.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "desc_act": False}))
+    with pytest.raises(CheckpointError, match=r"quantize_config\.json: a GPTQ-style quantized checkpoint .* is not supported"):
+        _runner(bad)
+
+
 def _broken_copy(q8: Path, tmp_path: Path, damage) -> Path:  # type: ignore[no-untyped-def]
     """A copy of the int8 checkpoint whose tensors ``damage(tensors)`` edited in place."""
     broken = tmp_path / "broken"

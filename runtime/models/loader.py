@@ -96,6 +96,12 @@ def checkpoint_quantization(model_dir: str | Path) -> dict | None:
         scheme = quantization_scheme(raw, path)
     except QuantizationConfigError as err:
         raise CheckpointError(str(err)) from err
+    legacy = Path(model_dir) / "quantize_config.json"  # AutoGPTQ's file, from before quantization_config lived in config.json
+    if scheme is None and legacy.is_file():
+        raise CheckpointError(
+            f"{legacy}: a GPTQ-style quantized checkpoint (its settings in quantize_config.json, not in config.json's "
+            "quantization_config) is not supported; lorafleet loads float weights or its own int8 scheme (`lorafleet quantize`)"
+        )
     return None if scheme is None else dict(scheme)
 
 
