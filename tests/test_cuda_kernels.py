@@ -276,6 +276,59 @@ def test_whole_model_greedy_matches_cpu_backend_interpreted(tiny_llama_dir, tiny
     assert kernels == cpu
 
 
+@interpreter
+@pytest.mark.interpreter
+def test_offsets_past_2_31_elements_interpreted() -> None:
+    """Every element offset the kernels form (row * stride of x, y, out and h; weight row * width
+    of A and B) is int64: Triton does int32 arithmetic on int32 operands, and a product past
+    2^31 - 1 wraps. A pool of 4096 slots x rank 64 x in 8192 reaches it in A, ~1200 slots x
+    rank 64 in a B of out 28672; activations need T x width past it (75k rows of 28672).
+    Here row 2 of x/y/out/h and the slot's first A/B row sit 2^31 + 128 and 2^31 elements
+    from their tensors' starts: views into one 8 GiB block of address space, of which the
+    kernels and the test touch a few pages. The interpreter wraps int32 as the GPU does, so
+    an offset left in int32 reads or writes 4-8 GiB before the block (a crash here)."""
+    from backends.cuda.bgmv_expand import bgmv_expand
+    from backends.cuda.bgmv_shrink import bgmv_shrink
+    from backends.cuda.sgmv_expand import sgmv_expand
+    from backends.cuda.sgmv_shrink import sgmv_shrink
+
+    try:
+        mem = torch.empty((8 << 30) + (1 << 20), dtype=torch.uint8)  # address space; untouched pages cost nothing
+    except RuntimeError:
+        pytest.skip("cannot reserve 8 GiB of address space")
+    f16, f32 = mem.view(torch.float16), mem.view(torch.float32)
+    width, rank = 16, 8  # in = out = 16
+    start = 1 << 27  # the slot's first weight row: start * width = 2^31
+    stride = (1 << 30) + 64  # row 2 of x, y (fp16) and out/h (fp32) at 2^31 + 128 elements
+    w = LoRASliceWeights.allocate(width, width, 1, 0, torch.float16, "cpu")
+    w.a_rows = f16[1 << 16 :][: (start + rank) * width].view(start + rank, width)
+    w.b_rows = f16[1 << 17 :][: (start + rank) * width].view(start + rank, width)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rank, width, generator=gen).half(), torch.randn(width, rank, generator=gen).half()
+    w.write_slot(0, start, a, b, 0.5)
+    x = f16.as_strided((3, width), (stride, 1), 1 << 10)
+    y = f16.as_strided((3, width), (stride, 1), 1 << 11)
+    out = f32.as_strided((1, 3, rank), (rank, stride, 1), 0)
+    for t in range(3):
+        x[t] = torch.randn(width, generator=gen).half()
+    slots = [0, -1, 0]
+    expect_h = x.double() @ a.double().t()
+    for path, shrink, expand in (("segment", sgmv_shrink, sgmv_expand), ("per_token", bgmv_shrink, bgmv_expand)):
+        meta = LoRABatchMeta.build(slots, "cpu", decode_only=path == "per_token")
+        out.fill_(float("nan"))
+        y.fill_(1.0)
+        shrink(x, [w], meta, out)
+        for t in (0, 2):
+            torch.testing.assert_close(out[0, t].double(), expect_h[t], rtol=1e-3, atol=1e-3, msg=f"{path} shrink row {t}")
+        assert torch.isnan(out[0, 1]).all(), f"{path} shrink wrote the no-adapter row"
+        h = out.nan_to_num(0.0).contiguous()
+        out.copy_(h)  # expand reads h from out's far rows too
+        expand(out, [w], meta, y, [0])
+        for t in (0, 2):
+            torch.testing.assert_close(y[t].double(), 1.0 + 0.5 * h[0, t].double() @ b.double().t(), rtol=2e-3, atol=2e-3, msg=f"{path} expand row {t}")
+        assert torch.equal(y[1], torch.ones(width, dtype=torch.float16)), f"{path} expand wrote the no-adapter row"
+
+
 def test_bf16_dot_is_upcast_when_interpreting() -> None:
     from backends.cuda.kernel_config import dot_in_fp32
 
