@@ -68,6 +68,8 @@ class SamplingParams:
                  float32 logits by a smaller one overflows or divides by zero (vLLM draws the same
                  line); otherwise sample from softmax(logits / temperature).
     top_k:       keep only the k most likely tokens (0 = off).
+    min_p:       in [0, 1] (vLLM's; 0 = off): after temperature, keep only the tokens whose
+                 probability is at least min_p times the most likely token's.
     top_p:       keep the smallest set of most likely tokens whose probability mass is >= top_p.
     seed:        seeds this request's own torch.Generator (None: drawn from the engine's seed).
     stop:        strings that end generation; the returned text is cut before the stop string
@@ -83,8 +85,8 @@ class SamplingParams:
                  ``z_j - frequency_penalty * c_j - presence_penalty * [c_j > 0]``.
     repetition_penalty: > 0 (vLLM's and transformers'; 1 = off); for every token j in the
                  prompt or the output so far, ``z_j / r`` where ``z_j > 0``, else ``z_j * r``.
-                 Applied before the two above; all penalties apply before temperature, top-k
-                 and top-p, and to greedy decoding too (the argmax of the penalised logits).
+                 Applied before the two above; all penalties apply before temperature, min-p,
+                 top-k and top-p, and to greedy decoding too (the argmax of the penalised logits).
     logprobs:    None = off; k in 0..20: each generated token comes with its log-probability
                  under the model and the k most likely tokens with theirs
                  (``RequestOutput.logprobs``), from ``log_softmax`` of the model's logits
@@ -105,6 +107,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -142,6 +145,8 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p: must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed: must be an integer in [0, 2**64) (a torch.Generator seed) or None, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):

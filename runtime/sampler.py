@@ -14,6 +14,9 @@ For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams`
                                 next = argmax_j z_j            (lowest index on ties)
     otherwise:                  z' = (z - max_j z_j) / temperature   (the shift leaves softmax
                                        unchanged and keeps z' <= 0, so no overflow)
+                                min_p > 0: z'_j = -inf where exp(z'_j) < min_p, i.e. where
+                                           p_j < min_p * max_i p_i (as z'_max = 0; vLLM's
+                                           order: after temperature, before top-k and top-p)
                                 top_k > 0: z'_j = -inf unless z_j is among the k largest
                                 top_p < 1: keep the smallest prefix of tokens sorted by
                                            probability whose mass reaches top_p (the most
@@ -32,7 +35,7 @@ held at float32's max (it still dominates the row), and a row that the adjustmen
 -inf (every token banned) gets its own ``NoToken`` reason.
 
 Logprobs (``SamplingParams.logprobs`` = k): ``log_softmax(z)`` of the raw row (before
-logit_bias, min_tokens, penalties, temperature, top-k and top-p), the sampled token's entry and
+logit_bias, min_tokens, penalties, temperature, min-p, top-k and top-p), the sampled token's entry and
 the k largest (``Sampler.logprobs``).
 
 Stop rules after a token is appended (the string-level ``stop`` rule lives in
@@ -261,10 +264,12 @@ def penalize_rows_(
 
 
 def filtered_logits(z: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, top-k and top-p applied to one row (see module docstring)."""
+    """Temperature, min-p, top-k and top-p applied to one row (see module docstring)."""
     z = z.float()
     z = (z - z.max()) / params.temperature
     vocab = z.shape[-1]
+    if params.min_p > 0.0:  # p_j / p_max = exp(z'_j - 0); the most likely token (z' = 0) always stays
+        z = z.masked_fill(torch.exp(z) < params.min_p, float("-inf"))
     if 0 < params.top_k < vocab:
         kth = torch.topk(z, params.top_k).values[-1]
         z = torch.where(z < kth, torch.full_like(z, float("-inf")), z)

@@ -46,7 +46,8 @@ def test_stop_rules():
     assert token_stop_reason(5, 3, p, [2]) == "length"
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", -1), ("seed", -3), ("stop", [""])])
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", -1), ("seed", -3), ("stop", [""]),
+                                          ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", True)])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -152,6 +153,50 @@ def test_top_p_applies_after_temperature():
         assert kept == want
     assert sum(torch.isfinite(filtered_logits(z, SamplingParams(temperature=0.25, top_p=0.85)))) == 1
     assert sum(torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, top_p=0.85)))) == 2
+
+
+def test_min_p_keeps_the_tokens_within_min_p_of_the_top_one_after_temperature_then_top_p_renormalizes() -> None:
+    """Random logits: min_p keeps exactly the tokens whose float64 softmax(z / T) probability is at
+    least min_p times the largest (the top one always); it runs before top_p, so top_p's mass is
+    taken over the tokens min_p kept (vLLM's order); and seeded draws follow the filtered softmax."""
+    gen = torch.Generator().manual_seed(21)
+    ran = cut = 0
+    for trial in range(40):
+        z = torch.randn(50, generator=gen) * 3
+        temperature = float(torch.empty(()).uniform_(0.3, 2.0, generator=gen))
+        min_p = float(torch.empty(()).uniform_(0.01, 0.9, generator=gen))
+        probs = _float64_softmax(z, temperature)
+        ratio = probs / probs.max()
+        if ((ratio - min_p).abs() < 1e-5).any():
+            continue  # a token on the line: float32 may fall either side of it
+        kept = torch.isfinite(filtered_logits(z, SamplingParams(temperature=temperature, min_p=min_p)))
+        assert kept.tolist() == (ratio >= min_p).tolist(), trial
+        top_p = 0.8
+        renorm = torch.where(ratio >= min_p, probs, torch.zeros_like(probs))
+        renorm = renorm / renorm.sum()
+        order = torch.argsort(renorm, descending=True)
+        mass_before = torch.cumsum(renorm[order], 0) - renorm[order]
+        want = torch.zeros(50, dtype=torch.bool)
+        want[order[mass_before < top_p]] = True
+        want &= ratio >= min_p
+        if ((mass_before - top_p).abs() < 1e-5).any():
+            continue
+        got = torch.isfinite(filtered_logits(z, SamplingParams(temperature=temperature, min_p=min_p, top_p=top_p)))
+        assert got.tolist() == want.tolist(), trial
+        ran += 1
+        cut += bool((want != (ratio >= min_p)).any())
+    assert ran >= 35 and cut >= 5  # most trials ran, and in several top_p cut into what min_p kept
+    assert torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, min_p=1.0))).sum() == 1  # only the top token
+    z = torch.tensor([2.0, 1.5, 0.0, -1.0])
+    params = SamplingParams(temperature=1.0, min_p=0.5, seed=3)  # keeps tokens 0 and 1 (ratio e^-0.5 = 0.61)
+    sampler = Sampler()
+    sampler.add("r", params)
+    n = 4000
+    counts = torch.zeros(4, dtype=torch.float64)
+    for _ in range(n):
+        counts[sampler.sample(z[None], ["r"], [params])[0]] += 1
+    want = torch.softmax(z[:2].double(), 0)
+    assert counts[2:].sum() == 0 and (counts[:2] / n - want).abs().max() < 0.03
 
 
 @pytest.mark.parametrize("temperature", [1e-46, 1e-40, 1e-38, 5e-6])

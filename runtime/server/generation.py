@@ -77,6 +77,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=0 if req.top_k == -1 else req.top_k,
+            min_p=req.min_p,
             seed=req.seed,
             stop=tuple(stops),
             stop_token_ids=tuple(req.stop_token_ids or ()),

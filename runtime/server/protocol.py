@@ -27,11 +27,11 @@ MAX_CHOICES = 64  # n
 MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries: every step adds each one
 # Fields where an explicit null means the default (OpenAI marks them nullable; clients such as
 # LangChain send ``"temperature": null`` for "not set").
-NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                                 "stream", "echo", "ignore_eos", "include_stop_str_in_output", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
                                 "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
 LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before logit_bias, "
-                 "min_tokens, penalties, temperature, top_k and top_p), one entry per generated token.")
+                 "min_tokens, penalties, temperature, min_p, top_k and top_p), one entry per generated token.")
 
 
 def _valid_unicode(text: str) -> str:
@@ -88,6 +88,8 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, description="Below 1e-5 (0 included) means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, strict=True, description="vLLM's extension: after temperature, keep only the tokens "
+                         "whose probability is at least min_p times the most likely token's. 0 disables it.")
     seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
     stop: Optional[Union[Text, list[Text]]] = Field(None, description="Up to 16 stop strings; the text ends before the match "
                                                   "(after it with include_stop_str_in_output).")

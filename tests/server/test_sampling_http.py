@@ -1,5 +1,5 @@
 """Sampling fields over HTTP (in-process, httpx over ASGI, a real engine): temperature, top_p,
-top_k, seed and stop_token_ids reach the engine and are honoured. Every request that samples
+top_k, min_p, seed and stop_token_ids reach the engine and are honoured. Every request that samples
 carries a seed, so each assertion is deterministic; "differs" compares 8 sampled tokens over a
 300-token vocabulary."""
 from __future__ import annotations
@@ -89,6 +89,22 @@ async def test_top_p_is_honoured(app, engine) -> None:
                 assert tiny["token_ids"] == greedy["token_ids"], f"{model}: top_p=1e-6 keeps only the top token, so it is greedy"
             full = [await complete(c, model, temperature=1.5, top_p=1.0, seed=seed) for seed in (1, 2, 3)]
             assert any(f["token_ids"] != greedy["token_ids"] for f in full), f"{model}: top_p=1.0 at temperature 1.5 stayed greedy"
+
+
+async def test_min_p_is_honoured_on_both_routes_and_out_of_range_is_a_400(app, engine) -> None:
+    async with client_for(app) as c:
+        for model in models(engine):
+            greedy = await complete(c, model, temperature=0)
+            for seed in (1, 2, 3):
+                top = await complete(c, model, temperature=1.5, min_p=1.0, seed=seed)
+                assert top["token_ids"] == greedy["token_ids"], f"{model}: min_p=1 keeps only the top token, so it is greedy"
+            off = [await complete(c, model, temperature=1.5, min_p=None, seed=seed) for seed in (1, 2, 3)]  # null: the default, off
+            assert any(o["token_ids"] != greedy["token_ids"] for o in off), f"{model}: min_p off at temperature 1.5 stayed greedy"
+        model = engine.adapters()[1].name
+        assert (await chat(c, model, temperature=1.5, min_p=1.0, seed=4))["token_ids"] == (await chat(c, model, temperature=0))["token_ids"]
+        for bad in (-0.5, 1.5, "0.1"):
+            r = await c.post("/v1/completions", json={"model": engine.model_name, "prompt": PROMPT, "min_p": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
 
 
 async def test_stop_token_ids_end_the_reply(app, engine) -> None:
