@@ -186,6 +186,27 @@ def test_emulated_decode_splits_more_than_32_slots_and_refuses_odd_y_widths():
     assert backend.fallbacks.counts == {"decode:y-width-multiple-16": 1, "decode:hidden-multiple-16": 1}
 
 
+def test_emulated_decode_strided_y_takes_the_torch_path():
+    """AddLora adds into y's own buffer with rows y_column apart, so a y that is a column window of
+    a wider tensor (strided rows) goes to the declared torch path, and the emulation refuses it."""
+    gen = torch.Generator().manual_seed(8)
+    backend, ops = emulated_backend()
+    weights = make_weights([(32, 32), (32, 16)], [[16, 16], [16, 16]], torch.float16, "cpu", gen)
+    slots = [0, 1, -1, 1, 0]
+    x = torch.randn(5, 32, generator=gen).half()
+    wide = torch.randn(5, 64, generator=gen).half()
+    y = wide[:, :48]
+    assert not y.is_contiguous()
+    y0, outside = y.clone(), wide[:, 48:].clone()
+    meta = LoRABatchMeta.build(slots, "cpu", decode_only=True)
+    backend.lora.apply(x, y, weights, meta, [0, 32], torch.randn(2, 5, 16, generator=gen))
+    want = expected_float64(x, y0, weights, slots, [0, 32])
+    torch.testing.assert_close(y.double(), want, atol=TOLERANCE[torch.float16], rtol=TOLERANCE[torch.float16])
+    assert torch.equal(wide[:, 48:], outside)
+    assert ops.calls["npu_batch_gather_matmul"] == 0
+    assert backend.fallbacks.counts == {"decode:y-not-contiguous": 2}
+
+
 def test_emulated_fallback_logged_once_per_reason(caplog):
     gen = torch.Generator().manual_seed(4)
     backend, _ = emulated_backend()
@@ -376,6 +397,7 @@ def test_emulation_enforces_documented_limits():
         dict(input=torch.randn(4, 72).half()),  # AddLora: y_column a multiple of 16
         dict(weight_a=torch.randn(33, 1, 16, 32).half(), weight_b=torch.randn(33, 1, 48, 16).half()),  # AddLora: W <= 32
         dict(y_slice_size=-1),  # -1 means y_column (64), above H2 (48)
+        dict(input=torch.randn(4, 80).half()[:, :64]),  # AddLora adds into input's buffer, rows y_column apart
     ]
     base = dict(input=y, x=xb, weight_b=wb, indices=idx, weight_a=wa, layer_idx=0, scale=1.0, y_offset=8, y_slice_size=48)
     for kw in rejects:

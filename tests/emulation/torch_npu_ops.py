@@ -25,7 +25,10 @@ npu_batch_gather_matmul(_), Atlas A2 only ("支持的型号: Atlas A2"; refused 
     input[b, off:off+H2] += scale * (x[b] @ weight_a[w, l]^T) @ weight_b[w, l]^T
     The CANN kernel behind it (AddLora, hicann/ops-math ``math/add_lora``: aclnnAddLora.md,
     add_lora_tiling.cpp, add_lora_base.h) adds: W and L in 1..32; y_col a multiple of 16;
-    H1, H2, y_col <= 131072; y_slice_size <= H2 (H2 columns are written at y_offset); and its
+    H1, H2, y_col <= 131072; y_slice_size <= H2 (H2 columns are written at y_offset); input
+    contiguous: the kernel atomically adds into the *input* y's buffer at ``row * y_col`` (never into
+    ``out``, add_lora_base.h CopyOutRes), so a strided input copied to a contiguous temporary by the
+    aclnn layer would take the update and ``input`` would keep its old values; and its
     arithmetic: x @ A^T accumulated in fp32 and stored as fp16, (.) @ B^T likewise, scale
     applied in fp16, then an fp16 add into y. The emulation rounds at the same places.
 """
@@ -170,6 +173,11 @@ class EmulatedTorchNpuOps:
                 raise NpuOpError(f"{name} must not be empty")
         if input.dim() != 2 or x.dim() != 2 or weight_b.dim() != 4:
             raise NpuOpError("input and x are 2-D, weight_b is 4-D")
+        if not input.is_contiguous():
+            # Not a documented error (the page says strided tensors are accepted), but the AddLora
+            # kernel adds into input's own buffer with rows y_column apart: a strided input would
+            # not be updated where it lies. Refused, so a backend that sends one fails here.
+            raise NpuOpError(f"input must be contiguous (AddLora adds into its buffer, rows y_column apart), got strides {input.stride()}")
         batch, y_col = input.shape
         h1 = x.shape[1]
         if x.shape[0] != batch:
