@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -12,6 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cuda" / "run_all.sh"
+DOCS = ROOT / "docs" / "benchmarks.md"
 
 
 # How the stand-in answers `-c "import fastapi, uvicorn"`: installed, missing, or importable only
@@ -20,7 +22,7 @@ HAS_FASTAPI, NO_FASTAPI, FASTAPI_FROM_SITE = "exit 0", "exit 1", 'case ":$PYTHON
 
 
 def _fake_python(tmp_path: Path, work: Path, failing_step: str = "", junit: str = "", fastapi: str = HAS_FASTAPI) -> Path:
-    """Records its arguments; runs inline scripts (`-`) with the real interpreter; serve.py writes a summary;
+    """Records its arguments (in ``calls`` as words, in ``argv`` quoted for ``shlex.split``); runs inline scripts (`-`) with the real interpreter; serve.py writes a summary;
     exits 1 when called with ``failing_step`` among its arguments; pytest writes ``junit`` as its report when given;
     answers the fastapi import check as ``fastapi`` says; every other `-c` check fails."""
     fake = tmp_path / "fakepy"
@@ -28,6 +30,7 @@ def _fake_python(tmp_path: Path, work: Path, failing_step: str = "", junit: str 
         (tmp_path / "junit.xml").write_text(junit)
     fake.write_text(f"""#!/bin/bash
 echo "$@" >> {tmp_path}/calls
+printf '%q ' "$@" >> {tmp_path}/argv; echo >> {tmp_path}/argv
 for a in "$@"; do [ -n "{failing_step}" ] && [ "$a" = "{failing_step}" ] && exit 1; done
 for a in "$@"; do case "$a" in --junitxml=*) [ -f {tmp_path}/junit.xml ] && cp {tmp_path}/junit.xml "${{a#--junitxml=}}";; esac; done
 if [ "$1" = "-" ]; then exec {sys.executable} "$@"; fi
@@ -132,3 +135,48 @@ def test_carried_wheels_are_installed_offline_for_the_http_step_only(tmp_path: P
     install = next(line for line in calls if "-m pip install" in line)
     assert "--no-index" in install and f"--target {work}/site" in install and install.endswith("uvicorn-0-py3-none-any.whl")
     assert any("--spawn-server" in line for line in calls)  # importable from WORKDIR/site: the step ran
+
+
+def _script_argv(tmp_path: Path) -> dict[str, list[str]]:
+    """The arguments run_all.sh passed to each Python entry point in a run with the stand-in (``_run``),
+    exactly as bash expanded them, keyed by entry point (the HTTP step's serve.py as ``serve_http``)."""
+    calls = {}
+    for line in (tmp_path / "argv").read_text().splitlines():
+        argv = shlex.split(line)
+        if argv[:3] == ["-m", "runtime.cli", "probe"]:
+            calls["probe"] = argv[3:]
+        elif argv and argv[0].startswith("benchmarks/"):
+            name = Path(argv[0]).stem
+            calls["serve_http" if "--spawn-server" in argv else name] = argv[1:]
+    return calls
+
+
+def _flags(argv: list[str], drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """``--flag value`` pairs (a flag followed by another flag, or last, maps to ''), without ``drop``."""
+    pairs = {}
+    for i, word in enumerate(argv):
+        if word.startswith("--"):
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else ""
+            pairs[word] = value
+    return {k: v for k, v in pairs.items() if k not in drop}
+
+
+def test_the_docs_quote_the_serving_command_the_script_runs(tmp_path: Path):
+    """docs/benchmarks.md's NVIDIA section quotes "the command in benchmarks/cuda/run_all.sh": the same flags
+    and values (its --out and --workdir folders aside). It once lacked --max-num-batched-tokens 1024, so the
+    quoted command ran the engine's GPU default, 2048 tokens a step, not the measured run's 1024."""
+    _run(tmp_path, budget=540)
+    script = _script_argv(tmp_path)["serve"]
+    text = DOCS.read_text()
+    heading = "### Serving benchmark (`benchmarks/serve.py --device cuda`, the command in `benchmarks/cuda/run_all.sh`)"
+    assert heading in text
+    block: list[str] = []
+    for line in text.split(heading, 1)[1].splitlines()[1:]:
+        if line.startswith("    "):
+            block.append(line.strip().rstrip("\\"))
+        elif block:  # the first code block after the heading ends
+            break
+    quoted = shlex.split(" ".join(block))
+    assert quoted[0] == "benchmarks/serve.py"
+    paths = ("--out", "--workdir")
+    assert _flags(quoted[1:], paths) == _flags(script, paths)
