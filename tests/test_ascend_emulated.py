@@ -517,10 +517,11 @@ def _junit(*cases: tuple[str, str, str]) -> str:
     return f"<testsuites><testsuite>{body}</testsuite></testsuites>"
 
 
-def _run_ascend_script(tmp_path: Path, junit: str | None) -> tuple[int, Path]:
+def _run_ascend_script(tmp_path: Path, junit: str | None, env_changes: dict[str, str | None] | None = None) -> tuple[int, Path]:
     """Run the script with PYTHON set to a stand-in that runs inline scripts given arguments (the junit
     summary) with the real interpreter, copies ``junit`` (if given) to pytest's --junitxml path, and
-    succeeds at everything else (env.json's inline script, which would import torch, prints {})."""
+    succeeds at everything else (env.json's inline script, which would import torch, prints {}).
+    ``env_changes``: variables to set, or with None to unset, on top of the default environment."""
     if junit is not None:
         (tmp_path / "junit.xml").write_text(junit)
     fake = tmp_path / "fakepy"
@@ -533,6 +534,11 @@ exit 0
     fake.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": str(fake), "ASCEND_TOOLKIT_HOME": "/nonexistent"}
+    for key, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     done = subprocess.run(["bash", str(ASCEND_SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, out
 
@@ -558,3 +564,22 @@ def test_ascend_script_fails_when_no_hardware_test_passed(tmp_path: Path, hardwa
         assert "was not written" in counts["error"]
     else:
         assert counts["hardware"]["passed"] == (1 if hardware == "passed" else 0) and counts["emulated"]["passed"] == 1
+
+
+def test_ascend_script_survives_a_toolkit_set_env_that_reads_unset_variables(tmp_path: Path) -> None:
+    """Without CANN's environment loaded the script sources the toolkit's set_env.sh, a vendor script that
+    appends to PYTHONPATH and LD_LIBRARY_PATH whether or not they are set. Under the script's `set -u`
+    the first unset one ended the run there, before any part ran and with no summary.json."""
+    import json
+
+    set_env = tmp_path / "set_env.sh"
+    set_env.write_text(f"""export LD_LIBRARY_PATH=/nonexistent/lib64:$LD_LIBRARY_PATH
+export PYTHONPATH=/nonexistent/python/site-packages:$PYTHONPATH
+touch {tmp_path}/sourced
+""")
+    junit = _junit(("tests.test_ascend_npu", "test_npu_more_than_128_segments", "passed"))
+    code, out = _run_ascend_script(tmp_path, junit, {"ASCEND_TOOLKIT_HOME": None, "ASCEND_SET_ENV": str(set_env),
+                                                     "PYTHONPATH": None, "LD_LIBRARY_PATH": None})
+    assert (tmp_path / "sourced").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert (code, summary["tests_rc"], summary["probe_rc"], summary["bench_rc"]) == (0, 0, 0, 0)

@@ -5,7 +5,9 @@
 #   benchmarks/ascend/run_all.sh OUTDIR
 #
 # Needs torch_npu + the CANN toolkit + an Ascend device. If CANN's environment is not
-# loaded yet, the default toolkit set_env.sh is sourced. Writes:
+# loaded yet, the toolkit's set_env.sh is sourced (ASCEND_SET_ENV, default
+# /usr/local/Ascend/ascend-toolkit/set_env.sh) with `set -u` off while it runs: a vendor script
+# may append to a variable such as PYTHONPATH or LD_LIBRARY_PATH without checking that it is set. Writes:
 #   env.json                 torch / torch_npu versions, device name
 #   npu_tests.xml / .log     pytest -m "npu or emulated" on the Ascend test files
 #   npu_tests.json           their outcomes counted: hardware (tests/test_ascend_npu.py) and emulated
@@ -25,9 +27,12 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
 
-if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f /usr/local/Ascend/ascend-toolkit/set_env.sh ]; then
-  # shellcheck disable=SC1091
-  source /usr/local/Ascend/ascend-toolkit/set_env.sh
+SET_ENV=${ASCEND_SET_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}
+if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f "$SET_ENV" ]; then
+  set +u  # a vendor script: under -u its first unset variable would end this run before any part ran
+  # shellcheck disable=SC1090
+  source "$SET_ENV"
+  set -u
 fi
 
 "$PY" - > "$OUT/env.json" <<'PYEOF'
