@@ -568,8 +568,9 @@ def test_ascend_script_fails_when_no_hardware_test_passed(tmp_path: Path, hardwa
 
 def test_ascend_script_survives_a_toolkit_set_env_that_reads_unset_variables(tmp_path: Path) -> None:
     """Without CANN's environment loaded the script sources the toolkit's set_env.sh, a vendor script that
-    appends to PYTHONPATH and LD_LIBRARY_PATH whether or not they are set. Under the script's `set -u`
-    the first unset one ended the run there, before any part ran and with no summary.json."""
+    may append to PYTHONPATH and LD_LIBRARY_PATH whether or not they are set. Under the script's `set -u`
+    the first unset one ended the run there, before any part ran and with no summary.json. (PYTHONPATH
+    is the one unset here: LD_LIBRARY_PATH may be what this interpreter needs to start.)"""
     import json
 
     set_env = tmp_path / "set_env.sh"
@@ -578,8 +579,7 @@ export PYTHONPATH=/nonexistent/python/site-packages:$PYTHONPATH
 touch {tmp_path}/sourced
 """)
     junit = _junit(("tests.test_ascend_npu", "test_npu_more_than_128_segments", "passed"))
-    code, out = _run_ascend_script(tmp_path, junit, {"ASCEND_TOOLKIT_HOME": None, "ASCEND_SET_ENV": str(set_env),
-                                                     "PYTHONPATH": None, "LD_LIBRARY_PATH": None})
+    code, out = _run_ascend_script(tmp_path, junit, {"ASCEND_TOOLKIT_HOME": None, "ASCEND_SET_ENV": str(set_env), "PYTHONPATH": None})
     assert (tmp_path / "sourced").is_file()
     summary = json.loads((out / "summary.json").read_text())
     assert (code, summary["tests_rc"], summary["probe_rc"], summary["bench_rc"]) == (0, 0, 0, 0)
