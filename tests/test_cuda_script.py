@@ -11,6 +11,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cuda" / "run_all.sh"
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -180,3 +182,44 @@ def test_the_docs_quote_the_serving_command_the_script_runs(tmp_path: Path):
     assert quoted[0] == "benchmarks/serve.py"
     paths = ("--out", "--workdir")
     assert _flags(quoted[1:], paths) == _flags(script, paths)
+
+
+class _FlagsAccepted(Exception):
+    """Raised where an entry point would start its real work: every flag and combination passed its checks."""
+
+
+def _stop(*args, **kwargs):
+    raise _FlagsAccepted
+
+
+def test_every_python_entry_point_accepts_the_flags_the_script_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each Python step gets the exact arguments the script passes (recorded by the stand-in) and runs all its
+    argument checks, with the cuda device reported available, up to the point where it would build weights or a
+    backend: a renamed flag, a refused combination or value fails here rather than on a lent GPU."""
+    _run(tmp_path, budget=540)
+    calls = _script_argv(tmp_path)
+    assert set(calls) == {"probe", "lora_ops", "step_times", "serve", "serve_http"}
+    assert all("--device" in argv and argv[argv.index("--device") + 1] == "cuda" for argv in calls.values())
+    monkeypatch.chdir(ROOT)
+
+    import backends
+    from runtime import cli
+
+    monkeypatch.setattr(backends, "availability", _stop)  # probe: past argument parsing, it asks for the device
+    with pytest.raises(_FlagsAccepted):
+        cli.main(["probe", *calls["probe"]])
+
+    from benchmarks import lora_ops, serve, step_times
+
+    monkeypatch.setattr(lora_ops, "get_backend", _stop)
+    with pytest.raises(_FlagsAccepted):
+        lora_ops.main(calls["lora_ops"])
+
+    available = lambda name: (True, "")  # noqa: E731
+    for module, name, prepare in ((step_times, "step_times", (step_times.suite, "prepare")), (serve, "serve", (serve, "prepare")),
+                                  (serve, "serve_http", (serve, "prepare"))):  # fmt: skip
+        monkeypatch.setattr(module, "availability", available)
+        monkeypatch.setattr(*prepare, _stop)  # where the weights would be built
+        monkeypatch.setattr(sys, "argv", [module.__file__, *calls[name]])
+        with pytest.raises(_FlagsAccepted):
+            module.main()
