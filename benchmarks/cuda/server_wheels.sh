@@ -14,6 +14,6 @@ py=${PYTHON:-python3}
 mkdir -p "$dir"
 "$py" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" \
-  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2
 echo "wheels in $dir ($(du -sh "$dir" | cut -f1)); carry it to the GPU machine with the repository"
