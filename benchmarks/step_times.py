@@ -17,7 +17,8 @@ pass 0 on a fresh machine (its slowest steps).
 
 The workload flags are ``benchmarks/serve.py``'s (and their defaults the workload generator's);
 ``benchmarks/cuda/run_all.sh`` passes its serving step's workload (96 requests, 16 adapters, zipf
-1, prompts of 16-64 words, 32-128 output tokens, seed 0), whose weights the two steps share.
+1, prompts of 16-64 words, 32-128 output tokens, seed 0) and step budget (1024 tokens), whose
+weights the two steps share.
 ``--rate`` and ``--cv`` are refused: every request arrives at once.
 """
 from __future__ import annotations
@@ -91,6 +92,9 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=512, help="synthetic llama hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=4, help="synthetic llama layers (default: %(default)s)")
     p.add_argument("--max-loras", type=int, default=16, help="device adapter slots (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step, as benchmarks/serve.py's (default: the engine's, max(256, max_num_seqs) "
+                        "on the cpu, 2048 on a GPU/NPU)")
     p.add_argument("--workdir", default=None, help="synthetic weights folder, kept for later runs (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()
@@ -100,6 +104,8 @@ def main() -> int:
         p.error("; ".join(problems))
     if a.max_loras < 1:
         p.error(f"--max-loras: must be >= 1, got {a.max_loras}")
+    if a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
+        p.error(f"--max-num-batched-tokens: must be >= 1, got {a.max_num_batched_tokens}")
     if a.json and not Path(a.json).resolve().parent.is_dir():
         p.error(f"--json: the folder {Path(a.json).resolve().parent} does not exist")
     ok, reason = availability(resolve_name(a.device))
@@ -112,11 +118,12 @@ def main() -> int:
         p.error(str(err))
     with tempfile.TemporaryDirectory(prefix="step-times-") as scratch:
         workdir = Path(a.workdir) if a.workdir else Path(scratch)
-        setup = BenchSetup(workdir, shape, a.device, a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None))
+        setup = BenchSetup(workdir, shape, a.device, a.dtype, max_loras=a.max_loras, max_cpu_loras=host_tier_size(a.max_loras, None),
+                           max_num_batched_tokens=a.max_num_batched_tokens)
         workload = generate(spec).all_at_once()
         model_dir, adapters = suite.prepare(workload, setup)
         result: dict[str, Any] = {"device": a.device, "dtype": a.dtype, "shape": dataclasses.asdict(shape),
-                                  "workload": dataclasses.asdict(spec)}  # fmt: skip
+                                  "max_num_batched_tokens": a.max_num_batched_tokens, "workload": dataclasses.asdict(spec)}  # fmt: skip
         for label, base_only in (("lora", False), ("no_adapters", True)):
             result[label] = two_passes(setup, model_dir, adapters, workload, base_only)
             for n, summary in enumerate(result[label]):

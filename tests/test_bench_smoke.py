@@ -507,12 +507,17 @@ def test_step_times_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/step_times.py: both runs, two passes each, summaries consistent with themselves (no timings asserted)."""
     out = tmp_path / "steps.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step_times.py"), "--hidden", "64", "--layers", "1", "--num-requests", "8",
-           "--adapters", "3", "--input-len", "2,4", "--output-len", "3,6", "--workdir", str(tmp_path / "w"), "--json", str(out)]
+           "--adapters", "3", "--input-len", "2,4", "--output-len", "3,6", "--max-num-batched-tokens", "4", "--workdir", str(tmp_path / "w"),
+           "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True, text=True)
     res = json.loads(out.read_text())
-    assert res["workload"]["num_requests"] == 8 and res["shape"]["hidden_size"] == 64
+    assert res["workload"]["num_requests"] == 8 and res["shape"]["hidden_size"] == 64 and res["max_num_batched_tokens"] == 4
     spec = WorkloadSpec(num_requests=8, num_adapters=3, input_len=(2, 4), output_len=(3, 6))
-    longest = max(r.output_tokens for r in generate(spec).requests)  # one token a step at most
+    requests = generate(spec).requests
+    # The 4-token budget reaches the engine: every prompt word is at least one token, and each request feeds
+    # its prompt and all but its last token, at most 4 tokens a step (the engine's cpu default, 256, takes ~7 steps).
+    fed = sum(r.input_words + r.output_tokens - 1 for r in requests)
+    longest = max(max(r.output_tokens for r in requests), -(-fed // 4))
     for label in ("lora", "no_adapters"):
         assert len(res[label]) == 2, res[label]
         for n, p in enumerate(res[label]):

@@ -200,6 +200,8 @@ def test_every_python_entry_point_accepts_the_flags_the_script_passes(tmp_path: 
     calls = _script_argv(tmp_path)
     assert set(calls) == {"probe", "lora_ops", "step_times", "serve", "serve_http"}
     assert all("--device" in argv and argv[argv.index("--device") + 1] == "cuda" for argv in calls.values())
+    budget = {name: calls[name][calls[name].index("--max-num-batched-tokens") + 1] for name in ("step_times", "serve")}
+    assert budget["step_times"] == budget["serve"], budget  # step_times profiles the serving step's steps
     monkeypatch.chdir(ROOT)
 
     import backends

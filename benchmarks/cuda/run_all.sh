@@ -144,7 +144,7 @@ step lora_ops 200 "$PY" benchmarks/lora_ops.py --device cuda --json "$OUT/lora_o
 
 # The serving step's model and workload (the weights are shared with it); an estimated 40-60 s on an
 # H200 (not run there yet).
-step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --max-loras 16 \
+step step_times 120 "$PY" benchmarks/step_times.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --max-loras 16 --max-num-batched-tokens 1024 \
   --num-requests 96 --adapters 16 --popularity zipf --alpha 1 --input-len 16,64 --output-len 32,128 \
   --workdir "$WORK/weights" --json "$OUT/step_times.json"
 
