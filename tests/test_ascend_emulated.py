@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import zlib
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -527,6 +528,7 @@ def _run_ascend_script(tmp_path: Path, junit: str | None, env_changes: dict[str,
     fake = tmp_path / "fakepy"
     fake.write_text(f"""#!/bin/bash
 for a in "$@"; do case "$a" in --junitxml=*) [ -f {tmp_path}/junit.xml ] && cp {tmp_path}/junit.xml "${{a#--junitxml=}}";; esac; done
+if [ -n "${{FAKE_HANG:-}}" ] && [[ " $* " == *" $FAKE_HANG "* ]]; then exec sleep 60; fi
 if [ "$1" = "-" ] && [ $# -gt 1 ]; then exec {sys.executable} "$@"; fi
 if [ "$1" = "-" ]; then cat > /dev/null; echo '{{}}'; fi
 exit 0
@@ -541,6 +543,15 @@ exit 0
             env[key] = value
     done = subprocess.run(["bash", str(ASCEND_SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, out
+
+
+def test_ascend_script_a_hung_part_times_out_and_the_others_still_run(tmp_path: Path) -> None:
+    """The tests part hangs (the stand-in sleeps on pytest's arguments): it is stopped after
+    ASCEND_PART_TIMEOUT_S with rc 124, the probe and the benchmark still run, and the run fails."""
+    junit = _junit(("tests.test_ascend_npu", "test_a", "passed"))
+    rc, out = _run_ascend_script(tmp_path, junit, {"ASCEND_PART_TIMEOUT_S": "2", "FAKE_HANG": "pytest"})
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc != 0 and summary["tests_rc"] == 124 and summary["probe_rc"] == 0 and summary["bench_rc"] == 0, summary
 
 
 @pytest.mark.parametrize("hardware, rc", [("skipped", 3), ("passed", 0), (None, 3)])

@@ -14,6 +14,8 @@
 #   probe.json               lorafleet probe --device npu --json
 #   lora_ops.json / .log     benchmarks/lora_ops.py --device npu
 #   summary.json             exit status of each part
+# Each part runs under `timeout` (ASCEND_PART_TIMEOUT_S seconds, default 1800; rc 124 when it ran
+# past it), so a hung device op costs one part, not the whole run.
 # Exits non-zero when any part failed; every part runs regardless. The tests count as failed
 # (tests_rc 3) when no hardware test passed: without a usable device they all skip, the emulated
 # ones pass, and pytest exits 0, which verifies nothing on the device.
@@ -27,6 +29,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
 
+PART_TIMEOUT_S=${ASCEND_PART_TIMEOUT_S:-1800}
+part() { timeout --kill-after=30 "$PART_TIMEOUT_S" "$@"; }
+
 SET_ENV=${ASCEND_SET_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}
 if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f "$SET_ENV" ]; then
   set +u  # a vendor script: under -u its first unset variable would end this run before any part ran
@@ -35,7 +40,7 @@ if [ -z "${ASCEND_TOOLKIT_HOME:-}" ] && [ -f "$SET_ENV" ]; then
   set -u
 fi
 
-"$PY" - > "$OUT/env.json" <<'PYEOF'
+part "$PY" - > "$OUT/env.json" <<'PYEOF'
 import json, platform
 info = {"python": platform.python_version()}
 try:
@@ -48,7 +53,7 @@ except (ImportError, OSError, RuntimeError) as err:  # recorded; the tests below
 print(json.dumps(info, indent=2))
 PYEOF
 
-"$PY" -m pytest -p no:cacheprovider -q -m "npu or emulated" \
+part "$PY" -m pytest -p no:cacheprovider -q -m "npu or emulated" \
   tests/test_ascend_npu.py tests/test_ascend_emulated.py \
   --junitxml="$OUT/npu_tests.xml" > "$OUT/npu_tests.log" 2>&1
 tests_rc=$?
@@ -73,10 +78,10 @@ PYEOF
 guard_rc=$?
 [ "$tests_rc" -eq 0 ] && [ "$guard_rc" -ne 0 ] && tests_rc=$guard_rc
 
-"$PY" -m runtime.cli probe --device npu --json > "$OUT/probe.json" 2> "$OUT/probe.err"
+part "$PY" -m runtime.cli probe --device npu --json > "$OUT/probe.json" 2> "$OUT/probe.err"
 probe_rc=$?
 
-"$PY" benchmarks/lora_ops.py --device npu --json "$OUT/lora_ops.json" > "$OUT/lora_ops.log" 2>&1
+part "$PY" benchmarks/lora_ops.py --device npu --json "$OUT/lora_ops.json" > "$OUT/lora_ops.log" 2>&1
 bench_rc=$?
 
 cat > "$OUT/summary.json" <<JSON
