@@ -4,7 +4,8 @@ Only mounted with ``--enable-adapter-admin``. A path must resolve, symlinks
 included, inside one of the ``--adapter-root`` folders before anything is read, and so
 must the files the loader opens in it.
 Loading an existing name is a hot update: a new immutable version; requests in
-flight finish on the version they started with.
+flight finish on the version they started with. Once the engine has died or is shut
+down, both routes answer 503 ``engine_unavailable``, as the generation routes do.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from runtime.async_engine import EngineDeadError
 from runtime.request import UnknownAdapterError
 from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
@@ -36,6 +38,8 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(400, str(err), param="lora_path", code="invalid_parameter") from err
         try:
             ref = await asyncio.to_thread(state.engine.register_adapter, body.lora_name, str(path))
+        except EngineDeadError as err:  # a RuntimeError: the engine died or is shut down
+            raise APIError(503, str(err), code="engine_unavailable") from err
         except ValueError as err:  # the validator's message: names the file and the key/tensor
             raise APIError(400, str(err), param="lora_path", code="invalid_adapter") from err
         except OSError as err:  # unreadable, or removed between the loader's checks and its read
@@ -47,6 +51,8 @@ def build_router(state: Any) -> APIRouter:
     async def unload_lora_adapter(body: UnloadAdapterRequest) -> Any:
         try:
             await asyncio.to_thread(state.engine.unregister_adapter, body.lora_name)
+        except EngineDeadError as err:
+            raise APIError(503, str(err), code="engine_unavailable") from err
         except UnknownAdapterError as err:
             raise APIError(404, str(err), param="lora_name", code="model_not_found") from err
         return JSONResponse({"object": "lora_adapter", "lora_name": body.lora_name, "unloaded": True})

@@ -505,3 +505,20 @@ async def test_an_adapter_card_is_dated_by_its_registration(app, adapter_root: P
         await c.post("/v1/unload_lora_adapter", json={"lora_name": "dated"})
     assert cards["dated"]["created"] == 1_000_000_000
     assert cards[engine.model_name]["created"] > 1_000_000_000  # the base: the server's start
+
+
+async def test_admin_routes_on_a_stopped_engine_are_503s(adapter_root: Path, tiny_llama_dir: Path) -> None:
+    """Once the engine is shut down (or has died), a load or unload is a 503 engine_unavailable,
+    as completions are, not a 500 "internal server error" with a traceback in the log."""
+    from runtime.async_engine import AsyncLLMEngine
+    from tests.server.conftest import make_engine_config
+
+    stopped = AsyncLLMEngine(make_engine_config(tiny_llama_dir))
+    app = create_app(stopped, ServerOptions(enable_adapter_admin=True, adapter_roots=(adapter_root,)))
+    stopped.shutdown()
+    async with client_for(app, raise_app_exceptions=False) as c:
+        load = await c.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapter_root / "a")})
+        unload = await c.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+    for r in (load, unload):
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_unavailable", r.text
