@@ -119,6 +119,29 @@ def test_truncated_safetensors_header(copy_of, targets):
     expect(path, targets, "adapter_model.safetensors", "truncated")
 
 
+def test_weights_larger_than_any_adapter_of_the_model_are_refused_before_they_are_read(copy_of, targets):
+    """Tensor data beyond what every target in every layer at max_lora_rank can hold (in float64, the
+    widest dtype) is refused from the file's size. Before, the whole file was read into memory first:
+    a multi-gigabyte file (a full checkpoint saved under the adapter's name, a sparse file) could
+    take the server's memory, and bytes past the last tensor were read and then ignored."""
+    path = copy_of()
+    file = path / "adapter_model.safetensors"
+    legit = file.stat().st_size
+    max_data = 8 * 64 * 2 * sum(i + o for i, o in targets.values())  # float64, max_lora_rank 64, 2 layers
+    os.truncate(file, legit + max_data)  # sparse: the tensors stay valid, then zeros
+    expect(path, targets, "adapter_model.safetensors", "bytes of tensor data", "max_lora_rank=64")
+    os.truncate(file, legit)
+    assert load(path, targets).modules  # the file as written still loads
+
+
+def test_an_oversized_config_is_refused_before_it_is_read(copy_of, targets):
+    path = copy_of()
+    config = path / "adapter_config.json"
+    with config.open("a") as f:
+        f.write(" " * 17 * 2**20)  # valid JSON still: whitespace after the object
+    expect(path, targets, "adapter_config.json", "larger than")
+
+
 class _MarksIfUnpickled:
     """Unpickling this creates a file: proof that the loader never unpickles."""
 

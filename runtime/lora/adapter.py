@@ -27,7 +27,7 @@ LoftQ, with which PEFT rewrites the base weights on load (``W - scale * B0 A0``)
 adding the adapter. Tensor keys with PEFT's ``.default`` adapter-name infix
 (``lora_A.default.weight``) are read like the plain ones, as PEFT reads them.
 
-Validation order: files -> JSON -> config fields -> targets -> safetensors header
+Validation order: files (and their sizes, before reading them) -> JSON -> config fields -> targets -> safetensors header
 (names, dtypes, shapes, ranks, byte ranges) -> tensor values (NaN/Inf). Every failure
 is an ``AdapterError`` naming the file and the key or tensor.
 
@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_a
 # Modules of a Llama-family model that exist but cannot carry LoRA here.
 UNSUPPORTED_MODULES = ("lm_head", "model.embed_tokens")
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# Size limits checked before a file is read, so a huge file cannot take the process's memory:
+MAX_CONFIG_BYTES = 16 * 2**20  # adapter_config.json (a real one is a few KiB, rank_pattern included)
+MAX_HEADER_BYTES = 100_000_000  # a safetensors header: the safetensors library's own limit
 _TENSOR_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Config fields that change the math; a non-default value we cannot honour is refused.
 _REFUSED_IF_TRUTHY = ("use_dora", "lora_bias", "layer_replication", "target_parameters", "trainable_token_indices",
@@ -155,7 +159,7 @@ def load_adapter(
     raw = _read_config(config_path)
     cfg = _parse_config(raw, config_path)
     modules = _resolve_modules(cfg, config_path, targets, num_layers)
-    header, data_start, blob = _read_safetensors(weights_path)
+    header, data_start, blob = _read_safetensors(weights_path, max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank)
     header = _without_default_infix(header, weights_path)
     plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank, num_layers)
     tensors = _decode_tensors(header, data_start, blob, weights_path)
@@ -195,9 +199,20 @@ class _Config:
     layers_pattern: tuple[str, ...] = ()
 
 
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of ``path``, refused (an AdapterError) without reading them when it holds more than
+    ``limit``; a file that grows meanwhile is read only up to ``limit + 1`` bytes and refused too."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise AdapterError(f"{path}: {max(size, len(data))} bytes, larger than {what} ({limit} bytes)")
+    return data
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(_read_bounded(path, MAX_CONFIG_BYTES, "an adapter config can be").decode())
     except json.JSONDecodeError as err:
         raise AdapterError(f"{path}: invalid JSON: {err}") from err
     except UnicodeDecodeError as err:
@@ -432,9 +447,29 @@ def _refuse_unsupported(hits: list[str], path: Path, what: str, targets: Mapping
 # ---- safetensors -------------------------------------------------------------------------
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, Any], int, bytes]:
-    """Parse and check the header (size, JSON, byte ranges); returns (tensor entries, data offset, file bytes)."""
-    blob = path.read_bytes()
+def max_weights_bytes(targets: Mapping[str, tuple[int, int]], num_layers: int, max_lora_rank: int) -> int:
+    """The most tensor data an adapter of this model can hold: A ``[r, in]`` and B ``[out, r]`` for
+    every LoRA target in every layer, at ``max_lora_rank``, in the widest dtype read (float64)."""
+    widest = max(torch.empty(0, dtype=dtype).element_size() for dtype in SAFETENSORS_DTYPES.values())
+    return widest * max_lora_rank * num_layers * sum(d_in + d_out for d_in, d_out in targets.values())
+
+
+def _read_safetensors(path: Path, max_data_bytes: int, max_lora_rank: int) -> tuple[dict[str, Any], int, bytes]:
+    """Parse and check the header (size, JSON, byte ranges); returns (tensor entries, data offset, file bytes).
+
+    Sizes are checked before the bytes are read: a header over ``MAX_HEADER_BYTES``, or more
+    tensor data than ``max_data_bytes`` (``max_weights_bytes``), is refused unread."""
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        blob = f.read(8)
+        if len(blob) == 8:
+            (header_len,) = struct.unpack("<Q", blob)
+            if header_len > MAX_HEADER_BYTES:
+                raise AdapterError(f"{path}: safetensors header of {header_len} bytes, larger than the {MAX_HEADER_BYTES} bytes safetensors allows")
+            if size - 8 - header_len > max_data_bytes:
+                raise AdapterError(f"{path}: {size - 8 - header_len} bytes of tensor data, more than an adapter of this model can hold "
+                                   f"({max_data_bytes} bytes: every LoRA target in every layer at max_lora_rank={max_lora_rank}, in float64)")
+            blob += f.read(header_len + max_data_bytes)  # a file grown since fstat is cut short at the limit
     if len(blob) < 8:
         raise AdapterError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
     (header_len,) = struct.unpack("<Q", blob[:8])
