@@ -379,7 +379,7 @@ def test_adapter_root_without_admin_is_refused(tmp_path: Path, tiny_llama_dir: P
 @pytest.mark.parametrize(
     "text, message",
     [('enable_adapter_admin: "false"\n', "enable_adapter_admin: expected true or false, got 'false'"),
-     ("api_key: 12345678\n", "api_key: expected a string, got 12345678"),
+     ("api_key: 12345678\n", "api_key: expected a string, got an integer"),
      ("served_model_name: 2024\n", "served_model_name: expected a string, got 2024"),
      ("host: 0\n", "host: expected a string, got 0"),
      ("host: null\n", "host: expected a string, got None"),
@@ -395,6 +395,24 @@ def test_yaml_server_keys_are_type_checked(tmp_path: Path, tiny_llama_dir: Path,
     cfg.write_text(f"model: {tiny_llama_dir}\n" + text)
     with pytest.raises(ConfigError, match=message):
         serve.load_settings(parse("--config", str(cfg)))
+
+
+@pytest.mark.parametrize("flags", [(), ("--api-key", "from-the-flag-123")])
+def test_a_mistyped_api_key_is_not_echoed(tmp_path: Path, tiny_llama_dir: Path, flags: tuple[str, ...]) -> None:
+    """An unquoted numeric key in the YAML is a ConfigError that says what type it has, never the
+    key itself: the message goes to stderr, and from there to logs others can read."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\napi_key: 8675309123456\n")
+    with pytest.raises(ConfigError, match="api_key: expected a string, got an integer") as info:
+        serve.load_settings(parse("--config", str(cfg), *flags))
+    assert "8675309123456" not in str(info.value)
+
+
+def test_server_options_keep_the_api_key_out_of_their_repr() -> None:
+    from runtime.server.options import ServerOptions
+
+    shown = repr(ServerOptions(api_key="do-not-print-me"))
+    assert "do-not-print-me" not in shown and "host='127.0.0.1'" in shown
 
 
 def test_yaml_nullable_server_keys_mean_not_set(tmp_path: Path, tiny_llama_dir: Path) -> None:

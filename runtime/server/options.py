@@ -35,7 +35,7 @@ class ServerOptions:
     port: int = 8000
     served_model_name: str | None = None
     enable_adapter_admin: bool = False
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: kept out of repr(), and so out of logs and tracebacks
     adapter_roots: tuple[Path, ...] = field(default_factory=tuple)
     max_request_bytes: int = 1 << 20
     metrics_max_adapters: int = 100

@@ -110,12 +110,19 @@ def load_yaml(path: str) -> dict[str, Any]:
     return normalize_keys(data, f"--config {path}")
 
 
+# Keys whose value is a secret: an error names the type it got, never the value (errors go to stderr and logs).
+SECRET_KEYS = ("api_key",)
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", list: "a list", dict: "a mapping"}
+
+
 def _wrong_type(key: str, value: Any) -> Optional[str]:
-    """``expected X, got V`` when ``value`` is not of ``key``'s type (``KEY_TYPES``), else None."""
+    """``expected X, got V`` when ``value`` is not of ``key``'s type (``KEY_TYPES``), else None.
+    For ``SECRET_KEYS``, V is the value's type in words, not the value."""
     kinds, expected, nullable = KEY_TYPES[key]
     wrong_bool = isinstance(value, bool) and bool not in kinds  # YAML true is no integer here
     if (value is None and not nullable) or (value is not None and (wrong_bool or not isinstance(value, kinds))):
-        return f"expected {expected}, got {value!r}"
+        got = _TYPE_WORDS.get(type(value), type(value).__name__) if key in SECRET_KEYS else repr(value)
+        return f"expected {expected}, got {got}"
     return None
 
 
