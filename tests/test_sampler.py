@@ -115,18 +115,23 @@ def _float64_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(z.double() / temperature, 0)
 
 
+def _draw_counts(z: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    """How often each token of the row ``z`` is drawn in ``n`` draws of one seeded request."""
+    sampler = Sampler()
+    sampler.add("r", params)
+    counts = torch.zeros(z.shape[0], dtype=torch.float64)
+    for _ in range(n):
+        counts[sampler.sample(z[None], ["r"], [params])[0]] += 1
+    return counts
+
+
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_sampled_frequencies_follow_softmax_over_temperature(temperature):
     """20000 seeded draws against float64 softmax(z / T): total variation within sampling noise
     (about 0.01 here), while using T = 1 or T^2 instead would be off by more than 0.09."""
     z = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
-    params = SamplingParams(temperature=temperature, seed=5)
-    sampler = Sampler()
-    sampler.add("r", params)
     n = 20000
-    counts = torch.zeros(6, dtype=torch.float64)
-    for _ in range(n):
-        counts[sampler.sample(z[None], ["r"], [params])[0]] += 1
+    counts = _draw_counts(z, SamplingParams(temperature=temperature, seed=5), n)
     want = _float64_softmax(z, temperature)
     tv = 0.5 * (counts / n - want).abs().sum()
     assert tv < 0.03, (counts / n, want)
@@ -188,13 +193,8 @@ def test_min_p_keeps_the_tokens_within_min_p_of_the_top_one_after_temperature_th
     assert ran >= 35 and cut >= 5  # most trials ran, and in several top_p cut into what min_p kept
     assert torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, min_p=1.0))).sum() == 1  # only the top token
     z = torch.tensor([2.0, 1.5, 0.0, -1.0])
-    params = SamplingParams(temperature=1.0, min_p=0.5, seed=3)  # keeps tokens 0 and 1 (ratio e^-0.5 = 0.61)
-    sampler = Sampler()
-    sampler.add("r", params)
     n = 4000
-    counts = torch.zeros(4, dtype=torch.float64)
-    for _ in range(n):
-        counts[sampler.sample(z[None], ["r"], [params])[0]] += 1
+    counts = _draw_counts(z, SamplingParams(temperature=1.0, min_p=0.5, seed=3), n)  # keeps tokens 0 and 1 (ratio e^-0.5 = 0.61)
     want = torch.softmax(z[:2].double(), 0)
     assert counts[2:].sum() == 0 and (counts[:2] / n - want).abs().max() < 0.03
 

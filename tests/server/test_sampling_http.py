@@ -68,38 +68,33 @@ async def test_chat_seed_reproduces_and_another_seed_differs(app, engine) -> Non
     assert a["token_ids"] != greedy["token_ids"]
 
 
+async def assert_only_top_is_greedy(c: httpx.AsyncClient, model: str, field: str, only_top: object, off: object) -> None:
+    """``field: only_top`` keeps only the most likely token, so sampling at temperature 1.5 decodes
+    greedily whatever the seed; ``field: off`` lets the same seeds leave greedy decoding."""
+    greedy = await complete(c, model, temperature=0)
+    for seed in (1, 2, 3):
+        kept = await complete(c, model, temperature=1.5, seed=seed, **{field: only_top})
+        assert kept["token_ids"] == greedy["token_ids"] and kept["text"] == greedy["text"], f"{model}: {field}={only_top} is not greedy"
+    loose = [await complete(c, model, temperature=1.5, seed=seed, **{field: off}) for seed in (1, 2, 3)]
+    assert any(o["token_ids"] != greedy["token_ids"] for o in loose), f"{model}: {field}={off} at temperature 1.5 stayed greedy"
+
+
 async def test_top_k_one_matches_greedy(app, engine) -> None:
     async with client_for(app) as c:
         for model in models(engine):
-            greedy = await complete(c, model, temperature=0)
-            for seed in (1, 2, 3):
-                top1 = await complete(c, model, temperature=1.5, top_k=1, seed=seed)
-                assert top1["token_ids"] == greedy["token_ids"] and top1["text"] == greedy["text"], f"{model}: top_k=1 is not greedy"
-            # -1 also means "off" (top_k=0 in the engine): the same seeds then leave greedy decoding.
-            off = [await complete(c, model, temperature=1.5, top_k=-1, seed=seed) for seed in (1, 2, 3)]
-            assert any(o["token_ids"] != greedy["token_ids"] for o in off), f"{model}: top_k=-1 at temperature 1.5 stayed greedy"
+            await assert_only_top_is_greedy(c, model, "top_k", 1, -1)  # -1 also means "off" (top_k=0 in the engine)
 
 
 async def test_top_p_is_honoured(app, engine) -> None:
     async with client_for(app) as c:
         for model in models(engine):
-            greedy = await complete(c, model, temperature=0)
-            for seed in (1, 2, 3):
-                tiny = await complete(c, model, temperature=1.5, top_p=1e-6, seed=seed)
-                assert tiny["token_ids"] == greedy["token_ids"], f"{model}: top_p=1e-6 keeps only the top token, so it is greedy"
-            full = [await complete(c, model, temperature=1.5, top_p=1.0, seed=seed) for seed in (1, 2, 3)]
-            assert any(f["token_ids"] != greedy["token_ids"] for f in full), f"{model}: top_p=1.0 at temperature 1.5 stayed greedy"
+            await assert_only_top_is_greedy(c, model, "top_p", 1e-6, 1.0)
 
 
 async def test_min_p_is_honoured_on_both_routes_and_out_of_range_is_a_400(app, engine) -> None:
     async with client_for(app) as c:
         for model in models(engine):
-            greedy = await complete(c, model, temperature=0)
-            for seed in (1, 2, 3):
-                top = await complete(c, model, temperature=1.5, min_p=1.0, seed=seed)
-                assert top["token_ids"] == greedy["token_ids"], f"{model}: min_p=1 keeps only the top token, so it is greedy"
-            off = [await complete(c, model, temperature=1.5, min_p=None, seed=seed) for seed in (1, 2, 3)]  # null: the default, off
-            assert any(o["token_ids"] != greedy["token_ids"] for o in off), f"{model}: min_p off at temperature 1.5 stayed greedy"
+            await assert_only_top_is_greedy(c, model, "min_p", 1.0, None)  # null: the default, off
         model = engine.adapters()[1].name
         assert (await chat(c, model, temperature=1.5, min_p=1.0, seed=4))["token_ids"] == (await chat(c, model, temperature=0))["token_ids"]
         for bad in (-0.5, 1.5, "0.1"):
