@@ -21,7 +21,7 @@ from runtime.merge.manifest import QUANTIZE_MANIFEST, base_record, quantize_mani
 from runtime.merge.merger import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, MergeError, MergeSpec, weights_sha256, write_checkpoint
 from runtime.merge.staging import OutputPathError, StagedOutput, check_output
 from runtime.models.hf_config import ModelConfigError, load_model_config
-from runtime.models.loader import DTYPES, CheckpointError, check_checkpoint, check_tied_head, checkpoint_quantization, stored_float_dtype
+from runtime.models.loader import DTYPES, CheckpointError, base_dtype, check_checkpoint, check_tied_head, checkpoint_quantization
 from runtime.quant.int8 import QUANTIZATION_CONFIG
 
 
@@ -43,8 +43,8 @@ def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: b
         raise MergeError(f"{model_dir / 'config.json'}: quantization_config says this checkpoint is already int8")
     files, _ = check_checkpoint(cfg, model_dir)  # what serving would refuse is refused before anything is written
     check_tied_head(cfg, files)
-    base_dtype = cfg.torch_dtype or stored_float_dtype(files)  # config.json's, else the weights' (as `lorafleet merge`)
-    name = dtype or (base_dtype if base_dtype in DTYPES else "float32")
+    stored = base_dtype(cfg, files)  # config.json's, else the weights' (as `lorafleet merge`)
+    name = dtype or (stored if stored in DTYPES else "float32")
     target = check_output(out, [model], force)
     spec = MergeSpec(model_dir, None, DTYPES[name], quantize_output=True, max_shard_bytes=max_shard_bytes)
     staged = StagedOutput(target, force)

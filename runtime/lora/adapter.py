@@ -450,7 +450,7 @@ def _refuse_unsupported(hits: list[str], path: Path, what: str, targets: Mapping
 def max_weights_bytes(targets: Mapping[str, tuple[int, int]], num_layers: int, max_lora_rank: int) -> int:
     """The most tensor data an adapter of this model can hold: A ``[r, in]`` and B ``[out, r]`` for
     every LoRA target in every layer, at ``max_lora_rank``, in the widest dtype read (float64)."""
-    widest = max(torch.empty(0, dtype=dtype).element_size() for dtype in SAFETENSORS_DTYPES.values())
+    widest = max(dtype.itemsize for dtype in SAFETENSORS_DTYPES.values())
     return widest * max_lora_rank * num_layers * sum(d_in + d_out for d_in, d_out in targets.values())
 
 
@@ -462,17 +462,15 @@ def _read_safetensors(path: Path, max_data_bytes: int, max_lora_rank: int) -> tu
     with path.open("rb") as f:
         size = os.fstat(f.fileno()).st_size
         blob = f.read(8)
-        if len(blob) == 8:
-            (header_len,) = struct.unpack("<Q", blob)
-            if header_len > MAX_HEADER_BYTES:
-                raise AdapterError(f"{path}: safetensors header of {header_len} bytes, larger than the {MAX_HEADER_BYTES} bytes safetensors allows")
-            if size - 8 - header_len > max_data_bytes:
-                raise AdapterError(f"{path}: {size - 8 - header_len} bytes of tensor data, more than an adapter of this model can hold "
-                                   f"({max_data_bytes} bytes: every LoRA target in every layer at max_lora_rank={max_lora_rank}, in float64)")
-            blob += f.read(header_len + max_data_bytes)  # a file grown since fstat is cut short at the limit
-    if len(blob) < 8:
-        raise AdapterError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
-    (header_len,) = struct.unpack("<Q", blob[:8])
+        if len(blob) < 8:
+            raise AdapterError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", blob)
+        if header_len > MAX_HEADER_BYTES:
+            raise AdapterError(f"{path}: safetensors header of {header_len} bytes, larger than the {MAX_HEADER_BYTES} bytes safetensors allows")
+        if size - 8 - header_len > max_data_bytes:
+            raise AdapterError(f"{path}: {size - 8 - header_len} bytes of tensor data, more than an adapter of this model can hold "
+                               f"({max_data_bytes} bytes: every LoRA target in every layer at max_lora_rank={max_lora_rank}, in float64)")
+        blob += f.read(header_len + max_data_bytes)  # a file grown since fstat is cut short at the limit
     if 8 + header_len > len(blob):
         raise AdapterError(f"{path}: truncated safetensors file: header claims {header_len} bytes, file has {len(blob) - 8}")
     try:

@@ -36,7 +36,7 @@ from runtime.merge.staging import StagedOutput, check_output
 from runtime.merge.verify import DEFAULT_NEW_TOKENS, VERIFY_PROMPTS, compare, prompt_ids, trace
 from runtime.models.hf_config import load_model_config
 from runtime.models.llama import lora_targets
-from runtime.models.loader import DTYPES, check_checkpoint, check_tied_head, checkpoint_quantization, stored_float_dtype
+from runtime.models.loader import DTYPES, base_dtype, check_checkpoint, check_tied_head, checkpoint_quantization
 from runtime.quant.int8 import QUANTIZATION_CONFIG
 from runtime.tokenizer import TokenizerError
 
@@ -97,7 +97,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
     check_tied_head(cfg, files)  # and a stored head that a tied config would hide: serving refuses it too
     name = opts.adapter_name or Path(opts.adapter).resolve().name
     adapter = load_adapter(opts.adapter, name, lora_targets(cfg), num_layers=cfg.num_hidden_layers, max_lora_rank=MERGE_MAX_RANK)
-    dtype = DTYPES[_output_dtype(opts.dtype, cfg.torch_dtype or stored_float_dtype(files), source_q is not None)]
+    dtype = DTYPES[_output_dtype(opts.dtype, base_dtype(cfg, files), source_q is not None)]
     out = check_output(opts.out, [opts.model, opts.adapter], opts.force)
     device = _verification_device(opts.device) if opts.verify else opts.device
     prompts = _verification_prompts(model_dir, opts.new_tokens, cfg.max_model_len) if opts.verify else []

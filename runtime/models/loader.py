@@ -221,7 +221,13 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
     return files, shapes
 
 
-def stored_float_dtype(files: dict[str, Path]) -> str | None:
+def base_dtype(cfg: ModelConfig, files: dict[str, Path]) -> str | None:
+    """The base's dtype, as merge and quantize default their output to it: config.json's
+    ``torch_dtype``, else the one its weights are stored in (``_stored_float_dtype``)."""
+    return cfg.torch_dtype or _stored_float_dtype(files)
+
+
+def _stored_float_dtype(files: dict[str, Path]) -> str | None:
     """The dtype most of the checkpoint's float weights (by element count, so float32 norms
     beside bfloat16 matrices do not decide) are stored in, from the headers ("float32",
     "bfloat16" or "float16"); None if it holds no float tensor of those."""
