@@ -70,6 +70,10 @@ class Backend(Protocol):
 
     def synchronize(self) -> None: ...
 
+    # Optional: ``dtype_problem(dtype: str) -> str | None``, why this very device cannot run the
+    # dtype (the matrix states a backend's dtypes, not each chip's); the engine refuses the config
+    # with that reason (CapabilityError) before it loads any weight.
+
 
 def apply_lora(
     ops: LoRAOps,

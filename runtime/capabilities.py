@@ -462,6 +462,14 @@ class Gate:
     def check_engine_config(self, config: EngineConfig) -> list[Decision]:
         return self._log_once(check_engine_config(config, self.backend_name, self.matrix))
 
+    def check_device_dtype(self, backend: Any, dtype: str) -> None:
+        """Refuse ``dtype`` where this very device lacks it (``backend.dtype_problem``, optional):
+        the matrix row holds for the backend, a chip of it may hold less."""
+        problem = getattr(backend, "dtype_problem", None)
+        why = problem(dtype) if problem is not None else None
+        if why:
+            raise CapabilityError(f"{self.backend_name}: dtype {dtype} is not supported on this device: {why}")
+
     def check_adapter(self, adapter: Any) -> list[Decision]:
         return self._log_once(check_adapter(adapter, self.backend_name, self.matrix))
 

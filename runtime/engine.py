@@ -114,6 +114,7 @@ class LLMEngine:
         # The gate refuses what the matrix does not support and logs each declared fallback once.
         self.gate = Gate(self.backend_name)
         self.gate.check_engine_config(config)
+        self.gate.check_device_dtype(backend, config.dtype)  # e.g. bfloat16 on an Atlas 310P card
         self.runner = ModelRunner(config, backend)
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.runner.model_config.name

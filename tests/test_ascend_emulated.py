@@ -264,6 +264,29 @@ def test_emulated_310p_prefill_in_other_dtypes_takes_the_torch_path(dtype):
     assert ops.calls["npu_grouped_matmul"] == 0 and set(backend.fallbacks.counts) == {"prefill:dtype"}
 
 
+@pytest.mark.parametrize("soc", ["Ascend310P3", "Ascend310B1", "Ascend910A", "Ascend910ProB"])
+def test_engine_refuses_bfloat16_on_a_chip_without_it_and_serves_float16(soc, tiny_llama_dir, monkeypatch):
+    """bf16 on a product line whose docs mark it unsupported is refused at engine start, with the
+    dtype to use instead, before any weight is read; float16 still builds an engine there. An A2
+    or A3 keeps bf16 (the whole-model bf16 test above runs on an A2)."""
+    from runtime.capabilities import CapabilityError
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.model_runner import ModelRunner
+
+    backend, _ = emulated_backend(soc=soc)
+    built = []
+    monkeypatch.setattr(ModelRunner, "__init__", lambda self, *a, **k: built.append(a) or (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(CapabilityError, match=f"dtype bfloat16 is not supported on this device: {soc} has no bfloat16.*--dtype float16"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16"), backend=backend)
+    assert built == []  # refused before the runner (and its weights)
+    with pytest.raises(RuntimeError, match="stop"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float16"), backend=backend)
+    assert len(built) == 1
+    assert emulated_backend(soc="Ascend910B2")[0].dtype_problem("bfloat16") is None
+    assert emulated_backend(soc="Ascend910_9391")[0].dtype_problem("bfloat16") is None
+
+
 def test_emulated_apply_lora_reaches_the_fused_op_and_split_calls_take_the_torch_path():
     """runtime apply_lora hands x and y to the backend's fused apply (npu_batch_gather_matmul);
     separate shrink/expand calls cannot use the fused op and take the declared torch path."""

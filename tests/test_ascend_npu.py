@@ -67,6 +67,8 @@ def run_step(backend, weights, slots, decode_only, dtype, gen, fused_entry):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("popularity", POPULARITY)
 def test_npu_ops_match_float64(backend, popularity, dtype, decode_only, fused_entry):
+    if dtype == torch.bfloat16 and backend.dtype_problem("bfloat16"):
+        pytest.skip(backend.dtype_problem("bfloat16"))  # the engine refuses bf16 on this chip (tested on CPU)
     gen = seeded(popularity, str(dtype), decode_only, fused_entry)
     weights = make_weights(DIMS, RANKS, dtype, backend.device, gen)
     slots = token_slots(popularity, 40, 8, gen)

@@ -117,6 +117,35 @@ def test_npu_row_verifies_on_chips_whose_declared_fallback_serves_primary_cases(
         assert f"on {soc} the declared fallback may serve primary cases" in result.detail
 
 
+@pytest.mark.emulated
+@pytest.mark.parametrize("soc, refused", [("Ascend310P3", ["bfloat16"]), ("Ascend910ProB", ["bfloat16"]), ("Ascend910B2", []), ("Ascend910_9391", [])])
+def test_npu_dtypes_verifier_checks_the_gate_refuses_what_the_chip_lacks(soc: str, refused: list[str]) -> None:
+    """A chip whose product line has no bfloat16 (310P inference cards, the first 910s) passes the
+    dtypes check only because the engine's gate refuses bf16 there, and the result names it; an A2
+    or A3 runs every declared dtype. On 310P the probe used to run bf16 ops a real card cannot."""
+    from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps
+
+    backend = backends.backend_class("npu")(device="cpu", npu_ops=EmulatedTorchNpuOps(), soc_name=soc)
+    result = VERIFIERS["dtypes"]("npu", MATRIX, backend)
+    assert result.status == "pass", result.detail
+    assert list(result.metrics["refused_on_device"]) == refused
+    assert sorted(result.metrics["max_err"]) == sorted(set(MATRIX.entry("npu", "dtypes").limits.dtypes) - set(refused))
+    if refused:
+        assert "refused on this device: bfloat16" in result.detail
+
+
+@pytest.mark.emulated
+def test_dtypes_verifier_fails_when_the_gate_lets_a_lacking_dtype_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verifier is not a restatement of dtype_problem: a gate that ignored it is caught."""
+    from runtime.capabilities import Gate
+    from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps
+
+    monkeypatch.setattr(Gate, "check_device_dtype", lambda self, backend, dtype: None)
+    backend = backends.backend_class("npu")(device="cpu", npu_ops=EmulatedTorchNpuOps(), soc_name="Ascend310P3")
+    result = VERIFIERS["dtypes"]("npu", MATRIX, backend)
+    assert result.status == "fail" and "lets it through" in result.detail
+
+
 def _emulated_npu():
     from tests.emulation.torch_npu_ops import EmulatedTorchNpuOps
 

@@ -16,7 +16,7 @@ import torch
 from backends.ascend import import_guard
 from backends.ascend.fallback_log import FallbackLog
 from backends.ascend.lora_ops import AscendLoRAOps
-from backends.ascend.soc import SocFamily, classify
+from backends.ascend.soc import SocFamily, classify, lacks_bfloat16
 from backends.reference import ReferenceAttention
 
 
@@ -54,6 +54,13 @@ class AscendBackend:
         310P runs the grouped matmul in fp16 with N % 16 == 0 only and has no fused decode op; any
         other chip has neither op."""
         return CHIP_FALLBACK_REASONS[self.soc]
+
+    def dtype_problem(self, dtype: str) -> str | None:
+        """Why this chip cannot serve in ``dtype`` (the engine refuses the config with it), or None."""
+        if dtype == "bfloat16" and lacks_bfloat16(self.soc_name):
+            return (f"{self.soc_name} has no bfloat16 (the Ascend docs mark bf16 unsupported on its product line); "
+                    "serve with --dtype float16 or float32")
+        return None
 
     @staticmethod
     def availability() -> tuple[bool, str]:

@@ -25,3 +25,14 @@ def classify(soc_name: str) -> SocFamily:
     if soc_name.startswith("Ascend310P"):
         return SocFamily.ATLAS_INFERENCE_310P
     return SocFamily.OTHER
+
+
+# Product lines whose docs mark bfloat16 unsupported ("Atlas 推理系列产品" 310P, "Atlas 200I/500 A2
+# 推理产品" 310B, and the first "Atlas 训练系列产品" 910s): the Ascend C bf16 conversion APIs
+# (ToBfloat16, __bfloat162float...) carry an "x" for each. A2 (910B) and A3 (910_93) have it.
+NO_BFLOAT16_PREFIXES = ("Ascend310P", "Ascend310B", "Ascend910A", "Ascend910ProA", "Ascend910PremiumA", "Ascend910ProB")
+
+
+def lacks_bfloat16(soc_name: str) -> bool:
+    """True for a chip whose product line the docs mark as having no bfloat16 (an unknown name: False)."""
+    return soc_name.startswith(NO_BFLOAT16_PREFIXES)
