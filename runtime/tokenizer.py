@@ -23,8 +23,8 @@ prepended (older Llama tokenizer.json files leave that to the Python class). Lik
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``, a
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
-``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables), so a template
-renders the same prompt text as under transformers. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
+``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
+``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
 """
@@ -266,6 +266,8 @@ class Tokenizer:
             template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
             return template.render(
                 messages=[dict(m) for m in messages],
+                tools=None,  # transformers passes both, None without tools or documents; a template may test ``is none``
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._template_tokens,
             )

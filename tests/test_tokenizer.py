@@ -355,3 +355,17 @@ def test_clean_up_tokenization_spaces_on_a_bpe_tokenizer_loads_as_transformers_s
     ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
     ids = ours.encode("hello , world 's !")
     assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == "hello , world 's !"
+
+
+def test_a_chat_template_sees_tools_and_documents_as_none_as_in_transformers(model_copy):
+    """transformers renders every template with ``tools=None`` and ``documents=None``; a template that
+    tests ``tools is not none`` (no ``is defined`` guard) took the undefined name for a list of tools
+    here: it rendered a tools block, and ``tools | tojson`` crashed the render (a 500)."""
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, chat_template="{% if tools is not none %}T{{ tools | tojson }}{% endif %}"
+                "{% if documents is none %}[no documents]{% endif %}{{ messages[0]['content'] }}")  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    ours = Tokenizer(model_copy).apply_chat_template(messages)
+    assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == "[no documents]hi"
