@@ -189,8 +189,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A chat message. ``content`` is a string or an array of text parts (joined with no
-    separator, as vLLM does for text); ``developer`` (OpenAI's newer name for the system role)
+    """A chat message. ``content`` is a string or an array of text parts (joined with "\\n",
+    as vLLM does for text); ``developer`` (OpenAI's newer name for the system role)
     reaches the chat template as ``system``, which is the role templates know; ``name`` is
     passed to the template, which may use it or not. Only an assistant message may have null
     content (an earlier turn with no text), which the template sees as ``""``."""
@@ -225,7 +225,7 @@ class ChatMessage(BaseModel):
 
     def template_fields(self) -> dict[str, str]:
         """What the chat template sees: role, content as one string, and name when given."""
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
+        content = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content or [])
         fields = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             fields["name"] = self.name

@@ -69,10 +69,10 @@ async def test_chat_content_parts_developer_role_and_name(app, demo_engine) -> N
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["prompt_token_ids"]
 
-    plain = await prompt_ids([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}])
-    parts = await prompt_ids([{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
-                              {"role": "user", "content": [{"type": "text", "text": "hello world"}], "name": "bob"}])
-    assert parts == plain  # developer renders as system; parts are joined; the demo template ignores name
+    plain = await prompt_ids([{"role": "system", "content": "be\nbrief"}, {"role": "user", "content": "hello\nworld"}])
+    parts = await prompt_ids([{"role": "developer", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
+                              {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}], "name": "bob"}])
+    assert parts == plain  # developer renders as system; parts are joined with "\n" (as vLLM); the demo template ignores name
     earlier = await prompt_ids([{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, {"role": "user", "content": "b"}])
     empty = await prompt_ids([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "b"}])
     assert earlier == empty
