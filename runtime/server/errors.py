@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.server.protocol import UNSUPPORTED_OPENAI_FIELDS
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -99,11 +101,15 @@ def _length_words(error: dict) -> str:
 
 def _plain_words(error: dict) -> str:
     """What a pydantic error says, in the API's words: our validators' own text (without
-    pydantic's ``Value error, `` prefix), length limits in characters, items or entries, and
-    pydantic's message for the rest."""
+    pydantic's ``Value error, `` prefix), length limits in characters, items or entries, a field
+    the model does not have as unknown or, for one of OpenAI's, as not supported (naming what
+    lorafleet lacks), and pydantic's message for the rest."""
     kind, ctx = error.get("type"), error.get("ctx") or {}
     if kind in ("value_error", "assertion_error") and "error" in ctx:
         return str(ctx["error"])
+    if kind == "extra_forbidden":  # pydantic: "Extra inputs are not permitted"
+        feature = UNSUPPORTED_OPENAI_FIELDS.get(str(error.get("loc", ("",))[-1]))
+        return f"not supported: lorafleet does not implement {feature} (null is accepted)" if feature else "unknown field"
     if kind in _LENGTH_ERRORS and (ctx.get("max_length") is not None or ctx.get("min_length") is not None):
         return _length_words(error)
     return str(error.get("msg", "invalid value"))

@@ -2,7 +2,9 @@
 
 Every accepted field is honoured. OpenAI fields lorafleet does not implement are
 declared with their only supported value (e.g. a chat message's content
-parts must be text) and anything else is a 400; unknown fields are a 400 too. Numbers are strict: a JSON
+parts must be text, ``response_format`` ``{"type": "text"}``) and anything else is a 400; the
+others (``UNSUPPORTED_OPENAI_FIELDS``: tool calling, ...) take null only, which OpenAI reads as
+not set; unknown fields are a 400 too. Numbers are strict: a JSON
 boolean is not a number (``"max_tokens": true`` is a 400, not 1), integer fields and token
 ids take integers only, float fields take integers or floats, and boolean fields take
 ``true`` and ``false`` only (not ``"yes"``, ``"false"`` or 1). A JSON ``null`` in a field
@@ -12,7 +14,8 @@ that field's default, as in OpenAI's API and vLLM's.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from types import MappingProxyType
+from typing import Annotated, Any, Collection, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationInfo, field_validator, model_validator
 
@@ -30,6 +33,17 @@ MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries: every step adds each one
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                                 "stream", "echo", "ignore_eos", "include_stop_str_in_output", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
                                 "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
+# Fields of OpenAI's API that lorafleet does not implement -> what it lacks. Null (OpenAI: not set,
+# as ``message.model_dump()`` of an OpenAI client's reply sends them) is accepted and means just
+# that; any other value is a 400 that names the missing feature (``errors.py``), never ignored.
+UNSUPPORTED_OPENAI_FIELDS = MappingProxyType({
+    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling", "tool_calls": "tool calling",
+    "functions": "function calling", "function_call": "function calling",
+    "audio": "audio input or output", "modalities": "audio output", "prediction": "predicted outputs",
+    "web_search_options": "web search", "reasoning_effort": "reasoning effort", "refusal": "refusal messages",
+    "store": "stored completions", "metadata": "stored completions", "service_tier": "service tiers",
+    "annotations": "message annotations", "suffix": "suffix (text inserted after the completion)", "best_of": "best_of (n does sampling)",
+})
 LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before logit_bias, "
                  "min_tokens, penalties, temperature, min_p, top_k and top_p), one entry per generated token.")
 
@@ -67,6 +81,13 @@ class StreamOptions(BaseModel):
         if value and info.data.get("include_usage") is False:  # not when include_usage itself is invalid (its own error)
             raise ValueError("needs stream_options.include_usage: true")
         return value
+
+
+def _unset_nulls(data: Any, nullable: Collection[str]) -> Any:
+    """``data`` without the keys in ``nullable`` whose value is null (it means: not set)."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if not (v is None and k in nullable)}
+    return data
 
 
 def _nullable_defaults(schema: dict[str, Any], model: Any = None) -> None:
@@ -116,9 +137,7 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
-        return data
+        return _unset_nulls(_unset_nulls(data, NULL_MEANS_DEFAULT), UNSUPPORTED_OPENAI_FIELDS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -200,6 +219,12 @@ class ChatMessage(BaseModel):
     content: Optional[Union[Text, list[TextPart]]]
     name: Optional[Text] = Field(None, max_length=256)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_unsupported(cls, data: Any) -> Any:
+        """An OpenAI client's reply message sent back as is (``tool_calls: null``, ``refusal: null``, ...)."""
+        return _unset_nulls(data, UNSUPPORTED_OPENAI_FIELDS)
+
     @field_validator("content", mode="before")
     @classmethod
     def _content_form(cls, value: Any) -> Any:
@@ -232,8 +257,24 @@ class ChatMessage(BaseModel):
         return fields
 
 
+class TextResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: only ``{"type": "text"}``, its default (plain text)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value != "text":
+            raise ValueError(f"{value!r} is not supported: lorafleet does not implement JSON mode or structured output; only \"text\"")
+        return value
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    response_format: Optional[TextResponseFormat] = Field(None, description='Only {"type": "text"}, OpenAI\'s default: lorafleet '
+                                                          "has no JSON mode or structured output.")
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, description="OpenAI's current name for max_tokens in chat; "
                                                        "give one of the two (both only if equal).")
     return_token_ids: StrictBool = False

@@ -84,6 +84,22 @@ async def test_chat_content_parts_developer_role_and_name(app, demo_engine) -> N
     assert no_content.status_code == 400 and "needs content" in no_content.json()["error"]["message"]
 
 
+async def test_openai_fields_left_unset_with_null_are_accepted(app, demo_engine) -> None:
+    """An OpenAI client's reply message sent back as is (``message.model_dump()``: ``refusal``,
+    ``tool_calls``, ... all null), null tool fields, and ``response_format`` text (OpenAI's default)
+    are what lorafleet does anyway: accepted, the same prompt. They were 400s ("Extra inputs")."""
+    name = demo_engine.model_name
+    reply = {"content": "AB", "refusal": None, "role": "assistant", "annotations": None, "audio": None, "function_call": None, "tool_calls": None}
+    plain = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "AB"}, {"role": "user", "content": "cd"}]
+    unset = {"tools": None, "tool_choice": None, "parallel_tool_calls": None, "functions": None, "response_format": {"type": "text"}}
+    async with client_for(app) as c:
+        want = await c.post("/v1/chat/completions", json={"model": name, "messages": plain, "max_tokens": 1, "return_token_ids": True})
+        got = await c.post("/v1/chat/completions", json={"model": name, "messages": [plain[0], reply, plain[2]], "max_tokens": 1,
+                                                         "return_token_ids": True, **unset})  # fmt: skip
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["prompt_token_ids"] == want.json()["choices"][0]["prompt_token_ids"]
+
+
 async def test_max_completion_tokens(app, demo_engine) -> None:
     body = {"model": demo_engine.model_name, "messages": [{"role": "user", "content": "hello world"}], "temperature": 0, "ignore_eos": True}
     async with client_for(app) as c:

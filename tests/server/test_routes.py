@@ -420,7 +420,17 @@ LONG = "u" * 257
      ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content",
       "messages.0.content: a user message needs content"),
      ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a"}, {"role": "system", "content": None}]}, "messages.1.content",
-      "messages.1.content: a system message needs content")],
+      "messages.1.content: a system message needs content"),
+     # OpenAI fields lorafleet lacks say what it lacks (pydantic said "Extra inputs are not permitted"); others are unknown
+     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+      "tools: not supported: lorafleet does not implement tool calling (null is accepted)"),
+     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a", "tool_calls": []}, {"role": "user", "content": "b"}]},
+      "messages.0.tool_calls", "messages.0.tool_calls: not supported: lorafleet does not implement tool calling (null is accepted)"),
+     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format.type",
+      "response_format.type: 'json_object' is not supported: lorafleet does not implement JSON mode or structured output; only \"text\""),
+     ("/v1/completions", {"suffix": "x"}, "suffix", "suffix: not supported: lorafleet does not implement suffix (text inserted after the completion) "
+      "(null is accepted)"),
+     ("/v1/completions", {"surprise": True}, "surprise", "surprise: unknown field")],
 )  # fmt: skip
 async def test_validation_errors_are_in_plain_words(app, engine, path, patch, param, message) -> None:
     """Messages name the field once and say what is wrong in the API's words: no pydantic
