@@ -369,3 +369,18 @@ def test_a_chat_template_sees_tools_and_documents_as_none_as_in_transformers(mod
     ours = Tokenizer(model_copy).apply_chat_template(messages)
     assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours == "[no documents]hi"
+
+
+def test_the_chat_template_is_compiled_once(model_copy, monkeypatch):
+    """Compiling a real template takes tens of milliseconds, which every chat request spent on the
+    server's event loop: it is compiled on first use and kept, as transformers caches it."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    compiled = []
+    original = ImmutableSandboxedEnvironment.from_string
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", lambda env, source, *a, **k: compiled.append(source) or original(env, source, *a, **k))
+    tok = Tokenizer(model_copy)
+    first = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == first
+    assert tok.apply_chat_template([{"role": "user", "content": "ho"}]) != first
+    assert compiled == [tok.chat_template]
