@@ -27,9 +27,12 @@ without context.
 Stop strings: the whole text is searched from ``len(text) - len(stop) + 1`` of the
 previous text, so a stop string split over two deltas is found. The text is cut right
 before the first stop string, or right after it with ``include_stop`` (vLLM's
-``include_stop_str_in_output``). The earliest match wins, then the longest of the matches
-that start at the same place and are complete by then. With ``min_tokens`` (vLLM's), stop
-strings are looked for only from the token that reaches it on, and only those that end in
+``include_stop_str_in_output``). While the text waits for the rest of a character, the whole
+characters before it (``full_text`` less its trailing U+FFFD) are searched too, so a stop string
+ends generation at the token that completes it, also when that token carries the first bytes of
+the next character (a byte-level BPE token such as ``.âĢ``, the bytes ``.\\xe2\\x80`` of ``.”``).
+The earliest match wins, then the longest of the matches that start at the same place and are
+complete by then. With ``min_tokens`` (vLLM's), stop strings are looked for only from the token that reaches it on, and only those that end in
 its text or later (each stop string ``s`` from ``len(s) - 1`` characters before that text, as
 vLLM does). While running, the last ``len(longest stop) - 1``
 characters are held back from the emitted text, because they could be the start of a
@@ -102,28 +105,37 @@ class IncrementalDetokenizer:
             return
         prefix_text = self._decode(self._window(ids, self._prefix, self._read))
         full_text = self._decode(self._window(ids, self._prefix, end))
-        if not finishing and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR)):
+        look = len(ids) >= self._min_tokens
+        if not finishing and full_text.endswith(REPLACEMENT_CHAR):
+            # Waiting for the rest of a character; the whole characters before it are final, and
+            # a stop string complete in them ends generation now, not one token later.
+            settled = full_text.rstrip(REPLACEMENT_CHAR)
+            if look and len(settled) > len(prefix_text):
+                self._find_stop(self.text + settled[len(prefix_text) :], len(self.text))
+            return
+        if not finishing and len(full_text) <= len(prefix_text):
             return
         before = len(self.text)
         self.text += full_text[len(prefix_text) :]
         self._prefix, self._read = self._read, end
-        if len(ids) >= self._min_tokens:
-            self._find_stop(before)
+        if look:
+            self._find_stop(self.text, before)
 
     def _window(self, ids: Sequence[int], start: int, end: int) -> list[int]:
         """(context + ids)[start:end] without copying the whole output list."""
         skip = len(self._context)
         return self._context[start:end] + list(ids[max(start - skip, 0) : end - skip])
 
-    def _find_stop(self, before: int) -> None:
-        """The earliest stop string that ends after ``before`` (text searched before has none)."""
+    def _find_stop(self, text: str, before: int) -> None:
+        """Cut ``text`` (``self.text`` and maybe more) at the earliest stop string in it that ends
+        after ``before`` (text searched before has none), and stop; nothing when there is none."""
         best, length = -1, 0
         for s in self._stop:
-            at = self.text.find(s, max(0, before - len(s) + 1))
+            at = text.find(s, max(0, before - len(s) + 1))
             if at != -1 and (best == -1 or at < best or (at == best and len(s) > length)):
                 best, length = at, len(s)
         if best != -1:
-            self.text = self.text[: best + length] if self._include_stop else self.text[:best]
+            self.text = text[: best + length] if self._include_stop else text[:best]
             self.stopped = True
 
     def take_delta(self, finished: bool) -> str:
