@@ -34,6 +34,9 @@ class ByteTokens:
     ([b"\xf4", b"\x90", b"Z"], [0, 1, 2]),  # F4 takes 80-8F next (90 is beyond U+10FFFF)
     ([b"\xf0", b"\x9f", b"\x99", b"\x82"], [0, 0, 0, 0]),  # a valid four-byte character in four tokens
     ([b"\xef\xbf", b"\xbd", b"!"], [0, 0, 1]),  # U+FFFD itself, written in the text, split over two tokens
+    ([b"\xed", b"\xa0", b"\x80", b"Z"], [0, 1, 2, 3]),  # ED takes 80-9F next: A0 would start a surrogate, its own U+FFFD
+    ([b"\xed", b"\xbf", b"Z"], [0, 1, 2]),
+    ([b"\xed", b"\x9f", b"\xbf", b"Z"], [0, 0, 0, 1]),  # U+D7FF, the last character before the surrogates
 ])
 def test_offsets_index_the_decoded_text(pieces, offsets):
     tok = ByteTokens(pieces)

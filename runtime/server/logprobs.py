@@ -56,34 +56,40 @@ class TextOffsets:
 
         Bytes left waiting by earlier tokens that this token does not continue (its first byte
         cannot come next in a UTF-8 character: no continuation byte, or one out of the lead
-        byte's range, as after E0, F0 and F4) were no character: they come out now as U+FFFD,
+        byte's range, as after E0, ED, F0 and F4) were no character: they come out now as U+FFFD,
         ahead of this token's own text, which therefore starts after them."""
+        if self._tokenizer.is_special(token_id):
+            return self.position
+        raw = self._tokenizer.token_bytes(token_id)
+        if raw is None:
+            raw = self._tokenizer.token_text(token_id).encode("utf-8")
+        waiting = self._utf8.getstate()[0]
+        if waiting and raw and not _continues(waiting, raw[0]):
+            self.position += len(self._utf8.decode(b"", final=True))  # the waiting bytes' U+FFFD
+            self._utf8.reset()
+            self._first_text = False
         offset = self.position
-        if not self._tokenizer.is_special(token_id):
-            raw = self._tokenizer.token_bytes(token_id)
-            if raw is None:
-                raw = self._tokenizer.token_text(token_id).encode("utf-8")
-            waiting = self._utf8.getstate()[0]
-            text = self._utf8.decode(raw)
-            if waiting and raw and not _continues(waiting, raw[0]):
-                offset += len(text) - len(codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw))
-            if self._first_text and text:
-                self._first_text = False
-                if text.startswith(" ") and not self._tokenizer.decode([token_id], skip_special_tokens=True).startswith(" "):
-                    text = text[1:]  # the decoder drops it at the start of a decode, as the output's text does
-            self.position += len(text)
+        text = self._utf8.decode(raw)
+        if self._first_text and text:
+            self._first_text = False
+            if text.startswith(" ") and not self._tokenizer.decode([token_id], skip_special_tokens=True).startswith(" "):
+                text = text[1:]  # the decoder drops it at the start of a decode, as the output's text does
+        self.position += len(text)
         return offset
 
 
+# The bytes that may follow a lead byte in well-formed UTF-8 (Unicode's table 3-7), where not 80-BF.
+SECOND_BYTE_RANGES = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
 def _continues(waiting: bytes, byte: int) -> bool:
-    """``byte`` can follow the bytes of an unfinished UTF-8 character, as Python's decoder (the one
-    that writes the text) judges it: E0 takes A0-BF next, F0 90-BF, F4 80-8F, any other lead
-    byte 80-BF. (It holds ED A0-BF, a surrogate's start, until the next byte, as it does here.)"""
-    try:
-        codecs.getincrementaldecoder("utf-8")(errors="strict").decode(waiting + bytes([byte]))
-    except UnicodeDecodeError:
-        return False
-    return True
+    """``byte`` can follow the bytes of an unfinished UTF-8 character: E0 takes A0-BF next, ED 80-9F
+    (A0-BF would start a surrogate), F0 90-BF, F4 80-8F, any other lead byte and any later byte
+    80-BF, as the tokenizer's decoder (Rust's ``from_utf8_lossy``: one U+FFFD per maximal invalid
+    part) judges it. Python's incremental decoder would hold ED A0-BF until the next byte;
+    ``TextOffsets.advance`` puts the ED out as U+FFFD first."""
+    low, high = SECOND_BYTE_RANGES.get(waiting[0], (0x80, 0xBF)) if len(waiting) == 1 else (0x80, 0xBF)
+    return low <= byte <= high
 
 
 def has_text_before(tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
