@@ -218,9 +218,10 @@ class RequestOutput:
     """One incremental update of a request.
 
     new_token_ids / new_text: what this step added; token_ids / text: everything so far.
-    ``text`` never contains a stop string or anything after it; while a request with stop
-    strings runs, the last ``len(longest stop) - 1`` characters are held back so a
-    streamed prefix of a stop string is never emitted and then retracted.
+    ``text`` never contains a stop string (unless ``include_stop_str_in_output``: then it ends
+    with the one that stopped it) or anything after it; while a request with stop strings
+    runs, the last ``len(longest stop) - 1`` characters are held back so a streamed prefix of a
+    stop string is never emitted and then retracted (nothing with ``include_stop_str_in_output``).
     """
 
     request_id: str
