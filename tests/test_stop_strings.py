@@ -119,3 +119,23 @@ def test_the_engine_stops_at_the_token_that_completes_the_stop_string(split_mode
         assert [e.token_id for e in final.logprobs] == script[:3]
         assert "".join(out.new_text for out in outs) == text
     engine.close()
+
+
+@pytest.mark.parametrize("kwargs, text, n_tokens", [
+    (dict(stop=("H",)), "", 1),  # the very first token completes it: no text, one token
+    (dict(stop=("” O", "i.")), "H", 3),  # several: the first completed ends the reply (earliest, then longest)
+    (dict(stop=("”",)), "Hi.", 4),  # a stop string that is a split character ends at its last byte
+    (dict(stop_token_ids=(251,), include_stop_str_in_output=True), "Hi.”", 4),  # the token that completes ” keeps it
+])
+def test_stop_cases_on_split_characters(split_model_dir, split_tokenizer, monkeypatch, kwargs, text, n_tokens):
+    """Streamed and whole text agree, the reply ends at the token that ends it, and every token
+    up to it is counted."""
+    tok = split_tokenizer
+    script = tok.encode("Hi.” Ok", add_special_tokens=False)
+    prompt = tok.encode("Say")
+    engine = scripted_engine(split_model_dir, len(prompt), script, monkeypatch)
+    outs = generate(engine, prompt, SamplingParams(max_tokens=7, **kwargs))
+    final = outs[-1]
+    assert (final.text, final.finish_reason, final.token_ids) == (text, "stop", tuple(script[:n_tokens]))
+    assert "".join(out.new_text for out in outs) == text
+    engine.close()
