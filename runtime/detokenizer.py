@@ -32,10 +32,10 @@ characters before it (``full_text`` less its trailing U+FFFD) are searched too, 
 ends generation at the token that completes it, also when that token carries the first bytes of
 the next character (a byte-level BPE token such as ``.âĢ``, the bytes ``.\\xe2\\x80`` of ``.”``).
 The earliest match wins, then the longest of the matches that start at the same place and are
-complete by then. With ``min_tokens`` (vLLM's), stop strings are looked for only from the token that reaches it on, and only those that end in
-its text or later (each stop string ``s`` from ``len(s) - 1`` characters before that text, as
-vLLM does). While running, the last ``len(longest stop) - 1``
-characters are held back from the emitted text, because they could be the start of a
+complete by then. With ``min_tokens`` (vLLM's), stop strings are looked for only from the token
+that reaches it on, and only those that end in its text or later (each stop string ``s`` from
+``len(s) - 1`` characters before that text, as vLLM does). While running, the last
+``len(longest stop) - 1`` characters are held back from the emitted text, because they could be the start of a
 stop string that a later token completes. With ``include_stop`` nothing is held back (as in
 vLLM): a stop string found in the text of a new token ends after the text searched before it,
 so the cut, right after the stop string, never falls inside text already handed out.
@@ -110,7 +110,7 @@ class IncrementalDetokenizer:
             # Waiting for the rest of a character; the whole characters before it are final, and
             # a stop string complete in them ends generation now, not one token later.
             settled = full_text.rstrip(REPLACEMENT_CHAR)
-            if look and len(settled) > len(prefix_text):
+            if look and self._stop and len(settled) > len(prefix_text):
                 self._find_stop(self.text + settled[len(prefix_text) :], len(self.text))
             return
         if not finishing and len(full_text) <= len(prefix_text):
