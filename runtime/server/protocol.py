@@ -32,7 +32,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024  # logit_bias entries: every step adds each one
 # LangChain send ``"temperature": null`` for "not set").
 NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                                 "stream", "echo", "ignore_eos", "include_stop_str_in_output", "return_token_ids", "stop", "stop_token_ids", "seed", "user",
-                                "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs"})
+                                "max_tokens", "max_completion_tokens", "stream_options", "logprobs", "top_logprobs", "skip_special_tokens"})
 # Fields of OpenAI's API that lorafleet does not implement -> what it lacks. Null (OpenAI: not set,
 # as ``message.model_dump()`` of an OpenAI client's reply sends them) is accepted and means just
 # that; any other value is a 400 that names the missing feature (``errors.py``), never ignored.
@@ -133,6 +133,8 @@ class _SamplingFields(BaseModel):
     min_tokens: StrictInt = Field(0, ge=0, description="vLLM's extension: nothing ends the reply before this many tokens (eos, "
                                   "stop_token_ids and stop strings are held back until then). At most max_tokens.")
     user: Optional[Text] = Field(None, max_length=256, description="Caller id; recorded in the access log line of the request.")
+    skip_special_tokens: StrictBool = Field(True, description="vLLM's extension: special tokens are left out of the text. Only true "
+                                            "(vLLM's default, what lorafleet does); false is refused.")
 
     @model_validator(mode="before")
     @classmethod
@@ -165,6 +167,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
             raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        return value
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _special_tokens_skipped(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("false is not supported: lorafleet's text always leaves special tokens out (true, vLLM's default)")
         return value
 
     @field_validator("stream_options")

@@ -100,6 +100,22 @@ async def test_openai_fields_left_unset_with_null_are_accepted(app, demo_engine)
     assert got.json()["choices"][0]["prompt_token_ids"] == want.json()["choices"][0]["prompt_token_ids"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_skip_special_tokens_true_is_what_lorafleet_does(app, demo_engine, path) -> None:
+    """vLLM clients send ``skip_special_tokens: true`` (vLLM's default): the same reply as without it
+    (null too); it was a 400 "unknown field". ``false`` is refused (test_routes)."""
+    name = demo_engine.model_name
+    body = {"model": name, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body.update({"prompt": "ab"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "ab"}]})
+    async with client_for(app) as c:
+        plain = await c.post(path, json=body)
+        replies = [await c.post(path, json={**body, "skip_special_tokens": value}) for value in (True, None)]
+    assert plain.status_code == 200, plain.text
+    for r in replies:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == plain.json()["choices"]
+
+
 async def test_max_completion_tokens(app, demo_engine) -> None:
     body = {"model": demo_engine.model_name, "messages": [{"role": "user", "content": "hello world"}], "temperature": 0, "ignore_eos": True}
     async with client_for(app) as c:

@@ -430,7 +430,9 @@ LONG = "u" * 257
       "response_format.type: 'json_object' is not supported: lorafleet does not implement JSON mode or structured output; only \"text\""),
      ("/v1/completions", {"suffix": "x"}, "suffix", "suffix: not supported: lorafleet does not implement suffix (text inserted after the completion) "
       "(null is accepted)"),
-     ("/v1/completions", {"surprise": True}, "surprise", "surprise: unknown field")],
+     ("/v1/completions", {"surprise": True}, "surprise", "surprise: unknown field"),
+     ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens",
+      "skip_special_tokens: false is not supported: lorafleet's text always leaves special tokens out (true, vLLM's default)")],
 )  # fmt: skip
 async def test_validation_errors_are_in_plain_words(app, engine, path, patch, param, message) -> None:
     """Messages name the field once and say what is wrong in the API's words: no pydantic
