@@ -616,6 +616,7 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_block_refcount_total": self.block_manager.total_refcount,
+            "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_blocks": cache.hit_blocks if cache is not None else 0,
             "prefix_cache_queried_blocks": cache.queried_blocks if cache is not None else 0,
             "pool": pool,

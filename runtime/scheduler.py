@@ -178,6 +178,7 @@ class Scheduler:
         # Sticky drains: blocked adapter -> the residents it waits for. Kept across steps
         # so the victim does not flip between adapters (which would never free a slot).
         self._drains: dict[AdapterRef, list[AdapterRef]] = {}
+        self.num_preemptions = 0  # preemptions by recompute since start (KV pressure; /metrics' lorafleet_preemptions_total)
 
     # ---- queue membership ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -332,7 +333,8 @@ class Scheduler:
                 n = min(seq.num_uncomputed, budget)
                 fits = self.block_manager.ensure(seq.request_id, seq.num_computed + n)
                 if fits:
-                    self.block_manager.count_prefix_lookup(seq.request_id)
+                    if seq.preemptions == 0:  # a request's prompt is counted once: a readmission would count it again, hitting its own blocks
+                        self.block_manager.count_prefix_lookup(seq.request_id)
                     self.waiting[key].popleft()
                     bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
             except BaseException:
@@ -392,6 +394,7 @@ class Scheduler:
             self.pool.release_device(seq.adapter)
         seq.num_computed = 0
         seq.preemptions += 1
+        self.num_preemptions += 1
         self.waiting.setdefault(seq.adapter, deque()).appendleft(seq)
 
     def _backlogged(self, key: Hashable) -> bool:

@@ -155,4 +155,4 @@ def test_a_squeezed_engine_generates_what_a_roomy_one_does(tiny_llama_dir, tiny_
         if m.ttft is not None:  # first token time: when its first token was made, not when a recompute made the next
             assert arrived[m.request_id] + m.ttft <= first_token[m.request_id], m
     snapshot_preemptions = sum(a.get("preemptions", 0) for a in squeezed.snapshot()["adapters"].values())
-    assert snapshot_preemptions == sum(made.values())
+    assert snapshot_preemptions == sum(made.values()) == squeezed.snapshot()["preemptions"]

@@ -70,3 +70,32 @@ def test_prompt_tokens_metric_skips_requests_that_never_ran():
     text = generate_latest(metrics.registry).decode()
     assert 'lorafleet_prompt_tokens_total{adapter="__base__"} 7.0' in text
     assert 'lorafleet_requests_total{adapter="__base__",finish_reason="abort"} 1.0' in text
+
+
+def test_preemptions_and_prefix_cache_figures_reach_metrics(tiny_llama_dir):
+    """KV pressure shows in /metrics: each preemption counted once (as the requests' own counts
+    add up), and the prefix cache's figures once per request: three distinct prompts of 9 tokens
+    look up 2 blocks each and hit none, however often they are preempted and readmitted."""
+    engine = make_engine(tiny_llama_dir, num_kv_blocks=6, block_size=4, enable_prefix_caching=True, max_model_len=24)
+    metrics = ServerMetrics(engine.snapshot)
+    seen: list[RequestMetrics] = []
+    engine.add_observer(seen.append)
+    for i in range(3):
+        engine.add_request(f"r{i}", [10 * i + t + 1 for t in range(9)], SamplingParams(max_tokens=6, ignore_eos=True), None)
+    while engine.has_unfinished():
+        engine.step()
+    made = sum(m.preemptions for m in seen)
+    assert made > 0, "the 6-block pool should force preemption"
+    text = metrics.render().decode()
+    assert "# TYPE lorafleet_preemptions_total counter" in text
+    assert f"lorafleet_preemptions_total {float(made)}" in text
+    assert "lorafleet_prefix_cache_queried_blocks_total 6.0" in text
+    assert "lorafleet_prefix_cache_hit_blocks_total 0.0" in text
+    engine.close()
+
+
+def test_snapshot_counters_carry_the_replica_label():
+    snaps = {"r0": {"preemptions": 2, "prefix_cache_queried_blocks": 5, "prefix_cache_hit_blocks": 3}, "r1": {"preemptions": 1}}
+    text = ServerMetrics(lambda: {}, replica_snapshots=lambda: snaps).render().decode()
+    assert 'lorafleet_preemptions_total{replica="r0"} 2.0' in text and 'lorafleet_preemptions_total{replica="r1"} 1.0' in text
+    assert 'lorafleet_prefix_cache_hit_blocks_total{replica="r0"} 3.0' in text and 'lorafleet_prefix_cache_hit_blocks_total{replica="r1"} 0.0' in text

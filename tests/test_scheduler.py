@@ -587,3 +587,22 @@ def test_victims_stay_drained_until_none_of_them_runs():
         if x.num_computed:
             break
     assert x.num_computed and step <= sched.fairness_bound_steps(4, max(busy.values())), step
+
+
+def test_prefix_cache_counts_each_request_once_across_preemptions():
+    """A readmission after a preemption looks the prompt up again and mostly finds the request's
+    own blocks: counted, it raised the hit rate with every preemption. Distinct prompts share
+    nothing, so the honest figures are each prompt's full blocks but the last token's, and no hit."""
+    from runtime.kv.prefix_cache import PrefixCache
+
+    cache = PrefixCache("base")
+    pool = AdapterPool(FakeWriter(), lambda ref: None, 2, 4, 64, 32, async_loads=False)
+    sched = Scheduler(BlockManager(6, 4, cache), pool, max_num_seqs=4, max_num_batched_tokens=16, max_loras=2, prefix_seed=cache.seed)
+    prompts = [[100 * i + t for t in range(9)] for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        sched.add(Sequence(f"s{i}", i, prompt, SamplingParams(max_tokens=6), None, 0.0))
+    preempted = 0
+    while sched.has_unfinished():
+        preempted += len(_run_step(sched, pool).preempted)
+    assert preempted > 0
+    assert (cache.queried_blocks, cache.hit_blocks) == (sum((len(p) - 1) // 4 for p in prompts), 0)

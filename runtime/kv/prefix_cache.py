@@ -29,6 +29,10 @@ class PrefixCache:
         self.base_id = base_id
         self._by_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}
+        # Hit statistics, once per request at its first admission (``BlockManager.count_prefix_lookup``):
+        # its full prompt blocks but the last token's, and how many of them were reused from the cache.
+        # A readmission after a preemption is not counted again: it would mostly hit the request's own
+        # blocks, and preemptions would then raise the hit rate.
         self.queried_blocks = 0
         self.hit_blocks = 0
 

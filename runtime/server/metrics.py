@@ -142,6 +142,16 @@ class _SnapshotCollector:
             "host_entries": GaugeMetricFamily("lorafleet_adapter_host_entries", "Adapters in the host tier", labels=extra),
             "kv_block_refcount_total": GaugeMetricFamily("lorafleet_kv_block_refcount", "References held on KV blocks (summed)", labels=extra),
         }
+        totals = {
+            "preemptions": CounterMetricFamily("lorafleet_preemptions", "Running sequences preempted because the KV cache ran out: their "
+                                               "KV is freed and recomputed when they are admitted again (KV pressure)", labels=extra),
+            "prefix_cache_queried_blocks": CounterMetricFamily("lorafleet_prefix_cache_queried_blocks", "Full prompt blocks looked up in the "
+                                                               "prefix cache, once per request at its first admission (0 with prefix caching off)",
+                                                               labels=extra),
+            "prefix_cache_hit_blocks": CounterMetricFamily("lorafleet_prefix_cache_hit_blocks", "Of those, the blocks reused from the prefix "
+                                                           "cache (hit rate: hit over queried; a readmission after a preemption is not counted)",
+                                                           labels=extra),
+        }
         # Leak checks read these: like running, waiting and kv_block_refcount, 0 on an idle server.
         refcounts = {
             "adapter_demand": GaugeMetricFamily("lorafleet_adapter_demand", "Live requests bound to an adapter version (summed)", labels=extra),
@@ -165,6 +175,8 @@ class _SnapshotCollector:
             extra_values = [replica or ""] if self.labelled else []
             for key, gauge in gauges.items():
                 gauge.add_metric(extra_values, float(snap.get(key, 0)))
+            for key, total in totals.items():
+                total.add_metric(extra_values, float(snap.get(key, 0)))
             for key, gauge in refcounts.items():
                 gauge.add_metric(extra_values, float(snap.get("total_refcounts", {}).get(key, 0)))
             summed: dict[str, dict[str, float]] = {}  # label -> family key -> value (adapters past the cap add up)
@@ -181,5 +193,6 @@ class _SnapshotCollector:
                 for key, family in families.items():
                     family.add_metric([label] + extra_values, values[key])
         yield from gauges.values()
+        yield from totals.values()
         yield from refcounts.values()
         yield from families.values()
