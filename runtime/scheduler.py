@@ -16,11 +16,13 @@ budgets, ``max_num_batched_tokens`` (C) and ``max_num_seqs``:
 Fairness (virtual token counter, after Sheng et al., "Fairness in Serving Large
 Language Models", OSDI'24, with a fair-share virtual time as in fair queueing). Each adapter
 key (an ``AdapterRef``, or None for the base model) has a counter ``c`` of tokens it was served
-(prefill and decode tokens, weight 1). Admission always picks the backlogged key with the
-smallest ``(c, arrival of its oldest waiting request)``. The virtual time V advances after every
-step by that step's tokens over the number of backlogged keys (each one's fair share), never
-falls below the smallest backlogged counter m, and never passes s, the smallest counter among
-the keys served in the step:
+(prefill and decode tokens, weight 1). A preempted sequence's recompute is not charged again, only
+the tokens past those it had computed before: the victim is the newest running sequence, whatever
+its adapter, and charging it twice put that adapter behind its share of the tokens it asked for.
+Admission always picks the backlogged key with the smallest ``(c, arrival of its oldest waiting
+request)``. The virtual time V advances after every step by that step's charged tokens over the
+number of backlogged keys (each one's fair share), never falls below the smallest backlogged
+counter m, and never passes s, the smallest counter among the keys served in the step:
 
     V <- max(V, min(max(V + tokens / |backlogged|, m), max(s, m)))
 
@@ -178,6 +180,8 @@ class Scheduler:
         # Sticky drains: blocked adapter -> the residents it waits for. Kept across steps
         # so the victim does not flip between adapters (which would never free a slot).
         self._drains: dict[AdapterRef, list[AdapterRef]] = {}
+        # Preempted sequences -> tokens they had computed: recomputing those is not charged (module docstring).
+        self._recompute: dict[Sequence, int] = {}
         self.num_preemptions = 0  # preemptions by recompute since start (KV pressure; /metrics' lorafleet_preemptions_total)
 
     # ---- queue membership ------------------------------------------------------------
@@ -190,6 +194,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out (finish or abort): frees its KV blocks and its device slot reference."""
+        self._recompute.pop(seq, None)
         if seq in self.running:
             self.running.remove(seq)
             if seq.adapter is not None:
@@ -259,11 +264,18 @@ class Scheduler:
                 budget -= n
         if not out.preempted:
             budget = self._admit(out, planned, budget)
+        charged_tokens = 0
         for seq, n in planned.items():
             out.chunks.append(ScheduledChunk(seq, n, seq.num_computed + n == seq.num_tokens))
-            self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + n
+            charge = n
+            if self._recompute and seq in self._recompute:
+                charge = self._charge(seq, n)
+                if self._recompute[seq] <= seq.num_computed + n:
+                    del self._recompute[seq]  # its recompute is done with this chunk
+            self.counters[seq.adapter] = self.counters.get(seq.adapter, 0.0) + charge
+            charged_tokens += charge
         backlogged = self._backlogged_keys()
-        self._advance_virtual_time(backlogged, out.num_tokens, {seq.adapter for seq in planned})
+        self._advance_virtual_time(backlogged, charged_tokens, {seq.adapter for seq in planned})
         self._forget_idle_counters(backlogged)
         if len(out.adapters) > self.max_loras:
             raise AssertionError(f"step has {len(out.adapters)} adapters, more than max_loras={self.max_loras}")
@@ -284,7 +296,7 @@ class Scheduler:
         # one step already see each other's cost.
         planned_tokens: dict[Optional[AdapterRef], int] = {}
         for planned_seq, n in planned.items():
-            planned_tokens[planned_seq.adapter] = planned_tokens.get(planned_seq.adapter, 0) + n
+            planned_tokens[planned_seq.adapter] = planned_tokens.get(planned_seq.adapter, 0) + (self._charge(planned_seq, n) if self._recompute else n)
 
         def charged(k: Optional[AdapterRef]) -> float:
             return self.counters.get(k, 0.0) + planned_tokens.get(k, 0)
@@ -350,7 +362,7 @@ class Scheduler:
                 break
             out.admitted.append(seq)
             planned[seq] = n
-            planned_tokens[key] = planned_tokens.get(key, 0) + n
+            planned_tokens[key] = planned_tokens.get(key, 0) + self._charge(seq, n)
             budget -= n
             blocked.changed()
             if self.waiting[key]:
@@ -387,7 +399,16 @@ class Scheduler:
             for key in [k for k, c in self.counters.items() if c <= self._virtual_time and k not in backlogged]:
                 del self.counters[key]
 
+    def _charge(self, seq: Sequence, n: int) -> int:
+        """What a chunk of ``n`` tokens from ``seq.num_computed`` costs ``seq``'s key: with ``r`` the tokens
+        it had computed when it was preempted (none if it never was), ``max(0, num_computed + n - max(num_computed, r))``."""
+        if not self._recompute:
+            return n
+        recomputed_until = self._recompute.get(seq, 0)
+        return max(0, seq.num_computed + n - max(seq.num_computed, recomputed_until))
+
     def _preempt(self, seq: Sequence) -> None:
+        self._recompute[seq] = max(self._recompute.get(seq, 0), seq.num_computed)
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
         if seq.adapter is not None:

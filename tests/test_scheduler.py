@@ -589,6 +589,25 @@ def test_victims_stay_drained_until_none_of_them_runs():
     assert x.num_computed and step <= sched.fairness_bound_steps(4, max(busy.values())), step
 
 
+def test_recompute_after_a_preemption_is_not_charged_again():
+    """A preempted sequence's recompute costs its key nothing: the victim is the newest running
+    sequence, whatever its adapter, and charging its tokens twice put that adapter behind its share.
+    Three requests of 7 prompt and 4 output tokens in 4 blocks of 4 tokens: preemptions happen, and
+    the key is charged for each token's KV once, 3 * (7 + 3) (the last sampled token gets none)."""
+    sched, pool, _ = _setup(num_blocks=4, budget=16)
+    for i in range(3):
+        sched.add(_seq(i, 7, max_tokens=4))
+    charged, preempted = [], 0
+
+    def observe():  # after the step's charges, before finished requests leave (the key is still backlogged)
+        charged.append(sched.counters[None])
+
+    while sched.has_unfinished():
+        preempted += len(_run_step(sched, pool, observe).preempted)
+    assert preempted > 0 and sched.num_preemptions == preempted
+    assert charged[-1] == 3 * (7 + 3)
+
+
 def test_prefix_cache_counts_each_request_once_across_preemptions():
     """A readmission after a preemption looks the prompt up again and mostly finds the request's
     own blocks: counted, it raised the hit rate with every preemption. Distinct prompts share
