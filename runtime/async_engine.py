@@ -486,6 +486,14 @@ class AsyncLLMEngine:
         with self._lock:
             return self.engine.snapshot()
 
+    def fold_adapter_counters(self, names: Any) -> None:
+        """``LLMEngine.fold_adapter_counters``; takes the lock only if some name is not registered."""
+        registered = {info.name for info in self._adapter_infos}
+        unregistered = [name for name in names if name not in registered]
+        if unregistered:
+            with self._lock:
+                self.engine.fold_adapter_counters(unregistered)
+
     def add_observer(self, callback: Any) -> None:
         """``callback(RequestMetrics)`` runs on the step thread; keep it short and thread-safe."""
         with self._lock:

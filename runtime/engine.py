@@ -22,9 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Sequence as Seq
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence as Seq
 
 import torch
 
@@ -34,7 +34,7 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import PrefixCache
 from runtime.lora.adapter import AdapterError, LoRAAdapter, load_adapter, resolved_files
-from runtime.lora.pool import AdapterPool
+from runtime.lora.pool import AdapterCounters, AdapterPool
 from runtime.lora.registry import AdapterInfo, AdapterRegistry
 from runtime.model_runner import ModelRunner, SeqStep, check_cpu_gemm_applies
 from runtime.request import (
@@ -628,6 +628,27 @@ class LLMEngine:
             "adapters": per_adapter,
             "steps": self.steps,
         }
+
+    def fold_adapter_counters(self, names: Iterable[str]) -> None:
+        """Fold the per-adapter counters of those of ``names`` not registered now into one entry,
+        ``snapshot()["adapters"]["__other__"]`` (each field summed: no total changes).
+
+        The counter tables are keyed by adapter name, so every name ever served kept an entry
+        (~400 bytes, and a row each snapshot copies under the engine lock) through any number of
+        load/unload cycles of distinct names. /metrics passes the names it counts under
+        ``adapter="__other__"`` already (past its label cap: ``ServerMetrics``), so no exported
+        series changes, and the tables keep the labelled adapters, the registered ones and those
+        used since the last scrape. A folded name that comes back gets a fresh entry."""
+        registered = {info.name for info in self.registry.infos()}
+        for name in names:
+            if name in registered or name in ("", BASE_LABEL, OTHER_LABEL):
+                continue
+            for table, empty in ((self._request_counters, AdapterRequestCounters), (self.pool.counters, AdapterCounters)):
+                entry = table.pop(name, None)
+                if entry is not None:
+                    total = table.setdefault(OTHER_LABEL, empty())
+                    for f in fields(entry):
+                        setattr(total, f.name, getattr(total, f.name) + getattr(entry, f.name))
 
     def close(self) -> None:
         """Stop the pool's loader and free the model, KV cache and LoRA buffers now.

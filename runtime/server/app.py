@@ -74,7 +74,8 @@ def create_app(
     engine snapshot; /metrics then reports pool/KV/adapter series per replica."""
     options = options or ServerOptions()
     base_name = options.served_model_name or engine.model_name
-    metrics = ServerMetrics(engine.snapshot, replica=replica, replica_snapshots=replica_snapshots, max_adapters=options.metrics_max_adapters)
+    metrics = ServerMetrics(engine.snapshot, replica=replica, replica_snapshots=replica_snapshots, max_adapters=options.metrics_max_adapters,
+                            fold_counters=getattr(engine, "fold_adapter_counters", None))
     engine.add_observer(metrics.observe)
     state = AppState(
         engine=engine,

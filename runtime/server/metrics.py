@@ -14,6 +14,12 @@ request, or once the cap is full (under ``__other__``), so a server with thousan
 registered and few used stays small too. The set never changes once full, so no series goes
 back: ``__other__`` only grows. (The set lives in this process: under Ray it is the ingress's,
 and an ingress restart chooses it again, which can move counts between series.)
+
+Bounded books (``fold_counters``, a single engine): after each scrape the engine is handed the
+names just counted under ``__other__``; it folds those no longer registered into its own
+``__other__`` entry, which is rendered under that label too, so the page does not change and the
+engine's per-name tables do not grow with every adapter ever unloaded. Under Ray (per-replica
+snapshots) nothing is folded.
 """
 from __future__ import annotations
 
@@ -75,6 +81,7 @@ class ServerMetrics:
         replica: str | None = None,
         replica_snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None,
         max_adapters: int = 100,
+        fold_counters: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = AdapterLabels(max_adapters)
@@ -92,7 +99,8 @@ class ServerMetrics:
                 return sorted(replica_snapshots().items())  # one series per replica
             return [(replica, snapshot())]
 
-        self.registry.register(_SnapshotCollector(rows, labelled=replica is not None or replica_snapshots is not None, adapter_labels=self.labels))
+        fold = fold_counters if replica_snapshots is None else None  # one engine's books only
+        self.registry.register(_SnapshotCollector(rows, labelled=replica is not None or replica_snapshots is not None, adapter_labels=self.labels, fold=fold))
 
     def observe(self, m: Any) -> None:
         """Engine observer: called once per finished request with its RequestMetrics."""
@@ -121,10 +129,12 @@ class _SnapshotCollector:
     replica for an application spread over replicas (then every series has ``replica``).
     """
 
-    def __init__(self, rows: Callable[[], list[tuple[str | None, dict[str, Any]]]], labelled: bool, adapter_labels: AdapterLabels) -> None:
+    def __init__(self, rows: Callable[[], list[tuple[str | None, dict[str, Any]]]], labelled: bool, adapter_labels: AdapterLabels,
+                 fold: Callable[[list[str]], None] | None = None) -> None:
         self.rows = rows
         self.labelled = labelled
         self.adapter_labels = adapter_labels
+        self.fold = fold
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -180,10 +190,16 @@ class _SnapshotCollector:
             for key, gauge in refcounts.items():
                 gauge.add_metric(extra_values, float(snap.get("total_refcounts", {}).get(key, 0)))
             summed: dict[str, dict[str, float]] = {}  # label -> family key -> value (adapters past the cap add up)
+            foldable: list[str] = []  # counted under __other__ from now on (the label set is full and fixed)
             for name, counters in sorted(snap.get("adapters", {}).items()):
                 if not name:  # the base model's request counters: it has no adapter pool series
                     continue
-                label = self.adapter_labels.for_counters(name, any(counters.get(k, 0) for k in REQUEST_KEYS))
+                if name == OTHER_LABEL:  # the engine's entry of folded adapters (``fold_counters``)
+                    label: str | None = OTHER_LABEL
+                else:
+                    label = self.adapter_labels.for_counters(name, any(counters.get(k, 0) for k in REQUEST_KEYS))
+                    if label == OTHER_LABEL:
+                        foldable.append(name)
                 if label is None:
                     continue
                 values = summed.setdefault(label, dict.fromkeys(families, 0.0))
@@ -192,6 +208,8 @@ class _SnapshotCollector:
             for label, values in summed.items():
                 for key, family in families.items():
                     family.add_metric([label] + extra_values, values[key])
+            if self.fold is not None and foldable:
+                self.fold(foldable)
         yield from gauges.values()
         yield from totals.values()
         yield from refcounts.values()

@@ -88,3 +88,61 @@ def test_thousands_registered_and_none_used_render_nothing_per_adapter() -> None
     snap = {"adapters": {f"a{i}": _counters(1, 0) for i in range(2000)}}
     text = ServerMetrics(lambda: snap, max_adapters=100).render().decode()
     assert 'adapter="' not in text
+
+
+def test_unloaded_adapters_past_the_cap_fold_into_one_engine_entry(tiny_llama_dir, tiny_adapters) -> None:
+    """Load, use and unload many distinct names: the engine's per-name counter tables kept an
+    entry for every name ever served. Names /metrics already counts under __other__ are folded
+    into one engine entry once unregistered, and every exported series reads as it would
+    without the fold (counters only grow, totals kept)."""
+    from runtime.request import SamplingParams
+    from tests.engine_helpers import make_engine
+
+    engine = make_engine(tiny_llama_dir)
+    metrics = ServerMetrics(engine.snapshot, max_adapters=1, fold_counters=engine.fold_adapter_counters)
+    engine.add_observer(metrics.observe)
+    seen: dict[str, float] = {}
+    for i in range(6):
+        engine.register_adapter(f"n{i}", str(tiny_adapters["a"]))
+        engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1), f"n{i}")
+        while engine.has_unfinished():
+            engine.step()
+        engine.unregister_adapter(f"n{i}")
+        engine.step()  # the unloaded version is retired from the pool
+        text = metrics.render().decode()
+        loads = _series(text, "lorafleet_adapter_loads_total")
+        assert loads == ({"n0": 1.0, "__other__": float(i)} if i else {"n0": 1.0}), loads
+        for metric in ("lorafleet_adapter_loads_total", "lorafleet_adapter_versions_retired_total", "lorafleet_adapter_host_hits_total"):
+            for label, value in _series(text, metric).items():
+                assert value >= seen.get(f"{metric}{label}", 0.0), (metric, label)
+                seen[f"{metric}{label}"] = value
+    assert _series(text, "lorafleet_adapter_versions_retired_total") == {"n0": 1.0, "__other__": 5.0}
+    assert set(engine.pool.counters) <= {"n0", "n5", "__other__"} and set(engine._request_counters) <= {"n0", "n5", "__other__"}
+    assert engine.snapshot()["adapters"]["__other__"]["requests"] >= 4  # folded, not dropped
+    engine.close()
+
+
+@pytest.mark.anyio
+async def test_the_server_folds_unloaded_adapters_past_the_cap(tiny_llama_dir, tiny_adapters) -> None:
+    """The app hands /metrics' fold to its engine: an unloaded adapter counted under __other__
+    leaves the engine's per-name tables after a scrape, its counts kept under __other__."""
+    from runtime.async_engine import AsyncLLMEngine
+    from runtime.server.app import create_app
+    from runtime.server.options import ServerOptions
+    from tests.server.conftest import client_for, make_engine_config
+
+    engine = AsyncLLMEngine(make_engine_config(tiny_llama_dir))
+    try:
+        engine.register_adapter("gone", str(tiny_adapters["a"]))
+        app = create_app(engine, ServerOptions(metrics_max_adapters=0))
+        async with client_for(app) as c:
+            r = await c.post("/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            engine.unregister_adapter("gone")
+            first = (await c.get("/metrics")).text
+            second = (await c.get("/metrics")).text
+        assert "gone" not in engine.snapshot()["adapters"]
+        for text in (first, second):
+            assert _series(text, "lorafleet_adapter_loads_total") == {"__other__": 1.0}
+    finally:
+        engine.shutdown()
