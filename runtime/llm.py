@@ -50,6 +50,11 @@ class GenerationError(RuntimeError):
                          "(generate(..., raise_on_error=False) returns the results instead)")  # fmt: skip
         self.results = results
 
+    def __reduce__(self) -> tuple[type, tuple[list[CompletionResult]]]:
+        # Rebuilt from the results, not from the message (Exception's default): a GenerationError
+        # raised in a worker process (multiprocessing, concurrent.futures, Ray) reaches the caller.
+        return (GenerationError, (self.results,))
+
 
 class LLM:
     """One base model plus named LoRA adapters, for batch generation in-process.

@@ -238,3 +238,17 @@ def test_use_tqdm_shows_one_step_per_finished_prompt(tiny_llama_dir, capsys):
         assert "3/3" not in capsys.readouterr().err
         with pytest.raises(ValueError, match="use_tqdm"):
             llm.generate(["a"], params, use_tqdm="yes")
+
+
+def test_generation_error_survives_pickling_with_its_results():
+    """A GenerationError raised in a worker process (multiprocessing, concurrent.futures, Ray) is
+    pickled back to the caller; unpickling rebuilt it from its message and failed with
+    "AttributeError: 'str' object has no attribute 'finish_reason'" instead."""
+    import pickle
+
+    from runtime.llm import CompletionResult
+
+    results = [CompletionResult("ok", (1, 2), "length", None), CompletionResult("", (), "error", "a", error="its files changed")]
+    again = pickle.loads(pickle.dumps(GenerationError(results)))
+    assert isinstance(again, GenerationError) and again.results == results
+    assert str(again) == str(GenerationError(results)) and "prompts[1] (adapter 'a'): its files changed" in str(again)
