@@ -7,6 +7,7 @@ the name, so it always finishes on the weights it started with.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -62,7 +63,8 @@ MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's range)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop.
+    """How to pick tokens and when to stop. Lists are stored as tuples, numpy scalars as the Python
+    ints and floats they equal; anything else out of range is a ValueError naming the field.
 
     temperature: below ``GREEDY_BELOW`` (1e-5; 0 included) means greedy (argmax): dividing
                  float32 logits by a smaller one overflows or divides by zero (vLLM draws the same
@@ -122,17 +124,26 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        # Accept lists for convenience but store tuples, so the object stays hashable and immutable.
-        if isinstance(self.logit_bias, dict):
-            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
-        elif isinstance(self.logit_bias, list):
-            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
+        # Accept lists for convenience but store tuples, so the object stays hashable and immutable;
+        # and numpy's scalars (np.int64, np.float32, ...) as the Python numbers they equal.
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, _plain_int(getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            object.__setattr__(self, name, _plain_float(getattr(self, name)))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = list(bias.items())
+        if isinstance(bias, (list, tuple)):  # anything malformed stays as it is, for validate() to name
+            bias = tuple((_plain_int(p[0]), _plain_float(p[1])) if isinstance(p, (list, tuple)) and len(p) == 2 else p for p in bias)
+            if all(isinstance(p, tuple) and type(p[0]) is int for p in bias):
+                bias = tuple(sorted(bias))  # one order for one mapping: equal SamplingParams compare and hash equal
+            object.__setattr__(self, "logit_bias", bias)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            object.__setattr__(self, "stop_token_ids", tuple(_plain_int(t) for t in self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:
@@ -211,6 +222,24 @@ class TokenLogprobs:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _plain_int(value: object) -> object:
+    """An integer of another type (numpy's) as the int it equals; anything else unchanged."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
+def _plain_float(value: object) -> object:
+    """A real number of another type (numpy's float32, an integer one) as the float it equals; anything else unchanged."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        return float(value)
+    return value
 
 
 @dataclass(frozen=True)

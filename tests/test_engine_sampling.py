@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import pytest
+
 from runtime.request import SamplingParams
 from tests.engine_helpers import make_engine, random_prompt, run_alone, run_to_completion
 
@@ -150,3 +153,34 @@ def test_non_finite_logits_end_only_that_request(tiny_llama_dir, tiny_adapters, 
     snap = engine.snapshot()
     assert snap["kv_blocks_free"] == snap["kv_blocks_total"]
     engine.close()
+
+
+def test_numpy_scalars_are_the_numbers_they_equal():
+    """``SamplingParams(max_tokens=np.int64(8), temperature=np.float32(0.5))`` (a sweep over
+    ``np.arange``) was refused with "must be an integer >= 0, got np.int64(8)"; the offline API
+    takes numpy integers as token ids, and here they are stored as plain ints and floats."""
+    params = SamplingParams(max_tokens=np.int64(8), temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int32(4),
+                            seed=np.uint64(2**63), logprobs=np.int8(2), min_tokens=np.int64(1), stop_token_ids=[np.int64(7)],
+                            logit_bias={np.int64(3): np.float32(-2.0)}, repetition_penalty=np.float32(1.5))  # fmt: skip
+    plain = SamplingParams(max_tokens=8, temperature=0.5, top_p=0.9, top_k=4, seed=2**63, logprobs=2, min_tokens=1, stop_token_ids=[7],
+                           logit_bias={3: -2.0}, repetition_penalty=1.5)  # fmt: skip
+    assert params == plain and hash(params) == hash(plain)
+    assert all(type(getattr(params, f)) is type(getattr(plain, f)) for f in ("max_tokens", "temperature", "top_k", "seed", "logprobs"))
+    assert type(params.stop_token_ids[0]) is int and type(params.logit_bias[0][0]) is int
+    with pytest.raises(ValueError, match="max_tokens: must be an integer"):
+        SamplingParams(max_tokens=np.float64(8.0))  # a float stays refused as an integer field
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=np.bool_(True))
+
+
+@pytest.mark.parametrize("bias", [[1, 2], {1: 2.0, "a": 3.0}, [(1, 2.0, 3)], [[1]], [None], {-1: 1.0}])
+def test_a_malformed_logit_bias_is_a_value_error_naming_the_field(bias):
+    """``logit_bias=[1, 2]`` raised TypeError "'int' object is not iterable", and a dict with keys of
+    mixed types TypeError "'<' not supported between instances of 'str' and 'int'"."""
+    with pytest.raises(ValueError, match="logit_bias: must map"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_stored_in_one_order_whatever_its_form():
+    forms = [{5: 1.0, 2: -1.0}, [(5, 1.0), (2, -1.0)], ((5, 1.0), (2, -1.0)), [[5, 1.0], [2, -1.0]], ([5, 1.0], (2, -1.0))]
+    assert {SamplingParams(logit_bias=f).logit_bias for f in forms} == {((2, -1.0), (5, 1.0))}
