@@ -68,8 +68,10 @@ class SamplingParams:
 
     temperature: below ``GREEDY_BELOW`` (1e-5; 0 included) means greedy (argmax): dividing
                  float32 logits by a smaller one overflows or divides by zero (vLLM draws the same
-                 line); otherwise sample from softmax(logits / temperature).
-    top_k:       keep only the k most likely tokens (0 = off).
+                 line); otherwise sample from softmax(logits / temperature). The default, 0, is
+                 greedy: vLLM's SamplingParams and the HTTP API default to 1 (sampling).
+    top_k:       keep only the k most likely tokens (0 = off; -1, vLLM's and the server's other
+                 spelling of off, is stored as 0).
     min_p:       in [0, 1] (vLLM's; 0 = off): after temperature, keep only the tokens whose
                  probability is at least min_p times the most likely token's.
     top_p:       keep the smallest set of most likely tokens whose probability mass is >= top_p.
@@ -130,6 +132,8 @@ class SamplingParams:
             object.__setattr__(self, name, _plain_int(getattr(self, name)))
         for name in _FLOAT_FIELDS:
             object.__setattr__(self, name, _plain_float(getattr(self, name)))
+        if type(self.top_k) is int and self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = list(bias.items())
@@ -155,7 +159,7 @@ class SamplingParams:
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise ValueError(f"top_k: must be an integer >= 0, or -1 (0 and -1 = off), got {self.top_k!r}")
         if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p: must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):

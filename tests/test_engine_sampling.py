@@ -184,3 +184,12 @@ def test_a_malformed_logit_bias_is_a_value_error_naming_the_field(bias):
 def test_logit_bias_is_stored_in_one_order_whatever_its_form():
     forms = [{5: 1.0, 2: -1.0}, [(5, 1.0), (2, -1.0)], ((5, 1.0), (2, -1.0)), [[5, 1.0], [2, -1.0]], ([5, 1.0], (2, -1.0))]
     assert {SamplingParams(logit_bias=f).logit_bias for f in forms} == {((2, -1.0), (5, 1.0))}
+
+
+def test_top_k_minus_one_is_off_as_in_vllm_and_the_http_api():
+    """The HTTP API (docs/api.md) and vLLM take top_k=-1 for off; SamplingParams refused it."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) == SamplingParams()
+    assert SamplingParams(top_k=np.int64(-1)).top_k == 0
+    for bad in (-2, True, 1.0):
+        with pytest.raises(ValueError, match=r"top_k: must be an integer >= 0, or -1"):
+            SamplingParams(top_k=bad)

@@ -46,7 +46,7 @@ def test_stop_rules():
     assert token_stop_reason(5, 3, p, [2]) == "length"
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("max_tokens", -1), ("seed", -3), ("stop", [""]),
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("max_tokens", -1), ("seed", -3), ("stop", [""]),
                                           ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", True)])
 def test_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
