@@ -99,6 +99,15 @@ def _check_range(adapter: LoRAAdapter, path: str, dtype: torch.dtype) -> None:
                 )
 
 
+def check_adapter_name(name: object) -> None:
+    """ValueError unless ``name`` can name an adapter: a non-empty string without surrounding
+    spaces, and not one of the labels per-adapter metrics reserve."""
+    if not isinstance(name, str) or not name or name != name.strip():
+        raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
+    if name in (BASE_LABEL, OTHER_LABEL):
+        raise ValueError(f"adapter name: {name!r} is reserved (a label of its own in per-adapter metrics)")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, backend: Any = None) -> None:
         if backend is None:
@@ -161,10 +170,7 @@ class LLMEngine:
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter_files(self, name: str, path: str) -> LoRAAdapter:
         """Read and validate an adapter (no engine state touched; may run outside the engine lock)."""
-        if not isinstance(name, str) or not name or name != name.strip():
-            raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
-        if name in (BASE_LABEL, OTHER_LABEL):
-            raise ValueError(f"adapter name: {name!r} is reserved (a label of its own in per-adapter metrics)")
+        check_adapter_name(name)
         adapter = load_adapter(
             str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
         )

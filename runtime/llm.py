@@ -14,14 +14,17 @@ as llm:``) releases them at once instead of whenever the garbage collector runs.
 from __future__ import annotations
 
 import numbers
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from tqdm import tqdm
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine
+from runtime.engine import LLMEngine, check_adapter_name
+from runtime.lora.adapter import check_adapter_folder
 from runtime.request import SamplingParams, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
@@ -60,6 +63,8 @@ class LLM:
     """One base model plus named LoRA adapters, for batch generation in-process.
 
     ``device``: "auto" (the default, as for ``lorafleet serve``) picks cuda, then npu, then cpu.
+    ``adapters``: name -> PEFT adapter folder; names and folders are checked before the model
+    loads, the adapters' contents once it has (a ValueError starting ``adapters[name]`` or naming the file).
     One call at a time: calls from several threads take turns (``close()`` waits for a running
     ``generate()``); for concurrent serving use ``AsyncLLMEngine``.
     """
@@ -72,14 +77,13 @@ class LLM:
         dtype: str = "float32",
         **engine_config: Any,
     ) -> None:
-        if adapters is not None and not isinstance(adapters, Mapping):
-            raise ValueError(f"adapters: expected a mapping of name -> adapter folder, got {type(adapters).__name__}")
+        folders = _check_adapters(adapters)  # before the model loads: a typo must not cost a model load
         # from_dict rejects unknown keys with the list of known ones.
         config = EngineConfig.from_dict({"model": str(model), "device": device, "dtype": dtype, **engine_config})
         self.engine = LLMEngine(config)
         try:
-            for name, path in (adapters or {}).items():
-                self.engine.register_adapter(name, str(path))
+            for name, path in folders.items():
+                self.engine.register_adapter(name, path)
         except BaseException:
             self.engine.close()  # a half-built LLM must not keep the model and the loader thread alive
             raise
@@ -196,6 +200,27 @@ class LLM:
         if raise_on_error and any(r.finish_reason == "error" for r in ordered):
             raise GenerationError(ordered)
         return ordered
+
+
+def _check_adapters(adapters: Optional[Mapping[str, Any]]) -> dict[str, str]:
+    """``adapters={name: folder}`` as name -> folder (str), every name and folder checked as far as
+    that needs no model and no file read (``check_adapter_name``, ``check_adapter_folder``); an
+    error starts with ``adapters[name]``."""
+    if adapters is None:
+        return {}
+    if not isinstance(adapters, Mapping):
+        raise ValueError(f"adapters: expected a mapping of name -> adapter folder, got {type(adapters).__name__}")
+    folders = {}
+    for name, path in adapters.items():
+        try:
+            check_adapter_name(name)
+            if not isinstance(path, (str, os.PathLike)):
+                raise ValueError(f"expected an adapter folder (a str or a path), got {type(path).__name__}")
+            check_adapter_folder(Path(path))
+        except ValueError as err:
+            raise type(err)(f"adapters[{name!r}]: {err}") from None
+        folders[name] = str(path)
+    return folders
 
 
 def _as_prompt_list(prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:

@@ -140,8 +140,9 @@ def test_close_and_a_failed_constructor_release_the_engine(tiny_llama_dir, tiny_
     closed = []
     real_close = LLMEngine.close
     monkeypatch.setattr(LLMEngine, "close", lambda self: (closed.append(self), real_close(self)))
-    with pytest.raises(ValueError, match="does not exist"):
-        LLM(str(tiny_llama_dir), adapters={"good": str(tiny_adapters["a"]), "bad": "/no/such/adapter"}, num_kv_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match=r"adapters\['big'\]|rank"):  # rank 16 over max_lora_rank 8: found once the model is loaded
+        LLM(str(tiny_llama_dir), adapters={"good": str(tiny_adapters["a"]), "big": str(tiny_adapters["c"])}, max_lora_rank=8,
+            num_kv_blocks=32, block_size=4)  # fmt: skip
     assert len(closed) == 1
     with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4) as llm:
         assert llm.engine.config.device == "auto" or llm.engine.backend.name == "cpu"
@@ -252,3 +253,23 @@ def test_generation_error_survives_pickling_with_its_results():
     again = pickle.loads(pickle.dumps(GenerationError(results)))
     assert isinstance(again, GenerationError) and again.results == results
     assert str(again) == str(GenerationError(results)) and "prompts[1] (adapter 'a'): its files changed" in str(again)
+
+
+def test_adapters_are_checked_before_the_model_loads(tiny_llama_dir, tiny_adapters, tmp_path, monkeypatch):
+    """A mistyped adapter folder or a bad name in ``adapters={...}`` was found only after the model
+    had loaded (minutes for a large one); None as a folder said "None: adapter folder does not exist"."""
+    import runtime.llm
+
+    built = []
+    monkeypatch.setattr(runtime.llm, "LLMEngine", lambda config: built.append(config))
+    (tmp_path / "not_an_adapter").mkdir()
+    good = str(tiny_adapters["a"])
+    for adapters, message in [({"good": good, "bad": "/no/such/adapter"}, r"adapters\['bad'\]: /no/such/adapter: adapter folder does not exist"),
+                              ({"x": None}, r"adapters\['x'\]: expected an adapter folder \(a str or a path\), got NoneType"),
+                              ({"x": str(tmp_path / "not_an_adapter")}, r"adapters\['x'\]: .*adapter_config.json: missing"),
+                              ({"": good}, r"adapters\[''\]: adapter name: must be a non-empty string"),
+                              ({" a": good}, r"adapters\[' a'\]: adapter name"), ({1: good}, r"adapters\[1\]: adapter name"),
+                              ({"__base__": good}, r"adapters\['__base__'\]: adapter name: '__base__' is reserved")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny_llama_dir), adapters=adapters)
+    assert built == []
