@@ -112,6 +112,12 @@ class EngineConfig:
             from runtime.models.dense import float32_packed  # torch: imported only when a backend is known
 
             config = config.replace(cpu_gemm="onednn" if float32_packed("auto") else "mkl")
+        elif backend_name == "cpu" and self.cpu_gemm == "onednn":
+            from runtime.models.dense import why_onednn_cannot_pack
+
+            why = why_onednn_cannot_pack()
+            if why is not None:  # packing would silently leave every weight on F.linear, i.e. mkl
+                raise ConfigError(f"cpu_gemm: 'onednn' packs float32 weights for oneDNN, but {why}: use auto or mkl")
         elif backend_name != "cpu" and self.cpu_gemm != "auto":
             raise ConfigError(f"cpu_gemm: {self.cpu_gemm!r} chooses the cpu backend's float32 GEMM; this engine runs on {backend_name}: leave it at auto")
         if config.max_num_batched_tokens is not None:

@@ -276,7 +276,38 @@ def test_auto_packs_float32_wherever_torch_has_onednn():
     spec = importlib.util.spec_from_file_location("dense_as_loaded", dense.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # the constant as the module sets it, not the fixture's
-    assert module.FLOAT32_ONEDNN == module.ONEDNN_LINEAR
+    assert module.FLOAT32_ONEDNN == module.PACKED_WEIGHTS  # only where pack_weight can pack at all
+
+
+@pytest.mark.parametrize("cause", ["no packing op", "onednn switched off"])
+def test_onednn_that_could_not_pack_is_refused_and_auto_becomes_mkl(cause, monkeypatch):
+    """Where pack_weight would leave every weight plain (a torch without _reorder_linear_weight, or
+    oneDNN switched off in the process), an explicit cpu_gemm onednn is refused with the reason,
+    not accepted and run on F.linear under an "oneDNN on packed weights" banner; auto resolves to
+    mkl, what actually runs."""
+    from runtime.config import ConfigError, EngineConfig
+
+    if cause == "no packing op":
+        monkeypatch.setattr(dense, "PACKED_WEIGHTS", False)
+        monkeypatch.setattr(dense, "FLOAT32_ONEDNN", False)
+        reason = "this torch build cannot pack weights for oneDNN"
+    else:
+        monkeypatch.setattr(dense, "PACKED_WEIGHTS", True)
+        monkeypatch.setattr(dense, "FLOAT32_ONEDNN", True)
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+        reason = "oneDNN is switched off in this process"
+    with pytest.raises(ConfigError, match=f"cpu_gemm: 'onednn' packs float32 weights for oneDNN, but {reason}.*: use auto or mkl"):
+        EngineConfig(model="m", cpu_gemm="onednn").for_backend("cpu")
+    assert EngineConfig(model="m").for_backend("cpu").cpu_gemm == "mkl"
+    assert EngineConfig(model="m", cpu_gemm="mkl").for_backend("cpu").cpu_gemm == "mkl"
+
+
+@pytest.mark.skipif(not dense.PACKED_WEIGHTS, reason="this torch cannot pack weights for oneDNN")
+def test_onednn_is_accepted_where_it_packs():
+    from runtime.config import EngineConfig
+
+    assert EngineConfig(model="m", cpu_gemm="onednn").for_backend("cpu").cpu_gemm == "onednn"
+    assert EngineConfig(model="m").for_backend("cpu").cpu_gemm == ("onednn" if dense.FLOAT32_ONEDNN else "mkl")
 
 
 @pytest.mark.parametrize("rows", [(1,), (11,), (128,), (129,), (2, 5)])

@@ -77,24 +77,35 @@ from torch import Tensor
 from runtime.config import CPU_GEMMS  # EngineConfig.cpu_gemm: FLOAT32_ONEDNN's choice, or float32 packed / plain
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# float32 packed for oneDNN under cpu_gemm "auto": wherever torch has it (module docstring: batched decoding at real model
+PACKED_WEIGHTS = ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# float32 packed for oneDNN under cpu_gemm "auto": wherever torch can pack (module docstring: batched decoding at real model
 # sizes was faster packed on both CPUs measured; cpu_gemm "mkl" keeps float32 plain on F.linear instead).
-FLOAT32_ONEDNN = ONEDNN_LINEAR
+FLOAT32_ONEDNN = PACKED_WEIGHTS
 # bfloat16 weights are packed too where oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX); elsewhere
 # it would convert every call, and the weights stay plain on F.linear. float16 stays plain: not measured.
 PACKED_BFLOAT16 = ONEDNN_LINEAR and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
 ONEDNN_MIN_WEIGHT = 1 << 18  # elements: smaller weights are faster on F.linear (oneDNN's per-call cost)
 ONEDNN_MAX_ROWS = 128  # rows of x a oneDNN call: more are cut into chunks; bounds the kernel shapes
-PACKED_WEIGHTS = ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 PACKED_MIN_ROWS = 4  # rows: fewer are zero-padded to this many on a packed weight (oneDNN's 1-2 row kernels are slower there)
 
 
 def float32_packed(cpu_gemm: str) -> bool:
     """Whether float32 weights are packed for oneDNN under ``EngineConfig.cpu_gemm``: ``onednn`` yes,
-    ``mkl`` no (plain, ``F.linear``), ``auto`` this CPU's choice (``FLOAT32_ONEDNN``)."""
+    ``mkl`` no (plain, ``F.linear``), ``auto`` this CPU's choice (``FLOAT32_ONEDNN``, while oneDNN
+    is switched on: ``torch.backends.mkldnn.enabled``)."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm: {cpu_gemm!r} is not one of {', '.join(CPU_GEMMS)}")
-    return FLOAT32_ONEDNN if cpu_gemm == "auto" else cpu_gemm == "onednn"
+    return (FLOAT32_ONEDNN and torch.backends.mkldnn.enabled) if cpu_gemm == "auto" else cpu_gemm == "onednn"
+
+
+def why_onednn_cannot_pack() -> Optional[str]:
+    """Why ``pack_weight`` would leave every weight plain on this torch now (so ``cpu_gemm`` onednn
+    would change nothing), or None when it can pack."""
+    if not PACKED_WEIGHTS:
+        return "this torch build cannot pack weights for oneDNN (no mkldnn._linear_pointwise / _reorder_linear_weight)"
+    if not torch.backends.mkldnn.enabled:
+        return "oneDNN is switched off in this process (torch.backends.mkldnn.enabled is False)"
+    return None
 
 
 def pack_weight(weight: Tensor, *, float32: bool | None = None) -> Tensor:
