@@ -28,7 +28,7 @@ from runtime.config import EngineConfig  # noqa: E402
 from runtime.distributed import registry_client  # noqa: E402
 from runtime.distributed.registry_client import RegistryClient, ReplicasFailedToApply  # noqa: E402
 from runtime.distributed.registry_service import AdapterRegistryService  # noqa: E402
-from runtime.distributed.replica import LoraReplica, replica_seed  # noqa: E402
+from runtime.distributed.replica import LoraReplica, on_the_wire, replica_seed  # noqa: E402
 from runtime.distributed.replica_set import replica_error  # noqa: E402
 from runtime.request import AdapterRef, SamplingParams  # noqa: E402
 from runtime.server.errors import APIError  # noqa: E402
@@ -532,7 +532,7 @@ def test_a_request_the_client_abandons_is_counted_as_an_abort_at_the_ingress(tin
         n = 0
         while True:
             n += 1
-            yield ("out", out(n), None)
+            yield ("out", on_the_wire(out(n), out(n - 1) if n > 1 else None), None)
 
     ingress = ReplicaSetEngine(ScriptedReplicas(endless), None, str(tiny_llama_dir), "tiny", 64)
     seen: list[Any] = []
@@ -573,7 +573,7 @@ def test_a_request_failed_by_its_replica_dying_is_counted_as_an_error_at_the_ing
 
     async def dies_after_two(*args: Any) -> Any:
         for n in (1, 2):
-            yield ("out", out(n), None)
+            yield ("out", on_the_wire(out(n), out(n - 1) if n > 1 else None), None)
         raise ray.exceptions.RayActorError()
 
     async def dies_at_once(*args: Any) -> Any:
@@ -642,6 +642,45 @@ def test_logprobs_cross_the_wire_per_step_and_survive_a_replay(replica, tiny_lla
     assert got[-1].token_ids == whole.token_ids and got[-1].logprobs == whole.logprobs
     assert all(d.logprobs == whole.logprobs[: len(d.token_ids)] and d.prompt_logprobs == whole.prompt_logprobs for d in got)
     assert [lp for d in got for lp in d.new_logprobs] == list(whole.logprobs)
+
+
+def test_each_output_crosses_the_wire_without_what_the_previous_ones_sent(replica, tiny_llama_dir) -> None:
+    """Every output went on the wire whole, prompt ids and all tokens and text so far: a stream
+    cost the square of its length, and the one ingress unpickling every replica's streams spent
+    ~1 ms a token on an 8k-token prompt. Now each carries only what is new; the ingress rebuilds
+    the outputs the engine made."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    prompt = "the quick brown fox jumps"
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
+
+    async def direct() -> Any:
+        return [out async for out in replica.engine.generate("direct", prompt, params, None)][-1]
+
+    whole = asyncio.run(direct())
+
+    async def wire() -> list[Any]:
+        return [item async for item in replica.generate("req", prompt, params, None)]
+
+    sent = [item[1] for item in asyncio.run(wire())]
+    assert len(sent) > 2 and sent[0].prompt_token_ids == whole.prompt_token_ids
+    assert all(out.prompt_token_ids == () for out in sent[1:]), "the prompt's ids were sent with every output"
+    assert all(out.token_ids == out.new_token_ids and out.text == out.new_text for out in sent), "outputs carried the tokens sent before"
+
+    async def replays(*args: Any) -> Any:
+        async for item in replica.generate("req", prompt, params, None):
+            yield item
+
+    ingress = ReplicaSetEngine(ScriptedReplicas(replays), None, str(tiny_llama_dir), "tiny", 64)
+
+    async def run() -> list[Any]:
+        return [delta async for delta in ingress.generate("req", prompt, params, None)]
+
+    got = asyncio.run(run())
+    last = got[-1]
+    assert (last.token_ids, last.text, last.prompt_token_ids, tuple(last.logprobs)) == (whole.token_ids, whole.text, whole.prompt_token_ids, whole.logprobs)
+    assert tuple(t for d in got for t in d.new_token_ids) == whole.token_ids and "".join(d.new_text for d in got) == whole.text
+    assert all(d.prompt_token_ids == whole.prompt_token_ids for d in got)
 
 
 def test_each_replica_draws_its_own_seeds_for_unseeded_requests() -> None:

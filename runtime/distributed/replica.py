@@ -25,10 +25,13 @@ Wire format of ``generate``: a stream of tuples, so that admission errors cross 
 process boundary as data, not as pickled exception classes:
     ("out", RequestOutput, RequestMetrics | None)   metrics with the final output
     ("error", kind, message)                       kind in ERROR_KINDS
-An output's ``logprobs`` holds only its new tokens' entries (``RequestOutput.new_logprobs``)
-and ``prompt_logprobs`` comes with the first output only (``on_the_wire``): the cumulative
-tuples would make a long request's stream cost grow with the square of its length. The
-ingress puts them back together (``runtime.distributed.replica_set``).
+Each output goes on the wire as what the stream's previous output did not have
+(``on_the_wire``): ``token_ids``, ``text`` and ``logprobs`` hold only the entries added since
+then, and ``prompt_token_ids`` and ``prompt_logprobs`` come with the first output only. Sent
+whole, every output would carry the prompt and everything generated so far: a request's
+stream would cost the square of its length in bytes and in (un)pickling, and the one ingress,
+which unpickles every replica's streams, would be the bottleneck (an 8k-token prompt: ~70 KB
+and ~1 ms per token). The ingress puts them back together (``off_the_wire``).
 """
 from __future__ import annotations
 
@@ -70,11 +73,32 @@ ERROR_KINDS: dict[str, type[Exception]] = {
 }
 
 
-def on_the_wire(out: RequestOutput, first: bool) -> RequestOutput:
-    """``out`` with only its new tokens' logprobs, and its prompt logprobs only if ``first`` (module docstring)."""
-    if out.logprobs is None and out.prompt_logprobs is None:
-        return out
-    return dataclasses.replace(out, logprobs=out.new_logprobs, prompt_logprobs=out.prompt_logprobs if first else None)
+def on_the_wire(out: RequestOutput, previous: Optional[RequestOutput]) -> RequestOutput:
+    """``out`` as sent after ``previous``, the stream's last output sent (None: ``out`` is the first).
+
+    ``token_ids``, ``text`` and ``logprobs`` become their entries past ``previous``'s (its
+    ``len(token_ids)`` tokens and ``len(text)`` characters; both only grow within a stream);
+    ``prompt_token_ids`` is () and ``prompt_logprobs`` None after the first output. The other
+    fields (``new_token_ids``, ``new_text``, ...) are sent as they are."""
+    first = previous is None
+    tokens, chars = (0, 0) if previous is None else (len(previous.token_ids), len(previous.text))
+    return dataclasses.replace(
+        out, token_ids=out.token_ids[tokens:], text=out.text[chars:], logprobs=tuple(out.logprobs[tokens:]) if out.logprobs is not None else None,
+        prompt_token_ids=out.prompt_token_ids if first else (), prompt_logprobs=out.prompt_logprobs if first else None,
+    )
+
+
+def off_the_wire(wire: RequestOutput, previous: Optional[RequestOutput]) -> RequestOutput:
+    """The output ``wire`` stands for (``on_the_wire``'s inverse), given ``previous``, the output
+    this function returned for the stream's previous item (None: ``wire`` is the first). Its
+    ``logprobs`` stay the wire's, the entries of the tokens past ``previous`` only: the ingress
+    keeps the whole list itself (``replica_set.PrefixView``)."""
+    if previous is None:
+        return wire
+    return dataclasses.replace(
+        wire, token_ids=previous.token_ids + wire.token_ids, text=previous.text + wire.text,
+        prompt_token_ids=previous.prompt_token_ids, prompt_logprobs=previous.prompt_logprobs,
+    )
 
 
 def error_item(err: Exception) -> tuple[str, str, str]:
@@ -373,7 +397,7 @@ class LoraReplica:
         with self._metrics_lock:
             self._streaming[request_id] += 1
         stream = self.engine.generate(request_id, prompt, params, adapter)
-        first = True
+        sent: Optional[RequestOutput] = None  # the last output sent (on_the_wire sends what it lacks)
         try:
             async for out in stream:
                 if pinned_version is not None and (out.adapter is None or out.adapter.version != pinned_version):
@@ -384,8 +408,8 @@ class LoraReplica:
                 if out.finished:
                     with self._metrics_lock:
                         metrics = self._finished.pop(request_id, None)
-                yield ("out", on_the_wire(out, first), metrics)
-                first = False
+                yield ("out", on_the_wire(out, sent), metrics)
+                sent = out
         except (ValueError, EngineDeadError) as err:  # admission errors, raised before the first output
             yield error_item(err)
         finally:

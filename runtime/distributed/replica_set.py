@@ -35,7 +35,7 @@ import ray
 
 from runtime.async_engine import EngineDeadError
 from runtime.distributed.registry_client import RegistryClient
-from runtime.distributed.replica import ERROR_KINDS
+from runtime.distributed.replica import ERROR_KINDS, off_the_wire
 from runtime.lora.registry import AdapterInfo
 from runtime.request import AdapterRef, RequestOutput, SamplingParams, TokenLogprobs
 from runtime.server.errors import APIError
@@ -215,27 +215,30 @@ class ReplicaSetEngine:
         while True:
             stream = self._stream(request_id if attempt == 0 else f"{request_id}-retry{attempt}", prompt, params, adapter, pinned)
             finished = False
+            received: Optional[RequestOutput] = None  # this stream's last output, put back together (replica.off_the_wire)
             try:
                 async for item in stream:
                     if item[0] == "error":
                         if emitted_ids:  # a replay after output was passed on: the client retries the whole request
                             raise ReplicaUnavailable(request_id, f"the replay on another replica was refused: {item[2]}")
                         raise replica_error(item[1], item[2])
-                    out, metrics = item[1], item[2]
+                    wire, metrics = item[1], item[2]
+                    start = len(received.token_ids) if received is not None else 0  # tokens of this stream before this output
+                    out = received = off_the_wire(wire, received)
                     if metrics is not None:
                         counted = True
                         for observer in self._observers:
                             observer(metrics)
-                    if out.logprobs is not None:  # this output's new tokens only; a replay repeats positions already held
-                        start = len(out.token_ids) - len(out.new_token_ids)
-                        logprobs.extend(out.logprobs[len(logprobs) - start :] if start <= len(logprobs) else ())
+                    if wire.logprobs is not None:  # this output's new tokens only; a replay repeats positions already held
+                        logprobs.extend(wire.logprobs[len(logprobs) - start :] if start <= len(logprobs) else ())
                     if out.prompt_logprobs is not None and prompt_logprobs is None:
                         prompt_logprobs = out.prompt_logprobs
                     if len(out.token_ids) < len(emitted_ids) or (len(out.token_ids) == len(emitted_ids) and not out.finished):
                         continue  # replaying what was already passed on
                     if emitted_ids and _version(out) != pinned:
                         raise ReplicaUnavailable(request_id, f"the replay on another replica ran on adapter version {_version(out)}, not {pinned}")
-                    if out.token_ids[: len(emitted_ids)] != emitted_ids or not out.text.startswith(emitted_text):
+                    # (The first stream's outputs extend each other by construction: off_the_wire.)
+                    if attempt > 0 and (out.token_ids[: len(emitted_ids)] != emitted_ids or not out.text.startswith(emitted_text)):
                         raise ReplicaUnavailable(request_id, "the replay on another replica diverged from the tokens already sent")
                     delta = dataclasses.replace(
                         out, request_id=request_id, new_token_ids=out.token_ids[len(emitted_ids):], new_text=out.text[len(emitted_text):],
