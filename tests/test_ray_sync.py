@@ -426,6 +426,32 @@ def test_replica_behind_the_ingress_syncs_before_serving_a_name_it_already_holds
     assert replica.applied_revision == revision
 
 
+def test_a_replica_that_cannot_catch_up_does_not_serve_the_version_the_registry_replaced(replica, service, folders, tiny_llama_dir) -> None:
+    """A replica holding A@v1 missed the hot update to v2, and its sync before the request fails
+    (the registry actor is restarting): it served v1 as if current. Now it refuses A (503
+    adapter_unavailable, retry) and still serves B, whose version it holds is the current one."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    record(replica, service, "A", folders.v1)
+    record(replica, service, "B", folders.v1)
+    sync(replica)
+    record(replica, service, "A", folders.v2)
+    replica.registry = LocalHandle(FlakyRegistry(service, failures=10**9, error=ray.exceptions.RayActorError()))
+    ingress = ReplicaSetEngine(ScriptedReplicas(replica.generate, replica.generate), None, str(tiny_llama_dir), "tiny", 64)
+    ingress._take(service.view())
+
+    async def run(adapter: str) -> list[Any]:
+        return [d async for d in ingress.generate(f"req-{adapter}", "hello there", SamplingParams(max_tokens=2), adapter)]
+
+    with pytest.raises(APIError) as refused:
+        served = asyncio.run(run("A"))
+        pytest.fail(f"served A@{served[-1].adapter.version}; the registry names {version_of(folders.v2, replica)}")
+    assert (refused.value.status, refused.value.code) == (503, "adapter_unavailable") and "retry" in refused.value.message, refused.value.message
+    assert asyncio.run(run("B"))[-1].adapter == AdapterRef("B", version_of(folders.v1, replica))
+
+
 def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
     from runtime.distributed.replica_set import ReplicaSetEngine
 
@@ -442,7 +468,7 @@ def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
             pass
 
     asyncio.run(run())
-    assert replicas.calls[0][-1] == 7, replicas.calls
+    assert replicas.calls[0][5] == 7, replicas.calls  # (request_id, prompt, params, adapter, pinned_version, revision, version)
 
 
 def test_ingress_pins_a_group_of_requests_to_one_adapter_version(tiny_llama_dir) -> None:

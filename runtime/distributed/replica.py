@@ -14,7 +14,8 @@ applies newer revisions, and reports the engine snapshot for /metrics. An entry 
 installed only once its files hash to the registered version; one that cannot be
 applied keeps the revision unapplied (retried at every heartbeat), and the name is not
 served meanwhile unless the replica already holds the registered version. A request
-carries the registry revision the ingress knows, and a replica behind it syncs first.
+carries the registry revision the ingress knows and the version it names for the adapter; a
+replica behind that revision syncs first, and if it cannot, serves the adapter only in that version.
 
 Shutdown: once the registry says the application is draining (a heartbeat's ``drain_s``),
 the replica shuts its engine down as a single server does at SIGTERM: no new request,
@@ -375,12 +376,17 @@ class LoraReplica:
         adapter: Optional[str],
         pinned_version: Optional[str] = None,
         min_revision: int = -1,
+        expected_version: Optional[str] = None,
     ) -> AsyncIterator[tuple]:
         """Stream one request (wire format: the module docstring).
 
         ``min_revision``: the registry revision the ingress knows; a replica that has not yet
         tried it syncs before resolving ``adapter`` (Serve's multiplexed cache does not call
         the loader for a name it holds, so this is where a lagging replica catches up).
+        ``expected_version``: the version of ``adapter`` that revision names. A replica whose
+        sync fails (the registry is restarting) and stays behind ``min_revision`` serves the
+        adapter only if it holds that version, else refuses (``adapter_unavailable``, retry):
+        it never serves, unknowingly, a version the registry has replaced.
 
         ``pinned_version``: the request is a replay of one that already streamed tokens of
         that version of ``adapter`` on a replica that died, or one of an HTTP request's
@@ -389,8 +395,8 @@ class LoraReplica:
         and its request's, never mix two versions.
         """
         if adapter is not None:
-            await self._catch_up(min_revision)
-            refusal = await self._refusal(adapter, pinned_version)
+            behind = await self._catch_up(min_revision)
+            refusal = self._stale_refusal(adapter, behind, expected_version) or await self._refusal(adapter, pinned_version)
             if refusal is not None:
                 yield refusal
                 return
@@ -420,15 +426,31 @@ class LoraReplica:
                     del self._streaming[request_id]
                     self._finished.pop(request_id, None)
 
-    async def _catch_up(self, revision: int) -> None:
-        """Sync now if this replica has not tried ``revision`` yet; if that fails, serve what it
-        holds (the sync loop retries, and check_health reports it if it lasts)."""
+    async def _catch_up(self, revision: int) -> Optional[str]:
+        """Sync now if this replica has not tried ``revision`` yet. Returns why it is still behind
+        ``revision`` (the sync failed; the sync loop retries, and check_health reports it if it
+        lasts), or None once it has tried it."""
         if self.attempted_revision >= revision:
-            return
+            return None
         try:
             await self._sync_once(unless_tried=revision)
-        except Exception as err:  # noqa: BLE001 - the request is still served, from the current set
-            logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapter set it holds", self.replica_id, type(err).__name__, err)
+        except Exception as err:  # noqa: BLE001 - the request is still served, from the current set where it is current
+            logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapters it holds in their current version", self.replica_id,
+                           type(err).__name__, err)  # fmt: skip
+            return f"its sync failed: {type(err).__name__}: {err}"
+        return None if self.attempted_revision >= revision else f"revision {revision} is not in the registry it reached"
+
+    def _stale_refusal(self, adapter: str, behind: Optional[str], expected_version: Optional[str]) -> Optional[tuple]:
+        """The error item refusing ``adapter`` on a replica that is ``behind`` the ingress's revision
+        and does not hold ``expected_version`` of it, the version that revision names; else None."""
+        if behind is None or expected_version is None:
+            return None
+        held = self._held(adapter)
+        if held is not None and held.version == expected_version:
+            return None
+        holds = f"holds version {held.version}" if held is not None else "does not hold it"
+        return error_item(AdapterUnavailable(f"adapter {adapter!r}: the registry names version {expected_version}, and this replica {holds} "
+                                             f"and has not caught up ({behind}); retry the request"))  # fmt: skip
 
     async def _refusal(self, adapter: str, pinned_version: Optional[str]) -> Optional[tuple]:
         """The error item refusing a request for ``adapter`` here, or None to admit it."""

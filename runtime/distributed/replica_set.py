@@ -89,15 +89,17 @@ class ReplicaSetEngine:
         self.routing = routing
         self.refresh_s = refresh_s
         self._observers: list[Callable[[Any], None]] = []
-        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}, "ready": True}
+        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}, "ready": True, "versions": {}}
         self._refresh_task: Optional[asyncio.Task] = None
         self.shutting_down = False
         self.active = 0  # generate() calls not finished yet (requests in flight here)
 
     # ---- registry view ---------------------------------------------------------------------------
     def _take(self, view: dict[str, Any]) -> None:
+        """Install the registry's ``view`` unless it is older than the one held; ``versions``
+        (name -> version) is added to it, for the per-request look-up (``_current_version``)."""
         if view["revision"] >= self._view["revision"]:
-            self._view = view  # one reference swap: readers see the old or the new view
+            self._view = {**view, "versions": {e["name"]: e["version"] for e in view["entries"]}}  # one reference swap: readers see the old or the new view
 
     async def refresh(self) -> None:
         self._take(await self.registry.view.remote())
@@ -164,14 +166,17 @@ class ReplicaSetEngine:
         return VersionGroup(size)
 
     def _current_version(self, adapter: str) -> Optional[str]:
-        return next((e["version"] for e in self._view["entries"] if e["name"] == adapter), None)
+        return self._view["versions"].get(adapter)
 
     def _stream(self, request_id: str, prompt: Any, params: SamplingParams, adapter: Optional[str], pinned_version: Optional[str]) -> Any:
         options: dict[str, Any] = {"stream": True}
         if self.routing == "affinity" and adapter is not None:
             options["multiplexed_model_id"] = adapter
-        # The registry revision this ingress knows: a replica behind it syncs before serving.
-        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version, self._view["revision"])
+        # The registry revision this ingress knows, and the version it names for the adapter: a replica behind that
+        # revision syncs before serving, and one that cannot serves the adapter only in that version (LoraReplica.generate).
+        view = self._view
+        expected = view["versions"].get(adapter) if adapter is not None else None
+        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version, view["revision"], expected)
 
     async def generate(
         self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None,
