@@ -136,6 +136,35 @@ def test_failed_hot_update_is_retried_and_the_stale_version_is_not_served(replic
     assert items(replica, "A")[-1][1].adapter.version == v2
 
 
+def test_a_name_whose_update_failed_is_unavailable_while_the_rest_of_the_revision_applies(replica, service, folders, monkeypatch) -> None:
+    """A's update fails and the replica drops A@v1; the revision's other entries are read next
+    (seconds for large adapters). Meanwhile a request for A (Serve's cache still holds its lease)
+    got a 404 unknown_adapter for a registered adapter: the replica learned that A is only
+    unavailable at the end of the apply. Now it knows at once: 503 adapter_unavailable."""
+    record(replica, service, "A", folders.v1)
+    record(replica, service, "B", folders.v1)
+    sync(replica)
+    record(replica, service, "A", folders.v2)
+    folders.v2.rename(folders.root / "v2-not-yet-visible")
+    record(replica, service, "B", Path(shutil.copytree(folders.v1, folders.root / "b-moved")))  # read after A's failure
+
+    async def cached_lease(name: str) -> Any:  # what Serve's cache answers for a name it holds
+        return SimpleNamespace(name=name)
+
+    replica.load_adapter = cached_lease
+    during: list[list[tuple]] = []
+    real = replica.engine.load_adapter_files
+
+    def load(name: str, path: str) -> Any:
+        if name == "B":
+            during.append(items(replica, "A"))
+        return real(name, path)
+
+    monkeypatch.setattr(replica.engine, "load_adapter_files", load)
+    sync(replica)
+    assert [[i[:2] for i in got] for got in during] == [[("error", "adapter_unavailable")]], during
+
+
 def admin_client(service: AdapterRegistryService, checked: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> RegistryClient:
     """The admin path's RegistryClient over ``service``: ``ray.get`` runs the local call, and the
     files validate (on some replica) as ``checked``; waits time out at once."""

@@ -221,13 +221,24 @@ class LoraReplica:
         else:
             if adapter.version == version:
                 self.engine.install_adapter(adapter, path)  # what was checked, not a second read of the files
+                self._mark_unservable(name, None)
                 return None
             # The files changed since the registry validated them: serving them would
             # give this replica different weights than the others under the same name.
             problem = f"{path} now has version {adapter.version}, registered {version}; load it again"
+        if held is None or held.version != version:
+            # Now, not when the whole revision is applied (other entries may take long to read): a
+            # request for the name meanwhile gets a 503 to retry, not a 404 as if it were not registered.
+            self._mark_unservable(name, f"{name}: {problem}")
         if held is not None and held.version != version:
             self.engine.unregister_adapter(name)  # never serve a version the registry no longer names
         return f"{name}: {problem}"
+
+    def _mark_unservable(self, name: str, why: Optional[str]) -> None:
+        """Record now whether ``name`` is servable here (``why`` None) while an apply runs; replaced
+        whole, as the event loop reads it meanwhile. ``_record_apply`` sets the final set."""
+        rest = {k: v for k, v in self._unservable.items() if k != name}
+        self._unservable = rest if why is None else {**rest, name: why}
 
     @property
     def applied_revision(self) -> int:
