@@ -89,17 +89,20 @@ class ReplicaSetEngine:
         self.routing = routing
         self.refresh_s = refresh_s
         self._observers: list[Callable[[Any], None]] = []
-        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}, "ready": True, "versions": {}}
+        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}, "ready": True, "versions": {}, "infos": ()}
         self._refresh_task: Optional[asyncio.Task] = None
         self.shutting_down = False
         self.active = 0  # generate() calls not finished yet (requests in flight here)
 
     # ---- registry view ---------------------------------------------------------------------------
     def _take(self, view: dict[str, Any]) -> None:
-        """Install the registry's ``view`` unless it is older than the one held; ``versions``
-        (name -> version) is added to it, for the per-request look-up (``_current_version``)."""
+        """Install the registry's ``view`` unless it is older than the one held, with what every
+        request reads made once here: ``infos`` (``adapters()``, which resolves each request's
+        model: 2000 AdapterInfo built per request took 2 ms of the one ingress's event loop) and
+        ``versions`` (name -> version, ``_current_version``)."""
         if view["revision"] >= self._view["revision"]:
-            self._view = {**view, "versions": {e["name"]: e["version"] for e in view["entries"]}}  # one reference swap: readers see the old or the new view
+            infos = tuple(AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e["registered_at"]) for e in view["entries"])
+            self._view = {**view, "infos": infos, "versions": {i.name: i.version for i in infos}}  # one reference swap: readers see the old or the new view
 
     async def refresh(self) -> None:
         self._take(await self.registry.view.remote())
@@ -131,7 +134,7 @@ class ReplicaSetEngine:
         self.shutting_down = True
 
     def adapters(self) -> list[AdapterInfo]:
-        return [AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e["registered_at"]) for e in self._view["entries"]]
+        return list(self._view["infos"])
 
     def replica_snapshots(self) -> dict[str, dict[str, Any]]:
         return {rid: r["snapshot"] for rid, r in self._view["replicas"].items()}
