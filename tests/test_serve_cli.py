@@ -11,6 +11,7 @@ import torch
 from runtime.commands import serve
 from runtime.config import ConfigError
 from runtime.server.serve_config import build_settings, load_yaml, normalize_keys, parse_lora_module
+from tests.server_harness import free_port
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -242,7 +243,7 @@ def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, ti
         (folder / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
         (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    settings = serve.load_settings(parse("--model", str(folder), "--ray", "--port", "0", "--registry-dir", str(tmp_path / "reg")))
+    settings = serve.load_settings(parse("--model", str(folder), "--ray", "--port", str(free_port()), "--registry-dir", str(tmp_path / "reg")))
     assert run_ray(settings) == 2 and not started
     err = capsys.readouterr().err
     assert err.startswith(f"lorafleet serve: {folder}: ") and ("no such folder" in err if model == "missing" else "only pickled weights" in err), err
@@ -270,7 +271,7 @@ def test_a_local_ray_start_refuses_a_restored_adapter_named_like_the_served_base
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     registry = tmp_path / "reg"
     ManifestStore(registry).save(Manifest(1, (ManifestEntry("up3", "/adapters/up3", "0" * 64, 8, 0.0),)))
-    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", "0", "--registry-dir", str(registry),
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", str(free_port()), "--registry-dir", str(registry),
                                          "--served-model-name", "up3"))  # fmt: skip
     assert run_ray(settings) == 2 and not started
     assert "adapter 'up3', registered there earlier, has the served base model's name" in capsys.readouterr().err
@@ -291,7 +292,7 @@ def test_a_local_ray_start_checks_the_adapter_folders_before_ray_starts(tmp_path
     (pickled / "adapter_config.json").write_text("{}")
     (pickled / "adapter_model.bin").write_bytes(b"not read")
     for bad, message in ((tmp_path / "nowhere", "adapter folder does not exist"), (pickled, "pickled adapter weights are refused")):
-        settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", "0", "--registry-dir", str(tmp_path / "reg"),
+        settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", str(free_port()), "--registry-dir", str(tmp_path / "reg"),
                                              "--lora-modules", f"good={tiny_adapters['a']}", f"bad={bad}"))  # fmt: skip
         assert run_ray(settings) == 2 and not started
         err = capsys.readouterr().err
@@ -334,6 +335,19 @@ def test_ray_deployment_refuses_an_adapter_named_like_the_checkpoint(tiny_llama_
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--lora-modules", f"{base}={tiny_adapters['a']}", "--ray"))
     assert run_ray(settings) == 2  # no --served-model-name, no base_model_name: the checkpoint's name is read here
     assert f"adapter {base!r} has the served base model's name" in capsys.readouterr().err
+
+
+def test_ray_refuses_port_0_before_starting_ray(tiny_llama_dir: Path, capsys, monkeypatch) -> None:
+    """A single server binds port 0 and prints the port it got; Serve's proxy picked one and
+    nobody was told: ``serve --ray`` printed "serving on http://127.0.0.1:0"."""
+    ray = pytest.importorskip("ray")
+    from runtime.distributed.launcher import run_ray
+
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray was started"))
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--device", "cpu", "--ray", "--port", "0", "--registry-dir",
+                                         str(tiny_llama_dir.parent / "registry-unused")))  # fmt: skip
+    assert run_ray(settings) == 2
+    assert "--port 0 (any free port) does not work with --ray" in capsys.readouterr().err
 
 
 def test_ray_key_must_be_boolean_and_one_replica_needs_no_ray(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -444,7 +458,6 @@ def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_
     monkeypatch.setattr(application, "stop", lambda cfg: None)
     monkeypatch.setattr(ray, "init", lambda **kw: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    from tests.server_harness import free_port
 
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules",
                                          f"a={tiny_adapters['a']}", "--ray", "--port", str(free_port()),
@@ -661,8 +674,6 @@ def sigterm_guard():
 
 
 def ray_settings(tiny_llama_dir: Path, tmp_path: Path, *extra: str) -> Any:
-    from tests.server_harness import free_port
-
     return serve.load_settings(parse("--model", str(tiny_llama_dir), "--ray", "--port", str(free_port()), "--registry-dir", str(tmp_path / "reg"), *extra))
 
 

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="auto picks cuda, then npu, then cpu (default auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and compute dtype (default float32)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--port", type=int, help="listen port (default 8000; 0: any free one, not with --ray)")
     p.add_argument("--served-model-name", help="the base model's name in the API (default: the checkpoint's name)")
     p.add_argument("--max-loras", type=int, help="distinct adapters in one step (device slots; default 8)")
     p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 64)")
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the others share adapter=\"__other__\" (default 100: each adapter adds ~80 lines, and rendering ~8 us a line holds up serving)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
     p.add_argument("--ray", action="store_const", const=True, help="run as a Ray Serve application (needs the 'ray' extra)")
-    p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (with --ray; default 1)")
+    p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (default 1; more need --ray, and 1 without it is the single server)")
     p.add_argument("--ray-address", help="join an existing Ray cluster (e.g. 'auto'); default: start a local one")
     p.add_argument("--registry-dir", help=f"with --ray: folder for the shared adapter registry manifest (default: ./{DEFAULT_REGISTRY_DIR}, in the working directory)")
 

@@ -71,6 +71,10 @@ def run_ray(settings: Any) -> int:
     except ImportError:
         print(f"lorafleet serve: {RAY_MISSING}", file=sys.stderr)
         return 2
+    if settings.server.port == 0:  # a single server binds it and says which port it got; Serve's proxy does not say
+        print("lorafleet serve: --port 0 (any free port) does not work with --ray: Serve's HTTP proxy would listen on a port "
+              "nobody is told; give the port to serve on", file=sys.stderr)  # fmt: skip
+        return 2
     from runtime.config import ConfigError
     from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
     from runtime.distributed.manifest import ManifestError, check_folder
