@@ -481,6 +481,35 @@ def test_a_replica_that_cannot_catch_up_does_not_serve_the_version_the_registry_
     assert asyncio.run(run("B"))[-1].adapter == AdapterRef("B", version_of(folders.v1, replica))
 
 
+def test_a_replica_that_cannot_reach_the_registry_refuses_a_name_it_cannot_serve_instead_of_seeming_dead(replica, service, folders,
+                                                                                                          tiny_llama_dir) -> None:  # fmt: skip
+    """A's update failed here, so the replica does not serve A; a request for A made it sync, and with
+    the registry away that sync's RayActorError escaped ``generate``: the ingress took it for this
+    replica's death, sent the request again, and answered 503 replica_unavailable ("died")."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    record(replica, service, "A", folders.v2)
+    folders.v2.rename(folders.root / "v2-not-yet-visible")
+    sync(replica)  # A@v2 failed: A is not served here
+    replica.registry = LocalHandle(FlakyRegistry(service, failures=10**9, error=ray.exceptions.RayActorError()))
+    replicas = ScriptedReplicas(replica.generate, replica.generate)
+    ingress = ReplicaSetEngine(replicas, None, str(tiny_llama_dir), "tiny", 64)
+    ingress._take(service.view())
+
+    async def run() -> None:
+        async for _ in ingress.generate("req", "hello there", SamplingParams(max_tokens=2), "A"):
+            pass
+
+    with pytest.raises(APIError) as refused:
+        asyncio.run(run())
+    assert (refused.value.status, refused.value.code) == (503, "adapter_unavailable"), refused.value.message
+    assert len(replicas.calls) == 1, "retried as if the replica had died"
+
+
 def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
     from runtime.distributed.replica_set import ReplicaSetEngine
 

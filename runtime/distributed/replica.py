@@ -357,7 +357,13 @@ class LoraReplica:
         """
         info = self._held(name)
         if info is None:
-            await self._sync_once()
+            try:
+                await self._sync_once()
+            except Exception as err:  # noqa: BLE001 - the registry is away: say what this replica knows
+                # Raised on, the registry's RayActorError would reach the ingress as this replica's death.
+                self._raise_if_unservable(name)
+                raise AdapterUnavailable(f"adapter {name!r}: this replica does not hold it and cannot reach the registry "
+                                         f"({type(err).__name__}: {err}); retry the request") from err  # fmt: skip
             info = self._held(name)
         if info is None:
             self._raise_if_unservable(name)
