@@ -91,7 +91,7 @@ def main() -> int:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-tier adapters (default: max(32, --max-loras)); at least --max-loras")
     p.add_argument("--max-num-seqs", type=int, default=32, help="running sequences per step (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step (default: the engine's, max(256, --max-num-seqs) on the cpu, 2048 on a GPU/NPU)")
+                   help="token budget of one engine step (default: the engine's, max(256, --max-num-seqs) on the cpu, max(2048, --max-num-seqs) on a GPU/NPU)")
     p.add_argument("--baselines", default="no-adapter,loop,peft", help="comma list of: no-adapter, loop, peft (or 'none'; default %(default)s)")
     p.add_argument("--loop-requests", type=int, default=None, help="requests for the per-request loop (it is slow; default 16)")
     p.add_argument("--peft-batch", type=int, default=None,
@@ -136,6 +136,9 @@ def main() -> int:
         p.error("--spawn-server and --url: the online replay goes to one server; give one of them")
     if a.spawn_server and importlib.util.find_spec("fastapi") is None:
         p.error("--spawn-server: the server needs fastapi and uvicorn, which this Python lacks (pip install -e .)")
+    if a.spawn_server and a.max_num_batched_tokens is not None and a.max_num_batched_tokens < a.max_num_seqs:
+        p.error(f"--spawn-server: lorafleet serve refuses --max-num-batched-tokens {a.max_num_batched_tokens} below --max-num-seqs "
+                f"{a.max_num_seqs} (a step could not decode every running sequence)")
     if a.sweep_requests is not None and a.sweep_requests < 1:
         p.error(f"--sweep-requests must be >= 1, got {a.sweep_requests}")
     if a.sweep_rates is None:

@@ -94,7 +94,7 @@ def main() -> int:
     p.add_argument("--max-loras", type=int, default=16, help="device adapter slots (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step, as benchmarks/serve.py's (default: the engine's, max(256, max_num_seqs) "
-                        "on the cpu, 2048 on a GPU/NPU)")
+                        "on the cpu, max(2048, max_num_seqs) on a GPU/NPU)")
     p.add_argument("--workdir", default=None, help="synthetic weights folder, kept for later runs (default: a temporary one, removed)")
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args()

@@ -39,8 +39,13 @@ class EngineConfig:
                             Adapters take only their own rank's rows, so a smaller value
                             still fits many low-rank adapters.
     max_num_seqs:           running sequences per step
-    max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None = 2048 on cuda/npu,
-                            max(256, max_num_seqs) on the cpu (``for_backend``, CPU_BATCHED_TOKENS)
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None = max(2048, max_num_seqs)
+                            on cuda/npu, max(256, max_num_seqs) on the cpu (``for_backend``, CPU_BATCHED_TOKENS),
+                            so every running sequence's decode fits in a step. A given budget below
+                            max_num_seqs is accepted here (at most that many sequences decode in a step,
+                            oldest first, the others wait holding their KV blocks; tests and step
+                            benchmarks use it to force contention); ``lorafleet serve`` refuses it
+                            (``check_every_decode_fits``).
     max_model_len:          longest prompt + output; None = the model's limit (max_position_embeddings, capped to its sliding window if it has one)
     block_size:             tokens per KV block
     num_kv_blocks:          KV blocks in the pool; None = enough for max_num_seqs full-length sequences, capped by kv_cache_mb
@@ -101,8 +106,8 @@ class EngineConfig:
     def for_backend(self, backend_name: str) -> "EngineConfig":
         """This config with the defaults that depend on the backend filled in (the backend's
         ``name``: cpu, cuda, npu): ``max_num_batched_tokens``, when not given, is
-        max(CPU_BATCHED_TOKENS, max_num_seqs) on the cpu (every running sequence's decode fits
-        a step) and DEFAULT_BATCHED_TOKENS elsewhere. A given value is kept. ``cpu_gemm`` auto
+        max(CPU_BATCHED_TOKENS, max_num_seqs) on the cpu and max(DEFAULT_BATCHED_TOKENS,
+        max_num_seqs) elsewhere (every running sequence's decode fits a step). A given value is kept. ``cpu_gemm`` auto
         becomes this CPU's choice (onednn or mkl) on the cpu in float32; off it, and with another
         dtype, only auto is accepted (and kept)."""
         config = self
@@ -122,8 +127,8 @@ class EngineConfig:
             raise ConfigError(f"cpu_gemm: {self.cpu_gemm!r} chooses the cpu backend's float32 GEMM; this engine runs on {backend_name}: leave it at auto")
         if config.max_num_batched_tokens is not None:
             return config
-        budget = max(CPU_BATCHED_TOKENS, config.max_num_seqs) if backend_name == "cpu" else DEFAULT_BATCHED_TOKENS
-        return config.replace(max_num_batched_tokens=budget)
+        floor = CPU_BATCHED_TOKENS if backend_name == "cpu" else DEFAULT_BATCHED_TOKENS
+        return config.replace(max_num_batched_tokens=max(floor, config.max_num_seqs))
 
     @property
     def kv_cache_cap_mb(self) -> int:
@@ -151,6 +156,20 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_every_decode_fits(config: EngineConfig) -> None:
+    """``lorafleet serve``'s rule: a given step budget C = max_num_batched_tokens is at least
+    S = max_num_seqs, so one step can decode every running sequence (one token each). With
+    C < S only C of them decode in a step, oldest first; the rest stall holding their KV
+    blocks, and the scheduler's fairness bound (which assumes C >= S) does not hold. The
+    defaults never fall below S (``for_backend``)."""
+    budget, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    if budget is not None and budget < seqs:
+        raise ConfigError(
+            f"max_num_batched_tokens: {budget} is below max_num_seqs={seqs}: a step could decode only {budget} of {seqs} running "
+            f"sequences and the others would stall holding their KV blocks; raise it to at least {seqs} or lower max_num_seqs"
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -371,6 +371,7 @@ def test_host_tier_below_device_slots_is_an_error_not_raised_silently(tmp_path: 
     (["--baselines", "loop", "--peft-batch", "3"], "--peft-batch: only used with the peft baseline"),
     (["--sweep-adapters", "", "--sweep-requests", "3"], "--sweep-requests: only used with --sweep-adapters"),
     (["--spawn-server", "--url", "http://127.0.0.1:9"], "--spawn-server and --url"),
+    (["--spawn-server", "--max-num-batched-tokens", "16"], "lorafleet serve refuses --max-num-batched-tokens 16 below --max-num-seqs 32"),
     (["--api-key", "k"], "--api-key: only used with --url"),
     (["--url", "http://127.0.0.1:9", "--sweep-rates", "1,2"], "--sweep-rates: the arrival-rate sweep runs in-process only, not with --url"),
 ])

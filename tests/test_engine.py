@@ -398,7 +398,7 @@ def test_an_adapter_read_from_disk_is_not_starved_by_a_busy_host_tier(tiny_llama
 
 def test_step_budget_defaults_by_device(tiny_llama_dir):
     """Without max_num_batched_tokens the cpu gets max(256, max_num_seqs) (smaller steps run faster
-    there; docs/benchmarks.md) and a GPU/NPU 2048; a given budget is kept, a bad one refused."""
+    there; docs/benchmarks.md) and a GPU/NPU max(2048, max_num_seqs); a given budget is kept, a bad one refused."""
     from runtime.config import CPU_BATCHED_TOKENS, DEFAULT_BATCHED_TOKENS, ConfigError, EngineConfig
 
     base = EngineConfig(model=str(tiny_llama_dir), device="cpu")
@@ -406,6 +406,7 @@ def test_step_budget_defaults_by_device(tiny_llama_dir):
     assert base.for_backend("cpu").max_num_batched_tokens == CPU_BATCHED_TOKENS == 256
     assert base.replace(max_num_seqs=300).for_backend("cpu").max_num_batched_tokens == 300  # every decode fits a step
     assert base.for_backend("cuda").max_num_batched_tokens == base.for_backend("npu").max_num_batched_tokens == DEFAULT_BATCHED_TOKENS == 2048
+    assert base.replace(max_num_seqs=4096).for_backend("cuda").max_num_batched_tokens == 4096  # every decode fits there too
     assert base.replace(max_num_batched_tokens=40).for_backend("cpu").max_num_batched_tokens == 40
     engine = make_engine(tiny_llama_dir, max_num_batched_tokens=None, max_num_seqs=3, num_kv_blocks=128)
     try:

@@ -593,6 +593,23 @@ def test_kv_cache_mb_with_num_kv_blocks_is_refused(tiny_llama_dir: Path) -> None
         serve.load_settings(parse("--model", str(tiny_llama_dir), "--num-kv-blocks", "64", "--kv-cache-mb", "16"))
 
 
+def test_a_step_budget_below_max_num_seqs_is_refused(tmp_path: Path, tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step budget C below max_num_seqs S would decode only C of S running sequences a step (the
+    others stall holding KV blocks): serve refuses it, from flags or the file, in one line."""
+    model = ("--model", str(tiny_llama_dir))
+    monkeypatch.setattr(serve, "build_engine", lambda settings: pytest.fail("the settings were accepted"))
+    assert serve.run(parse(*model, "--port", "0", "--max-num-batched-tokens", "32")) == 2  # max_num_seqs' default: 64
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max_num_batched_tokens: 32 is below max_num_seqs=64" in err and "Traceback" not in err
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_num_seqs: 8\n")
+    with pytest.raises(ConfigError, match="max_num_batched_tokens: 4 is below max_num_seqs=8"):
+        serve.load_settings(parse(*model, "--config", str(cfg), "--max-num-batched-tokens", "4"))
+    settings = serve.load_settings(parse(*model, "--config", str(cfg), "--max-num-batched-tokens", "8"))
+    assert (settings.engine.max_num_seqs, settings.engine.max_num_batched_tokens) == (8, 8)  # equal: every decode fits
+
+
 def test_buffers_that_do_not_fit_name_the_setting_to_lower(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from runtime import model_runner
     from runtime.model_runner import _allocating

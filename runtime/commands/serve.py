@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, at least --max-loras (default: max(32, --max-loras))")
     p.add_argument("--lora-pool-rows", type=int, help="device rank-rows per target slice (default max_loras * max_lora_rank)")
     p.add_argument("--max-num-seqs", type=int, help="running sequences per step (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default: max(256, --max-num-seqs) on the cpu, where smaller steps run faster; 2048 on a GPU or NPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (prefill chunks + decodes), at least --max-num-seqs so every running sequence "
+                   "decodes each step (default: max(256, --max-num-seqs) on the cpu, where smaller steps run faster; max(2048, --max-num-seqs) "
+                   "on a GPU or NPU)")
     p.add_argument("--max-model-len", type=int, help="prompt + output limit (default: the model's)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from max-num-seqs and kv-cache-mb)")

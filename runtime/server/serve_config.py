@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from runtime.config import ConfigError, EngineConfig
+from runtime.config import ConfigError, EngineConfig, check_every_decode_fits
 from runtime.server.options import ADAPTER_NAME_RULE, ServerOptions, is_adapter_name
 
 ENGINE_KEYS = (
@@ -242,6 +242,7 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
             raise ConfigError("model: no --model given and the bundled demo model is not installed")
         merged["model"] = demo_model
     engine = EngineConfig.from_dict({k: merged[k] for k in ENGINE_KEYS if k in merged})
+    check_every_decode_fits(engine)
     roots = adapter_roots(merged.get("adapter_root"))
     if roots and not merged.get("enable_adapter_admin"):
         raise ConfigError("adapter_root: only used by the adapter admin routes; add --enable-adapter-admin (or 'enable_adapter_admin: true'), or drop it")
