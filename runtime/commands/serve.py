@@ -153,10 +153,12 @@ def summary(settings: Any, engine: Any) -> str:
     lines = [
         f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}; requests name it "
         f"{settings.server.served_model_name or engine.model_name!r} (\"model\" field, GET /v1/models)",
-        f"device     {core.runner.device} (backend {core.backend_name}), dtype {settings.engine.dtype}" + _gemm_note(settings.engine.cpu_gemm, core.config),
+        f"device     {core.runner.device} (backend {core.backend_name}{', chosen by --device auto' if settings.engine.device == 'auto' else ''}), "
+        f"dtype {settings.engine.dtype}" + _gemm_note(settings.engine.cpu_gemm, core.config),
         f"adapters   {_adapters_line(engine.adapters())}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
-        f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} max_model_len={engine.max_model_len}",
+        f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} "
+        f"max_num_batched_tokens={core.config.max_num_batched_tokens} max_model_len={engine.max_model_len}",  # the budget as resolved for the device
         f"kv pool    {core.runner.num_kv_blocks} blocks x {core.runner.block_size} tokens = {pool_tokens} tokens"
         + (f" (one request: at most {pool_tokens} of prompt + output)" if pool_tokens < engine.max_model_len else ""),
         f"admin      {_admin_line(settings.server)}; api key {'required' if settings.server.api_key else 'not set'}",
