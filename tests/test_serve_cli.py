@@ -29,6 +29,18 @@ def test_flags_override_config_file(tmp_path: Path, tiny_llama_dir: Path) -> Non
     assert s.server.host == "127.0.0.1"  # default: loopback only
 
 
+def test_a_no_flag_turns_off_a_boolean_the_file_turns_on(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Flags override the file for booleans too: --no-X turns off what the file turns on (the file
+    alone, or no flag, keeps the file's value)."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {tiny_llama_dir}\nenable_prefix_caching: true\nenable_adapter_admin: true\n")
+    on = serve.load_settings(parse("--config", str(cfg)))
+    assert on.engine.enable_prefix_caching is True and on.server.enable_adapter_admin is True
+    off = serve.load_settings(parse("--config", str(cfg), "--no-enable-prefix-caching", "--no-enable-adapter-admin", "--no-ray"))
+    assert off.engine.enable_prefix_caching is False and off.server.enable_adapter_admin is False and off.ray is False
+    assert serve.load_settings(parse("--model", str(tiny_llama_dir), "--enable-prefix-caching")).engine.enable_prefix_caching is True
+
+
 def test_the_cpu_gemm_comes_from_the_file_or_the_flag(tmp_path: Path, tiny_llama_dir: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: {tiny_llama_dir}\ncpu-gemm: onednn\n")

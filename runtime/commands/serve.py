@@ -21,7 +21,8 @@ ENGINE_SHUTDOWN_S = 5.0  # shutting the engine down when uvicorn stopped without
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # Every default is None so that only flags actually given override the --config file.
+    # Every default is None so that only flags actually given override the --config file; the boolean
+    # ones take a --no- form too, so that a flag can turn off what the file turns on.
     p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it; relative paths in it "
                                      "are taken from the current directory")
     p.add_argument("--model", help="HF checkpoint folder; default: the bundled demo model and its adapters")
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks (default: sized from max-num-seqs and kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=int, help="KV memory cap that sizes the pool (default 1024); not with --num-kv-blocks")
-    p.add_argument("--enable-prefix-caching", action="store_const", const=True, help="reuse KV blocks across requests of the same adapter version: a shared system "
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV blocks across requests of the same adapter version: a shared system "
                    "prompt, the n choices of one prompt (computed once, even when they arrive together); off by default")
     p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"],
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "can be faster for small models or a single stream (docs/benchmarks.md). Other devices and dtypes take only auto; "
                         "an int8 checkpoint runs its projections int8, so the choice there is the untied LM head's only "
                         "(refused when the head is tied)")
-    p.add_argument("--enable-adapter-admin", action="store_const", const=True, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    p.add_argument("--enable-adapter-admin", action=argparse.BooleanOptionalAction, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                                                                        "(default off)")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
                                       "api_key in --config keeps it out of `ps`)")
@@ -60,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-max-adapters", type=int, metavar="N", help="adapters with /metrics series of their own, the first N to get a request; "
                    "the others share adapter=\"__other__\" (default 100: each adapter adds ~80 lines, and rendering ~8 us a line holds up serving)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
-    p.add_argument("--ray", action="store_const", const=True, help="run as a Ray Serve application (needs the 'ray' extra)")
+    p.add_argument("--ray", action=argparse.BooleanOptionalAction, help="run as a Ray Serve application (needs the 'ray' extra; default off)")
     p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (default 1; more need --ray, and 1 without it is the single server)")
     p.add_argument("--ray-address", help="join an existing Ray cluster (e.g. 'auto'); default: start a local one")
     p.add_argument("--registry-dir", help=f"with --ray: folder for the shared adapter registry manifest (default: ./{DEFAULT_REGISTRY_DIR}, in the working directory)")
