@@ -457,6 +457,19 @@ def test_help_states_the_registry_dir_default() -> None:
     assert f"default: ./{DEFAULT_REGISTRY_DIR}" in action.help
 
 
+@pytest.mark.parametrize("flag, words", [
+    ("--port", "0: any free port"), ("--max-model-len", "in tokens"), ("--num-kv-blocks", "of --block-size tokens"),
+    ("--kv-cache-mb", "in MiB"), ("--max-request-bytes", "in bytes, at least 1024"), ("--ray-address", "$RAY_ADDRESS"),
+])
+def test_help_states_units_and_the_defaults_that_apply(flag: str, words: str) -> None:
+    """The help of each size gives its unit, and the limits and fall-backs the settings apply (the
+    1024-byte floor of --max-request-bytes, $RAY_ADDRESS before a local Ray) are in --help."""
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    action = next(a for a in p._actions if flag in a.option_strings)  # noqa: SLF001
+    assert words in action.help
+
+
 def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_llama_dir: Path, tmp_path: Path, tiny_adapters, capsys, monkeypatch) -> None:
     ray = pytest.importorskip("ray")
     from runtime.distributed import application
