@@ -96,6 +96,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
             raise ConfigError("kv_cache_mb: only sizes the KV pool when num_kv_blocks is not given; drop one of them")
         _check_int("seed", self.seed, minimum=0)
+        if self.seed >= 2**64:  # the sampler folds seeds to 64 bits: 2**64 would silently draw as seed 0 does
+            raise ConfigError(f"seed: must be below 2**64 (as a request's seed), got {self.seed}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching: expected true or false, got {self.enable_prefix_caching!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

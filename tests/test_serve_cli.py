@@ -612,6 +612,14 @@ def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path, signal_
     assert "Traceback" not in text and "ERROR" not in text, text
 
 
+def test_a_seed_of_64_bits_or_more_is_refused(tiny_llama_dir: Path) -> None:
+    """The sampler keeps a seed's low 64 bits: --seed 2**64 drew as --seed 0 does. Requests' seeds
+    stop below 2**64 (SamplingParams); the default seed does too."""
+    with pytest.raises(ConfigError, match=r"seed: must be below 2\*\*64"):
+        serve.load_settings(parse("--model", str(tiny_llama_dir), "--seed", str(2**64)))
+    assert serve.load_settings(parse("--model", str(tiny_llama_dir), "--seed", str(2**64 - 1))).engine.seed == 2**64 - 1
+
+
 def test_kv_cache_mb_with_num_kv_blocks_is_refused(tiny_llama_dir: Path) -> None:
     """kv_cache_mb only sizes the pool when num_kv_blocks is not given: both would ignore one."""
     with pytest.raises(ConfigError, match="kv_cache_mb: only sizes the KV pool when num_kv_blocks is not given"):
