@@ -28,3 +28,13 @@ def test_unknown_command_names_the_choices(capsys):
     assert main(["serv"]) == 2
     err = capsys.readouterr().err
     assert "unknown command 'serv'" in err and "serve" in err
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_prints_its_help(name: str, capsys) -> None:
+    """`lorafleet NAME --help` exits 0 with the command's usage and description (a stray '%' in a
+    flag's help, which argparse formats, would make it a traceback instead)."""
+    with pytest.raises(SystemExit) as exc:
+        main([name, "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.startswith(f"usage: lorafleet {name}") and COMMANDS[name] in out
