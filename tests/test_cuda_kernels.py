@@ -396,6 +396,20 @@ def test_launchers_reject_bad_arguments() -> None:
         bgmv_expand(h, strided, meta, torch.zeros(3, 40).half(), [0])
 
 
+def test_slot_tables_of_unequal_lengths_are_refused() -> None:
+    """The kernels read slot_start, slot_rank and slot_scale at any slot the meta uses, and the
+    meta is checked against len(slot_rank): a shorter slot_start or slot_scale would be read past
+    its end (another tensor's memory on a GPU). Refused when the slice table is built, no launch."""
+    from backends.cuda.slice_table import SliceTable
+
+    weights, _ = _small()
+    for name in ("slot_start", "slot_scale"):
+        short = [weights[0], dataclasses.replace(weights[1], **{name: getattr(weights[1], name)[:2].clone()})]
+        with pytest.raises(ValueError, match=rf"sgmv_shrink: weights\[1\]: slot_start, slot_rank and slot_scale must have one entry per slot, "
+                                             rf"got .*'{name}': 2"):
+            SliceTable.build(short, [0, 0], op="sgmv_shrink")
+
+
 def test_slice_table_is_reused_checked_and_rebuilt() -> None:
     from backends.cuda.bgmv_shrink import bgmv_shrink
     from backends.cuda.slice_table import SliceTable, SliceTableCache

@@ -26,7 +26,7 @@ def _fail(op: str, msg: str) -> None:
 
 
 def check_weights(op: str, weights: Sequence[LoRASliceWeights]) -> None:
-    """One slice group: same dtype, device and in_features everywhere; dense buffers."""
+    """One slice group: same dtype, device and in_features everywhere; dense buffers; one slot table length per slice."""
     if len(weights) == 0:
         _fail(op, "weights is empty; pass one LoRASliceWeights per slice")
     dtype, device, in_features = weights[0].a_rows.dtype, weights[0].a_rows.device, weights[0].in_features
@@ -43,6 +43,9 @@ def check_weights(op: str, weights: Sequence[LoRASliceWeights]) -> None:
             t = getattr(w, name)
             if t.dtype != want or t.dim() != 1 or not t.is_contiguous():
                 _fail(op, f"weights[{i}].{name} must be a contiguous 1-D {want} tensor, got {t.dtype} {tuple(t.shape)}")
+        lengths = {name: getattr(w, name).shape[0] for name in ("slot_start", "slot_rank", "slot_scale")}
+        if len(set(lengths.values())) != 1:  # the kernels index all three with any slot below len(slot_rank)
+            _fail(op, f"weights[{i}]: slot_start, slot_rank and slot_scale must have one entry per slot, got {lengths}")
         for name in ("a_rows", "b_rows", "slot_start", "slot_rank", "slot_scale"):
             if getattr(w, name).device != device:
                 _fail(op, f"weights[{i}].{name} is on {getattr(w, name).device}, weights[0].a_rows on {device}")
