@@ -378,10 +378,6 @@ def test_launchers_reject_bad_arguments() -> None:
         bgmv_expand(h, weights, meta, torch.zeros(1, 40).half().expand(3, 40), [0, 16])
     with pytest.raises(ValueError, match=r"sgmv_shrink: out's elements share memory"):
         sgmv_shrink(x, weights, meta, torch.zeros(2, 1, 64).expand(2, 3, 64))
-    wide = torch.zeros(3, 100).half()
-    bgmv_expand(h, weights, meta, wide[:, 10:50], [0, 16])  # a column window of a wider y: rows apart, accepted
-    assert wide[:, :10].eq(0).all() and wide[:, 50:].eq(0).all()
-    sgmv_shrink(x, weights, meta, torch.zeros(3, 2, 64).transpose(0, 1))  # a permuted workspace [S, T, R]: accepted
     # Overlapping columns: the expand kernels' load-add-store would race on a GPU (the
     # interpreter runs programs one by one, so it would not show there). Shrink ignores offsets.
     from backends.cuda.sgmv_expand import sgmv_expand
@@ -394,6 +390,21 @@ def test_launchers_reject_bad_arguments() -> None:
     strided = [dataclasses.replace(weights[0], b_rows=weights[0].b_rows.t().contiguous().t())]
     with pytest.raises(ValueError, match=r"bgmv_expand: weights\[0\].b_rows must be a contiguous 2-D tensor"):
         bgmv_expand(h, strided, meta, torch.zeros(3, 40).half(), [0])
+
+
+@interpreter
+@pytest.mark.interpreter
+def test_launchers_accept_a_column_window_and_a_permuted_workspace_interpreted() -> None:
+    """Layouts the checks above must not refuse (these two launch, so they need the interpreter;
+    the refusals above never reach a kernel and run anywhere)."""
+    from backends.cuda.bgmv_expand import bgmv_expand
+    from backends.cuda.sgmv_shrink import sgmv_shrink
+
+    weights, meta = _small()
+    wide = torch.zeros(3, 100).half()
+    bgmv_expand(torch.zeros(2, 3, 64), weights, meta, wide[:, 10:50], [0, 16])  # a column window of a wider y: rows apart
+    assert wide[:, :10].eq(0).all() and wide[:, 50:].eq(0).all()
+    sgmv_shrink(torch.randn(3, 32).half(), weights, meta, torch.zeros(3, 2, 64).transpose(0, 1))  # a permuted workspace [S, T, R]
 
 
 def test_slot_tables_of_unequal_lengths_are_refused() -> None:
