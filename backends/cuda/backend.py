@@ -9,8 +9,9 @@ steady-state forward does no host->device copies and reads no device data on the
 
 CUDA graphs (the engine does not capture any; ``runtime/verifiers/cuda_graph.py`` checks
 capture and replay): capture after one warm-up forward in the state to be captured (it
-builds the tables and compiles the kernels). The per-token grids depend only on the batch
-size and the slices' widths, so a replay with other adapters in the rows stays correct,
+builds the tables and compiles the kernels). The per-token grids depend on the batch size,
+the slices' widths and (through the tile sizes) the ranks resident at capture, and the kernels walk
+each slot's own rank at run time, so a replay with other adapters in the rows stays correct,
 with one condition: the host decides whether to launch at all (``runtime.backend_api.apply_lora``
 skips a slice group when no row has an adapter or no resident adapter targets it, and
 reaches no launcher, so no table is built for it either), so a graph captured in such a state

@@ -10,8 +10,10 @@ in fp32, rounded once to ``y``'s dtype. Grid: (row, slice x column block); a col
 block past its slice's width returns at once. Each program multiplies a
 ``[BLOCK_R, BLOCK_N]`` tile of B^T by the row's ``h`` elementwise and reduces over
 the rank in fp32, walking the rank in tiles masked to the slot's own rank (so
-entries of ``h`` past it are never read). The grid depends only on T and the
-slices' widths (CUDA-graph safe across adapter mixes).
+entries of ``h`` past it are never read). The grid depends on T, the slices' widths
+and, through the column tile (``token_tiles``), the largest rank resident at launch; the
+kernel walks each slot's own rank at run time, so a launch captured in a CUDA graph stays
+correct whatever adapters the rows use on replay.
 """
 from __future__ import annotations
 
