@@ -137,6 +137,9 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.tokenizer = Tokenizer(config.model)
         self.block_size = config.block_size
+        # Sized from config.json alone, before the weights load: a pool that cannot hold one
+        # sequence of max_model_len is refused at once, not after minutes of reading a checkpoint.
+        self.num_kv_blocks = self._num_kv_blocks()
         weights = load_weights(mc, config.model, self.dtype, self.device)
         pool = LoRAPoolShape(
             max_slots=config.max_loras, row_capacity=config.pool_rows, interleaved_a=bool(getattr(backend.lora, "interleaved_a", False))
@@ -148,7 +151,6 @@ class ModelRunner:
                          "smaller --dtype", pool_bytes):  # fmt: skip
             self.model = LlamaModel(mc, weights, pool, self.max_model_len, cpu_gemm=config.cpu_gemm)
         del weights
-        self.num_kv_blocks = self._num_kv_blocks()
         cache_rows = self.num_kv_blocks * self.block_size
         kv_gib = self.num_kv_blocks * self.kv_bytes_per_block() / 2**30
         with _allocating(f"num_kv_blocks: the KV cache ({self.num_kv_blocks} blocks, {kv_gib:.1f} GiB)", self.device, "--num-kv-blocks or --kv-cache-mb",
@@ -180,15 +182,22 @@ class ModelRunner:
         return per_token * self.block_size * mc.num_hidden_layers
 
     def _num_kv_blocks(self) -> int:
+        """``num_kv_blocks`` as given, else ``min(max_num_seqs * ceil(max_model_len / B), kv_cache_mb MiB //
+        kv_bytes_per_block())``; refused when the cap holds fewer blocks than one max_model_len sequence."""
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         wanted = self.config.max_num_seqs * blocks_per_seq
-        cap = (self.config.kv_cache_cap_mb << 20) // self.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block()
+        cap = (self.config.kv_cache_cap_mb << 20) // per_block
         if cap < blocks_per_seq:
+            given = "" if self.config.kv_cache_mb is not None else " (the default)"
+            origin = "" if self.config.max_model_len is not None else " (the model's limit)"
+            need_mb = -(-blocks_per_seq * per_block // (1 << 20))
             raise ConfigError(
-                f"kv_cache_mb: {self.config.kv_cache_cap_mb} MiB holds {cap} KV blocks, fewer than one sequence of "
-                f"max_model_len={self.max_model_len} needs ({blocks_per_seq})"
+                f"kv_cache_mb: {self.config.kv_cache_cap_mb} MiB{given} holds {cap} KV blocks ({cap * self.block_size} tokens), "
+                f"fewer than one sequence of max_model_len={self.max_model_len}{origin} needs ({blocks_per_seq} blocks); "
+                f"raise --kv-cache-mb to at least {need_mb} or lower --max-model-len to at most {cap * self.block_size}"
             )
         return min(wanted, cap)
 

@@ -460,6 +460,33 @@ def test_kv_blocks_default_and_cap(tiny_llama_dir):
     assert report["lora_pool_bytes"] > 0
 
 
+def test_a_kv_cap_below_one_sequence_is_refused_before_the_weights_load(tmp_path, tiny_llama_dir, monkeypatch):
+    """A model whose limit (max_position_embeddings) is far beyond what the default or given kv_cache_mb
+    holds is refused from config.json alone, naming both ways out: the weights are not read first
+    (minutes for a large checkpoint), and the message says what to raise or lower, and to how much."""
+    path = tmp_path / "long"
+    shutil.copytree(tiny_llama_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1 << 22
+    (path / "config.json").write_text(json.dumps(cfg))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the KV pool was sized")
+
+    monkeypatch.setattr("runtime.model_runner.load_weights", no_weights)
+    per_block = 2 * 2 * 16 * 4 * BLOCK * 2  # K+V x Hkv x D x fp32 x block x layers: 4 KiB, 256 blocks a MiB
+    need_mb = -(-((1 << 22) // BLOCK) * per_block // (1 << 20))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"kv_cache_mb: 1 MiB holds 256 KV blocks (2048 tokens), fewer than one sequence of max_model_len={1 << 22} (the model's limit) "
+            f"needs ({(1 << 22) // BLOCK} blocks); raise --kv-cache-mb to at least {need_mb} or lower --max-model-len to at most 2048")):
+        runner_for(path, num_kv_blocks=None, kv_cache_mb=1)
+    with pytest.raises(ConfigError, match=r"kv_cache_mb: 1024 MiB \(the default\) holds 262144 KV blocks \(2097152 tokens\), "
+                       r"fewer than one sequence of max_model_len=2097160 needs \(262145 blocks\); raise --kv-cache-mb to at least 1025 or"):
+        runner_for(path, num_kv_blocks=None, max_model_len=2097160)  # one block more than the default 1 GiB holds
+    with pytest.raises(AssertionError, match="weights were loaded"):  # a pool that fits goes on to read the weights
+        runner_for(path, num_kv_blocks=None, kv_cache_mb=1, max_model_len=2048)
+
+
 def test_write_adapter_sets_per_slice_ranks_and_clear(tiny_llama_dir, tiny_adapters):
     runner = runner_for(tiny_llama_dir)
     adapter = load_adapter(tiny_adapters["a"], "a", runner.lora_targets(), num_layers=2, max_lora_rank=16)  # q, v at rank 4
