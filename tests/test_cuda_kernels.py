@@ -460,6 +460,29 @@ def test_cuda_backend_reports_availability() -> None:
             CudaBackend(f"cuda:{other}")
 
 
+@pytest.mark.parametrize("capability, refused", [((7, 0), True), ((7, 5), True), ((8, 0), False), ((9, 0), False)])
+def test_bfloat16_is_refused_below_sm_80(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], refused: bool) -> None:
+    """On a V100 or T4 a bf16 engine used to start and crash at its first forward (Triton: ".bf16
+    requires sm_80"); the gate now refuses it up front, naming float16/float32. Runs without a GPU:
+    the backend's device queries are stood in."""
+    from types import SimpleNamespace
+
+    from backends.cuda.backend import CudaBackend
+    from runtime.capabilities import CapabilityError, Gate
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla Stand-in")
+    backend = SimpleNamespace(device=torch.device("cuda:0"))
+    backend.dtype_problem = lambda dtype: CudaBackend.dtype_problem(backend, dtype)
+    for dtype in ("float32", "float16"):
+        assert backend.dtype_problem(dtype) is None
+    if refused:
+        with pytest.raises(CapabilityError, match=rf"dtype bfloat16 is not supported on this device: Tesla Stand-in is sm_{capability[0]}{capability[1]}.*--dtype float16"):
+            Gate("cuda").check_device_dtype(backend, "bfloat16")
+    else:
+        Gate("cuda").check_device_dtype(backend, "bfloat16")
+
+
 # ---------------------------------------------------------------- real GPU
 
 def _gpu_ranks(n_slots: int, seed: int, skip_every: int) -> dict[int, int]:

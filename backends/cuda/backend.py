@@ -83,6 +83,18 @@ class CudaBackend:
         self.lora = CudaLoRAOps()
         self.attention = CudaAttention()
 
+    def dtype_problem(self, dtype: str) -> str | None:
+        """Why this GPU cannot run ``dtype`` (the engine refuses the config with it), or None:
+        the kernels' bfloat16 ``tl.dot`` needs compute capability 8.0 (Ampere) or newer, and
+        Triton's compiler rejects it below (ptxas: ".bf16 requires sm_80")."""
+        if dtype != "bfloat16":
+            return None
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 0):
+            return (f"{torch.cuda.get_device_name(self.device)} is sm_{major}{minor}; the Triton LoRA kernels' bfloat16 matmuls need "
+                    "sm_80 or newer: serve with --dtype float16 or float32")
+        return None
+
     @staticmethod
     def availability() -> tuple[bool, str]:
         if importlib.util.find_spec("triton") is None:
