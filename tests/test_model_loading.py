@@ -528,3 +528,28 @@ def test_engine_config_refuses_kv_cache_mb_with_num_kv_blocks() -> None:
     assert EngineConfig(model="m").kv_cache_cap_mb == DEFAULT_KV_CACHE_MB
     assert EngineConfig(model="m", kv_cache_mb=8).kv_cache_cap_mb == 8
     assert EngineConfig(model="m", num_kv_blocks=4).kv_cache_mb is None
+
+
+@pytest.mark.parametrize("model_type, heads, kv_heads", [("mistral", 16, 8), ("llama", 4, 4), ("qwen2", 32, 32)])
+def test_missing_num_key_value_heads_takes_transformers_default(tmp_path, model_type, heads, kv_heads):
+    """A config.json without num_key_value_heads: transformers' MistralConfig defaults to 8 kv heads and
+    Qwen2Config to 32, LlamaConfig to num_attention_heads. Taking num_attention_heads for every type
+    refused a mistral checkpoint transformers loads (k_proj "has shape (32, 64), config.json implies (64, 64)")."""
+    path = build_tiny_model(tmp_path / "m", model_type, seed=4, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).num_key_value_heads == kv_heads
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+
+def test_missing_num_key_value_heads_default_that_does_not_divide_is_named(tmp_path):
+    """qwen2's default of 32 kv heads with 4 query heads: refused, saying where the 32 comes from."""
+    path = build_tiny_model(tmp_path / "m", "qwen2", seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["num_key_value_heads"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelConfigError, match=r"num_key_value_heads=32 \(config\.json has no num_key_value_heads: "
+                                               r"transformers' qwen2 default\) must divide num_attention_heads=4"):
+        load_model_config(path)

@@ -2,6 +2,8 @@
 
 Supported ``model_type``: llama, qwen2, mistral. Everything the decoder cannot honour
 is a ``ModelConfigError`` naming the file and the field; nothing is silently ignored.
+A field config.json leaves out takes transformers' default for the model type where the
+math depends on it (``num_key_value_heads``: llama num_attention_heads, mistral 8, qwen2 32).
 
 Rope: both layouts are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and
 transformers 5.x (``rope_parameters`` holding ``rope_type``, the scaling fields and
@@ -34,6 +36,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_SLIDING_WINDOW = 4096
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on use the window
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta (llama, qwen2, mistral)
+# transformers' num_key_value_heads for a config.json without the key: MistralConfig's 8, Qwen2Config's 32;
+# LlamaConfig's is None, which (as an explicit null in any of the three) means num_attention_heads.
+DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
 
 
 class ModelConfigError(ValueError):
@@ -127,9 +132,9 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: pretraining_tp={raw['pretraining_tp']} is not supported (only 1)")
     hidden = f.get("hidden_size", int)
     heads = f.get("num_attention_heads", int)
-    kv_heads = raw.get("num_key_value_heads") or heads
-    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-        raise ModelConfigError(f"{path}: num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
+    kv_heads, kv_origin = _kv_heads(raw, model_type, heads)
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ModelConfigError(f"{path}: num_key_value_heads={kv_heads!r}{kv_origin} must divide num_attention_heads={heads}")
     head_dim = raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim % 2:
         raise ModelConfigError(f"{path}: head_dim={head_dim!r} must be an even integer")
@@ -162,6 +167,16 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         eos_token_ids=eos_ids(raw.get("eos_token_id"), path, "eos_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
+
+
+def _kv_heads(raw: Mapping[str, Any], model_type: str, heads: int) -> tuple[Any, str]:
+    """num_key_value_heads as transformers reads it, and a note for an error when it is not config.json's own:
+    a missing key is the model type's default (``DEFAULT_KV_HEADS``; mistral 8, not num_attention_heads),
+    a null one num_attention_heads."""
+    if "num_key_value_heads" not in raw and model_type in DEFAULT_KV_HEADS:
+        return DEFAULT_KV_HEADS[model_type], f" (config.json has no num_key_value_heads: transformers' {model_type} default)"
+    value = raw.get("num_key_value_heads")
+    return (heads, "") if value is None else (value, "")
 
 
 def eos_ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
