@@ -553,3 +553,27 @@ def test_missing_num_key_value_heads_default_that_does_not_divide_is_named(tmp_p
     with pytest.raises(ModelConfigError, match=r"num_key_value_heads=32 \(config\.json has no num_key_value_heads: "
                                                r"transformers' qwen2 default\) must divide num_attention_heads=4"):
         load_model_config(path)
+
+
+def test_llama_mlp_bias_is_honoured(tmp_path):
+    """LlamaMLP's gate/up/down carry a bias with mlp_bias=true: loaded and added (it was refused)."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=4, mlp_bias=True)
+    assert load_file(str(path / "model.safetensors"))["model.layers.1.mlp.down_proj.bias"].abs().sum() > 0
+    assert load_model_config(path).mlp_bias
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    rewrite(path, lambda t: t.pop("model.layers.0.mlp.up_proj.bias"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model\.layers\.0\.mlp\.up_proj\.bias"):
+        runner_for(path)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_mlp_bias_is_not_read_where_transformers_does_not(tmp_path, model_type):
+    """Qwen2MLP and MistralMLP have no bias whatever config.json says: mlp_bias=true there was refused."""
+    path = build_tiny_model(tmp_path / "m", model_type, seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["mlp_bias"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert not load_model_config(path).mlp_bias
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)

@@ -75,6 +75,7 @@ class ModelConfig:
     vocab_size: int
     attention_bias: bool  # q/k/v carry a bias (qwen2 always; llama with attention_bias; mistral never)
     o_proj_bias: bool  # llama's attention_bias also puts a bias on o_proj
+    mlp_bias: bool  # gate/up/down carry a bias (llama with mlp_bias; qwen2 and mistral never)
     sliding_window: int | None  # honoured by capping max_model_len to it
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -126,8 +127,6 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (the decoder uses SwiGLU with silu)")
-    if raw.get("mlp_bias"):
-        raise ModelConfigError(f"{path}: mlp_bias=true is not supported")
     if raw.get("pretraining_tp", 1) not in (1, None):
         raise ModelConfigError(f"{path}: pretraining_tp={raw['pretraining_tp']} is not supported (only 1)")
     hidden = f.get("hidden_size", int)
@@ -143,6 +142,8 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
     # Only LlamaAttention reads attention_bias (q/k/v and o); Qwen2Attention always has q/k/v biases and
     # MistralAttention never has any, whatever their config.json says.
     llama_bias = model_type == "llama" and bool(raw.get("attention_bias", False))
+    # Likewise only LlamaMLP reads mlp_bias (gate/up/down); Qwen2MLP and MistralMLP never have a bias.
+    mlp_bias = model_type == "llama" and bool(raw.get("mlp_bias", False))
     attention_bias = model_type == "qwen2" or llama_bias
     return ModelConfig(
         name=path.parent.resolve().name,
@@ -162,6 +163,7 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         vocab_size=f.get("vocab_size", int),
         attention_bias=attention_bias,
         o_proj_bias=llama_bias,
+        mlp_bias=mlp_bias,
         sliding_window=_sliding_window(raw, model_type, path),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
         eos_token_ids=eos_ids(raw.get("eos_token_id"), path, "eos_token_id"),

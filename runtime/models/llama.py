@@ -5,11 +5,11 @@ For every layer, with RMSNorm(x) = w * x / sqrt(mean(x^2) + eps) computed in flo
     a         = RMSNorm_in(h)
     q, k, v   = split(a @ [Wq; Wk; Wv]^T (+ b_qkv)) + LoRA per slice        (one fused GEMM)
     q, k      = rope(q, pos), rope(k, pos)
-    o         = paged_attention(q, k, v) @ Wo^T + LoRA_o                     (GQA: Hq / Hkv query heads per kv head)
+    o         = paged_attention(q, k, v) @ Wo^T (+ b_o) + LoRA_o             (GQA: Hq / Hkv query heads per kv head)
     h         = h + o
     m         = RMSNorm_post(h)
-    g, u      = split(m @ [Wgate; Wup]^T) + LoRA per slice                   (one fused GEMM)
-    h         = h + (silu(g) * u) @ Wdown^T + LoRA_down
+    g, u      = split(m @ [Wgate; Wup]^T (+ b_gate_up)) + LoRA per slice     (one fused GEMM)
+    h         = h + (silu(g) * u) @ Wdown^T (+ b_down) + LoRA_down
 logits = RMSNorm_final(h) @ Wlm^T     (Wlm = embedding matrix when tie_word_embeddings)
 
 A projection weight W may be an ``Int8Weight`` (int8 weight-only base): then

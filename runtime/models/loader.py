@@ -80,6 +80,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)})
         if cfg.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)})
     return shapes
 
 
