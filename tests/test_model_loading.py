@@ -577,3 +577,15 @@ def test_mlp_bias_is_not_read_where_transformers_does_not(tmp_path, model_type):
     assert not load_model_config(path).mlp_bias
     ids = prompt(2)
     assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+
+@pytest.mark.parametrize("change", [{"hidden_act": "swish"}, {"pretraining_tp": 2}])
+def test_swish_and_pretraining_tp_load_as_transformers_computes_them(tmp_path, change):
+    """hidden_act 'swish' is silu in transformers' ACT2FN, and pretraining_tp changes no product (transformers 5
+    does not read it; 4.x split the GEMMs and summed the slices): both were refused."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    (path / "config.json").write_text(json.dumps(cfg))
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 # transformers' default sliding_window of MistralConfig and Qwen2Config (checked with
 # transformers 5.24.0), used when their config.json has no sliding_window key.
 DEFAULT_SLIDING_WINDOW = 4096
@@ -125,10 +126,11 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelConfigError(f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (the decoder uses SwiGLU with silu)")
-    if raw.get("pretraining_tp", 1) not in (1, None):
-        raise ModelConfigError(f"{path}: pretraining_tp={raw['pretraining_tp']} is not supported (only 1)")
+    if act not in SILU_NAMES:
+        raise ModelConfigError(f"{path}: hidden_act {act!r} is not supported (the decoder uses SwiGLU with silu, "
+                               f"hidden_act {' or '.join(map(repr, SILU_NAMES))})")
+    # pretraining_tp is not read: transformers 5 ignores it, and 4.x only split each projection's GEMM into
+    # pretraining_tp slices and summed or concatenated them, the same products.
     hidden = f.get("hidden_size", int)
     heads = f.get("num_attention_heads", int)
     kv_heads, kv_origin = _kv_heads(raw, model_type, heads)
