@@ -589,3 +589,14 @@ def test_swish_and_pretraining_tp_load_as_transformers_computes_them(tmp_path, c
     (path / "config.json").write_text(json.dumps(cfg))
     ids = prompt(2)
     assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+
+@pytest.mark.parametrize("prefix, says", [("", r"its tensors carry no 'model\.' prefix: a base-model save"),
+                                          ("base_model.model.model.", r"its tensors are named 'base_model\.model\.model\.'\.\.\.")])
+def test_checkpoint_under_another_prefix_gets_a_hint(tmp_path, prefix, says):
+    """A base-model save (names without 'model.') or a PEFT model saved without merge_and_unload: every
+    tensor was reported missing, with no word on why."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    rewrite(path, lambda t: t.update({prefix + k[len("model."):]: t.pop(k) for k in [k for k in t if k.startswith("model.")]}))
+    with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) model\.embed_tokens\.weight.* \({says}"):
+        runner_for(path)

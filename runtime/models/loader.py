@@ -11,8 +11,8 @@ matter, as in the HF hub cache), and a shard that is not a readable safetensors 
 ``*.pth``) are refused and never opened. Every expected tensor must be present with
 the shape ``ModelConfig`` implies, and in a float checkpoint (no ``quantization_config``)
 stored as a float dtype; a missing, misshapen, integer or unexpected tensor is a
-``CheckpointError`` naming the tensor and the file. Weights are cast to the compute
-dtype on the way in.
+``CheckpointError`` naming the tensor and the file (and, where the names sit under another
+prefix than ``model.``, which one). Weights are cast to the compute dtype on the way in.
 
 int8 weight-only checkpoints (``quantization_config.quant_method`` =
 ``lorafleet-int8-wo`` in config.json, format in ``runtime/quant/int8.py``): each of the
@@ -197,7 +197,8 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
     missing = [n for n in shapes if n not in files]
     if missing:
         where = sorted({str(p) for p in files.values()}) or [str(model_dir)]
-        raise CheckpointError(f"{', '.join(where)}: missing tensor(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise CheckpointError(f"{', '.join(where)}: missing tensor(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+                              f"{_prefix_hint(files)}")
     unexpected = [n for n in files if n not in shapes and not _tolerated(n, cfg)]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor(s) {', '.join(sorted(unexpected)[:8])} for a {cfg.model_type} of this config")
@@ -319,6 +320,20 @@ def check_quantized_tensor(name: str, tensor: Tensor, path: Path) -> None:
         raise CheckpointError(f"{path}: tensor {name} holds code -128; the int8 weight-only format uses -127..127")
     if want == torch.float32 and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
         raise CheckpointError(f"{path}: tensor {name} holds a scale that is not a finite positive number")
+
+
+def _prefix_hint(files: dict[str, Path]) -> str:
+    """For a missing-tensor error: where the checkpoint names the embedding under another prefix than
+    transformers' ``*ForCausalLM`` (``model.embed_tokens.weight``), say so; '' otherwise."""
+    expected = "model.embed_tokens.weight"
+    found = next((n for n in files if n.endswith("embed_tokens.weight") and n != expected), None)
+    if found is None:
+        return ""
+    prefix = found[: -len("embed_tokens.weight")]
+    if not prefix:
+        return " (its tensors carry no 'model.' prefix: a base-model save (AutoModel, no LM head); save it from AutoModelForCausalLM)"
+    return (f" (its tensors are named {prefix!r}..., where a causal LM checkpoint names them 'model.'...; save it with "
+            "AutoModelForCausalLM's save_pretrained, after PEFT's merge_and_unload() where it wraps an adapter)")
 
 
 def _tolerated(name: str, cfg: ModelConfig) -> bool:
