@@ -600,3 +600,13 @@ def test_checkpoint_under_another_prefix_gets_a_hint(tmp_path, prefix, says):
     rewrite(path, lambda t: t.update({prefix + k[len("model."):]: t.pop(k) for k in [k for k in t if k.startswith("model.")]}))
     with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) model\.embed_tokens\.weight.* \({says}"):
         runner_for(path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_explicit_head_dim_matches_transformers(tmp_path, model_type):
+    """head_dim given in config.json and not hidden_size / num_attention_heads (32, not 16): q/k/v/o shapes,
+    rope and the 1/sqrt(head_dim) scale all follow it, as in transformers."""
+    path = build_tiny_model(tmp_path / "m", model_type, seed=4, head_dim=32)
+    assert load_model_config(path).head_dim == 32 != 64 // 4
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
