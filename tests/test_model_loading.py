@@ -610,3 +610,13 @@ def test_explicit_head_dim_matches_transformers(tmp_path, model_type):
     assert load_model_config(path).head_dim == 32 != 64 // 4
     ids = prompt(2)
     assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+
+def test_weight_beyond_float16_range_is_refused_under_float16(tmp_path):
+    """A float32 weight of 1e5 served in float16 became inf, and every logit NaN, without a word."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    rewrite(path, lambda t: t["model.layers.1.post_attention_layernorm.weight"].__setitem__(3, 1e5))
+    runner_for(path, dtype="bfloat16")  # in range there
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.1\.post_attention_layernorm\.weight "
+                                              r"holds values up to 1e\+05, beyond float16's range \(65504\)"):
+        runner_for(path, dtype="float16")

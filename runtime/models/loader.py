@@ -12,7 +12,9 @@ matter, as in the HF hub cache), and a shard that is not a readable safetensors 
 the shape ``ModelConfig`` implies, and in a float checkpoint (no ``quantization_config``)
 stored as a float dtype; a missing, misshapen, integer or unexpected tensor is a
 ``CheckpointError`` naming the tensor and the file (and, where the names sit under another
-prefix than ``model.``, which one). Weights are cast to the compute dtype on the way in.
+prefix than ``model.``, which one). Weights are cast to the compute dtype on the way in;
+a finite weight that the cast would turn into inf (a bfloat16 or float32 checkpoint beyond
+float16's 65504, served in float16) is a ``CheckpointError``.
 
 int8 weight-only checkpoints (``quantization_config.quant_method`` =
 ``lorafleet-int8-wo`` in config.json, format in ``runtime/quant/int8.py``): each of the
@@ -276,8 +278,24 @@ def load_weights(
         if quantized and is_quantized_projection(name):
             out[name] = Int8Weight(tensor.contiguous(), raw[scale_name(name)].contiguous()).to(device)
         elif not (quantized and name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")])):
-            out[name] = tensor.to(device=device, dtype=dtype)
+            out[name] = _cast(name, tensor, files[name], dtype, device)
     return out
+
+
+def _cast(name: str, tensor: Tensor, path: Path, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``tensor`` in ``dtype`` on ``device``; a CheckpointError where the cast narrows the range (bfloat16 or
+    float32 weights served in float16, max 65504) and a finite weight becomes inf: every logit would be NaN."""
+    cast = tensor.to(device=device, dtype=dtype)
+    narrows = tensor.is_floating_point() and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
+    if narrows and bool(torch.isinf(cast).any()):
+        finite = torch.isfinite(tensor)
+        if bool(finite.all()):
+            biggest = float(tensor.abs().max())
+            raise CheckpointError(
+                f"{path}: tensor {name} holds values up to {biggest:.4g}, beyond {str(dtype).removeprefix('torch.')}'s range "
+                f"({torch.finfo(dtype).max:.0f}): they would become inf; serve this checkpoint in bfloat16 or float32 (--dtype)"
+            )
+    return cast
 
 
 def check_tied_head(cfg: ModelConfig, files: dict[str, Path]) -> None:
