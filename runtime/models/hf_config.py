@@ -2,8 +2,9 @@
 
 Supported ``model_type``: llama, qwen2, mistral. Everything the decoder cannot honour
 is a ``ModelConfigError`` naming the file and the field; nothing is silently ignored.
-A field config.json leaves out takes transformers' default for the model type where the
-math depends on it (``num_key_value_heads``: llama num_attention_heads, mistral 8, qwen2 32).
+Left out of config.json, ``num_key_value_heads`` (llama: num_attention_heads, mistral 8,
+qwen2 32), ``rope_theta``, ``tie_word_embeddings``, ``hidden_act`` and ``sliding_window`` take
+transformers' default for the model type; the size fields and ``rms_norm_eps`` are required.
 
 Rope: both layouts are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and
 transformers 5.x (``rope_parameters`` holding ``rope_type``, the scaling fields and
