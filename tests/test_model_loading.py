@@ -432,6 +432,9 @@ def test_index_naming_the_wrong_shard_is_named(tmp_path):
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
         ({"num_key_value_heads": 3}, r"num_key_value_heads=3"),
         ({"hidden_size": None}, r"field 'hidden_size'"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5 is not supported"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+         r"rope_parameters\.partial_rotary_factor=0\.25 is not supported"),
     ],
 )
 def test_config_the_model_cannot_honour(tmp_path, change, pattern):
@@ -620,3 +623,14 @@ def test_weight_beyond_float16_range_is_refused_under_float16(tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.1\.post_attention_layernorm\.weight "
                                               r"holds values up to 1e\+05, beyond float16's range \(65504\)"):
         runner_for(path, dtype="float16")
+
+
+def test_null_partial_rotary_factor_is_full_rotary(tmp_path):
+    """"partial_rotary_factor": null at the top level sets nothing in transformers (rope on the whole head);
+    it was refused as "other than 1.0"."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["partial_rotary_factor"] = None
+    (path / "config.json").write_text(json.dumps(cfg))
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)

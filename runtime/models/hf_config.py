@@ -247,8 +247,9 @@ def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling 
         theta = _layout_theta(legacy, raw)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelConfigError(f"{path}: rope_theta={theta!r} must be a positive number")
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelConfigError(f"{path}: partial_rotary_factor other than 1.0 is not supported")
+    partial = raw.get("partial_rotary_factor")  # null, as absent, is full rotary in transformers (it sets nothing)
+    if partial is not None and partial != 1.0:
+        raise ModelConfigError(f"{path}: partial_rotary_factor={partial!r} is not supported (only 1.0: rope on the whole head)")
     return float(theta), scaling
 
 
@@ -271,7 +272,8 @@ def _rope_scaling(scaling_src: Any, field: str, path: Path, raw: Mapping[str, An
     if not isinstance(scaling_src, dict):
         raise ModelConfigError(f"{path}: {field} must be an object or null, got {scaling_src!r}")
     if scaling_src.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelConfigError(f"{path}: {field}.partial_rotary_factor other than 1.0 is not supported")
+        raise ModelConfigError(f"{path}: {field}.partial_rotary_factor={scaling_src['partial_rotary_factor']!r} is not supported "
+                               "(only 1.0: rope on the whole head)")
     rope_type = scaling_src.get("rope_type", scaling_src.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
