@@ -288,12 +288,11 @@ def _cast(name: str, tensor: Tensor, path: Path, dtype: torch.dtype, device: tor
     cast = tensor.to(device=device, dtype=dtype)
     narrows = tensor.is_floating_point() and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
     if narrows and bool(torch.isinf(cast).any()):
-        finite = torch.isfinite(tensor)
-        if bool(finite.all()):
-            biggest = float(tensor.abs().max())
+        if bool(torch.isfinite(tensor).all()):  # (an inf stored as such is the checkpoint's own)
+            wider = "bfloat16 or float32" if dtype == torch.float16 else "float32"
             raise CheckpointError(
-                f"{path}: tensor {name} holds values up to {biggest:.4g}, beyond {str(dtype).removeprefix('torch.')}'s range "
-                f"({torch.finfo(dtype).max:.0f}): they would become inf; serve this checkpoint in bfloat16 or float32 (--dtype)"
+                f"{path}: tensor {name} holds values up to {float(tensor.abs().max()):.4g}, beyond {str(dtype).removeprefix('torch.')}'s "
+                f"range ({torch.finfo(dtype).max:.6g}): they would become inf; serve this checkpoint in {wider} (--dtype)"
             )
     return cast
 
