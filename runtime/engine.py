@@ -492,7 +492,7 @@ class LLMEngine:
                 if slot is None:
                     raise AssertionError(f"{seq.request_id}: adapter {seq.adapter} was scheduled without a device slot")
                 slots.add(slot)
-            tokens = seq.all_token_ids[seq.num_computed : seq.num_computed + chunk.num_tokens]
+            tokens = seq.token_ids_between(seq.num_computed, seq.num_computed + chunk.num_tokens)
             score_all = seq.wants_prompt_logits and seq.num_computed < len(seq.prompt_token_ids) - 1
             steps.append(SeqStep(tokens, seq.num_computed, self.block_manager.table(seq.request_id), slot, chunk.sample, score_all))
         self.pool.fence(sorted(slots))
@@ -508,8 +508,10 @@ class LLMEngine:
         tokens = self.sampler.sample(logits, [s.request_id for s in sampled], sampled_params, histories)
         token_logprobs = self.sampler.logprobs(logits, tokens, sampled_params)
         for chunk in sched.chunks:
-            chunk.seq.num_computed += chunk.num_tokens
-            self.block_manager.commit(chunk.seq.request_id, chunk.seq.all_token_ids, chunk.seq.num_computed)
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            if self.block_manager.has_blocks_to_commit(seq.request_id, seq.num_computed):  # the token list only when a block filled
+                self.block_manager.commit(seq.request_id, seq.all_token_ids, seq.num_computed)
         now = time.monotonic()
         for seq in prompt_only:
             live = self._live[seq.request_id]

@@ -107,7 +107,10 @@ def test_prefix_sharing_never_reads_foreign_kv_and_refcounts_match_tables(ops, n
         for j in range(computed, computed + n):
             kv[(table[j // block_size], j % block_size)] = (seed, tuple(tokens[: j + 1]))
         live[sid] = (seed, tokens, computed + n)
+        would = bm.has_blocks_to_commit(sid, computed + n)  # the engine builds the token list only then
+        published = len(bm._hashes.get(sid, []))
         bm.commit(sid, tokens, computed + n)
+        assert would == (len(bm._hashes.get(sid, [])) > published), (sid, computed + n)
         return True
 
     for op in ops:
@@ -145,3 +148,17 @@ def test_prefix_sharing_never_reads_foreign_kv_and_refcounts_match_tables(ops, n
     live.clear()
     _check_invariants(bm, live, kv)
     assert bm.num_free_blocks == bm.num_blocks and not bm._in_flight
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=12), st.data())
+def test_token_ids_between_is_a_slice_of_all_token_ids(prompt, output, data):
+    """The engine's per-step chunk (``Sequence.token_ids_between``) equals slicing prompt + output,
+    across the prompt/output boundary and at both ends."""
+    from runtime.request import SamplingParams, Sequence
+
+    seq = Sequence("r", 0, prompt, SamplingParams(), None, 0.0, output_token_ids=list(output))
+    total = len(prompt) + len(output)
+    start = data.draw(st.integers(0, total))
+    end = data.draw(st.integers(start, total))
+    assert seq.token_ids_between(start, end) == seq.all_token_ids[start:end]

@@ -132,6 +132,13 @@ class BlockManager:
             self.prefix_cache.queried_blocks += queried
             self.prefix_cache.hit_blocks += hit
 
+    def has_blocks_to_commit(self, seq_id: str, num_computed: int) -> bool:
+        """Whether ``commit`` would publish a block now (one became full and computed): the caller
+        then builds the token list it needs, once per block rather than every step."""
+        if self.prefix_cache is None or seq_id not in self._seeds:
+            return False
+        return len(self._hashes[seq_id]) < min(num_computed // self.block_size, len(self._tables[seq_id]))
+
     def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish every newly full, computed block of ``seq_id`` in the prefix cache."""
         if self.prefix_cache is None or seq_id not in self._seeds:
