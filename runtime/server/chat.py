@@ -5,13 +5,13 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route, error_body
 from runtime.server.logprobs import StreamedEntries, chat_logprobs, has_text_before
 from runtime.server.protocol import ChatCompletionRequest
-from runtime.server.sse import DONE, event
+from runtime.server.sse import DONE, EventStreamResponse, event
 
 
 def _as_sent(err: APIError, body: ChatCompletionRequest) -> APIError:
@@ -74,43 +74,45 @@ def build_router(state: Any) -> APIRouter:
 
             async def events() -> AsyncIterator[str]:
                 prompt_only = {"prompt_tokens": prompt_len, "completion_tokens": 0, "total_tokens": prompt_len}  # the role chunks' usage (vLLM)
-                for k in range(body.n):
-                    role = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    yield event(payload("chat.completion.chunk", [role], prompt_only if continuous else None))
                 last: dict[int, Any] = {}
                 before = has_text_before(state.tokenizer, prompt_ids)
                 pending = {k: StreamedEntries(state.tokenizer, before) for k in range(body.n)}  # an entry waits for its token's text
                 try:
-                    async for k, out in gen.merge_streams(streams):
-                        if out.finish_reason == "error":
-                            failure = gen.failure_of(out)
-                            yield event(error_body(failure.status, failure.message, code=failure.code))
-                            break
-                        pending[k].add(out.new_logprobs or ())
-                        if out.new_text or out.finished or (continuous and out.new_token_ids):
-                            delta = {"content": out.new_text} if out.new_text else {}
-                            released = pending[k].release(out.new_text, out.finished)
-                            logprobs = chat_logprobs(state.tokenizer, released) if body.logprobs else None
-                            choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
-                            if out.finished:
-                                with_ids(choice, out)
-                            yield event(payload("chat.completion.chunk", [choice], usage([out]) if continuous else None))
-                        last[k] = out
-                    else:
-                        if include_usage and last:
-                            yield event(payload("chat.completion.chunk", [], usage(list(last.values()))))
+                    async with gen.merged(streams) as outputs:  # entered first: a client gone during the role chunks closes the streams too
+                        for k in range(body.n):
+                            role = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                            yield event(payload("chat.completion.chunk", [role], prompt_only if continuous else None))
+                        async for k, out in outputs:
+                            if out.finish_reason == "error":
+                                failure = gen.failure_of(out)
+                                yield event(error_body(failure.status, failure.message, code=failure.code))
+                                break
+                            pending[k].add(out.new_logprobs or ())
+                            if out.new_text or out.finished or (continuous and out.new_token_ids):
+                                delta = {"content": out.new_text} if out.new_text else {}
+                                released = pending[k].release(out.new_text, out.finished)
+                                logprobs = chat_logprobs(state.tokenizer, released) if body.logprobs else None
+                                choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
+                                if out.finished:
+                                    with_ids(choice, out)
+                                yield event(payload("chat.completion.chunk", [choice], usage([out]) if continuous else None))
+                            last[k] = out
+                        else:
+                            if include_usage and last:
+                                yield event(payload("chat.completion.chunk", [], usage(list(last.values()))))
                 except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
                     yield event(gen.failure_event_body(err, request_id))
                 yield DONE
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return EventStreamResponse(events())
 
         async def drain() -> list[Any]:
             finals: dict[int, Any] = {}
-            async for k, out in gen.merge_streams(streams):
-                if out.finished:
-                    gen.raise_if_failed(out)
-                    finals[k] = out
+            async with gen.merged(streams) as outputs:
+                async for k, out in outputs:
+                    if out.finished:
+                        gen.raise_if_failed(out)
+                        finals[k] = out
             return [finals[k] for k in range(body.n)]
 
         finals = await gen.until_disconnected(request, drain())

@@ -5,13 +5,13 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route, error_body
 from runtime.server.logprobs import StreamedEntries, TextOffsets, completion_logprobs, has_text_before, prompt_text_offsets
 from runtime.server.protocol import MAX_PROMPTS, CompletionRequest
-from runtime.server.sse import DONE, event
+from runtime.server.sse import DONE, EventStreamResponse, event
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -141,45 +141,47 @@ def build_router(state: Any) -> APIRouter:
                 offsets: dict[int, TextOffsets] = {}
                 started: set[int] = set()
                 try:
-                    async for index, out in gen.merge_streams(streams):
-                        if out.finish_reason == "error":
-                            failure = gen.failure_of(out)
-                            yield event(error_body(failure.status, failure.message, code=failure.code))
-                            break
-                        if index not in started:  # its prompt is known now: is there text before the output?
-                            before = has_text_before(state.tokenizer, out.prompt_token_ids)
-                            pending[index], offsets[index] = StreamedEntries(state.tokenizer, before), TextOffsets(state.tokenizer, before)
-                        if body.echo and index not in started:  # the prompt first, in a chunk of its own
-                            echoed = _echoed(choices_in[index], state.tokenizer)
-                            logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed) if body.logprobs is not None else None
-                            echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
-                            prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
-                            yield event(chunk([echo_choice], prompt_only if continuous else None))
-                        started.add(index)
-                        pending[index].add(out.new_logprobs or ())
-                        if out.new_text or out.finished or (continuous and out.new_token_ids):
-                            logprobs = None
-                            if body.logprobs is not None:
-                                logprobs = completion_logprobs(state.tokenizer, pending[index].release(out.new_text, out.finished), offsets[index])
-                            choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
-                            yield event(chunk([choice], _choice_usage(out) if continuous else None))
-                        if out.finished:
-                            finals[index] = out
-                    else:
-                        if include_usage:
-                            yield event(chunk([], _usage(finals, body.n)))
+                    async with gen.merged(streams) as outputs:
+                        async for index, out in outputs:
+                            if out.finish_reason == "error":
+                                failure = gen.failure_of(out)
+                                yield event(error_body(failure.status, failure.message, code=failure.code))
+                                break
+                            if index not in started:  # its prompt is known now: is there text before the output?
+                                before = has_text_before(state.tokenizer, out.prompt_token_ids)
+                                pending[index], offsets[index] = StreamedEntries(state.tokenizer, before), TextOffsets(state.tokenizer, before)
+                            if body.echo and index not in started:  # the prompt first, in a chunk of its own
+                                echoed = _echoed(choices_in[index], state.tokenizer)
+                                logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed) if body.logprobs is not None else None
+                                echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
+                                prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
+                                yield event(chunk([echo_choice], prompt_only if continuous else None))
+                            started.add(index)
+                            pending[index].add(out.new_logprobs or ())
+                            if out.new_text or out.finished or (continuous and out.new_token_ids):
+                                logprobs = None
+                                if body.logprobs is not None:
+                                    logprobs = completion_logprobs(state.tokenizer, pending[index].release(out.new_text, out.finished), offsets[index])
+                                choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
+                                yield event(chunk([choice], _choice_usage(out) if continuous else None))
+                            if out.finished:
+                                finals[index] = out
+                        else:
+                            if include_usage:
+                                yield event(chunk([], _usage(finals, body.n)))
                 except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
                     yield event(gen.failure_event_body(err, request_id))
                 yield DONE
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return EventStreamResponse(events())
 
         async def drain() -> dict[int, Any]:
             finals: dict[int, Any] = {}
-            async for index, out in gen.merge_streams(streams):
-                if out.finished:
-                    gen.raise_if_failed(out)
-                    finals[index] = out
+            async with gen.merged(streams) as outputs:
+                async for index, out in outputs:
+                    if out.finished:
+                        gen.raise_if_failed(out)
+                        finals[index] = out
             return finals
 
         finals = await gen.until_disconnected(request, drain())

@@ -8,6 +8,7 @@ and one or more prompts to merged output streams. A consumer that goes away
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -281,6 +282,23 @@ async def merge_streams(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> As
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in (r for _, r in streams):
             await stream.aclose()
+
+
+@contextlib.asynccontextmanager
+async def merged(streams: Sequence[tuple[Any, AsyncIterator[Any]]]) -> AsyncIterator[AsyncIterator[tuple[int, Any]]]:
+    """``merge_streams(streams)``, closed when the block ends however it ends: a ``break`` on an
+    error output, a raise, or the close of the generator the block is in (a client gone). Leaving
+    an ``async for`` does not close the generator it iterates, so the other choices' requests
+    went on generating for nobody until the garbage collector finalised it. The streams are
+    closed too, which matters when the merge never started (a client gone during chat's role chunks)."""
+    outputs = merge_streams(streams)
+    try:
+        yield outputs
+    finally:
+        await outputs.aclose()
+        results = await asyncio.gather(*(rest.aclose() for _, rest in streams), return_exceptions=True)
+        for error in (r for r in results if isinstance(r, BaseException)):  # already closed by the merge, unless cancelled half-way
+            log.warning("closing an engine stream failed: %s: %s", type(error).__name__, error)
 
 
 def failure_event_body(err: Exception, request_id: str) -> dict[str, Any]:
