@@ -593,13 +593,13 @@ class LLMEngine:
         seq.error = error
         seq.error_kind = error_kind if error is not None else None
         seq.finished_time = time.monotonic()
-        self.scheduler.remove(seq)
-        self._awaiting_adapter.discard(seq)
-        if seq.adapter is not None:
-            self.pool.undemand(seq.adapter)
-            self.registry.release(seq.adapter)
-        self.sampler.remove(seq.request_id)
-        del self._live[seq.request_id]
+        held = (self.pool.demand_of(seq.adapter), self.registry.readers(seq.adapter)) if seq.adapter is not None else (0, 0)
+        try:
+            self._release(seq, *held)
+        except BaseException as err:
+            if not isinstance(err, Exception):  # Ctrl-C half-way (LLM.generate then aborts what is in flight): finish first, so nothing is released twice
+                self._release(seq, *held)
+            raise
         metrics = RequestMetrics.of(seq)
         key = seq.adapter.name if seq.adapter is not None else ""
         self._request_counters.setdefault(key, AdapterRequestCounters()).record(metrics)
@@ -608,6 +608,21 @@ class LLMEngine:
                 observer(metrics)
             except Exception:  # noqa: BLE001 - a metrics bug must not fail the request or the engine
                 logger.exception("request observer %r failed on %s", observer, seq.request_id)
+
+    def _release(self, seq: Sequence, demand: int, readers: int) -> None:
+        """Give back what a finishing ``seq`` holds and take it out of flight. Safe to run again
+        after an interruption: its adapter's demand and reader are each given back only while the
+        count still has its value from before (``demand``, ``readers``); the rest is idempotent
+        (an interruption inside ``scheduler.remove`` or ``undemand`` may still leave part of theirs held)."""
+        self.scheduler.remove(seq)
+        self._awaiting_adapter.discard(seq)
+        if seq.adapter is not None:
+            if self.pool.demand_of(seq.adapter) == demand:
+                self.pool.undemand(seq.adapter)
+            if self.registry.readers(seq.adapter) == readers:
+                self.registry.release(seq.adapter)
+        self.sampler.remove(seq.request_id)
+        self._live.pop(seq.request_id, None)
 
     # ---- reporting -----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

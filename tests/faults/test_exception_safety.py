@@ -92,3 +92,30 @@ def test_an_interrupt_while_prompt_blocks_are_marked_in_flight_leaves_counts_bal
         bm._in_flight = {}
         assert llm.generate([PROMPT], GREEDY)[0].token_ids == expected
         assert idle(llm) == []
+
+
+@pytest.mark.parametrize("owner, method", [("registry", "release"), ("sampler", "remove")])
+def test_an_interrupt_while_a_finished_request_is_released_releases_it_once(
+    owner: str, method: str, tiny_llama_dir: Path, tiny_adapters: dict[str, Path], monkeypatch
+) -> None:
+    """Ctrl-C in the middle of ``_finish`` (its adapter's demand given back, its reader not yet):
+    ``LLM.generate``'s abort of the request, still in flight, released it a second time. The
+    demand went negative, an AssertionError hid the KeyboardInterrupt, and the reader stayed
+    (a request sharing the adapter would instead have lost its demand silently)."""
+    expected = fresh_tokens(tiny_llama_dir, tiny_adapters, "a")
+    with make_llm(tiny_llama_dir, tiny_adapters) as llm:
+        target = getattr(llm.engine, owner)
+        real = getattr(target, method)
+
+        def interrupted(*args: Any, **kwargs: Any) -> None:
+            monkeypatch.setattr(target, method, real)
+            raise KeyboardInterrupt  # lands half-way through the release
+
+        monkeypatch.setattr(target, method, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT], GREEDY, adapter="a")
+        assert idle(llm) == []
+        assert not llm.engine.has_unfinished()
+        (out,) = llm.generate([PROMPT], GREEDY, adapter="a")
+        assert out.finish_reason == "length" and out.token_ids == expected
+        assert idle(llm) == []
