@@ -152,7 +152,9 @@ def build_router(state: Any) -> APIRouter:
                                 pending[index], offsets[index] = StreamedEntries(state.tokenizer, before), TextOffsets(state.tokenizer, before)
                             if body.echo and index not in started:  # the prompt first, in a chunk of its own
                                 echoed = _echoed(choices_in[index], state.tokenizer)
-                                logprobs = _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed) if body.logprobs is not None else None
+                                logprobs = None
+                                if body.logprobs is not None:  # an entry per prompt token: a long prompt's are built off the event loop
+                                    logprobs = await gen.off_loop_if_long(len(echoed), lambda: _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed))
                                 echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
                                 prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
                                 yield event(chunk([echo_choice], prompt_only if continuous else None))
@@ -185,10 +187,15 @@ def build_router(state: Any) -> APIRouter:
             return finals
 
         finals = await gen.until_disconnected(request, drain())
-        choices = []
-        for k, o in sorted(finals.items()):
-            echoed = _echoed(choices_in[k], state.tokenizer) if body.echo else None
-            choices.append(_choice(k, o, body.return_token_ids, (echoed or "") + o.text, _whole_logprobs(o, state.tokenizer, choices_in[k], echoed)))
+        echoes = {k: _echoed(choices_in[k], state.tokenizer) if body.echo else None for k in finals}
+
+        def whole_choices() -> list[dict[str, Any]]:
+            return [_choice(k, o, body.return_token_ids, (echoes[k] or "") + o.text, _whole_logprobs(o, state.tokenizer, choices_in[k], echoes[k]))
+                    for k, o in sorted(finals.items())]  # fmt: skip
+
+        # Logprobs have an entry per token (with echo, the prompt's too): long texts' are built off the event loop.
+        text_chars = sum(len(echoes[k] or "") + len(o.text) for k, o in finals.items()) if body.logprobs is not None else 0
+        choices = await gen.off_loop_if_long(text_chars, whole_choices)
         return JSONResponse(chunk(choices, _usage(finals, body.n)))
 
     return router

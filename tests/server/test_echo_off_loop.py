@@ -1,0 +1,41 @@
+"""Echoed prompts' logprobs (an entry per prompt token, the prompt re-encoded for its offsets) are
+built off the event loop when the prompt is long, as long prompts are encoded: a scoring client
+(echo, logprobs, max_tokens 0, as evaluation harnesses send) stalled every other stream for as
+long as that took."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from runtime.server import generation
+from runtime.server.app import create_app
+from runtime.server.options import ServerOptions
+from tests.server.conftest import client_for, post_ok, sse_chunks
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_long_echoed_prompt_s_logprobs_are_built_off_the_event_loop(engine, stream: bool, monkeypatch) -> None:
+    monkeypatch.setattr(generation, "LONG_TEXT_CHARS", 8)  # the test model's context holds no prompt of the real size
+    app = create_app(engine, ServerOptions())
+    tokenizer = app.state.lorafleet.tokenizer
+    real = tokenizer.encode_with_spans
+    loop_thread = threading.current_thread()
+    threads: list[Any] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode_with_spans", recorded)
+    body = {"model": engine.model_name, "prompt": "the quick brown fox jumps", "max_tokens": 0, "echo": True, "logprobs": 1}
+    async with client_for(app) as c:
+        if stream:
+            chunks = await sse_chunks(c, "/v1/completions", body)
+            entries = chunks[0]["choices"][0]["logprobs"]["tokens"]
+        else:
+            entries = (await post_ok(c, "/v1/completions", body))["choices"][0]["logprobs"]["tokens"]
+    assert entries and threads and loop_thread not in threads
