@@ -116,11 +116,17 @@ def build_router(state: Any) -> APIRouter:
             return [finals[k] for k in range(body.n)]
 
         finals = await gen.until_disconnected(request, drain())
-        choices = []
-        for k, final in enumerate(finals):
-            logprobs = chat_logprobs(state.tokenizer, final.logprobs) if final.logprobs is not None else None
-            choices.append(with_ids({"index": k, "message": {"role": "assistant", "content": final.text}, "logprobs": logprobs,
-                                     "finish_reason": final.finish_reason}, final))  # fmt: skip
+
+        def whole_choices() -> list[dict[str, Any]]:
+            choices = []
+            for k, final in enumerate(finals):
+                logprobs = chat_logprobs(state.tokenizer, final.logprobs) if final.logprobs is not None else None
+                choices.append(with_ids({"index": k, "message": {"role": "assistant", "content": final.text}, "logprobs": logprobs,
+                                         "finish_reason": final.finish_reason}, final))  # fmt: skip
+            return choices
+
+        # Logprobs have an entry per token (and up to 20 alternatives each): long texts' are built off the event loop.
+        choices = await gen.off_loop_if_long(sum(len(f.text) for f in finals) if body.logprobs else 0, whole_choices)
         return JSONResponse(payload("chat.completion", choices, usage(finals)))
 
     return router

@@ -1,7 +1,7 @@
-"""Echoed prompts' logprobs (an entry per prompt token, the prompt re-encoded for its offsets) are
-built off the event loop when the prompt is long, as long prompts are encoded: a scoring client
-(echo, logprobs, max_tokens 0, as evaluation harnesses send) stalled every other stream for as
-long as that took."""
+"""Logprobs objects with an entry per token of a long text are built off the event loop, as long
+prompts are encoded: an echoed prompt's (the prompt re-encoded for its offsets; a scoring client,
+echo, logprobs and max_tokens 0, as evaluation harnesses send) and a whole chat reply's stalled
+every other stream for as long as that took."""
 from __future__ import annotations
 
 import threading
@@ -39,3 +39,24 @@ async def test_a_long_echoed_prompt_s_logprobs_are_built_off_the_event_loop(engi
         else:
             entries = (await post_ok(c, "/v1/completions", body))["choices"][0]["logprobs"]["tokens"]
     assert entries and threads and loop_thread not in threads
+
+
+async def test_a_long_chat_reply_s_logprobs_are_built_off_the_event_loop(engine, monkeypatch) -> None:
+    monkeypatch.setattr(generation, "LONG_TEXT_CHARS", 1)  # the test model's context holds no reply of the real size
+    app = create_app(engine, ServerOptions())
+    tokenizer = app.state.lorafleet.tokenizer
+    real = tokenizer.token_bytes
+    loop_thread = threading.current_thread()
+    threads: list[Any] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "token_bytes", recorded)
+    body = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    async with client_for(app) as c:
+        reply = await post_ok(c, "/v1/chat/completions", body)
+    assert len(reply["choices"][0]["logprobs"]["content"]) == 12
+    assert threads and loop_thread not in threads
