@@ -168,6 +168,8 @@ class AsyncLLMEngine:
             raise ValueError("AsyncLLMEngine: give a config, or a built engine with engine=")
 
         self._torch_threads = torch.get_num_threads()
+        # The creator's current GPU, where it chose one: the step thread starts on GPU 0 whatever the creator set.
+        self._creator_cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-files", initializer=single_threaded_torch)
         self._built: "Future[LLMEngine]" = Future()
         self._lock = _FairLock()
@@ -505,6 +507,10 @@ class AsyncLLMEngine:
 
         torch.set_num_threads(self._torch_threads)  # the creator's count, whatever helpers set
         try:
+            on_gpu = _engine_gpu(engine, backend)
+            if on_gpu is not None or self._creator_cuda_device is not None:
+                # Each thread has its own current GPU, and Triton launches on it, not on the tensors' GPU.
+                torch.cuda.set_device(on_gpu if on_gpu is not None else self._creator_cuda_device)
             built = engine if engine is not None else LLMEngine(config, backend)
         except BaseException as err:  # handed to the constructor, which re-raises it
             self._built.set_exception(err)
@@ -575,3 +581,11 @@ class AsyncLLMEngine:
             targets = dict(self._queues)
         for request_id, target in targets.items():
             self._deliver(request_id, target, RequestOutput(request_id, None, (), "", (), "", True, "error", message, ()))
+
+
+def _engine_gpu(engine: Optional[LLMEngine], backend: Any) -> Optional[Any]:
+    """The GPU (a cuda ``torch.device`` with an index) the given engine or backend runs on, else None."""
+    device = engine.backend.device if engine is not None else getattr(backend, "device", None)
+    if device is not None and getattr(device, "type", None) == "cuda" and device.index is not None:
+        return device
+    return None

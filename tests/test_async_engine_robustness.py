@@ -389,3 +389,39 @@ def test_a_waiter_interrupted_in_the_engine_lock_does_not_take_it_with_it() -> N
     thread.join(10)
     assert lock.acquire(timeout=5), "the lock went to the interrupted waiter"
     lock.release()
+
+
+@pytest.mark.parametrize("source", ["creator", "backend"])
+def test_the_step_thread_runs_on_the_gpu_the_engine_was_made_for(tiny_llama_dir, monkeypatch, source) -> None:
+    """Each thread has its own current GPU and Triton launches on it, not on the tensors' GPU; the
+    step thread used to start on GPU 0 whatever the creator had selected (``torch.cuda.set_device(1)``)
+    or the backend held (``cuda:1``), and would have launched the kernels there with another GPU's
+    pointers. Without a GPU: torch's device calls are stood in and the engine runs on the CPU."""
+    import torch
+
+    chosen: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append((threading.current_thread().name, device)))
+    engine = LLMEngine(config(tiny_llama_dir))
+    if source == "creator":
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        want: object = 1
+    else:
+        monkeypatch.setattr(engine.backend, "device", torch.device("cuda:1"))
+        want = torch.device("cuda:1")
+    async_engine = AsyncLLMEngine(None, engine=engine)
+    try:
+        assert chosen == [("lorafleet-engine-step", want)]
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_cpu_engine_leaves_the_step_threads_gpu_alone(tiny_llama_dir, monkeypatch) -> None:
+    import torch
+
+    chosen: list[object] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    async_engine = AsyncLLMEngine(config(tiny_llama_dir))
+    async_engine.shutdown()
+    assert chosen == []
