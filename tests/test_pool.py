@@ -476,3 +476,69 @@ def test_adapter_refs_pickled_into_another_process_hash_as_its_own():
                               capture_output=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": seed})
         assert done.returncode == 0, done.stderr.decode()
         assert done.stdout.decode().split() == ["found", "True"]
+
+
+def _resident(pool, ref) -> None:
+    """Demand ``ref`` and place it on the device, one running sequence on it."""
+    pool.demand(ref)
+    assert pool.acquire_device(ref) is not None
+
+
+def test_only_the_running_residents_whose_rows_are_needed_are_drained():
+    """Rows [0, 8), [8, 16) and [24, 32) running, [16, 24) free: a rank-16 adapter needs one of the
+    two neighbours of the gap drained, not the first two in the scheduler's order."""
+    pool, _, adapters = make_pool(max_loras=4, max_cpu_loras=6, pool_rows=32)
+    first, second, gap, third, wide = (new_ref(adapters, n, 0, r) for n, r in (("first", 8), ("second", 8), ("gap", 8), ("third", 8), ("wide", 16)))
+    for ref in (first, second, gap, third):
+        _resident(pool, ref)
+    pool.release_device(gap)
+    pool.undemand(gap)
+    pool.demand(wide)
+    assert pool.acquire_device(wide) is None
+    assert pool.device_blockers(wide, [first, second, third]) == [second]
+    assert pool.device_blockers(wide, [first, third, second]) == [third]
+
+
+def _fits(pool, rows: int, gone: set) -> bool:
+    residents = pool.device_residents()
+    if len(residents) == pool.max_loras and not any(ref in gone for ref, _, _ in residents.values()):
+        return False
+    used = sorted((start, start + n) for ref, start, n in residents.values() if ref not in gone)
+    cursor = 0
+    for a, b in used:
+        if a - cursor >= rows:
+            return True
+        cursor = max(cursor, b)
+    return pool.pool_rows - cursor >= rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.booleans()), min_size=1, max_size=40), st.sampled_from((4, 8, 16)))
+def test_fragmented_rows_never_strand_an_adapter_and_drain_no_more_than_needed(operations, rank):
+    """Mixed ranks placed and released in random order fragment the rows (nothing is moved). Yet an
+    adapter on the host is never stranded: with every running resident offered for draining,
+    ``device_blockers`` names a set (never None), and that set is minimal: each named resident's
+    rows are needed (without any one of them the adapter does not fit). Draining them places it."""
+    pool, _, adapters = make_pool(max_loras=4, max_cpu_loras=12, pool_rows=32)
+    refs = [new_ref(adapters, f"a{i}", 0, r) for i, r in enumerate((4, 8, 16, 4, 8, 16, 8, 4))]
+    for index, run in operations:
+        ref = refs[index]
+        if run:
+            pool.demand(ref)
+            if pool.acquire_device(ref) is None:
+                pool.undemand(ref)
+        elif pool.device_refs_of(ref) > 0:
+            pool.release_device(ref)
+            pool.undemand(ref)
+    target = new_ref(adapters, "target", 0, rank)
+    pool.demand(target)
+    running = [ref for ref, _, _ in pool.device_residents().values() if pool.device_refs_of(ref) > 0]
+    blockers = pool.device_blockers(target, running)
+    assert blockers is not None
+    idle = {ref for ref, _, _ in pool.device_residents().values() if pool.device_refs_of(ref) == 0}
+    for victim in blockers:
+        assert not _fits(pool, rank, idle | set(blockers) - {victim}), f"{victim} drained for nothing"
+    for victim in blockers:
+        while pool.device_refs_of(victim) > 0:
+            pool.release_device(victim)
+    assert pool.acquire_device(target) is not None

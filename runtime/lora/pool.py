@@ -14,6 +14,15 @@ adapter costs 8 rows, not ``max_lora_rank``: device bytes in use are
 
 against ``len(resident) * max_lora_rank * row_bytes`` if every slot were padded.
 
+Fragmentation. Rows are never moved (no compaction: a resident with running sequences is
+pinned where it is, and moving an idle one costs the same copy as evicting it). So free rows
+enough in total may lie in gaps each too small. A placement then evicts idle residents, least
+recently used first, until it fits (every one up to there: that clears wide gaps), and if no
+number of them is enough the scheduler drains running ones (``device_blockers``), only those
+whose rows the gap needs (``_plan``). Since every resident can be drained and
+``pool_rows >= max_lora_rank``, an adapter always fits once its blockers' sequences end:
+fragmentation delays a placement, it never strands one.
+
 References. Two counts per ``AdapterRef``:
 
 - ``demand``: live requests (waiting or running) bound to the version. An entry with
@@ -518,17 +527,37 @@ class AdapterPool:
         self._blockers_memo.clear()
 
     def _plan(self, rows: int, removable: Sequence[AdapterRef]) -> Optional[tuple[list[AdapterRef], int, int]]:
-        """(adapters to evict, slot, row_start) to place ``rows`` rows, evicting a prefix of ``removable``."""
+        """(adapters to evict, slot, row_start) to place ``rows`` rows, evicting part of ``removable``.
+
+        The shortest prefix of ``removable`` after whose removal ``rows`` fit, less each resident
+        with running sequences (``device_blockers`` offers them, after every idle one) that the
+        placement does not need, tried last first so that the earlier, preferred ones are kept.
+        Rows are never moved, so with fragmented rows a prefix can hold running residents whose
+        rows do not touch the gap that is used: draining those held their requests back for
+        nothing. Idle residents in the prefix all go: clearing the least recently used ones
+        leaves wide gaps, where keeping those that the placement does not need left small ones
+        scattered over the rows (in a random fuzz, one rank-32 adapter running at a time where
+        two fit)."""
         for k in range(len(removable) + 1):
-            gone = set(removable[:k])
-            entries = [e for e in self._slots if e is not None and e.ref not in gone]
-            free_slot = next((i for i, e in enumerate(self._slots) if e is None or e.ref in gone), None)
-            if free_slot is None:
+            if self._placement(rows, set(removable[:k])) is None:
                 continue
-            start = _first_fit(sorted((e.row_start, e.row_start + e.rows) for e in entries), rows, self.pool_rows)
-            if start is not None:
-                return list(removable[:k]), free_slot, start
+            victims = list(removable[:k])
+            for victim in reversed(removable[:k]):
+                if self._device_refs.get(victim, 0) > 0 and self._placement(rows, set(victims) - {victim}) is not None:
+                    victims.remove(victim)
+            slot, start = self._placement(rows, set(victims))  # type: ignore[misc]  # fits: checked above
+            return victims, slot, start
         return None
+
+    def _placement(self, rows: int, gone: set[AdapterRef]) -> Optional[tuple[int, int]]:
+        """(slot, row_start) for ``rows`` rows once the residents in ``gone`` leave: the first free slot
+        and the first-fit gap; None when no slot or no gap is free."""
+        free_slot = next((i for i, e in enumerate(self._slots) if e is None or e.ref in gone), None)
+        if free_slot is None:
+            return None
+        entries = [e for e in self._slots if e is not None and e.ref not in gone]
+        start = _first_fit(sorted((e.row_start, e.row_start + e.rows) for e in entries), rows, self.pool_rows)
+        return None if start is None else (free_slot, start)
 
     def _write(self, ref: AdapterRef, slot: int, row_start: int) -> None:
         adapter = self._host[ref]
