@@ -17,6 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from runtime.hub_hint import hub_download_hint
 from runtime.merge.manifest import QUANTIZE_MANIFEST, base_record, quantize_manifest, write_manifest
 from runtime.merge.merger import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, MergeError, MergeSpec, weights_sha256, write_checkpoint
 from runtime.merge.staging import OutputPathError, StagedOutput, check_output
@@ -37,7 +38,7 @@ def quantize_checkpoint(model: str, out: str, dtype: str | None = None, force: b
     """Write the int8 copy of ``model`` to ``out`` (see module docstring); returns the output folder."""
     model_dir = Path(model)
     if not model_dir.is_dir():
-        raise MergeError(f"{model}: {'is not a folder' if model_dir.exists() else 'model folder does not exist'}")
+        raise MergeError(f"{model}: {'is not a folder' if model_dir.exists() else 'model folder does not exist' + hub_download_hint(model_dir)}")
     cfg = load_model_config(model_dir)
     if checkpoint_quantization(model_dir) is not None:
         raise MergeError(f"{model_dir / 'config.json'}: quantization_config says this checkpoint is already int8")

@@ -50,6 +50,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from runtime.hub_hint import hub_download_hint
+
 logger = logging.getLogger(__name__)
 
 PEFT_DEFAULT_R = 8  # peft.LoraConfig.r's default, for a config without the key
@@ -122,7 +124,7 @@ def check_adapter_folder(root: Path) -> tuple[Path, Path]:
     if root.is_file():
         raise AdapterError(f"{root}: is a file; give the adapter folder that holds {CONFIG_FILE} ({root.parent})")
     if not root.is_dir():
-        raise AdapterError(f"{root}: adapter folder does not exist")
+        raise AdapterError(f"{root}: adapter folder does not exist{hub_download_hint(root)}")
     config_path, weights_path = root / CONFIG_FILE, root / WEIGHTS_FILE
     for needed in (config_path, weights_path):
         if needed.exists() and not needed.is_file():  # a folder, a FIFO (reading one would block), a device

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from backends import availability, resolve_name
+from runtime.hub_hint import hub_download_hint
 from runtime.lora.adapter import LoRAAdapter, load_adapter
 from runtime.merge.manifest import MERGE_MANIFEST, base_record, merge_manifest, write_manifest
 from runtime.merge.merger import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, MergeError, MergeSpec, WriteSummary, weights_sha256, write_checkpoint
@@ -84,7 +85,7 @@ def run_merge(opts: MergeOptions) -> MergeResult:
         raise MergeError(f"--verify-threshold: {opts.threshold} must be between 0 and 1")
     model_dir = Path(opts.model)
     if not model_dir.is_dir():
-        raise MergeError(f"{opts.model}: {'is not a folder' if model_dir.exists() else 'base model folder does not exist'}")
+        raise MergeError(f"{opts.model}: {'is not a folder' if model_dir.exists() else 'base model folder does not exist' + hub_download_hint(model_dir)}")
     cfg = load_model_config(model_dir)
     source_q = checkpoint_quantization(model_dir)
     if source_q is None and opts.requantize is not None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from runtime.hub_hint import hub_download_hint
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
@@ -105,7 +107,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if folder.is_file():
         raise ModelConfigError(f"{folder}: is a file; give the checkpoint folder that holds config.json ({folder.parent})")
     if not folder.is_dir():
-        raise ModelConfigError(f"{folder}: no such folder (a HF checkpoint folder with config.json)")
+        raise ModelConfigError(f"{folder}: no such folder (a HF checkpoint folder with config.json){hub_download_hint(folder)}")
     path = folder / "config.json"
     if not path.is_file():
         hint = (" It holds adapter_config.json: this is a LoRA adapter, not a base model; give its base model here "
