@@ -221,6 +221,25 @@ def test_adapter_with_wrong_base_name_refused(tiny_llama_dir: Path, tiny_adapter
         serve.build_engine(settings)
 
 
+def test_a_missing_adapter_folder_is_refused_before_the_model_loads(tmp_path: Path, tiny_llama_dir: Path, tiny_adapters,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A mistyped --lora-modules path was found only after the model had loaded (minutes for a large one);
+    so was an adapter named like the checkpoint. Both are checked first now, as LLM and --ray do."""
+    import runtime.async_engine
+
+    monkeypatch.setattr(runtime.async_engine, "AsyncLLMEngine", lambda config: pytest.fail("the model was loaded first"))
+    missing = tmp_path / "nowhere"
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--device", "cpu", "--lora-modules", f"good={tiny_adapters['a']}", f"bad={missing}"))
+    with pytest.raises(ValueError, match=f"{missing}: adapter folder does not exist"):
+        serve.build_engine(settings)
+    from runtime.models.hf_config import load_model_config
+
+    clash = serve.load_settings(parse("--model", str(tiny_llama_dir), "--device", "cpu",
+                                      "--lora-modules", f"{load_model_config(str(tiny_llama_dir)).name}={tiny_adapters['a']}"))  # fmt: skip
+    with pytest.raises(ConfigError, match="has the served base model's name"):
+        serve.build_engine(clash)
+
+
 @pytest.mark.parametrize("flags", [("--num-replicas", "2"), ("--ray-address", "auto"), ("--registry-dir", "reg")])
 def test_ray_only_options_without_ray_are_refused(tiny_llama_dir: Path, flags) -> None:
     key = flags[0][2:].replace("-", "_")

@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from runtime.config import ConfigError
@@ -111,14 +112,22 @@ def _mb(n: float) -> str:
 
 
 def build_engine(settings: Any) -> Any:
-    """Create the async engine and register the configured adapters (validated, all or nothing)."""
-    from runtime.async_engine import AsyncLLMEngine
+    """Create the async engine and register the configured adapters (validated, all or nothing).
 
-    engine = AsyncLLMEngine(settings.engine)
+    What needs no weights is checked before the model loads (minutes for a large one): the adapter
+    names against the base model's (from its config.json) and each adapter folder's shape, so a
+    mistyped ``--lora-modules`` path is one line at once, as for ``LLM`` and ``--ray``."""
+    from runtime.async_engine import AsyncLLMEngine
+    from runtime.lora.adapter import check_adapter_folder
+    from runtime.models.hf_config import load_model_config
     from runtime.server.serve_config import check_base_model_names
 
+    if settings.lora_modules:
+        check_base_model_names(settings.lora_modules, settings.server.served_model_name, load_model_config(settings.engine.model).name)
+        for module in settings.lora_modules:
+            check_adapter_folder(Path(module.path))
+    engine = AsyncLLMEngine(settings.engine)
     try:
-        check_base_model_names(settings.lora_modules, settings.server.served_model_name, engine.model_name)
         for module in settings.lora_modules:
             engine.register_adapter(module.name, module.path)
     except BaseException:
