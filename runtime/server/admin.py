@@ -1,6 +1,7 @@
 """Adapter admin: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
-Only mounted with ``--enable-adapter-admin``. A path must resolve, symlinks
+Only mounted with ``--enable-adapter-admin``; without it, ``build_disabled_router`` answers both
+with a 404 that says so. A path must resolve, symlinks
 included, inside one of the ``--adapter-root`` folders before anything is read, and so
 must the files the loader opens in it.
 Loading an existing name is a hot update: a new immutable version; requests in
@@ -57,4 +58,25 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(404, str(err), param="lora_name", code="model_not_found") from err
         return JSONResponse({"object": "lora_adapter", "lora_name": body.lora_name, "unloaded": True})
 
+    return router
+
+
+ADMIN_OFF_MESSAGE = ("{path}: adapter admin is off on this server; start `lorafleet serve` with --enable-adapter-admin "
+                     "(and --adapter-root DIR, the folder adapters may be loaded from) to add and remove adapters at run time")
+
+
+def build_disabled_router() -> APIRouter:
+    """Without ``--enable-adapter-admin`` the admin routes do nothing but say how to turn them on:
+    a 404 ``not_found`` as for any route that is not there, with a message instead of "Not Found".
+    Left out of the schema."""
+    router = APIRouter(route_class=UTF8Route)
+
+    def refuse(path: str) -> Any:
+        async def admin_off() -> Any:
+            raise APIError(404, ADMIN_OFF_MESSAGE.format(path=path), code="not_found")
+
+        return admin_off
+
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        router.add_api_route(path, refuse(path), methods=["POST"], include_in_schema=False)
     return router

@@ -129,7 +129,6 @@ def create_app(
     app.include_router(completions.build_router(state))
     app.include_router(chat.build_router(state))
     app.include_router(tokenize.build_router(state))
-    if options.enable_adapter_admin:
-        app.include_router(admin.build_router(state))
+    app.include_router(admin.build_router(state) if options.enable_adapter_admin else admin.build_disabled_router())
     install_openapi_errors(app)
     return app

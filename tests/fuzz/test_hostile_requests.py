@@ -41,9 +41,18 @@ def routes(app) -> list[tuple[str, str]]:
 
 
 def test_admin_routes_are_off_by_default(engine) -> None:
-    with TestClient(create_app(engine)) as client:
+    """Off, they are a 404 that says how to turn them on (it was a bare "Not Found"), load nothing
+    and are not in the schema."""
+    app = create_app(engine)
+    assert not any("lora_adapter" in path for path in app.openapi()["paths"])
+    with TestClient(app) as client:
         for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            assert client.post(path, json={"lora_name": "x", "lora_path": "/tmp"}).status_code == 404
+            r = client.post(path, json={"lora_name": "a", "lora_path": "/tmp"})
+            assert r.status_code == 404
+            error = r.json()["error"]
+            assert error["code"] == "not_found" and error["type"] == "not_found_error"
+            assert error["message"].startswith(f"{path}: adapter admin is off on this server; start `lorafleet serve` with --enable-adapter-admin")
+        assert [a.name for a in engine.adapters()] == ["a"]  # neither reloaded nor unloaded
 
 
 def test_api_key_on_every_route_but_health(engine, tmp_path: Path) -> None:
