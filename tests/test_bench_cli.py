@@ -495,6 +495,7 @@ def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.
     assert sorted(fair["most_popular"]) == sorted(fair["least_popular"]) == ["lora-0000", "lora-0001"]
     assert fair["ratio"] == pytest.approx(fair["least_popular_p99_ttft_s"] / fair["most_popular_p99_ttft_s"], rel=1e-12) and fair["ratio"] >= 1
     assert f"fairness: p99 TTFT of the least popular adapter / the most popular = {fair['ratio']:.2f}" in captured.out
+    assert "SLO: share of requests with TTFT <= 2 s and TPOT <= 0.5 s (--slo-ttft, --slo-tpot)" in captured.out  # what the SLO column is
     assert data["workload"]["spec"]["num_requests"] == 4
     assert data["setup"]["device"] == "cpu" and data["setup"]["hidden_size"] == int(SMALL[SMALL.index("--hidden") + 1])
     assert data["setup"]["max_num_batched_tokens"] == 256  # the cpu's default step budget, spelt out

@@ -587,6 +587,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(workload.requests)} requests, arriving {arrivals}, {where}: {summary['prompt_tokens']} prompt and "
           f"{summary['output_tokens']} output tokens in {summary['wall_s']:.1f} s; tok/s = output tokens / that time")
     print(table([summary]))
+    print(f"SLO: share of requests with TTFT <= {args.slo_ttft:g} s and TPOT <= {args.slo_tpot:g} s (--slo-ttft, --slo-tpot)")
     fair = summary["fairness"]
     if fair is not None and fair["ratio"] is not None:
         print(f"fairness: p99 TTFT of the least popular adapter / the most popular = {fair['ratio']:.2f} "
