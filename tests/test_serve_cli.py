@@ -221,6 +221,16 @@ def test_adapter_with_wrong_base_name_refused(tiny_llama_dir: Path, tiny_adapter
         serve.build_engine(settings)
 
 
+def test_a_positional_model_as_vllm_takes_it_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lorafleet serve MODEL` (vLLM's form) was argparse's "unrecognized arguments" under 24 lines of usage."""
+    from runtime.cli import main
+
+    assert main(["serve", "meta-llama/Llama-3.2-1B", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err == ("lorafleet serve: 'meta-llama/Llama-3.2-1B': the model is given as --model meta-llama/Llama-3.2-1B "
+                   "(lorafleet serve takes no positional argument)\n")  # fmt: skip
+
+
 def test_a_missing_adapter_folder_is_refused_before_the_model_loads(tmp_path: Path, tiny_llama_dir: Path, tiny_adapters,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A mistyped --lora-modules path was found only after the model had loaded (minutes for a large one);

@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it; relative paths in it "
                                      "are taken from the current directory")
     p.add_argument("--model", help="HF checkpoint folder; default: the bundled demo model and its adapters")
+    # vLLM's `vllm serve MODEL`: taken only to be refused with the flag to use (load_settings).
+    p.add_argument("positional_model", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--lora-modules", nargs="+", action="extend", metavar="SPEC", help='adapters to serve: name=path, or JSON {"name":..., "path":..., "base_model_name":...}')
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="auto picks cuda, then npu, then cpu (default auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and compute dtype (default float32)")
@@ -72,8 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    values = {k: v for k, v in vars(args).items() if k != "config"}
-    return values
+    """The flags as config keys. A model given as vLLM takes it, ``lorafleet serve MODEL``, is refused
+    naming the flag (argparse's "unrecognized arguments" came under 24 lines of usage)."""
+    stray = getattr(args, "positional_model", None)
+    if stray is not None:
+        raise ConfigError(f"{stray!r}: the model is given as --model {stray} (lorafleet serve takes no positional argument)")
+    return {k: v for k, v in vars(args).items() if k not in ("config", "positional_model")}
 
 
 def _demo_paths() -> tuple[str | None, dict[str, str]]:
