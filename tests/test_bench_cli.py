@@ -577,6 +577,7 @@ def test_every_flag_has_help_with_its_default_and_the_exit_codes_are_documented(
     assert "exit codes:\n  0  every request succeeded\n  1  the run finished but some requests failed" in text
     assert "Exit codes: 0 every request succeeded; 1 the run finished but some requests failed" in bench.__doc__
     assert "2  bad input or setup" in text and "2 bad input or setup" in bench.__doc__
+    assert "130  stopped with Ctrl-C: no summary or --json written" in text and "130 stopped with Ctrl-C" in bench.__doc__  # as README says
 
 
 def test_the_length_check_counts_the_synthetic_tokenizer_exactly(tmp_path: Path) -> None:

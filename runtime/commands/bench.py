@@ -32,7 +32,8 @@ mode would ignore is an error, not a no-op.
 Exit codes: 0 every request succeeded; 1 the run finished but some requests failed (the
 first distinct errors are printed to stderr); 2 bad input or setup (an invalid or ignored
 flag, an unreadable workload, an unavailable device, a server that cannot be reached), with
-one line `lorafleet bench: <flag or file>: <reason>` on stderr.
+one line `lorafleet bench: <flag or file>: <reason>` on stderr; 130 stopped with Ctrl-C (no
+summary or --json written).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ exit codes:
      workload file, an unavailable device, a server that cannot be reached, a server that
      does not serve a model the workload names, a request that may not fit the server's
      max_model_len; no request is sent to the server (only GET /v1/models)
+  130  stopped with Ctrl-C: no summary or --json written
 
 with --url: GET URL/v1/models must list every model the workload sends to. The generated
 workload names its adapters lora-0000, lora-0001, ...: serve adapters of those names, or map
