@@ -35,4 +35,4 @@ def hub_download_hint(path: str | Path) -> str:
     if repo is None:
         return ""
     return (f"; lorafleet reads local folders only and downloads nothing: if {repo!r} is a Hugging Face Hub id, "
-            f"download it first (`huggingface-cli download {repo} --local-dir DIR`) and give DIR")
+            f"download it first (`hf download {repo} --local-dir DIR`, huggingface_hub's CLI) and give DIR")

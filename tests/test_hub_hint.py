@@ -12,7 +12,7 @@ from runtime.lora.adapter import AdapterError, check_adapter_folder
 from runtime.models.hf_config import ModelConfigError, load_model_config
 
 HINT = "lorafleet reads local folders only and downloads nothing: if 'meta-llama/Llama-3.2-1B' is a Hugging Face Hub id, " \
-       "download it first (`huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR`) and give DIR"
+       "download it first (`hf download meta-llama/Llama-3.2-1B --local-dir DIR`, huggingface_hub's CLI) and give DIR"
 
 
 @pytest.mark.parametrize("path, repo", [
