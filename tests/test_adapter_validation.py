@@ -232,6 +232,8 @@ def test_rank_disagrees_between_a_and_b(copy_of, targets):
 
 def test_rank_above_max_lora_rank(tiny_adapters, targets):
     expect(tiny_adapters["c"], targets, "rank 16", "max_lora_rank=8", max_lora_rank=8)
+    # and it says what to change (vLLM's default max_lora_rank is 16, lorafleet's 64: r=128 adapters meet this)
+    expect(tiny_adapters["c"], targets, "(lorafleet serve --max-lora-rank 16, or LLM(..., max_lora_rank=16), takes it)", max_lora_rank=8)
 
 
 def test_a_rank_pattern_key_for_no_targeted_module_is_ignored_as_peft_ignores_it(copy_of, targets):

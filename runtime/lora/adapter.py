@@ -566,7 +566,8 @@ def _check_tensors(
             source = f"rank_pattern[{rk!r}]" if rk is not None else "r"
             raise AdapterError(f"{path}: tensor {a_name} has rank {a_shape[0]} but adapter_config.json {source} says {rank}")
         if rank > max_lora_rank:
-            raise AdapterError(f"{path}: {mp} has rank {rank}, above max_lora_rank={max_lora_rank}")
+            raise AdapterError(f"{path}: {mp} has rank {rank}, above max_lora_rank={max_lora_rank}, the largest rank the engine was "
+                               f"started for (lorafleet serve --max-lora-rank {rank}, or LLM(..., max_lora_rank={rank}), takes it)")
         scale = alpha / math.sqrt(rank) if cfg.use_rslora else alpha / rank
         plan[(layer, name)] = (rank, scale, a_name, b_name)
     return plan
