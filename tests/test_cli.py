@@ -38,3 +38,17 @@ def test_every_command_prints_its_help(name: str, capsys) -> None:
         main([name, "--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0 and out.startswith(f"usage: lorafleet {name}") and COMMANDS[name] in out
+
+
+@pytest.mark.parametrize("name, codes", [("probe", ["0", "1", "2", "3"]), ("bench", ["0", "1", "2", "130"]),
+                                         ("merge", ["0", "1", "2", "3", "130"]), ("quantize", ["0", "2", "3", "130"])])
+def test_commands_that_exit_with_several_codes_list_them_in_their_help(name: str, codes: list[str], capsys) -> None:
+    """Scripts branch on these: each command's --help lists its exit statuses (merge and quantize
+    listed them only in their module docstrings)."""
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    out = capsys.readouterr().out
+    assert "exit status" in out.lower() or "exit codes" in out.lower(), out[-400:]
+    listed = out[max(out.lower().find("exit status"), out.lower().find("exit codes")):]
+    for code in codes:
+        assert f"  {code} " in listed, (code, listed)

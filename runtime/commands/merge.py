@@ -40,7 +40,17 @@ INPUT_ERRORS = (AdapterError, MergeError, OutputPathError, ModelConfigError, Che
 VERIFY_DEVICES = ("cpu", "cuda", "npu", "auto")
 
 
+EXIT_STATUS = """exit status:
+  0    merged (and verified)
+  1    verification below --verify-threshold (nothing written)
+  2    bad input (adapter, model, output folder, --dtype range, tokenizer, --verify-tokens)
+  3    an unexpected error (with its traceback; nothing written)
+  130  interrupted by Ctrl-C; 143 / 129 by SIGTERM / SIGHUP (nothing written)"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", required=True, metavar="DIR", help="base HF checkpoint folder (float, or int8 from `lorafleet quantize`)")
     parser.add_argument("--adapter", required=True, metavar="DIR", help="PEFT LoRA adapter folder (validated exactly as serving does)")
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged checkpoint; must not exist (see --force)")

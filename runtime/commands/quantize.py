@@ -26,7 +26,16 @@ from runtime.models.loader import DTYPES, CheckpointError, base_dtype, check_che
 from runtime.quant.int8 import QUANTIZATION_CONFIG
 
 
+EXIT_STATUS = """exit status:
+  0    written
+  2    bad input
+  3    an unexpected error (with its traceback)
+  130  interrupted by Ctrl-C; 143 / 129 by SIGTERM / SIGHUP (nothing left behind)"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_STATUS
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", required=True, metavar="DIR", help="float HF checkpoint folder")
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the int8 checkpoint; must not exist (see --force)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="dtype of the tensors that stay float (default: the base's dtype, from its config.json or else the dtype its weights are stored in)")
