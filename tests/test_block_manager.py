@@ -1,7 +1,7 @@
 """BlockManager: block tables, all-or-nothing growth, refcounts, free lists."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from runtime.kv.block_manager import BlockManager
 
@@ -86,9 +86,15 @@ _OPS = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(_OPS, st.integers(3, 5), st.integers(2, 4))
+# A hit on blocks whose last user has gone (refcount 0, evictable), then allocation pressure: the
+# random draws above never reuse an evictable block, so without this example a block manager that
+# left a reused block evictable (free for the next allocation while a table reads it) passed.
+@example(ops=[("admit", 0, 0, [], 0, True, 12), ("free", 0), ("admit", 1, 0, [], 0, True, 12), ("admit", 2, 2, [0] * 9, 1, True, 12),
+              ("step", 1, 12, 0), ("step", 2, 12, 0)], num_blocks_per_4=3, block_size=2)  # fmt: skip
 def test_prefix_sharing_never_reads_foreign_kv_and_refcounts_match_tables(ops, num_blocks_per_4, block_size):
-    """Admissions with shared prefixes (hits), chunked prefill with commits, decode growth,
-    preemption (free, then readmission with the output kept) and frees, in random order."""
+    """Admissions with shared prefixes (hits, on blocks in use and on evictable ones), chunked
+    prefill with commits, decode growth, preemption (free, then readmission with the output kept)
+    and frees, in random order."""
     from runtime.kv.prefix_cache import PrefixCache
     from runtime.request import AdapterRef
 

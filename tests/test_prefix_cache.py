@@ -38,6 +38,10 @@ def test_block_manager_reuses_cached_blocks_and_evicts_lru():
     bm.free("s1")
     assert bm.num_free_blocks == 6
     assert bm.acquire_prefix("s2", seed, prompt) == 8 and bm.table("s2") == first
+    # Reused, the cached blocks are no longer evictable: no other allocation may take them meanwhile.
+    assert bm.num_free_blocks == 4 and bm.ensure("other", 16) and not set(bm.table("other")) & set(first)
+    assert not bm.ensure("more", 1)
+    bm.free("other")
     assert bm.acquire_prefix("s3", seed, prompt) == 8 and bm.refcount(first[0]) == 2
     bm.free("s2")
     bm.free("s3")
