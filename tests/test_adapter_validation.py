@@ -174,6 +174,15 @@ def test_only_bin_is_refused_and_never_unpickled(copy_of, targets, tmp_path):
         ({"arrow_config": {"top_k": 2}}, ["arrow_config"]),
         ({"kasa_config": {"k": 1}}, ["kasa_config"]),
         ({"monteclora_config": {"n": 1}}, ["monteclora_config"]),
+        # Every other config field that changes the math (runtime/lora/adapter.py's _REFUSED_IF_TRUTHY), listed
+        # here rather than read from that tuple, so that dropping one from it fails a case.
+        ({"lora_bias": True}, ["lora_bias=True", "changes the math"]),
+        ({"layer_replication": [[0, 2]]}, ["layer_replication", "changes the math"]),
+        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, ["target_parameters", "changes the math"]),
+        ({"trainable_token_indices": [1, 2]}, ["trainable_token_indices", "changes the math"]),
+        ({"alora_invocation_tokens": [5, 6]}, ["alora_invocation_tokens", "changes the math"]),
+        ({"use_qalora": True}, ["use_qalora=True", "changes the math"]),
+        ({"use_bdlora": {"nblocks": 2}}, ["use_bdlora", "changes the math"]),
         ({"r": 0}, ["r must be a positive integer"]),
         ({"lora_alpha": "big"}, ["lora_alpha"]),
         ({"target_modules": ["foo_proj", "bar_proj"]}, ["target_modules", "'bar_proj', 'foo_proj'", "no entry is a module"]),
