@@ -160,6 +160,21 @@ async def test_penalties_reach_the_engine(app, engine) -> None:
     assert penalized["token_ids"] != plain["token_ids"]
 
 
+@pytest.mark.parametrize("field, value", [("presence_penalty", -2.0), ("frequency_penalty", -2.0), ("repetition_penalty", 0.5)])
+async def test_each_penalty_on_its_own_reaches_the_engine(app, engine, field, value) -> None:
+    """One penalty at a time: with all three together (above) the others decided the reply, so a
+    server that dropped frequency_penalty (accepted, then not passed on) still passed."""
+    model = engine.adapters()[0].name
+    async with client_for(app) as c:
+        penalized = (await post(c, "/v1/completions", completion_body(model, temperature=0, **{field: value})))["choices"][0]
+        plain = (await post(c, "/v1/completions", completion_body(model, temperature=0)))["choices"][0]
+    direct = None
+    async for out in engine.generate(f"direct-{field}", penalized["prompt_token_ids"], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **{field: value}), model):
+        direct = out
+    assert penalized["token_ids"] == list(direct.token_ids)
+    assert penalized["token_ids"] != plain["token_ids"], f"{field}={value} does not change this reply: the check above cannot fail"
+
+
 @pytest.mark.parametrize("route, fields, param", [
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -1,5 +1,5 @@
 """Sampling fields over HTTP (in-process, httpx over ASGI, a real engine): temperature, top_p,
-top_k, min_p, seed and stop_token_ids reach the engine and are honoured. Every request that samples
+top_k, min_p, seed, stop_token_ids and ignore_eos reach the engine and are honoured. Every request that samples
 carries a seed, so each assertion is deterministic; "differs" compares 8 sampled tokens over a
 300-token vocabulary."""
 from __future__ import annotations
@@ -66,6 +66,19 @@ async def test_chat_seed_reproduces_and_another_seed_differs(app, engine) -> Non
     assert a["token_ids"] == b["token_ids"] and a["message"] == b["message"]
     assert a["token_ids"] != other["token_ids"]
     assert a["token_ids"] != greedy["token_ids"]
+
+
+async def test_ignore_eos_reaches_the_engine(app, engine) -> None:
+    """A logit_bias that makes the end-of-sequence token the greedy pick: ignore_eos false stops at it,
+    ignore_eos true runs to max_tokens. (Every other test sends ignore_eos true to a random model that
+    hardly ever picks eos, so a server that dropped the field passed them all.)"""
+    eos = engine.tokenizer.eos_token_ids[0]
+    async with client_for(app) as c:
+        for route in (complete, chat):
+            kept = await route(c, engine.model_name, temperature=0, logit_bias={str(eos): 100}, ignore_eos=True)
+            stopped = await route(c, engine.model_name, temperature=0, logit_bias={str(eos): 100}, ignore_eos=False)
+            assert kept["finish_reason"] == "length" and kept["token_ids"] == [eos] * MAX_TOKENS, (route.__name__, kept)
+            assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == [eos], (route.__name__, stopped)  # the eos counts as generated
 
 
 async def assert_only_top_is_greedy(c: httpx.AsyncClient, model: str, field: str, only_top: object, off: object) -> None:
