@@ -17,20 +17,27 @@ from tests.server.conftest import client_for, post_ok, sse_chunks
 pytestmark = pytest.mark.anyio
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_a_long_echoed_prompt_s_logprobs_are_built_off_the_event_loop(engine, stream: bool, monkeypatch) -> None:
-    monkeypatch.setattr(generation, "LONG_TEXT_CHARS", 8)  # the test model's context holds no prompt of the real size
+def app_recording_threads(engine: Any, monkeypatch: pytest.MonkeyPatch, long_text_chars: int, tokenizer_method: str) -> tuple[Any, list[Any]]:
+    """An app whose "long text" threshold is ``long_text_chars`` (the test model's context holds no text of
+    the real size), and the list of threads that call its tokenizer's ``tokenizer_method``."""
+    monkeypatch.setattr(generation, "LONG_TEXT_CHARS", long_text_chars)
     app = create_app(engine, ServerOptions())
     tokenizer = app.state.lorafleet.tokenizer
-    real = tokenizer.encode_with_spans
-    loop_thread = threading.current_thread()
+    real = getattr(tokenizer, tokenizer_method)
     threads: list[Any] = []
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tokenizer, "encode_with_spans", recorded)
+    monkeypatch.setattr(tokenizer, tokenizer_method, recorded)
+    return app, threads
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_long_echoed_prompt_s_logprobs_are_built_off_the_event_loop(engine, stream: bool, monkeypatch) -> None:
+    app, threads = app_recording_threads(engine, monkeypatch, 8, "encode_with_spans")
+    loop_thread = threading.current_thread()
     body = {"model": engine.model_name, "prompt": "the quick brown fox jumps", "max_tokens": 0, "echo": True, "logprobs": 1}
     async with client_for(app) as c:
         if stream:
@@ -42,18 +49,8 @@ async def test_a_long_echoed_prompt_s_logprobs_are_built_off_the_event_loop(engi
 
 
 async def test_a_long_chat_reply_s_logprobs_are_built_off_the_event_loop(engine, monkeypatch) -> None:
-    monkeypatch.setattr(generation, "LONG_TEXT_CHARS", 1)  # the test model's context holds no reply of the real size
-    app = create_app(engine, ServerOptions())
-    tokenizer = app.state.lorafleet.tokenizer
-    real = tokenizer.token_bytes
+    app, threads = app_recording_threads(engine, monkeypatch, 1, "token_bytes")
     loop_thread = threading.current_thread()
-    threads: list[Any] = []
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tokenizer, "token_bytes", recorded)
     body = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "ignore_eos": True,
             "logprobs": True, "top_logprobs": 2}  # fmt: skip
     async with client_for(app) as c:
