@@ -1,0 +1,44 @@
+"""docs/api.md's lists that mirror a table in the code: the fields where null means the default
+(``NULL_MEANS_DEFAULT``), OpenAI's fields lorafleet refuses unless null
+(``UNSUPPORTED_OPENAI_FIELDS``), and the error codes the server answers with (every ``code=``
+literal in runtime/server and runtime/distributed, and ``errors.DEFAULT_CODES``). A field or
+code added to the code fails here until the doc names it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from runtime.server.errors import DEFAULT_CODES, ERROR_TYPES
+from runtime.server.protocol import NULL_MEANS_DEFAULT, UNSUPPORTED_OPENAI_FIELDS
+
+ROOT = Path(__file__).resolve().parents[2]
+API_DOC = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+NEVER_SENT = {"client_closed_request"}  # 499: the client is gone, nobody reads it
+UNUSED_DEFAULTS = {403, 429, 503}  # no route answers a 429; every 403 and 503 names its own code (path_not_allowed, engine_unavailable, ...)
+
+
+def section(title: str) -> str:
+    """The text of the ``## title`` section."""
+    start = API_DOC.index(f"\n## {title}\n")
+    end = API_DOC.find("\n## ", start + 1)
+    return API_DOC[start:end if end != -1 else None]
+
+
+def test_null_means_default_lists_every_field() -> None:
+    listed = set(re.findall(r"`(\w+)`", section("null means the default").split("The fields:", 1)[1]))
+    assert listed == set(NULL_MEANS_DEFAULT)
+
+
+def test_unsupported_openai_fields_are_all_named() -> None:
+    text = section("Strict numbers, unknown fields")
+    assert [name for name in UNSUPPORTED_OPENAI_FIELDS if f"`{name}`" not in text] == []
+
+
+def test_every_error_code_is_in_the_table() -> None:
+    rows = set(re.findall(r"^\| (\d{3}) \| `(\w+)` \| `(\w+)` \|", section("Errors"), re.MULTILINE))
+    documented = {code for _, _, code in rows}
+    sources = [*(ROOT / "runtime" / "server").glob("*.py"), *(ROOT / "runtime" / "distributed").glob("*.py")]
+    emitted = {code for path in sources for code in re.findall(r'code="(\w+)"', path.read_text(encoding="utf-8"))}
+    emitted |= {code for status, code in DEFAULT_CODES.items() if status not in UNUSED_DEFAULTS}
+    assert sorted(emitted - NEVER_SENT - documented) == []
+    assert [(s, t, c) for s, t, c in rows if ERROR_TYPES[int(s)] != t] == []  # each row's type is the one its status gets
