@@ -70,8 +70,9 @@ class SamplingParams:
                  float32 logits by a smaller one overflows or divides by zero (vLLM draws the same
                  line); otherwise sample from softmax(logits / temperature). The default, 0, is
                  greedy: vLLM's SamplingParams and the HTTP API default to 1 (sampling).
-    top_k:       keep only the k most likely tokens (0 = off; -1, vLLM's and the server's other
-                 spelling of off, is stored as 0).
+    top_k:       keep only the k most likely tokens, and any tied with the k-th (vLLM's and
+                 transformers'; 0 = off; -1, vLLM's and the server's other spelling of off, is
+                 stored as 0).
     min_p:       in [0, 1] (vLLM's; 0 = off): after temperature, keep only the tokens whose
                  probability is at least min_p times the most likely token's.
     top_p:       keep the smallest set of most likely tokens whose probability mass is >= top_p.

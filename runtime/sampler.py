@@ -17,9 +17,12 @@ For one row of logits ``z`` (float32, [vocab]) and a request's ``SamplingParams`
                                 min_p > 0: z'_j = -inf where exp(z'_j) < min_p, i.e. where
                                            p_j < min_p * max_i p_i (as z'_max = 0; vLLM's
                                            order: after temperature, before top-k and top-p)
-                                top_k > 0: z'_j = -inf unless z_j is among the k largest
+                                top_k > 0: z'_j = -inf where z'_j < the k-th largest z' (tokens tied
+                                           with the k-th are all kept, as vLLM and transformers do)
                                 top_p < 1: keep the smallest prefix of tokens sorted by
-                                           probability whose mass reaches top_p (the most
+                                           probability whose mass reaches top_p: token j (in
+                                           descending order) stays iff the mass before it is
+                                           < top_p (vLLM's and transformers' line; the most
                                            likely token is always kept)
                                 next ~ Categorical(softmax(z'))  drawn with the request's own
                                        torch.Generator, so a seeded request gives the same

@@ -254,3 +254,53 @@ def test_seeds_that_differ_only_above_32_bits_draw_different_tokens():
     assert draws(5) == streams[0]  # a seed gives the same tokens every time
     plain = torch.Generator().manual_seed(5)
     assert torch.equal(torch.rand(4, generator=generator_for(5)), torch.rand(4, generator=plain))
+
+
+LN2 = float(torch.log(torch.tensor(2.0)))
+
+
+def _exact_quarters_row() -> torch.Tensor:
+    """Logits whose float32 softmax is exactly 0.125, 0.5, 0.125, 0.25 (token 1 most likely, then
+    3, then the tie 0 and 2): binary fractions, so every cumulative sum is exact and ``top_p``
+    can sit exactly on one."""
+    z = torch.tensor([0.0, 2.0, 0.0, 1.0]) * LN2
+    assert torch.softmax(z, 0).tolist() == [0.125, 0.5, 0.125, 0.25]  # exact, else the boundaries below mean nothing
+    return z
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(0.25, [1]), (0.5, [1]), (0.5000001, [1, 3]), (0.75, [1, 3]), (0.7500001, [1, 3, "one of 0, 2"]), (0.875, [1, 3, "one of 0, 2"])],
+)
+def test_top_p_keeps_the_token_that_reaches_top_p_and_no_more(top_p, kept):
+    """A token is kept while the mass of the more likely tokens is < top_p: the token whose mass
+    reaches top_p is kept, the next one dropped (vLLM's ``probs_sum <= 1 - p`` and transformers'
+    ``TopPLogitsWarper``, both over ascending sums, draw the same line). At top_p = 0.75 = 0.5 + 0.25
+    exactly, two tokens; just above it, or at 0.875, one of the tied 0.125s joins (which one is the
+    sort's choice, here and there)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    z = _exact_quarters_row()
+    got = torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, top_p=top_p)))
+    reference = torch.isfinite(TopPLogitsWarper(top_p)(None, z[None].clone()))[0]
+    for keep in (got, reference):
+        ids = torch.nonzero(keep).flatten().tolist()
+        assert len(ids) == len(kept) and {t for t in kept if isinstance(t, int)} <= set(ids), (top_p, ids)
+
+
+@pytest.mark.parametrize("top_k, kept", [(1, [1]), (2, [1, 3]), (3, [1, 3, 0, 2]), (4, [1, 3, 0, 2])])
+def test_top_k_keeps_every_token_tied_with_the_kth(top_k, kept):
+    """top_k keeps the tokens whose logit is at least the k-th largest, so a tie at the k-th value
+    keeps them all (k = 3 keeps four tokens here), as vLLM's ``logits < kth`` mask and
+    transformers' ``TopKLogitsWarper`` do; the sampled support is the same."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    z = _exact_quarters_row()
+    params = SamplingParams(temperature=1.0, top_k=top_k, seed=4)
+    got = torch.isfinite(filtered_logits(z, params))
+    assert sorted(torch.nonzero(got).flatten().tolist()) == sorted(kept)
+    assert got.tolist() == torch.isfinite(TopKLogitsWarper(top_k)(None, z[None].clone()))[0].tolist()
+    if top_k == 3:
+        sampler = Sampler()
+        sampler.add("r", params)
+        assert {sampler.sample(z[None], ["r"], [params])[0] for _ in range(300)} == {0, 1, 2, 3}
