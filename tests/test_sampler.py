@@ -304,3 +304,13 @@ def test_top_k_keeps_every_token_tied_with_the_kth(top_k, kept):
         sampler = Sampler()
         sampler.add("r", params)
         assert {sampler.sample(z[None], ["r"], [params])[0] for _ in range(300)} == {0, 1, 2, 3}
+
+
+def test_top_p_takes_its_mass_over_the_tokens_top_k_kept():
+    """vLLM's order: top_k first, then top_p over the renormalized survivors. top_k = 2 keeps the
+    0.5 and 0.25 tokens (2/3 and 1/3 after renormalizing), so top_p = 0.6 keeps only the first; top_p
+    over the whole row would have kept both (the mass before the second is 0.5 < 0.6)."""
+    z = _exact_quarters_row()
+    kept = torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, top_k=2, top_p=0.6)))
+    assert torch.nonzero(kept).flatten().tolist() == [1]
+    assert torch.nonzero(torch.isfinite(filtered_logits(z, SamplingParams(temperature=1.0, top_p=0.6)))).flatten().tolist() == [1, 3]
