@@ -221,6 +221,16 @@ def test_small_temperature_above_the_greedy_line_samples_without_overflow():
     assert torch.isfinite(torch.softmax(filtered_logits(logits[0], params), 0)).all()
 
 
+def test_a_temperature_of_exactly_1e_5_samples():
+    """The greedy line is strict (vLLM's ``temperature < _SAMPLING_EPS``): 1e-5 itself samples, so
+    on a row of equal logits it draws several tokens rather than the argmax's lowest id."""
+    params = SamplingParams(temperature=1e-5, seed=3)
+    assert not params.greedy
+    sampler = Sampler()
+    sampler.add("r", params)
+    assert len({sampler.sample(torch.zeros(1, 8), ["r"], [params])[0] for _ in range(40)}) > 1
+
+
 def test_rows_with_nan_or_inf_logits_get_no_token_and_the_others_do():
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(4))
     logits[1, 7] = float("nan")
