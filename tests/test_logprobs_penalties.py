@@ -144,6 +144,18 @@ def test_penalized_logits_formula():
     assert ours.tolist() == pytest.approx(expected, abs=1e-5)
 
 
+def test_logit_bias_comes_before_the_repetition_penalty():
+    """vLLM's order: logit_bias, then the penalties. Token 0 (logit 1, seen) with bias 2 and
+    repetition_penalty 2 becomes (1 + 2) / 2 = 1.5 and loses to token 1 (logit 2, unseen); biased
+    after the penalty it would be 1 / 2 + 2 = 2.5 and win. Greedy and a top_k=1 sampled row agree."""
+    logits = torch.tensor([[1.0, 2.0, -1.0]] * 2)
+    params = [SamplingParams(logit_bias={0: 2.0}, repetition_penalty=2.0, temperature=t, top_k=k, seed=1) for t, k in ((0.0, 0), (1.0, 1))]
+    sampler = Sampler()
+    for rid, p in zip("ab", params):
+        sampler.add(rid, p)
+    assert sampler.sample(logits, ["a", "b"], params, [([0], []), ([0], [])]) == [1, 1]
+
+
 def test_sampler_logprobs_rows():
     logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
     logits[2] = float("nan")
