@@ -3,7 +3,8 @@
 Each row gets random logits and a random mix of logit_bias, min_tokens (with eos and
 stop_token_ids), presence / frequency / repetition penalties and history; greedy picks must
 equal the argmax of the reference's adjusted logits, and logprobs must be the raw logits'
-log_softmax. Rows without adjustments ride in the same batch.
+log_softmax. Rows without adjustments ride in the same batch. And the sampled path's
+temperature, top_k and top_p keep the tokens transformers' warpers keep, on coarse logits full of ties.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.request import SamplingParams
-from runtime.sampler import Sampler
+from runtime.sampler import Sampler, filtered_logits
 
 VOCAB = 12
 EOS = 11
@@ -74,3 +75,31 @@ def test_greedy_picks_and_logprobs_match_the_reference(rows):
             continue
         assert entry.token_id == picked[i] and abs(entry.logprob - raw[i, picked[i]].item()) < 1e-4
         assert len(entry.top) == p.logprobs
+
+
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(st.integers(-6, 6), min_size=VOCAB, max_size=VOCAB),  # coarse logits: ties at the k-th value and inside top_p's cut
+    st.sampled_from([0.5, 1.0, 1.7]),
+    st.integers(0, VOCAB),
+    st.floats(0.05, 1.0),
+)
+def test_sampled_support_matches_transformers_warpers(logits, temperature, top_k, top_p):
+    """temperature, top_k then top_p keep the same tokens as transformers' TemperatureLogitsWarper,
+    TopKLogitsWarper and TopPLogitsWarper in that order (vLLM's apply_top_k_top_p draws the same
+    lines). Compared as the multiset of kept logits, since which of several tied tokens top_p keeps
+    is the sort's choice; rows whose top_p sits within rounding of a cumulative sum are skipped."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    z = torch.tensor(logits, dtype=torch.float32) * 0.7
+    ref = TemperatureLogitsWarper(temperature)(None, z[None].clone())
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    survivors = torch.softmax(ref[0].double(), 0).sort(descending=True).values
+    if ((torch.cumsum(survivors, 0) - top_p).abs() < 1e-5).any():
+        return
+    if top_p < 1.0:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    got = filtered_logits(z, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    kept, want = torch.isfinite(got), torch.isfinite(ref[0])
+    assert sorted(z[kept].tolist()) == sorted(z[want].tolist()), (kept.tolist(), want.tolist())
