@@ -95,7 +95,7 @@ class SamplingParams:
     logprobs:    None = off; k in 0..20: each generated token comes with its log-probability
                  under the model and the k most likely tokens with theirs
                  (``RequestOutput.logprobs``), from ``log_softmax`` of the model's logits
-                 before logit_bias, min_tokens, penalties, temperature, top-k and top-p (vLLM's default).
+                 before logit_bias, min_tokens, penalties, temperature, min-p, top-k and top-p (vLLM's default).
     logit_bias:  (token id, bias) pairs (a dict is accepted), bias in [-100, 100] (OpenAI's): added
                  to those logits first, before the penalties; -100 all but bans a token.
     min_tokens:  nothing ends the request before this many tokens (vLLM's): eos (unless
@@ -215,7 +215,7 @@ class TokenLogprobs:
     """One generated token's log-probability under the model, and the most likely tokens.
 
     ``logprob = log_softmax(z)[token_id]`` for the step's float32 logits z (before logit_bias,
-    min_tokens, penalties, temperature, top-k and top-p); ``top``: the ``SamplingParams.logprobs`` largest entries of
+    min_tokens, penalties, temperature, min-p, top-k and top-p); ``top``: the ``SamplingParams.logprobs`` largest entries of
     ``log_softmax(z)`` as (token id, logprob), most likely first (it may or may not contain
     ``token_id``; a sampled token need not be among them).
     """

@@ -184,7 +184,7 @@ class Sampler:
     def logprobs(logits: Tensor, tokens: Sequence[Union[int, NoToken]], params: Sequence[SamplingParams]) -> list[Optional[TokenLogprobs]]:
         """For each row whose params ask for logprobs and that got a token: the token's
         ``log_softmax`` entry and the ``params.logprobs`` largest ones, from the raw ``logits``
-        (before logit_bias, min_tokens, penalties and temperature); None for the other rows
+        (before logit_bias, min_tokens, penalties, temperature, min-p, top-k and top-p); None for the other rows
         (``token_logprobs`` does the work)."""
         rows = [i for i, (tok, p) in enumerate(zip(tokens, params)) if isinstance(tok, int) and p.logprobs is not None]
         out: list[Optional[TokenLogprobs]] = [None] * len(tokens)
