@@ -72,6 +72,12 @@ def build_router(state: Any) -> APIRouter:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
+            def stream_chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+                out = payload("chat.completion.chunk", choices, usage)
+                if include_usage and usage is None:
+                    out["usage"] = None  # OpenAI: with include_usage every chunk has usage, null but in the last one
+                return out
+
             async def events() -> AsyncIterator[str]:
                 prompt_only = {"prompt_tokens": prompt_len, "completion_tokens": 0, "total_tokens": prompt_len}  # the role chunks' usage (vLLM)
                 last: dict[int, Any] = {}
@@ -81,7 +87,7 @@ def build_router(state: Any) -> APIRouter:
                     async with gen.merged(streams) as outputs:  # entered first: a client gone during the role chunks closes the streams too
                         for k in range(body.n):
                             role = {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                            yield event(payload("chat.completion.chunk", [role], prompt_only if continuous else None))
+                            yield event(stream_chunk([role], prompt_only if continuous else None))
                         async for k, out in outputs:
                             if out.finish_reason == "error":
                                 failure = gen.failure_of(out)
@@ -95,11 +101,11 @@ def build_router(state: Any) -> APIRouter:
                                 choice: dict[str, Any] = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": gen.finish_reason(out)}
                                 if out.finished:
                                     with_ids(choice, out)
-                                yield event(payload("chat.completion.chunk", [choice], usage([out]) if continuous else None))
+                                yield event(stream_chunk([choice], usage([out]) if continuous else None))
                             last[k] = out
                         else:
                             if include_usage and last:
-                                yield event(payload("chat.completion.chunk", [], usage(list(last.values()))))
+                                yield event(stream_chunk([], usage(list(last.values()))))
                 except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
                     yield event(gen.failure_event_body(err, request_id))
                 yield DONE

@@ -134,6 +134,12 @@ def build_router(state: Any) -> APIRouter:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
+            def stream_chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+                payload = chunk(choices, usage)
+                if include_usage and usage is None:
+                    payload["usage"] = None  # OpenAI: with include_usage every chunk has usage, null but in the last one
+                return payload
+
             async def events() -> AsyncIterator[str]:
                 finals: dict[int, Any] = {}
                 # With logprobs, an entry waits for the chunk that carries its token's text (StreamedEntries).
@@ -157,7 +163,7 @@ def build_router(state: Any) -> APIRouter:
                                     logprobs = await gen.off_loop_if_long(len(echoed), lambda: _prompt_logprobs(out, state.tokenizer, offsets[index], choices_in[index], echoed))
                                 echo_choice = {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
                                 prompt_only = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0, "total_tokens": len(out.prompt_token_ids)}
-                                yield event(chunk([echo_choice], prompt_only if continuous else None))
+                                yield event(stream_chunk([echo_choice], prompt_only if continuous else None))
                             started.add(index)
                             pending[index].add(out.new_logprobs or ())
                             if out.new_text or out.finished or (continuous and out.new_token_ids):
@@ -165,12 +171,12 @@ def build_router(state: Any) -> APIRouter:
                                 if body.logprobs is not None:
                                     logprobs = completion_logprobs(state.tokenizer, pending[index].release(out.new_text, out.finished), offsets[index])
                                 choice = _choice(index, out, body.return_token_ids and out.finished, out.new_text, logprobs)
-                                yield event(chunk([choice], _choice_usage(out) if continuous else None))
+                                yield event(stream_chunk([choice], _choice_usage(out) if continuous else None))
                             if out.finished:
                                 finals[index] = out
                         else:
                             if include_usage:
-                                yield event(chunk([], _usage(finals, body.n)))
+                                yield event(stream_chunk([], _usage(finals, body.n)))
                 except Exception as err:  # noqa: BLE001 - the response has started: an error event, then [DONE]
                     yield event(gen.failure_event_body(err, request_id))
                 yield DONE

@@ -12,7 +12,7 @@ import pytest
 from runtime.server.app import create_app
 from runtime.server.errors import APIError
 from runtime.server.options import ServerOptions
-from tests.server.conftest import client_for, make_engine_config
+from tests.server.conftest import client_for, make_engine_config, sse_chunks
 
 pytestmark = pytest.mark.anyio
 DEMO_BASE = "runtime/demo_assets/base"  # has a chat template
@@ -235,3 +235,19 @@ async def test_openapi_declares_the_400_the_server_sends(app) -> None:
         props = spec["components"]["schemas"][request]["properties"]
         for field in ("temperature", "top_p", "n", "stream", "presence_penalty"):
             assert {"type": "null"} in props[field]["anyOf"], (request, field, props[field])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_with_include_usage_every_chunk_has_usage_null_but_the_last(app, demo_engine, path) -> None:
+    """OpenAI: with stream_options.include_usage "all other chunks will also include a usage field,
+    but with a null value"; the last has the whole request's. The field used to be left out of the
+    other chunks. Without include_usage no chunk has it."""
+    body = {"model": demo_engine.model_name, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2}
+    body.update({"prompt": "ab"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "ab"}]})
+    async with client_for(app) as c:
+        with_usage = await sse_chunks(c, path, {**body, "stream_options": {"include_usage": True}})
+        without = await sse_chunks(c, path, body)
+    *others, last = with_usage
+    assert len(others) >= 2 and all("usage" in ch and ch["usage"] is None for ch in others), others
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert without and not any("usage" in ch for ch in without)
