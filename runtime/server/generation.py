@@ -77,7 +77,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            top_k=0 if req.top_k == -1 else req.top_k,
+            top_k=req.top_k,  # -1 (off) is SamplingParams' to map, as offline
             min_p=req.min_p,
             seed=req.seed,
             stop=tuple(stops),

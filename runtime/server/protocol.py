@@ -44,6 +44,7 @@ UNSUPPORTED_OPENAI_FIELDS = MappingProxyType({
     "store": "stored completions", "metadata": "stored completions", "service_tier": "service tiers",
     "annotations": "message annotations", "suffix": "suffix (text inserted after the completion)", "best_of": "best_of (n does sampling)",
 })
+UNSET_BY_NULL = NULL_MEANS_DEFAULT | frozenset(UNSUPPORTED_OPENAI_FIELDS)  # a request's fields where null means: not given
 LOGPROBS_HELP = ("Log-probabilities of the generated tokens under the model (log_softmax of its logits, before logit_bias, "
                  "min_tokens, penalties, temperature, min_p, top_k and top_p), one entry per generated token.")
 
@@ -139,7 +140,7 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        return _unset_nulls(_unset_nulls(data, NULL_MEANS_DEFAULT), UNSUPPORTED_OPENAI_FIELDS)
+        return _unset_nulls(data, UNSET_BY_NULL)
 
     @field_validator("logit_bias")
     @classmethod
