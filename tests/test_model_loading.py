@@ -142,6 +142,39 @@ def test_llama3_top_level_original_max_position_embeddings(tmp_path):
         load_model_config(path)
 
 
+def edit_config(path: Path, change: dict, drop: tuple[str, ...] = ()) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(change)
+    for key in drop:
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_llama3_without_original_max_position_embeddings_matches_transformers(tmp_path):
+    """llama3 scaling with no original_max_position_embeddings anywhere: transformers 5 takes
+    max_position_embeddings (standardize_rope_params' setdefault) and loads the model; it was refused."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=5)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}
+    edit_config(path, {"rope_parameters": llama3})
+    assert load_model_config(path).rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 256)  # max_position_embeddings
+    ids = prompt()
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+    edit_config(path, {"rope_parameters": {**llama3, "low_freq_factor": None}})  # the other fields stay required
+    with pytest.raises(ModelConfigError, match=r"config\.json: rope_parameters of rope_type 'llama3' needs low_freq_factor"):
+        load_model_config(path)
+
+
+def test_empty_rope_parameters_beside_rope_scaling_matches_transformers(tmp_path):
+    """"rope_parameters": {} next to a rope_scaling: transformers takes ``rope_scaling or rope_parameters``,
+    so the scaling applies; it was refused as a disagreement between the two."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=5)
+    edit_config(path, {"rope_parameters": {}, "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 5000.0})
+    parsed = load_model_config(path)
+    assert parsed.rope_scaling == RopeScaling("linear", 4.0) and parsed.rope_theta == 5000.0
+    ids = prompt()
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+
 def test_conflicting_rope_parameters_and_rope_scaling_is_an_error(tmp_path):
     path = build_tiny_model(tmp_path / "m", "llama", seed=2)
     cfg = json.loads((path / "config.json").read_text())
@@ -632,5 +665,16 @@ def test_null_partial_rotary_factor_is_full_rotary(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["partial_rotary_factor"] = None
     (path / "config.json").write_text(json.dumps(cfg))
+    ids = prompt(2)
+    assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_missing_rms_norm_eps_takes_transformers_default(tmp_path, model_type):
+    """A config.json without rms_norm_eps: transformers' LlamaConfig, Qwen2Config and MistralConfig
+    default it to 1e-6 and load the model; it was refused as a missing required field."""
+    path = build_tiny_model(tmp_path / "m", model_type, seed=4, rms_norm_eps=0.5)
+    edit_config(path, {}, drop=("rms_norm_eps",))
+    assert load_model_config(path).rms_norm_eps == 1e-6
     ids = prompt(2)
     assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)

@@ -3,15 +3,19 @@
 Supported ``model_type``: llama, qwen2, mistral. Everything the decoder cannot honour
 is a ``ModelConfigError`` naming the file and the field; nothing is silently ignored.
 Left out of config.json, ``num_key_value_heads`` (llama: num_attention_heads, mistral 8,
-qwen2 32), ``rope_theta``, ``tie_word_embeddings``, ``hidden_act`` and ``sliding_window`` take
-transformers' default for the model type; the size fields and ``rms_norm_eps`` are required.
+qwen2 32), ``rms_norm_eps`` (1e-6 for all three), ``rope_theta``, ``tie_word_embeddings``,
+``hidden_act`` and ``sliding_window`` take transformers' default for the model type; the size
+fields are required.
 
 Rope: both layouts are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and
 transformers 5.x (``rope_parameters`` holding ``rope_type``, the scaling fields and
 usually ``rope_theta``; a ``rope_theta`` missing there is taken from the top level, else
 10000, as transformers does; a ``rope_theta`` inside ``rope_scaling`` likewise wins over the
 top-level one). When both layouts are present they must agree, on the scaling and on the theta
-each yields. Supported rope types: default, ``linear``, ``llama3``.
+each yields; an empty one (``{}`` or null) does not count, as in transformers (``rope_scaling or
+rope_parameters``). Supported rope types: default, ``linear``, ``llama3``. A llama3 scaling without
+``original_max_position_embeddings`` (in the rope dict or at the top level) takes
+``max_position_embeddings``, as transformers 5 does (``standardize_rope_params``; 4.x refused it).
 
 Sliding window (mistral; qwen2 with ``use_sliding_window`` in the layers that use it): the
 decoder runs full causal attention, which equals sliding-window attention as long as a
@@ -40,6 +44,7 @@ SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 DEFAULT_SLIDING_WINDOW = 4096
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: layers from this index on use the window
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta (llama, qwen2, mistral)
+DEFAULT_RMS_NORM_EPS = 1e-6  # transformers' LlamaConfig, MistralConfig and Qwen2Config default (5.24.0, as 4.x)
 # transformers' num_key_value_heads for a config.json without the key: MistralConfig's 8, Qwen2Config's 32;
 # LlamaConfig's is None, which (as an explicit null in any of the three) means num_attention_heads.
 DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
@@ -142,8 +147,8 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     if not isinstance(head_dim, int) or head_dim % 2:
         raise ModelConfigError(f"{path}: head_dim={head_dim!r} must be an even integer")
+    max_pos = f.get("max_position_embeddings", int)  # (before the rope: llama3 may default to it)
     theta, scaling = _parse_rope(raw, path)
-    max_pos = f.get("max_position_embeddings", int)
     # Only LlamaAttention reads attention_bias (q/k/v and o); Qwen2Attention always has q/k/v biases and
     # MistralAttention never has any, whatever their config.json says.
     llama_bias = model_type == "llama" and bool(raw.get("attention_bias", False))
@@ -160,7 +165,7 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(f.get("rms_norm_eps", (int, float))),
+        rms_norm_eps=float(f.get("rms_norm_eps", (int, float), DEFAULT_RMS_NORM_EPS)),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
@@ -229,7 +234,7 @@ def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling 
     legacy = raw.get("rope_scaling")
     if params is not None and not isinstance(params, dict):
         raise ModelConfigError(f"{path}: rope_parameters must be an object or null, got {params!r}")
-    if isinstance(params, dict):
+    if params:  # an empty rope_parameters is transformers' ``rope_scaling or rope_parameters`` losing to rope_scaling
         nested = sorted(k for k, v in params.items() if isinstance(v, dict))
         if nested:
             raise ModelConfigError(f"{path}: rope_parameters per layer type ({', '.join(nested)}) is not supported")
@@ -244,7 +249,7 @@ def _parse_rope(raw: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling 
                 f"{path}: rope_parameters and rope_scaling disagree ({params!r} vs {legacy!r}, rope_theta "
                 f"{theta!r} vs {_layout_theta(legacy, raw)!r}); keep one of them"
             )
-    else:  # transformers 4.x layout; a rope_theta inside rope_scaling wins over the top-level one, as in transformers
+    else:  # transformers 4.x layout (or neither); a rope_theta inside rope_scaling wins over the top-level one, as in transformers
         scaling = _rope_scaling(legacy, "rope_scaling", path, raw)
         theta = _layout_theta(legacy, raw)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
@@ -268,7 +273,8 @@ def _rope_scaling(scaling_src: Any, field: str, path: Path, raw: Mapping[str, An
 
     llama3: an ``original_max_position_embeddings`` at the top level of config.json is the one
     transformers 5 uses (``standardize_rope_params`` gives it priority), where 4.x read the one in
-    ``field``: taken when ``field`` has none, refused when the two differ."""
+    ``field``: taken when ``field`` has none, refused when the two differ. With neither,
+    ``max_position_embeddings`` (transformers 5's ``setdefault``)."""
     if scaling_src is None:
         return None
     if not isinstance(scaling_src, dict):
@@ -297,6 +303,8 @@ def _rope_scaling(scaling_src: Any, field: str, path: Path, raw: Mapping[str, An
                 f"{inner!r} disagree: transformers 5 uses the top-level one, 4.x the one in {field}; keep one of them"
             )
         scaling_src = {**scaling_src, "original_max_position_embeddings": top_len}
+    elif "original_max_position_embeddings" not in scaling_src:
+        scaling_src = {**scaling_src, "original_max_position_embeddings": raw.get("max_position_embeddings")}
     needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in needed if not isinstance(scaling_src.get(k), (int, float))]
     if missing:
@@ -318,8 +326,12 @@ class _Fields:
     def __init__(self, raw: Mapping[str, Any], path: Path) -> None:
         self.raw, self.path = raw, path
 
-    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        """``raw[key]``, checked: of type ``kind`` and positive. Absent: ``default`` where one is given
+        (transformers' default for the field), else an error."""
         if key not in self.raw:
+            if default is not None:
+                return default
             raise ModelConfigError(f"{self.path}: required field {key!r} is missing")
         value = self.raw[key]
         if isinstance(value, bool) or not isinstance(value, kind):
