@@ -307,21 +307,24 @@ def test_cpu_gemm_on_an_int8_checkpoint_with_a_tied_lm_head_is_refused(tmp_path:
     LLMEngine(config(tmp_path / "tied-q8", "auto")).close()
 
 
-def test_quantize_default_dtype_is_the_stored_one_when_config_json_names_none(tmp_path: Path) -> None:
-    """--dtype's default is "the base's dtype": a bfloat16 checkpoint whose config.json names no dtype keeps
-    its float tensors bfloat16 (read from the weights, as `lorafleet merge` does), not float32 at twice the size."""
+@pytest.mark.parametrize("named", [{}, {"torch_dtype": "auto"}, {"dtype": "auto"}], ids=["none", "torch_dtype-auto", "dtype-auto"])
+def test_quantize_default_dtype_is_the_stored_one_when_config_json_names_none(tmp_path: Path, named: dict) -> None:
+    """--dtype's default is "the base's dtype": a bfloat16 checkpoint whose config.json names no dtype, or
+    "auto" (transformers' word for the dtype the weights are stored in), keeps its float tensors bfloat16
+    (read from the weights, as `lorafleet merge` does), not float32 at twice the size ("auto" gave float32)."""
     from tests.fixtures.tiny_models import build_tiny_model
 
     base = build_tiny_model(tmp_path / "bf16", "llama", seed=0, dtype=torch.bfloat16)
     cfg = json.loads((base / "config.json").read_text())
     for key in ("dtype", "torch_dtype"):
         cfg.pop(key, None)
-    (base / "config.json").write_text(json.dumps(cfg))
+    (base / "config.json").write_text(json.dumps({**cfg, **named}))
     assert _quantize(base, tmp_path / "q8") == 0
     tensors = load_file(str(tmp_path / "q8" / "model.safetensors"))
     assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
-    assert json.loads((tmp_path / "q8" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    written = json.loads((tmp_path / "q8" / "config.json").read_text())
+    assert [written[k] for k in (named or {"torch_dtype": None})] == ["bfloat16"]  # "auto" replaced by the dtype written
 
 
 def test_integer_tensors_in_a_float_checkpoint_are_refused_not_cast(int8_dirs: tuple[Path, Path], tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", required=True, metavar="DIR", help="PEFT LoRA adapter folder (validated exactly as serving does)")
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged checkpoint; must not exist (see --force)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
-                        help="dtype of the written float tensors (default: the base's dtype, from its config.json or else the dtype its weights are stored in; float32 for an int8 base). The merge itself is float32")
+                        help="dtype of the written float tensors (default: the base's dtype, from its config.json or, where that names none or 'auto', the dtype its weights are stored in; float32 for an int8 base). The merge itself is float32")
     parser.add_argument("--force", action="store_true", help="replace an existing --out folder, only if it is empty or an earlier lorafleet merge/quantize output (never an input, nor one inside/around an input)")
     parser.add_argument("--no-verify", dest="verify", action="store_false",
                         help="skip the comparison with the dynamic path (base + adapter)")

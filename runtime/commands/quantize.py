@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", required=True, metavar="DIR", help="float HF checkpoint folder")
     parser.add_argument("--out", required=True, metavar="DIR", help="new folder for the int8 checkpoint; must not exist (see --force)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="dtype of the tensors that stay float (default: the base's dtype, from its config.json or else the dtype its weights are stored in)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="dtype of the tensors that stay float (default: the base's dtype, from its config.json or, where that names none or 'auto', the dtype its weights are stored in)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out folder, only if it is empty or an earlier lorafleet merge/quantize output (never the input)")
 
 

@@ -228,8 +228,9 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
 
 def base_dtype(cfg: ModelConfig, files: dict[str, Path]) -> str | None:
     """The base's dtype, as merge and quantize default their output to it: config.json's
-    ``torch_dtype``, else the one its weights are stored in (``_stored_float_dtype``)."""
-    return cfg.torch_dtype or _stored_float_dtype(files)
+    ``torch_dtype`` (or ``dtype``) where it names one of ``DTYPES``, else (absent, or ``"auto"``,
+    transformers' word for "as stored") the one its weights are stored in (``_stored_float_dtype``)."""
+    return cfg.torch_dtype if cfg.torch_dtype in DTYPES else _stored_float_dtype(files)
 
 
 def _stored_float_dtype(files: dict[str, Path]) -> str | None:
