@@ -627,14 +627,57 @@ def test_swish_and_pretraining_tp_load_as_transformers_computes_them(tmp_path, c
     assert_rel(chunked_logits(runner_for(path), ids), hf_logits(path, ids), 1e-4)
 
 
-@pytest.mark.parametrize("prefix, says", [("", r"its tensors carry no 'model\.' prefix: a base-model save"),
-                                          ("base_model.model.model.", r"its tensors are named 'base_model\.model\.model\.'\.\.\.")])
-def test_checkpoint_under_another_prefix_gets_a_hint(tmp_path, prefix, says):
-    """A base-model save (names without 'model.') or a PEFT model saved without merge_and_unload: every
-    tensor was reported missing, with no word on why."""
-    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+def strip_model_prefix(path: Path, prefix: str = "") -> None:
+    """Rename the checkpoint's ``model.*`` tensors to ``prefix + *``: with prefix "" the names
+    ``LlamaModel.save_pretrained`` writes (``embed_tokens.weight``, ``layers.0...``, ``norm.weight``)."""
     rewrite(path, lambda t: t.update({prefix + k[len("model."):]: t.pop(k) for k in [k for k in t if k.startswith("model.")]}))
-    with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) model\.embed_tokens\.weight.* \({says}"):
+
+
+@pytest.mark.parametrize("missing, prefix, says", [
+    ("lm_head", "", r"its tensors carry no 'model\.' prefix: a base-model save .*which has no LM head; config\.json "
+                    r"has tie_word_embeddings=false, so transformers would initialise lm_head\.weight at random"),
+    ("model.embed_tokens", "base_model.model.model.", r"its tensors are named 'base_model\.model\.model\.'\.\.\.")])
+def test_checkpoint_under_another_prefix_gets_a_hint(tmp_path, missing, prefix, says):
+    """A PEFT model saved without merge_and_unload: every tensor was reported missing, with no word on why.
+    A base-model save (names without 'model.') of an untied model lacks the LM head, which transformers
+    would fill with random numbers: refused, saying so."""
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    strip_model_prefix(path, prefix)
+    if prefix == "":
+        rewrite(path, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match=rf"missing tensor\(s\) {re.escape(missing)}\.weight.*\({says}"):
+        runner_for(path)
+
+
+def test_base_model_save_with_tied_embeddings_matches_transformers(tmp_path):
+    """A base-model save (LlamaModel.save_pretrained: no 'model.' prefix, no lm_head) of a model with tied
+    embeddings: transformers' from_pretrained adds the prefix and ties the head, and so do serving and
+    merge now (the merged checkpoint carries the causal-LM names); it was refused as missing every tensor."""
+    from runtime.cli import main as cli_main
+    from tests.fixtures.tiny_models import build_adapter
+
+    causal = build_tiny_model(tmp_path / "causal", "llama", seed=3, tie_word_embeddings=True)
+    base = tmp_path / "base"
+    shutil.copytree(causal, base)
+    strip_model_prefix(base)
+    assert "layers.0.self_attn.q_proj.weight" in load_file(str(base / "model.safetensors"))
+    ids = prompt(1)
+    ours = chunked_logits(runner_for(base), ids)
+    assert_rel(ours, hf_logits(base, ids), 1e-4)
+    assert_rel(ours, chunked_logits(runner_for(causal), ids), 1e-5)  # (not bitwise: the shorter names move the data's alignment)
+    adapter = build_adapter(causal, tmp_path / "adapter", r=4, target_modules=["q_proj", "down_proj"], seed=11)
+    for src in (causal, base):
+        assert cli_main(["merge", "--model", str(src), "--adapter", str(adapter), "--out", str(tmp_path / f"merged-{src.name}"), "--no-verify"]) == 0
+    merged = {src: load_file(str(tmp_path / f"merged-{src}" / "model.safetensors")) for src in ("causal", "base")}
+    assert merged["base"].keys() == merged["causal"].keys()
+    assert all(torch.equal(merged["base"][k], merged["causal"][k]) for k in merged["causal"])
+
+
+def test_tensor_stored_with_and_without_the_model_prefix_is_refused(tmp_path):
+    path = build_tiny_model(tmp_path / "m", "llama", seed=0)
+    rewrite(path, lambda t: t.__setitem__("norm.weight", t["model.norm.weight"] * 2))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.norm\.weight is stored twice, as model\.norm\.weight "
+                                              r"and as norm\.weight; keep one of them"):
         runner_for(path)
 
 

@@ -5,10 +5,11 @@ For every targeted module (layer l, module m) of the adapter, in float32:
     W'  = W + scale_{l,m} * B_{l,m} @ A_{l,m}          A [r, in], B [out, r], scale = alpha/r or alpha/sqrt(r)
     out = cast(W', dtype)
 
-Every other tensor is copied, cast to ``dtype``. With an int8 weight-only base
-(``runtime/quant/int8.py``) a projection is first dequantized, ``W = q * s`` (codes and
-scales checked as serving checks them: int8 in -127..127, float32 finite and > 0), then
-merged in float, then either requantized (``quantize_output=True``: new codes and new
+Every other tensor is copied, cast to ``dtype``. Tensors are written under their ``*ForCausalLM``
+names (``causal_lm_names``: a base-model save's ``layers.0...`` becomes ``model.layers.0...``).
+With an int8 weight-only base (``runtime/quant/int8.py``) a projection is first dequantized,
+``W = q * s`` (codes and scales checked as serving checks them: int8 in -127..127, float32
+finite and > 0), then merged in float, then either requantized (``quantize_output=True``: new codes and new
 scales from ``W'``) or written as float. A float delta is never added to integer
 codes: the codes' grid (the scale) would not move with the weights.
 
@@ -41,7 +42,7 @@ from tqdm import tqdm
 
 from runtime.file_mode import new_file_mode
 from runtime.lora.adapter import LoRAAdapter
-from runtime.models.loader import CheckpointError, check_quantized_tensor, checkpoint_quantization, weight_files
+from runtime.models.loader import CheckpointError, causal_lm_names, check_quantized_tensor, checkpoint_quantization, weight_files
 from runtime.quant.int8 import QUANTIZATION_CONFIG, dequantize_int8, is_quantized_projection, quantize_int8, scale_name
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # HF's default shard size
@@ -103,21 +104,22 @@ def lora_delta(adapter: LoRAAdapter, layer: int, module: str) -> Tensor | None:
 def write_checkpoint(spec: MergeSpec, out_dir: Path, progress: bool = True) -> WriteSummary:
     """Write weights, config.json and side files of ``spec`` into the existing empty ``out_dir``."""
     files = weight_files(spec.model_dir)
+    stored = causal_lm_names(files)
     source_quantized = checkpoint_quantization(spec.model_dir) is not None
     deltas = _delta_index(spec.adapter)
-    names = [n for n in files if not (source_quantized and _is_scale(n))]
-    missing = [w for w in deltas if w not in files]
+    names = [n for n in stored if not (source_quantized and _is_scale(n))]
+    missing = [w for w in deltas if w not in stored]
     if missing:
         raise MergeError(f"{spec.model_dir}: the adapter targets {missing[0]}, which the checkpoint does not hold")
     shards = _ShardWriter(out_dir, spec.max_shard_bytes)
     merged = 0
     bar = tqdm(total=len(names), desc="merge" if spec.adapter else "write", unit="tensor", disable=not progress)
-    for name, tensor in _read_float(files, names, source_quantized):
+    for name, tensor in _read_float(files, stored, names, source_quantized):
         target = deltas.get(name)
         if target is not None and spec.adapter is not None:
             delta = lora_delta(spec.adapter, *target)
             if delta.shape != tensor.shape:  # never broadcast: a base checked against config.json cannot get here
-                raise MergeError(f"{files[name]}: tensor {name} has shape {tuple(tensor.shape)}; the adapter's update is {tuple(delta.shape)}")
+                raise MergeError(f"{files[stored[name]]}: tensor {stored[name]} has shape {tuple(tensor.shape)}; the adapter's update is {tuple(delta.shape)}")
             tensor = tensor + delta  # float32 + float32; cast once, in _encode
             merged += 1
         for out_name, out_tensor in _encode(name, tensor, spec):
@@ -141,11 +143,12 @@ def _delta_index(adapter: LoRAAdapter | None) -> dict[str, tuple[int, str]]:
     return {module_weight_name(layer, module): (layer, module) for layer, module in adapter.modules}
 
 
-def _read_float(files: dict[str, Path], names: list[str], quantized: bool) -> Iterator[tuple[str, Tensor]]:
-    """Yield (name, float32 tensor) one at a time; int8 projections are dequantized (q * s)."""
+def _read_float(files: dict[str, Path], stored: dict[str, str], names: list[str], quantized: bool) -> Iterator[tuple[str, Tensor]]:
+    """Yield (name, float32 tensor) one at a time for ``names`` (``*ForCausalLM`` names; ``stored`` maps them
+    to the checkpoint's, ``files`` those to their file); int8 projections are dequantized (q * s)."""
     by_file: dict[Path, list[str]] = {}
     for n in names:
-        by_file.setdefault(files[n], []).append(n)
+        by_file.setdefault(files[stored[n]], []).append(n)
     for path, group in by_file.items():
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -153,21 +156,23 @@ def _read_float(files: dict[str, Path], names: list[str], quantized: bool) -> It
             raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
         with handle as f:
             for name in group:
+                key = stored[name]
                 try:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(key)
                 except Exception as err:  # SafetensorError: a shard that lacks a tensor its index names, or a truncated one
-                    raise CheckpointError(f"{path}: cannot read tensor {name}: {err}") from err
+                    raise CheckpointError(f"{path}: cannot read tensor {key}: {err}") from err
                 if quantized and is_quantized_projection(name):
                     s_name = scale_name(name)
-                    if s_name not in files:
-                        raise CheckpointError(f"{path}: int8 tensor {name} has no scale tensor {s_name}")
-                    check_quantized_tensor(name, t, path)  # as serving: int8 codes in -127..127
-                    with safe_open(str(files[s_name]), framework="pt", device="cpu") as fs:
-                        scale = fs.get_tensor(s_name)
-                    check_quantized_tensor(s_name, scale, files[s_name])  # float32, finite, > 0
+                    if s_name not in stored:
+                        raise CheckpointError(f"{path}: int8 tensor {key} has no scale tensor {scale_name(key)}")
+                    check_quantized_tensor(key, t, path)  # as serving: int8 codes in -127..127
+                    s_key = stored[s_name]
+                    with safe_open(str(files[s_key]), framework="pt", device="cpu") as fs:
+                        scale = fs.get_tensor(s_key)
+                    check_quantized_tensor(s_key, scale, files[s_key])  # float32, finite, > 0
                     yield name, dequantize_int8(t, scale)
                 elif not t.is_floating_point():
-                    raise CheckpointError(f"{path}: tensor {name} is {t.dtype}; expected a float tensor")
+                    raise CheckpointError(f"{path}: tensor {key} is {t.dtype}; expected a float tensor")
                 else:
                     yield name, t.float()
 

@@ -22,6 +22,14 @@ seven projections is read as an ``Int8Weight`` (int8 codes ``<name>`` [out, in] 
 float32 ``<name>_scale`` [out]) and stays int8 in memory; every other tensor is float
 and cast to the compute dtype as usual. Any other ``quantization_config`` is refused.
 
+Names: those of transformers' ``*ForCausalLM`` (``model.layers.0...``, ``lm_head.weight``). A
+base-model save (``LlamaModel.save_pretrained``, AutoModel) stores the decoder's tensors without
+the ``model.`` prefix (``layers.0...``, ``embed_tokens.weight``, ``norm.weight``) and no LM head;
+as transformers' ``from_pretrained`` does, the prefix is added (``causal_lm_names``), so such a
+checkpoint loads where its embeddings are tied; untied, the missing ``lm_head.weight`` (which
+transformers would initialise at random) is a ``CheckpointError`` that says why. A tensor stored
+both with and without the prefix is a ``CheckpointError``.
+
 Tolerated extras: ``*.rotary_emb.inv_freq`` (a buffer older checkpoints saved; we
 recompute it from the config) and ``lm_head.weight`` when embeddings are tied, if it
 equals ``model.embed_tokens.weight`` (HF uses the embedding matrix then, and so do we).
@@ -44,6 +52,8 @@ from runtime.models.hf_config import ModelConfig
 from runtime.quant.int8 import Int8Weight, QuantizationConfigError, is_quantized_projection, quantization_scheme, scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BASE_MODEL_PREFIX = "model."  # transformers' base_model_prefix of LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM
+BASE_MODEL_MODULES = ("embed_tokens.", "layers.", "norm.")  # what LlamaModel (Qwen2Model, MistralModel) holds
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -154,6 +164,23 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
 
 
+def causal_lm_names(files: dict[str, Path]) -> dict[str, str]:
+    """Tensor name as ``*ForCausalLM`` names it -> the name stored in the checkpoint, for every tensor of
+    ``files`` (stored name -> file). A decoder tensor stored without the ``model.`` prefix (a base-model
+    save: ``layers.0...``, ``embed_tokens.weight``, ``norm.weight``) gets it, as transformers'
+    ``from_pretrained`` adds ``base_model_prefix`` where the key is the model's only with it; every other
+    name is its own. A tensor stored under both names is a CheckpointError (which one transformers
+    loads is not ours to guess)."""
+    names: dict[str, str] = {}
+    for stored in files:
+        name = BASE_MODEL_PREFIX + stored if stored.startswith(BASE_MODEL_MODULES) else stored
+        if name in names:
+            first, second = sorted((names[name], stored))
+            raise CheckpointError(f"{files[stored]}: tensor {name} is stored twice, as {first} and as {second}; keep one of them")
+        names[name] = stored
+    return names
+
+
 def _explicit_weights(root: Path) -> Any:
     """config.json's ``transformers_weights`` (the weights file transformers' ``from_pretrained`` loads
     in place of model.safetensors / its index), or None; an unreadable config.json is reported elsewhere."""
@@ -192,19 +219,22 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
     is read): every tensor the config implies is there, in the shard the index names, with the
     shape the config implies (stored as a float dtype, unless config.json names the int8 scheme),
     and nothing else is (bar the tolerated extras). Returns
-    (name -> file, name -> shape); a CheckpointError names the file and the tensor otherwise."""
+    (stored name -> file, ``*ForCausalLM`` name -> shape; ``causal_lm_names`` links the two);
+    a CheckpointError names the file and the tensor otherwise."""
     files = weight_files(model_dir)
+    stored = causal_lm_names(files)
     quantized = checkpoint_quantization(model_dir) is not None
     shapes = quantized_shapes(cfg) if quantized else expected_shapes(cfg)
-    missing = [n for n in shapes if n not in files]
+    missing = [n for n in shapes if n not in stored]
     if missing:
         where = sorted({str(p) for p in files.values()}) or [str(model_dir)]
         raise CheckpointError(f"{', '.join(where)}: missing tensor(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-                              f"{_prefix_hint(files)}")
-    unexpected = [n for n in files if n not in shapes and not _tolerated(n, cfg)]
+                              f"{_prefix_hint(files, missing)}")
+    unexpected = [stored[n] for n in stored if n not in shapes and not _tolerated(n, cfg)]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor(s) {', '.join(sorted(unexpected)[:8])} for a {cfg.model_type} of this config")
-    for path, names in _by_file(files, shapes).items():
+    causal_name = {s: n for n, s in stored.items()}
+    for path, names in _by_file(files, [stored[n] for n in shapes]).items():
         with _open(path) as f:
             held = set(f.keys())
             absent = [n for n in names if n not in held]
@@ -215,12 +245,13 @@ def check_checkpoint(cfg: ModelConfig, model_dir: str | Path) -> tuple[dict[str,
             for name in names:
                 tensor = f.get_slice(name)
                 got = tuple(tensor.get_shape())
-                if got != shapes[name]:
-                    raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json implies {shapes[name]}")
-                stored = tensor.get_dtype()  # safetensors' name: F32, BF16, F16, F8_E4M3, ... I8, U8, I32, BOOL
-                if not quantized and not stored.startswith(("F", "BF")):
+                want = shapes[causal_name[name]]
+                if got != want:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {got}, config.json implies {want}")
+                stored_dtype = tensor.get_dtype()  # safetensors' name: F32, BF16, F16, F8_E4M3, ... I8, U8, I32, BOOL
+                if not quantized and not stored_dtype.startswith(("F", "BF")):
                     raise CheckpointError(
-                        f"{path}: tensor {name} is stored as {stored}; config.json has no quantization_config, so every "
+                        f"{path}: tensor {name} is stored as {stored_dtype}; config.json has no quantization_config, so every "
                         "weight must be float (int8 codes without their scales would be cast to float as if they were weights)"
                     )
     return files, shapes
@@ -267,19 +298,21 @@ def load_weights(
     files, shapes = check_checkpoint(cfg, model_dir)
     check_tied_head(cfg, files)
     quantized = checkpoint_quantization(model_dir) is not None
+    stored = causal_lm_names(files)
+    causal_name = {s: n for n, s in stored.items()}
     raw: dict[str, Tensor] = {}
-    for path, names in _by_file(files, shapes).items():
+    for path, names in _by_file(files, [stored[n] for n in shapes]).items():
         with _open(path) as f:
             for name in names:
-                raw[name] = f.get_tensor(name)
+                raw[causal_name[name]] = f.get_tensor(name)
                 if quantized:
-                    check_quantized_tensor(name, raw[name], path)
+                    check_quantized_tensor(name, raw[causal_name[name]], path)
     out: dict[str, Tensor | Int8Weight] = {}
     for name, tensor in raw.items():
         if quantized and is_quantized_projection(name):
             out[name] = Int8Weight(tensor.contiguous(), raw[scale_name(name)].contiguous()).to(device)
         elif not (quantized and name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")])):
-            out[name] = _cast(name, tensor, files[name], dtype, device)
+            out[name] = _cast(stored[name], tensor, files[stored[name]], dtype, device)
     return out
 
 
@@ -303,12 +336,13 @@ def check_tied_head(cfg: ModelConfig, files: dict[str, Path]) -> None:
     embedding: transformers 5 unties the two when they differ (``torch.equal``) and computes the
     logits with ``lm_head.weight``, where the tied head here is the embedding matrix. Reads the two
     tensors (``check_checkpoint`` reads headers only); serving, merge and quantize all call it."""
-    if not cfg.tie_word_embeddings or "lm_head.weight" not in files:
+    stored = causal_lm_names(files)
+    if not cfg.tie_word_embeddings or "lm_head.weight" not in stored:
         return
     tensors = {}
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
-        with _open(files[name]) as f:
-            tensors[name] = f.get_tensor(name)
+        with _open(files[stored[name]]) as f:
+            tensors[name] = f.get_tensor(stored[name])
     head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
     same = head.shape == embed.shape and (torch.equal(head, embed) if head.dtype == embed.dtype else torch.equal(head.float(), embed.float()))
     if not same:  # (the float copies only for mixed dtypes: a large vocabulary's head is hundreds of MB)
@@ -340,16 +374,19 @@ def check_quantized_tensor(name: str, tensor: Tensor, path: Path) -> None:
         raise CheckpointError(f"{path}: tensor {name} holds a scale that is not a finite positive number")
 
 
-def _prefix_hint(files: dict[str, Path]) -> str:
-    """For a missing-tensor error: where the checkpoint names the embedding under another prefix than
-    transformers' ``*ForCausalLM`` (``model.embed_tokens.weight``), say so; '' otherwise."""
-    expected = "model.embed_tokens.weight"
-    found = next((n for n in files if n.endswith("embed_tokens.weight") and n != expected), None)
+def _prefix_hint(files: dict[str, Path], missing: list[str]) -> str:
+    """For a missing-tensor error: where the checkpoint is a base-model save without the LM head its
+    untied config needs, or names the embedding under another prefix than transformers' ``*ForCausalLM``
+    (``model.embed_tokens.weight``; a base-model save's ``embed_tokens.weight`` is read as that), say so;
+    '' otherwise."""
+    if "embed_tokens.weight" in files and "lm_head.weight" in missing:
+        return (" (its tensors carry no 'model.' prefix: a base-model save (AutoModel, LlamaModel.save_pretrained), which has no "
+                "LM head; config.json has tie_word_embeddings=false, so transformers would initialise lm_head.weight at random. "
+                "Save the model with its LM head, from AutoModelForCausalLM)")
+    found = next((n for n in files if n.endswith("embed_tokens.weight") and n not in ("model.embed_tokens.weight", "embed_tokens.weight")), None)
     if found is None:
         return ""
     prefix = found[: -len("embed_tokens.weight")]
-    if not prefix:
-        return " (its tensors carry no 'model.' prefix: a base-model save (AutoModel, no LM head); save it from AutoModelForCausalLM)"
     return (f" (its tensors are named {prefix!r}..., where a causal LM checkpoint names them 'model.'...; save it with "
             "AutoModelForCausalLM's save_pretrained, after PEFT's merge_and_unload() where it wraps an adapter)")
 
