@@ -168,6 +168,26 @@ def test_log_level_reaches_serves_own_logs(monkeypatch) -> None:
     assert started["logging_config"] == {"log_level": "WARNING"}
 
 
+def test_a_config_built_directly_gets_serves_step_budget_check() -> None:
+    """``lorafleet serve`` refuses max_num_batched_tokens below max_num_seqs; a ScaleOutConfig built
+    directly (a RayService, a script) skipped that and deployed replicas whose decodes stall. No Ray needed."""
+    from runtime.config import ConfigError
+
+    starved = EngineConfig(model="m", device="cpu", max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens: 4 is below max_num_seqs=8"):
+        ScaleOutConfig(engine=starved, server=ServerOptions(), num_replicas=1, registry_dir="unused")
+    ScaleOutConfig(engine=starved.replace(max_num_batched_tokens=8), server=ServerOptions(), num_replicas=1, registry_dir="unused")
+
+
+def test_serve_says_the_step_budget_problem_once(tmp_path, capsys) -> None:
+    """The launcher's settings check it before the config is built: one message, exit 2. No Ray needed."""
+    from runtime.cli import main
+
+    code = main(["serve", "--ray", "--model", str(tmp_path), "--max-num-seqs", "8", "--max-num-batched-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("is below max_num_seqs=8") == 1, err
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

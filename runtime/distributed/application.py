@@ -32,7 +32,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import backends
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, check_every_decode_fits
 from runtime.distributed.ingress import LoraIngress
 from runtime.distributed.log_level import LOG_LEVELS
 from runtime.distributed.manifest import ManifestError
@@ -83,6 +83,9 @@ class ScaleOutConfig:
                        after ``replica_device`` resolves "auto"
     apply_timeout_s:   how long an admin change waits for live replicas to apply it
     log_level:         lorafleet's log level inside the ingress and replica actors (``log_level.py``)
+
+    Raises ConfigError (a ValueError) for an engine whose step budget is below max_num_seqs, as
+    ``lorafleet serve`` does (``check_every_decode_fits``): the replicas are servers.
     """
 
     engine: EngineConfig
@@ -104,6 +107,10 @@ class ScaleOutConfig:
             raise ValueError(f"num_replicas: expected >= 1, got {self.num_replicas}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing: {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        # Serve's rule, here so that every way to build the application (a RayService, a script,
+        # ``benchmarks/ray_affinity.py``) gets it, not only ``lorafleet serve``: its settings check
+        # it first, so a config it builds never fails here and the message is said once.
+        check_every_decode_fits(self.engine)
 
     @property
     def registry_name(self) -> str:
