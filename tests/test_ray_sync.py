@@ -242,6 +242,54 @@ def test_files_changed_after_validation_are_never_installed(replica, service, fo
     assert any(e.startswith("A: ") and "now has version" in e for e in replica.apply_errors), replica.apply_errors
 
 
+def replace_files(folder: Path, source: Path) -> None:
+    """Put ``source``'s adapter files in ``folder`` as tools do: a new file renamed over each one."""
+    for f in source.iterdir():
+        shutil.copyfile(f, folder / f".{f.name}.tmp")
+        (folder / f".{f.name}.tmp").replace(folder / f.name)
+
+
+def test_a_broken_entry_is_read_again_only_once_its_folder_changed_or_a_backoff_passed(replica, service, folders, monkeypatch) -> None:
+    """A registered entry whose files do not apply kept the replica behind, and every heartbeat
+    (4 a second) read and hashed its files again, for as long as nobody fixed the folder. Now they
+    are read again once the backoff passes (1 s, doubling), or at once when the folder changes."""
+    now = [1000.0]
+    replica._clock = lambda: now[0]
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    v2 = version_of(folders.v2, replica)
+    good = Path(shutil.copytree(folders.v2, folders.root / "v2-good"))
+    revision = record(replica, service, "A", folders.v2)["revision"]  # validated ...
+    replace_files(folders.v2, clone_adapter(folders.v1, folders.root / "v3", seed=11))  # ... then broken on disk
+    reads: list[str] = []
+    real = replica.engine.load_adapter_files
+
+    def load(name: str, path: str) -> Any:
+        reads.append(name)
+        return real(name, path)
+
+    monkeypatch.setattr(replica.engine, "load_adapter_files", load)
+    for _ in range(5):
+        sync(replica)
+    assert reads == ["A"], f"the broken entry's files were read at each of 5 heartbeats within a second: {reads}"
+    error = replica.apply_errors
+    assert len(error) == 1 and "now has version" in error[0] and replica.applied_revision < revision, (error, replica.applied_revision)
+    now[0] += 1.0  # the first backoff passed
+    sync(replica)
+    sync(replica)
+    assert reads == ["A", "A"] and replica.apply_errors == error, (reads, replica.apply_errors)
+    now[0] += 1.0  # the second one is twice as long
+    sync(replica)
+    assert reads == ["A", "A"], reads
+    now[0] += 1.0
+    sync(replica)
+    assert reads == ["A", "A", "A"], reads
+    replace_files(folders.v2, good)  # fixed: the next heartbeat reads it, whatever the backoff
+    sync(replica)
+    assert reads == ["A", "A", "A", "A"], reads
+    assert held(replica) == {"A": (v2, str(folders.v2))} and replica.applied_revision == revision and replica.apply_errors == ()
+
+
 # ---- 4: the same content registered at a new path moves the replica to that path ------------------
 def test_same_content_at_a_new_path_is_installed_from_the_new_path(replica, service, folders) -> None:
     record(replica, service, "A", folders.v1)

@@ -24,15 +24,15 @@ logger = logging.getLogger("lorafleet.registry")
 class ReplicasFailedToApply(APIError):
     """HTTP 503: live replica(s) could not apply the change (the files are not visible on their
     node yet, or changed on disk since they were validated). The change is recorded; those
-    replicas retry at every sync, and meanwhile serve the name only if they already hold the
-    registered version. Posting the same load
-    again waits for them once more and answers with how they stand then."""
+    replicas retry at their syncs (at once when the files change, ``apply_backoff``), and
+    meanwhile serve the name only if they already hold the registered version. Posting the
+    same load again waits for them once more and answers with how they stand then."""
 
     def __init__(self, what: str, name: str, failed: dict[str, list[str]]) -> None:
         detail = "; ".join(f"replica {rid}: {' | '.join(errs)}" for rid, errs in sorted(failed.items()))
         super().__init__(
             503,
-            f"{what}: recorded in the registry, but {len(failed)} replica(s) failed to apply it; they retry at every sync, "
+            f"{what}: recorded in the registry, but {len(failed)} replica(s) failed to apply it; they retry at their syncs (at once when the files change), "
             f"and meanwhile serve {name!r} only if they already hold the registered version (post the same request again "
             f"to check): {detail}",
             code="replicas_failed_to_apply",

@@ -10,8 +10,8 @@ which revision they have applied in full, which one they tried (and what failed)
 their engine snapshot (for /metrics), and returns ``{"state", "drain_s"}``: the registered
 set when they are behind (else None), and, once the application began shutting down
 (``begin_drain``), how long their requests in flight may still run (else None). A
-replica whose entries failed stays behind, so it is sent the set again, and retries, at
-every heartbeat. A replica is *live* while its last heartbeat is younger than
+replica whose entries failed stays behind, so it is sent the set again at every heartbeat,
+and retries them (reading their files only when ``ApplyBackoff`` says it is due). A replica is *live* while its last heartbeat is younger than
 ``live_after_s``. ``wait_applied(R)`` returns once every live replica has applied a
 revision >= R or reported errors for one, or at the timeout with the lagging replicas named.
 

@@ -12,7 +12,8 @@ Registry: every replica registers the application's whole adapter set in its eng
 host/device LRU only while used). A background task heartbeats the registry actor,
 applies newer revisions, and reports the engine snapshot for /metrics. An entry is
 installed only once its files hash to the registered version; one that cannot be
-applied keeps the revision unapplied (retried at every heartbeat), and the name is not
+applied keeps the revision unapplied (retried at the heartbeats, its files read again once
+its folder changes or a backoff passes: ``apply_backoff.py``), and the name is not
 served meanwhile unless the replica already holds the registered version. A request
 carries the registry revision the ingress knows and the version it names for the adapter; a
 replica behind that revision syncs first, and if it cannot, serves the adapter only in that version.
@@ -51,6 +52,7 @@ from ray import serve
 
 from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
+from runtime.distributed.apply_backoff import ApplyBackoff
 from runtime.distributed.log_level import apply_log_level
 from runtime.lora.registry import AdapterInfo
 from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, SamplingParams, UnknownAdapterError
@@ -174,6 +176,7 @@ class LoraReplica:
         self._sync_lock = asyncio.Lock()
         self._sync_task: Optional[asyncio.Task] = None
         self._clock = time.monotonic
+        self._backoff = ApplyBackoff(clock=lambda: self._clock())  # when a failed entry's files are read again
         self._sync_fine_at = self._clock()  # when the last sync succeeded, or failed only because the registry was away
         self._sync_error: Optional[str] = None  # why the last sync failed (None: it succeeded)
         self._metrics_lock = threading.Lock()
@@ -191,7 +194,9 @@ class LoraReplica:
         An entry that cannot be applied here (files not visible on this node yet, or changed
         since the registry validated them) is reported in ``apply_errors`` and keeps
         ``applied_revision`` below the state's revision, so every later sync retries it;
-        ``attempted_revision`` says which revision the errors are about.
+        ``attempted_revision`` says which revision the errors are about. A retry reads the files
+        only when ``ApplyBackoff`` says it is due (the folder changed, or the backoff passed);
+        until then the entry keeps its last error.
         """
         wanted = {e["name"]: e for e in state["entries"]}
         have = {a.name: a for a in self.engine.adapters()}
@@ -199,11 +204,17 @@ class LoraReplica:
         for name, entry in wanted.items():
             if name in have and (have[name].version, have[name].path) == (entry["version"], entry["path"]):
                 continue  # same content from the same folder (another folder: re-read from there, as a single server does)
-            error = self._apply_entry(entry, have.get(name))
+            error = self._backoff.held_error(entry)
+            if error is None:
+                signature = self._backoff.signature(entry["path"])  # before the read: a change made during it counts
+                error = self._apply_entry(entry, have.get(name))
+                if error is not None:
+                    self._backoff.failed(entry, error, signature)
             if error is not None:
                 failed[name] = error
         for name in set(have) - set(wanted):
             self.engine.unregister_adapter(name)
+        self._backoff.keep_only(failed)
         self._record_apply(state["revision"], failed)
 
     def _apply_entry(self, entry: dict[str, Any], held: Optional[AdapterInfo]) -> Optional[str]:
