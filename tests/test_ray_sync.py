@@ -637,6 +637,60 @@ def test_ingress_builds_the_adapter_list_once_per_registry_view_not_per_request(
     assert [a.name for a in ingress.adapters()] == ["a0"] and ingress._current_version("a1") is None
 
 
+def map_entries(report: dict[str, Any]) -> int:
+    """Per-adapter entries a heartbeat's report carries: whole maps, or their changes and removals."""
+    total = 0
+    for key in ("adapters", "registered"):
+        value = report.get(key, {})
+        total += len(value["changed"]) + len(value["removed"]) if set(value) == {"changed", "removed"} else len(value)
+    return total
+
+
+def test_heartbeats_carry_only_the_adapters_that_changed(replica, service, folders, tmp_path) -> None:
+    """Every heartbeat (4 a second per replica) carried every registered adapter's counters and
+    version, whether anything changed or not: the registry's load grew as adapters x replicas.
+    Now only changed entries travel, and the registry still holds the whole report."""
+    import pickle
+
+    names = [f"n{i}" for i in range(6)]
+    for name in names:
+        record(replica, service, name, folders.v1)
+    sync(replica)
+    sent: list[tuple[int, int]] = []  # (entries, pickled bytes) per heartbeat
+    real = service.heartbeat
+
+    def heartbeat(*args: Any) -> Any:
+        sent.append((map_entries(args[2]), len(pickle.dumps(args[2]))))
+        return real(*args)
+
+    service.heartbeat = heartbeat  # type: ignore[method-assign]
+
+    def beat() -> tuple[int, int]:
+        sent.clear()
+        asyncio.run(replica._heartbeat())
+        held_now = service.replicas["replica-1"].snapshot
+        whole = replica.report()
+        assert (held_now["adapters"], held_now["registered"]) == (whole["adapters"], whole["registered"]), "the registry's report differs from the replica's"
+        return sent[-1]
+
+    whole_entries = len(replica.report()["adapters"]) + len(replica.report()["registered"])
+    assert whole_entries >= len(names) * 2
+    idle = [beat() for _ in range(3)]
+    assert [entries for entries, _ in idle] == [0, 0, 0], f"idle heartbeats carried {idle} (entries, bytes); the whole maps have {whole_entries} entries"
+    items(replica, "n3")
+    entries, _ = beat()
+    assert entries == 1, f"after one request for n3, a heartbeat carried {entries} entries"
+    service.unregister("n5")
+    sync(replica)
+    assert "n5" not in service.replicas["replica-1"].snapshot["registered"]
+    # A restarted registry holds no report of this replica: the changes are refused and the whole report follows.
+    restarted = AdapterRegistryService(service.folder())
+    replica.registry = LocalHandle(restarted)
+    asyncio.run(replica._heartbeat())
+    assert restarted.replicas["replica-1"].snapshot["registered"] == replica.report()["registered"]
+    assert restarted.replicas["replica-1"].snapshot["adapters"] == replica.report()["adapters"]
+
+
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:
     """The heartbeat's snapshot takes the engine lock, which a step holds for its whole length:
     it must wait in a worker thread, not on the replica's event loop (which streams tokens)."""
@@ -1034,7 +1088,7 @@ def test_chat_default_max_tokens_is_capped_to_the_replicas_kv_pool(service, tiny
 
 def test_registry_tells_replicas_about_the_drain_and_the_ingress_about_readiness(service) -> None:
     assert service.view()["ready"] is True  # one that deploy did not create (a RayService's) serves at once
-    assert service.heartbeat("r1", -1, {}) == {"state": service.state(), "drain_s": None}
+    assert service.heartbeat("r1", -1, {}) == {"state": service.state(), "drain_s": None, "report": 1}
     service.set_ready(False)
     assert service.view()["ready"] is False
     service.begin_drain(20.0)

@@ -5,9 +5,10 @@ from it and the ingress writes to it. Every change bumps ``revision`` and is wri
 the manifest *before* it becomes visible, so what replicas apply is always durable.
 
 Replicas call ``heartbeat(replica_id, applied_revision, snapshot, errors,
-attempted_revision)`` every ``sync_interval`` seconds: it records that they are alive,
+attempted_revision, report_base)`` every ``sync_interval`` seconds: it records that they are alive,
 which revision they have applied in full, which one they tried (and what failed), and
-their engine snapshot (for /metrics), and returns ``{"state", "drain_s"}``: the registered
+their engine snapshot (for /metrics; its per-adapter maps sent as changes to the one held,
+``report_delta.py``), and returns ``{"state", "drain_s", "report"}``: the registered
 set when they are behind (else None), and, once the application began shutting down
 (``begin_drain``), how long their requests in flight may still run (else None). A
 replica whose entries failed stays behind, so it is sent the set again at every heartbeat,
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from runtime.distributed.manifest import Manifest, ManifestEntry, ManifestStore
+from runtime.distributed.report_delta import apply_report
 
 
 @dataclass
@@ -45,6 +47,7 @@ class ReplicaStatus:
     errors: tuple[str, ...] = ()
     first_seen: float = field(default_factory=time.monotonic)
     attempted_revision: int = -1
+    report_number: Optional[int] = None  # which of the replica's reports ``snapshot`` is (``report_delta``); None: none yet
 
     def settled(self, revision: int) -> bool:
         """Done with ``revision``: applied it, or tried and reported what failed."""
@@ -106,9 +109,15 @@ class AdapterRegistryService:
         snapshot: dict[str, Any],
         errors: tuple[str, ...] = (),
         attempted_revision: Optional[int] = None,
+        report_base: Optional[int] = None,
     ) -> dict[str, Any]:
         """Record a replica's progress; returns {"state": ``state()`` when it is behind, else
-        None, "drain_s": ``drain_left()``}.
+        None, "drain_s": ``drain_left()``, "report": the number of the replica's report held now,
+        or None when ``snapshot`` could not be taken}.
+
+        ``report_base``: None when ``snapshot`` is the whole report; else its maps are changes to
+        the replica's report of that number (``report_delta``), refused (``"report": None``, the
+        report held stays) unless that is the one held.
 
         A replica whose entries failed stays behind (``applied_revision`` does not advance),
         so it gets the state again at every heartbeat and retries them.
@@ -119,11 +128,15 @@ class AdapterRegistryService:
         attempted = max(applied_revision, attempted_revision if attempted_revision is not None else applied_revision)
         status = self.replicas.get(replica_id)
         if status is None:
-            self.replicas[replica_id] = ReplicaStatus(applied_revision, now, snapshot, tuple(errors), attempted_revision=attempted)
+            status = self.replicas[replica_id] = ReplicaStatus(applied_revision, now, {}, tuple(errors), attempted_revision=attempted)
         else:
-            status.applied_revision, status.last_seen, status.snapshot, status.errors = applied_revision, now, snapshot, tuple(errors)
+            status.applied_revision, status.last_seen, status.errors = applied_revision, now, tuple(errors)
             status.attempted_revision = attempted
-        return {"state": self.state() if applied_revision < self.manifest.revision else None, "drain_s": self.drain_left()}
+        report = apply_report(status.snapshot, snapshot, report_base, status.report_number)
+        if report is not None:
+            status.snapshot, status.report_number = report, (status.report_number or 0) + 1
+        return {"state": self.state() if applied_revision < self.manifest.revision else None, "drain_s": self.drain_left(),
+                "report": status.report_number if report is not None else None}
 
     # ---- start and shutdown ------------------------------------------------------------------------
     def set_ready(self, ready: bool) -> None:

@@ -54,6 +54,7 @@ from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
 from runtime.distributed.apply_backoff import ApplyBackoff
 from runtime.distributed.log_level import apply_log_level
+from runtime.distributed.report_delta import ReportSender
 from runtime.lora.registry import AdapterInfo
 from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, SamplingParams, UnknownAdapterError
 
@@ -173,6 +174,7 @@ class LoraReplica:
         # with another's numbers.
         self._progress: tuple[int, int, tuple[str, ...]] = (-1, -1, ())
         self._unservable: dict[str, str] = {}  # registered names this replica cannot serve yet -> why
+        self._reports = ReportSender()  # heartbeats carry what changed in the per-adapter maps
         self._sync_lock = asyncio.Lock()
         self._sync_task: Optional[asyncio.Task] = None
         self._clock = time.monotonic
@@ -275,10 +277,21 @@ class LoraReplica:
         self._progress = (self.applied_revision if failed else revision, revision, errors)
 
     async def _heartbeat(self) -> Optional[dict[str, Any]]:
-        """Report progress to the registry; returns its state when this replica is behind."""
+        """Report progress to the registry; returns its state when this replica is behind.
+
+        The report's per-adapter maps go as changes to the report the registry holds
+        (``report_delta``); when it holds another one, the whole report follows at once."""
         report = await asyncio.to_thread(self.report)  # snapshot() takes the engine lock: never on the event loop
         applied, attempted, errors = self._progress
-        reply = await self.registry.heartbeat.remote(self.replica_id, applied, report, errors, attempted)
+        wire, base = self._reports.outgoing(report)
+        try:
+            reply = await self.registry.heartbeat.remote(self.replica_id, applied, wire, errors, attempted, base)
+            if reply.get("report") is None and base is not None:
+                reply = await self.registry.heartbeat.remote(self.replica_id, applied, report, errors, attempted, None)
+        except BaseException:
+            self._reports.forget()
+            raise
+        self._reports.acknowledged(report, reply.get("report"))
         if reply["drain_s"] is not None:
             self.begin_drain(reply["drain_s"])
         return reply["state"]
