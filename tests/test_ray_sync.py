@@ -691,6 +691,46 @@ def test_heartbeats_carry_only_the_adapters_that_changed(replica, service, folde
     assert restarted.replicas["replica-1"].snapshot["adapters"] == replica.report()["adapters"]
 
 
+def adapter_series(page: str) -> list[str]:
+    return sorted(line for line in page.splitlines() if line.startswith("lorafleet_adapter_") and 'adapter="' in line)
+
+
+def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(replica, service, folders, tiny_llama_dir) -> None:
+    """/metrics at the ingress was bounded (adapters past the cap share __other__), but a replica's
+    engine was never told to fold, as a single server's is: it kept counters, and sent them to the
+    registry and the ingress, for every adapter it ever served. Now the ingress's scrape relays the
+    names through the registry, the replica folds them at its next heartbeat, and the page is unchanged."""
+    from runtime.distributed.ingress import build_app
+    from runtime.distributed.replica_set import ReplicaSetEngine
+    from runtime.server.options import ServerOptions
+
+    names = [f"n{i}" for i in range(4)]
+    for name in names:
+        record(replica, service, name, folders.v1)
+    sync(replica)
+    for name in names:
+        items(replica, name, max_tokens=1)
+    for name in names[1:]:
+        service.unregister(name)
+    sync(replica)
+    assert set(names) <= set(replica.report()["adapters"])
+    relay = SimpleNamespace(fold_adapter_counters=SimpleNamespace(remote=lambda rid, names: service.fold_adapter_counters(rid, names)))  # Ray call, made here
+    ingress = ReplicaSetEngine(None, relay, str(tiny_llama_dir), "tiny", 64)
+    app = build_app(ingress, ServerOptions(metrics_max_adapters=1))
+    ingress._take(service.view())
+    before = app.state.lorafleet.metrics.render().decode()
+    assert 'adapter="n0"' in before and 'adapter="__other__"' in before and 'adapter="n1"' not in before
+    asyncio.run(replica._heartbeat())  # the reply asks the replica to fold what the scrape counted under __other__
+    kept = set(replica.report()["adapters"])
+    assert kept.isdisjoint(names[1:]), f"the replica still keeps counters of unloaded adapters past the cap: {sorted(kept)}"
+    assert "__other__" in kept and "n0" in kept
+    asyncio.run(replica._heartbeat())
+    assert set(service.replicas["replica-1"].snapshot["adapters"]) == kept
+    ingress._take(service.view())
+    after = app.state.lorafleet.metrics.render().decode()
+    assert adapter_series(after) == adapter_series(before)
+
+
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:
     """The heartbeat's snapshot takes the engine lock, which a step holds for its whole length:
     it must wait in a worker thread, not on the replica's event loop (which streams tokens)."""
@@ -1088,7 +1128,7 @@ def test_chat_default_max_tokens_is_capped_to_the_replicas_kv_pool(service, tiny
 
 def test_registry_tells_replicas_about_the_drain_and_the_ingress_about_readiness(service) -> None:
     assert service.view()["ready"] is True  # one that deploy did not create (a RayService's) serves at once
-    assert service.heartbeat("r1", -1, {}) == {"state": service.state(), "drain_s": None, "report": 1}
+    assert service.heartbeat("r1", -1, {}) == {"state": service.state(), "drain_s": None, "report": 1, "fold": []}
     service.set_ready(False)
     assert service.view()["ready"] is False
     service.begin_drain(20.0)

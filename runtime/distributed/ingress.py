@@ -41,7 +41,7 @@ class StartingGate:
 
 def build_app(engine: ReplicaSetEngine, options: ServerOptions) -> Any:
     """The ingress's FastAPI app: ``create_app`` around the replica set, behind ``StartingGate``."""
-    app = create_app(engine, options, replica_snapshots=engine.replica_snapshots)
+    app = create_app(engine, options, replica_snapshots=engine.replica_snapshots, fold_replica_counters=engine.fold_replica_adapter_counters)
     app.add_middleware(StartingGate, engine=engine)
     return app
 

@@ -8,13 +8,15 @@ Replicas call ``heartbeat(replica_id, applied_revision, snapshot, errors,
 attempted_revision, report_base)`` every ``sync_interval`` seconds: it records that they are alive,
 which revision they have applied in full, which one they tried (and what failed), and
 their engine snapshot (for /metrics; its per-adapter maps sent as changes to the one held,
-``report_delta.py``), and returns ``{"state", "drain_s", "report"}``: the registered
+``report_delta.py``), and returns ``{"state", "drain_s", "report", "fold"}``: the registered
 set when they are behind (else None), and, once the application began shutting down
-(``begin_drain``), how long their requests in flight may still run (else None). A
-replica whose entries failed stays behind, so it is sent the set again at every heartbeat,
-and retries them (reading their files only when ``ApplyBackoff`` says it is due). A replica is *live* while its last heartbeat is younger than
-``live_after_s``. ``wait_applied(R)`` returns once every live replica has applied a
-revision >= R or reported errors for one, or at the timeout with the lagging replicas named.
+(``begin_drain``), how long their requests in flight may still run (else None); which report
+it holds; which adapters' counters to fold (``fold_adapter_counters``, asked by the ingress's
+/metrics). A replica whose entries failed stays behind, so it is sent the set again at every
+heartbeat, and retries them (reading their files only when ``ApplyBackoff`` says it is due).
+A replica is *live* while its last heartbeat is younger than ``live_after_s``.
+``wait_applied(R)`` returns once every live replica has applied a revision >= R or reported
+errors for one, or at the timeout with the lagging replicas named.
 
 Version rules are the single server's: re-registering a name with other content is a
 hot update (a new version; requests in flight finish on the old one, each replica's
@@ -48,6 +50,7 @@ class ReplicaStatus:
     first_seen: float = field(default_factory=time.monotonic)
     attempted_revision: int = -1
     report_number: Optional[int] = None  # which of the replica's reports ``snapshot`` is (``report_delta``); None: none yet
+    fold: set[str] = field(default_factory=set)  # adapter names its next heartbeat is asked to fold (``fold_adapter_counters``)
 
     def settled(self, revision: int) -> bool:
         """Done with ``revision``: applied it, or tried and reported what failed."""
@@ -113,7 +116,8 @@ class AdapterRegistryService:
     ) -> dict[str, Any]:
         """Record a replica's progress; returns {"state": ``state()`` when it is behind, else
         None, "drain_s": ``drain_left()``, "report": the number of the replica's report held now,
-        or None when ``snapshot`` could not be taken}.
+        or None when ``snapshot`` could not be taken, "fold": the names ``fold_adapter_counters``
+        asked this replica to fold since its last heartbeat}.
 
         ``report_base``: None when ``snapshot`` is the whole report; else its maps are changes to
         the replica's report of that number (``report_delta``), refused (``"report": None``, the
@@ -135,8 +139,18 @@ class AdapterRegistryService:
         report = apply_report(status.snapshot, snapshot, report_base, status.report_number)
         if report is not None:
             status.snapshot, status.report_number = report, (status.report_number or 0) + 1
+        fold: list[str] = []
+        if report is not None:  # a refused report is sent again whole at once: that reply carries them
+            fold, status.fold = sorted(status.fold), set()
         return {"state": self.state() if applied_revision < self.manifest.revision else None, "drain_s": self.drain_left(),
-                "report": status.report_number if report is not None else None}
+                "report": status.report_number if report is not None else None, "fold": fold}
+
+    def fold_adapter_counters(self, replica_id: str, names: list[str]) -> None:
+        """The ingress's /metrics counts ``names`` of that replica under ``__other__``: its next
+        heartbeat's reply asks it to fold their counters (``LoraReplica._heartbeat``)."""
+        status = self.replicas.get(replica_id)
+        if status is not None:
+            status.fold.update(names)
 
     # ---- start and shutdown ------------------------------------------------------------------------
     def set_ready(self, ready: bool) -> None:

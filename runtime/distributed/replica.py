@@ -292,6 +292,8 @@ class LoraReplica:
             self._reports.forget()
             raise
         self._reports.acknowledged(report, reply.get("report"))
+        if reply.get("fold"):  # names /metrics counts under __other__: fold those not registered (takes the engine lock)
+            await asyncio.to_thread(self.engine.fold_adapter_counters, reply["fold"])
         if reply["drain_s"] is not None:
             self.begin_drain(reply["drain_s"])
         return reply["state"]

@@ -139,6 +139,21 @@ class ReplicaSetEngine:
     def replica_snapshots(self) -> dict[str, dict[str, Any]]:
         return {rid: r["snapshot"] for rid, r in self._view["replicas"].items()}
 
+    def fold_replica_adapter_counters(self, replica_id: str, names: Sequence[str]) -> None:
+        """/metrics counts ``names`` of replica ``replica_id`` under ``__other__``: ask that replica
+        (through the registry, at its next heartbeat) to fold the counters of those not registered
+        into its engine's ``__other__`` entry (``LLMEngine.fold_adapter_counters``), so its books,
+        and the reports it sends, do not keep every adapter it ever served. Not waited for (a
+        scrape's worker thread calls it); a fold that gets lost is asked for again at the next scrape."""
+        unregistered = [name for name in names if name not in self._view["versions"]]
+        if not unregistered:
+            return
+        try:
+            self.registry.fold_adapter_counters.remote(replica_id, unregistered)
+        except Exception as err:  # noqa: BLE001 - the scrape must still answer; the next one asks again
+            logger.warning("could not ask replica %s to fold the counters of %d unloaded adapter(s): %s: %s", replica_id, len(unregistered),
+                           type(err).__name__, err)  # fmt: skip
+
     def snapshot(self) -> dict[str, Any]:
         """Sum of the live replicas' snapshots (numbers add; per-adapter counters add by name)."""
         total: dict[str, Any] = {}

@@ -69,13 +69,15 @@ def create_app(
     options: ServerOptions | None = None,
     replica: str | None = None,
     replica_snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None,
+    fold_replica_counters: Callable[[str, list[str]], None] | None = None,
 ) -> FastAPI:
     """``replica_snapshots``: for an engine spread over replicas (Ray Serve), replica id ->
-    engine snapshot; /metrics then reports pool/KV/adapter series per replica."""
+    engine snapshot; /metrics then reports pool/KV/adapter series per replica, and hands each
+    replica's names past the label cap to ``fold_replica_counters`` (``ServerMetrics``)."""
     options = options or ServerOptions()
     base_name = options.served_model_name or engine.model_name
     metrics = ServerMetrics(engine.snapshot, replica=replica, replica_snapshots=replica_snapshots, max_adapters=options.metrics_max_adapters,
-                            fold_counters=getattr(engine, "fold_adapter_counters", None))
+                            fold_counters=getattr(engine, "fold_adapter_counters", None), fold_replica_counters=fold_replica_counters)
     engine.add_observer(metrics.observe)
     state = AppState(
         engine=engine,

@@ -19,7 +19,8 @@ Bounded books (``fold_counters``, a single engine): after each scrape the engine
 names just counted under ``__other__``; it folds those no longer registered into its own
 ``__other__`` entry, which is rendered under that label too, so the page does not change and the
 engine's per-name tables do not grow with every adapter ever unloaded. Under Ray (per-replica
-snapshots) nothing is folded.
+snapshots) the names are handed, per replica, to ``fold_replica_counters``: the ingress relays them
+through the registry to that replica, whose engine folds them the same way at its next heartbeat.
 """
 from __future__ import annotations
 
@@ -82,7 +83,10 @@ class ServerMetrics:
         replica_snapshots: Callable[[], dict[str, dict[str, Any]]] | None = None,
         max_adapters: int = 100,
         fold_counters: Callable[[list[str]], None] | None = None,
+        fold_replica_counters: Callable[[str, list[str]], None] | None = None,
     ) -> None:
+        """``fold_counters(names)``: a single engine's fold (module docstring); with
+        ``replica_snapshots``, ``fold_replica_counters(replica, names)`` is called instead, per replica."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = AdapterLabels(max_adapters)
         labels = ["adapter"]
@@ -99,7 +103,11 @@ class ServerMetrics:
                 return sorted(replica_snapshots().items())  # one series per replica
             return [(replica, snapshot())]
 
-        fold = fold_counters if replica_snapshots is None else None  # one engine's books only
+        fold: Callable[[str | None, list[str]], None] | None = None
+        if replica_snapshots is not None:
+            fold = fold_replica_counters
+        elif fold_counters is not None:
+            fold = lambda _replica, names: fold_counters(names)  # noqa: E731 - one engine's books
         self.registry.register(_SnapshotCollector(rows, labelled=replica is not None or replica_snapshots is not None, adapter_labels=self.labels, fold=fold))
 
     def observe(self, m: Any) -> None:
@@ -130,7 +138,7 @@ class _SnapshotCollector:
     """
 
     def __init__(self, rows: Callable[[], list[tuple[str | None, dict[str, Any]]]], labelled: bool, adapter_labels: AdapterLabels,
-                 fold: Callable[[list[str]], None] | None = None) -> None:
+                 fold: Callable[[str | None, list[str]], None] | None = None) -> None:
         self.rows = rows
         self.labelled = labelled
         self.adapter_labels = adapter_labels
@@ -209,7 +217,7 @@ class _SnapshotCollector:
                 for key, family in families.items():
                     family.add_metric([label] + extra_values, values[key])
             if self.fold is not None and foldable:
-                self.fold(foldable)
+                self.fold(replica, foldable)
         yield from gauges.values()
         yield from totals.values()
         yield from refcounts.values()
