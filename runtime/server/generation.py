@@ -22,6 +22,8 @@ from runtime.server.protocol import _SamplingFields
 from runtime.tokenizer import LONG_TEXT_CHARS
 
 DEFAULT_COMPLETION_TOKENS = 16
+# SamplingParams.seed is in [0, SEED_MODULUS); a request's seed is any int64, taken modulo this (two's complement).
+SEED_MODULUS = 2**64
 log = logging.getLogger("lorafleet.requests")
 
 
@@ -79,7 +81,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[in
             top_p=req.top_p,
             top_k=req.top_k,  # -1 (off) is SamplingParams' to map, as offline
             min_p=req.min_p,
-            seed=req.seed,
+            seed=None if req.seed is None else req.seed % SEED_MODULUS,  # int64 -> the sampler's [0, 2**64), two's complement
             stop=tuple(stops),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
@@ -171,10 +173,11 @@ def _param_of(message: str, prompt_param: str, default: Optional[str]) -> Option
 
 def choices_of(prompts: Sequence[str | list[int]], params: Sequence[SamplingParams], n: int) -> tuple[list[str | list[int]], list[SamplingParams]]:
     """Each prompt ``n`` times, as choices ``i * n + j`` (OpenAI's order). Sample j of a seeded
-    request gets seed ``seed + j`` (mod 2**63), so the n samples differ and the request stays
+    request gets seed ``seed + j`` (mod 2**64, the sampler's range; the same as adding in int64 and
+    wrapping, so choice j is what seed + j alone gives), so the n samples differ and the request stays
     reproducible; unseeded samples draw their own seeds; greedy ones are all alike."""
     def seeded(p: SamplingParams, j: int) -> SamplingParams:
-        return p if j == 0 or p.seed is None else dataclasses.replace(p, seed=(p.seed + j) % 2**63)
+        return p if j == 0 or p.seed is None else dataclasses.replace(p, seed=(p.seed + j) % SEED_MODULUS)
 
     return [p for p in prompts for _ in range(n)], [seeded(p, j) for p in params for j in range(n)]
 

@@ -112,7 +112,8 @@ class _SamplingFields(BaseModel):
     top_k: StrictInt = Field(0, ge=-1, description="0 or -1 disables top-k.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, strict=True, description="vLLM's extension: after temperature, keep only the tokens "
                          "whose probability is at least min_p times the most likely token's. 0 disables it.")
-    seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
+    seed: Optional[StrictInt] = Field(None, ge=-(2**63), le=2**63 - 1, description="Any 64-bit signed integer, as OpenAI and vLLM "
+                                      "take; the sampler uses it modulo 2**64 (two's complement: -1 seeds as 2**64 - 1).")
     stop: Optional[Union[Text, list[Text]]] = Field(None, description="Up to 16 stop strings; the text ends before the match "
                                                   "(after it with include_stop_str_in_output).")
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation.")

@@ -42,6 +42,19 @@ async def test_completion_choices_order_seeds_and_usage(app, engine) -> None:
     assert reply["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6 * MAX_TOKENS, "total_tokens": prompt_tokens + 6 * MAX_TOKENS}
 
 
+async def test_seeded_choices_wrap_as_int64(app, engine) -> None:
+    """Choice j samples with seed + j, added as 64-bit integers: from -2 the choices are seeds -2, -1
+    and 0, and from 2**63 - 1 the next is -2**63 (it was (seed + j) mod 2**63, and negative seeds were refused)."""
+    model = engine.model_name
+    async with client_for(app) as c:
+        for seed, seeds in ((-2, (-2, -1, 0)), (2**63 - 1, (2**63 - 1, -(2**63)))):
+            choices = (await post(c, "/v1/completions", completion(model, "wrap", n=len(seeds), temperature=1.0, seed=seed)))["choices"]
+            for j, ch in enumerate(choices):
+                alone = (await post(c, "/v1/completions", completion(model, "wrap", temperature=1.0, seed=seeds[j])))["choices"][0]
+                assert ch["token_ids"] == alone["token_ids"], (seed, j)
+            assert len({tuple(ch["token_ids"]) for ch in choices}) == len(seeds)
+
+
 async def test_greedy_choices_are_alike(app, engine) -> None:
     async with client_for(app) as c:
         choices = (await post(c, "/v1/completions", completion(engine.model_name, "same", n=2, temperature=0)))["choices"]

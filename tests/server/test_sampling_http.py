@@ -68,6 +68,26 @@ async def test_chat_seed_reproduces_and_another_seed_differs(app, engine) -> Non
     assert a["token_ids"] != greedy["token_ids"]
 
 
+async def test_negative_seeds_reproduce_and_differ(app, engine) -> None:
+    """OpenAI and vLLM take any int64 seed; a negative one was a 400. It seeds as its two's
+    complement (mod 2**64): reproducible, unlike another negative seed, and unlike its absolute value."""
+    model = engine.model_name
+    async with client_for(app) as c:
+        a = await complete(c, model, temperature=1.0, seed=-1)
+        b = await complete(c, model, temperature=1.0, seed=-1)
+        other = await complete(c, model, temperature=1.0, seed=-2)
+        positive = await complete(c, model, temperature=1.0, seed=1)
+        lowest = await complete(c, model, temperature=1.0, seed=-(2**63))
+        chat_a = await chat(c, model, temperature=1.0, seed=-7)
+        chat_b = await chat(c, model, temperature=1.0, seed=-7)
+        below = await c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "seed": -(2**63) - 1})
+    assert (a["text"], a["token_ids"]) == (b["text"], b["token_ids"])
+    assert a["token_ids"] != other["token_ids"] and a["token_ids"] != positive["token_ids"]
+    assert len(lowest["token_ids"]) == MAX_TOKENS
+    assert chat_a["token_ids"] == chat_b["token_ids"]
+    assert below.status_code == 400 and below.json()["error"]["param"] == "seed"
+
+
 async def test_ignore_eos_reaches_the_engine(app, engine) -> None:
     """A logit_bias that makes the end-of-sequence token the greedy pick: ignore_eos false stops at it,
     ignore_eos true runs to max_tokens. (Every other test sends ignore_eos true to a random model that
