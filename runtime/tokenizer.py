@@ -64,6 +64,18 @@ class TokenizerError(ValueError):
     """The checkpoint's tokenizer files are missing or inconsistent; names file and key."""
 
 
+# Python errors a chat template raises on values it cannot handle (comparing a string with a
+# number, ``str.index`` of a missing substring, dividing by a count of zero, ...). The template
+# is fixed for the server's lifetime, so the inputs of one render are what trigger them.
+TEMPLATE_DATA_ERRORS = (TypeError, ValueError, LookupError, ArithmeticError)
+
+
+class ChatTemplateError(TokenizerError):
+    """The chat template failed on the inputs of one render with one of ``TEMPLATE_DATA_ERRORS``
+    (not jinja's own errors, not its ``raise_exception``). The message names the error; the
+    original is its ``__cause__``, for the log."""
+
+
 # Texts this long (characters) are encoded without holding the GIL (``Tokenizer._encoding``);
 # callers on an event loop or under the engine's lock hand them to a worker thread.
 LONG_TEXT_CHARS = 16_384
@@ -241,7 +253,11 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default)."""
+        """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default).
+
+        Raises TokenizerError when the template refuses the messages (``raise_exception``) or jinja
+        fails (syntax, sandbox, an undefined value used), and its subclass ChatTemplateError when
+        the template's own code fails on these values with one of ``TEMPLATE_DATA_ERRORS``."""
         import jinja2
 
         if self._no_default_template is not None:
@@ -257,8 +273,12 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **self._template_tokens,
             )
+        except TokenizerError:  # the template's raise_exception
+            raise
         except jinja2.TemplateError as err:
             raise TokenizerError(f"chat_template: cannot render: {err}") from err
+        except TEMPLATE_DATA_ERRORS as err:
+            raise ChatTemplateError(f"chat_template: failed on these inputs with {type(err).__name__}: {err}") from err
 
     def _template(self) -> Any:
         """The chat template, compiled on first use and kept (transformers caches it too): compiling a

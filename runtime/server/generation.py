@@ -19,12 +19,13 @@ from runtime.async_engine import EngineDeadError, GroupRefused, admits_groups
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import _SamplingFields
-from runtime.tokenizer import LONG_TEXT_CHARS
+from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError
 
 DEFAULT_COMPLETION_TOKENS = 16
 # SamplingParams.seed is in [0, SEED_MODULUS); a request's seed is any int64, taken modulo this (two's complement).
 SEED_MODULUS = 2**64
 log = logging.getLogger("lorafleet.requests")
+server_log = logging.getLogger("lorafleet.server")  # errors.py's: what the operator should look at
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,14 @@ async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True
 def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
     """The chat template's text for ``messages`` (pydantic chat messages); a refusal by the template
     (its ``raise_exception``, a sandbox violation) is a 400 on ``messages`` whose text starts with
-    the field's name, as every field's error does."""
+    the field's name, as every field's error does. So is a Python error the template's code raises
+    on the request's values (ChatTemplateError: e.g. a TypeError); as it may as well be the template's
+    fault, it is also logged, with its traceback, on ``lorafleet.server``."""
     try:
         return tokenizer.apply_chat_template([m.template_fields() for m in messages])
     except ValueError as err:
+        if isinstance(err, ChatTemplateError):
+            server_log.warning("the chat template failed on a request's values: %s", err, exc_info=err.__cause__)
         message = str(err)
         if not message.startswith("messages"):
             message = f"messages: {message}"
