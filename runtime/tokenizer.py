@@ -24,7 +24,8 @@ prepended (older Llama tokenizer.json files leave that to the Python class). Lik
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``, a
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
 ``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
-``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
+``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
+``continue_final_message`` ends the text inside the last message as transformers does. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
 """
@@ -58,6 +59,8 @@ METASPACE = "\u2581"  # SentencePiece's visible space, "▁"
 REPLACEMENT_CHAR = "\ufffd"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens a chat template sees.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# transformers' continue_final_message_tag: appended to the message to continue, to find where its content ends.
+CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class TokenizerError(ValueError):
@@ -252,22 +255,50 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default).
+
+        ``continue_final_message``: the text ends inside the last message, right after its content
+        (no end-of-turn after it), so a model continues that message; not with
+        ``add_generation_prompt``. As transformers (>= 5) does it: the last message's content gets
+        ``CONTINUE_MARKER`` appended, and the rendered text is cut where the marker's last occurrence
+        starts (then right-stripped, when the template dropped the marker's trailing space: a
+        template that trims the content). A template that does not write the content as given
+        (the content, stripped, or the marker is missing from its text) cannot be continued.
 
         Raises TokenizerError when the template refuses the messages (``raise_exception``) or jinja
         fails (syntax, sandbox, an undefined value used), and its subclass ChatTemplateError when
         the template's own code fails on these values with one of ``TEMPLATE_DATA_ERRORS``."""
-        import jinja2
-
         if self._no_default_template is not None:
             raise TokenizerError(self._no_default_template)
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"messages[{i}]: each message needs 'role' and 'content'")
+        shown = [dict(m) for m in messages]
+        if not continue_final_message:
+            return self._render(shown, add_generation_prompt)
+        if add_generation_prompt:
+            raise TokenizerError("continue_final_message: not with add_generation_prompt, which starts a new message after it")
+        if not shown or not isinstance(shown[-1]["content"], str):
+            raise TokenizerError("continue_final_message: needs a last message whose content is a string")
+        final = shown[-1]["content"]
+        shown[-1]["content"] = final + CONTINUE_MARKER
+        text = self._render(shown, add_generation_prompt=False)
+        marker = CONTINUE_MARKER.strip()
+        if final.strip() not in text or marker not in text:
+            raise TokenizerError("continue_final_message: the chat template does not write the last message's content as given, "
+                                 "so the prompt cannot end inside it")
+        cut = text.rindex(marker)
+        return text[:cut] if text.startswith(CONTINUE_MARKER, cut) else text[:cut].rstrip()
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text for ``messages``, with the variables transformers passes; its errors as ``apply_chat_template`` says."""
+        import jinja2
+
         try:
             return self._template().render(
-                messages=[dict(m) for m in messages],
+                messages=messages,
                 tools=None,  # transformers passes both, None without tools or documents; a template may test ``is none``
                 documents=None,
                 add_generation_prompt=add_generation_prompt,

@@ -384,3 +384,48 @@ def test_the_chat_template_is_compiled_once(model_copy, monkeypatch):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == first
     assert tok.apply_chat_template([{"role": "user", "content": "ho"}]) != first
     assert compiled == [tok.chat_template]
+
+
+LLAMA3_STYLE_TEMPLATE = (  # trims the content, so transformers' marker loses its space: the rstrip branch
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3_STYLE_TEMPLATE], ids=["eos_ends_turn", "trimmed_eot_id"])
+def test_continue_final_message_matches_transformers(model_copy, template):
+    """The prompt ends right after the last message's content, with no end-of-turn (here </s>, or
+    <|eot_id|> after trimmed content), as transformers renders it; a final content that the template
+    repeats earlier, ends in spaces or is empty included."""
+    from transformers import AutoTokenizer
+
+    if template is not None:
+        _set_config(model_copy, chat_template=template)
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    for final in ("Sure, the answer is", "twice", "ends in a space ", "", "  padded  "):
+        messages = [{"role": "user", "content": "twice"}, {"role": "assistant", "content": final}]
+        want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+        assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == want, final
+        assert not want.endswith(("</s>", "<|eot_id|>"))
+    whole = ours.apply_chat_template(messages, add_generation_prompt=False)
+    assert whole.startswith(want) and whole != want
+    with pytest.raises(TokenizerError, match="continue_final_message: not with add_generation_prompt"):
+        ours.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_continue_final_message_with_templates_that_cannot_continue_it(model_copy):
+    """The demo model's template refuses a last message that is not the user's; a template that does not
+    write the content cannot end inside it. transformers refuses both as well."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "so"}]
+    demo = Path(__file__).resolve().parents[1] / "runtime" / "demo_assets" / "base"
+    with pytest.raises(Exception, match="must be a user message"):
+        AutoTokenizer.from_pretrained(str(demo)).apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(TokenizerError, match="must be a user message"):
+        Tokenizer(demo).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    _set_config(model_copy, chat_template="{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    with pytest.raises(ValueError):
+        AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(TokenizerError, match="continue_final_message: the chat template does not write the last message's content"):
+        Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 from runtime.async_engine import EngineDeadError, GroupRefused, admits_groups
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError, error_body, internal_error_body
-from runtime.server.protocol import _SamplingFields
+from runtime.server.protocol import CHAT_TEMPLATE_FIELDS, _SamplingFields
 from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError
 
 DEFAULT_COMPLETION_TOKENS = 16
@@ -58,21 +58,31 @@ async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True
     return await off_loop_if_long(len(text), lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Any]) -> str:
-    """The chat template's text for ``messages`` (pydantic chat messages); a refusal by the template
-    (its ``raise_exception``, a sandbox violation) is a 400 on ``messages`` whose text starts with
-    the field's name, as every field's error does. So is a Python error the template's code raises
-    on the request's values (ChatTemplateError: e.g. a TypeError); as it may as well be the template's
-    fault, it is also logged, with its traceback, on ``lorafleet.server``."""
+def render_chat(tokenizer: Any, request: Any) -> str:
+    """The chat template's text for a request's ``messages`` (pydantic chat messages), with its chat
+    template fields (``protocol.CHAT_TEMPLATE_FIELDS``). ``continue_final_message`` needs
+    ``add_generation_prompt`` false (vLLM's rule) and an assistant message last, else a 400 on it.
+    A refusal by the template (its ``raise_exception``, a sandbox violation) is a 400 on
+    ``messages`` whose text starts with the field's name, as every field's error does. So is a
+    Python error the template's code raises on the request's values (ChatTemplateError: e.g. a
+    TypeError); as it may as well be the template's fault, it is also logged, with its traceback,
+    on ``lorafleet.server``."""
+    messages = request.messages
+    if request.continue_final_message:
+        refusal = ("not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"
+                   if request.add_generation_prompt else None if messages[-1].role == "assistant"
+                   else f"the last message must be the assistant's (the one to continue), not a {messages[-1].role} message")
+        if refusal:
+            raise APIError(400, f"continue_final_message: {refusal}", param="continue_final_message", code="invalid_parameter")
     try:
-        return tokenizer.apply_chat_template([m.template_fields() for m in messages])
+        return tokenizer.apply_chat_template([m.template_fields() for m in messages], add_generation_prompt=request.add_generation_prompt,
+                                             continue_final_message=request.continue_final_message)  # fmt: skip
     except ValueError as err:
         if isinstance(err, ChatTemplateError):
             server_log.warning("the chat template failed on a request's values: %s", err, exc_info=err.__cause__)
         message = str(err)
-        if not message.startswith("messages"):
-            message = f"messages: {message}"
-        raise APIError(400, message, param="messages", code="invalid_parameter") from err
+        param = next((field for field in CHAT_TEMPLATE_FIELDS if message.startswith(f"{field}:")), "messages")
+        raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param=param, code="invalid_parameter") from err
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:

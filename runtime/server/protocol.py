@@ -282,7 +282,22 @@ class TextResponseFormat(BaseModel):
         return value
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(BaseModel):
+    """vLLM's fields for how the chat template renders the messages: chat completions and
+    /tokenize's messages (``generation.render_chat`` checks them against the messages)."""
+
+    model_config = ConfigDict(extra="forbid")
+    add_generation_prompt: StrictBool = Field(True, description="vLLM's extension: the template's add_generation_prompt: end the "
+                                              "prompt with the start of an assistant message. false: the prompt ends after the last message.")
+    continue_final_message: StrictBool = Field(False, description="vLLM's extension: the prompt ends inside the last message, which "
+                                               "must be the assistant's, right after its content (no end of turn), so the model continues "
+                                               "it; the reply holds the continuation only. Needs add_generation_prompt: false.")
+
+
+CHAT_TEMPLATE_FIELDS = tuple(_ChatTemplateFields.model_fields)
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     response_format: Optional[TextResponseFormat] = Field(None, description='Only {"type": "text"}, OpenAI\'s default: lorafleet '
                                                           "has no JSON mode or structured output.")
@@ -335,10 +350,10 @@ class UnloadAdapterRequest(BaseModel):
     lora_name: str = Field(..., min_length=1, max_length=ADAPTER_NAME_MAX_LEN)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's ``POST /tokenize``: a ``prompt`` (as completions encodes it) or chat ``messages``
-    (as chat completions renders and encodes them), so ``count`` equals that route's
-    ``usage.prompt_tokens``."""
+    (as chat completions renders and encodes them, with the same chat template fields), so
+    ``count`` equals that route's ``usage.prompt_tokens``."""
 
     model_config = ConfigDict(extra="forbid")
     model: Optional[Text] = Field(None, description="The base model or an adapter (they share the tokenizer); default the base.")

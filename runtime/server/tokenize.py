@@ -12,7 +12,7 @@ from fastapi import APIRouter
 
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route
-from runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from runtime.server.protocol import CHAT_TEMPLATE_FIELDS, DetokenizeRequest, TokenizeRequest
 
 
 def build_router(state: Any) -> APIRouter:
@@ -28,8 +28,11 @@ def build_router(state: Any) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt or messages", param="prompt", code="invalid_parameter")
         tokenizer = state.tokenizer
+        if body.messages is None and (given := [f for f in CHAT_TEMPLATE_FIELDS if f in body.model_fields_set]):
+            raise APIError(400, f"{given[0]}: only with messages (it is how the chat template renders them)", param=given[0],
+                           code="invalid_parameter")  # fmt: skip
         if body.messages is not None:
-            text = gen.render_chat(tokenizer, body.messages)
+            text = gen.render_chat(tokenizer, body)
             ids = await gen.encode_text(tokenizer, text, add_special_tokens=bool(body.add_special_tokens))
         else:
             ids = await gen.encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens is not False)

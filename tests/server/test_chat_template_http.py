@@ -1,6 +1,7 @@
 """The chat template over HTTP, on a copy of the tiny llama with a template of the test's own:
 what the template raises while rendering a request's messages is a 400 naming the error (and
-logged), never a 500, unless it is not a data error."""
+logged), never a 500, unless it is not a data error; vLLM's add_generation_prompt and
+continue_final_message give transformers' prompts."""
 from __future__ import annotations
 
 import contextlib
@@ -80,3 +81,53 @@ async def test_a_template_failing_otherwise_is_still_a_500(tiny_llama_dir, tmp_p
             r = await c.post("/v1/chat/completions", json=chat_body(c, [{"role": "user", "content": "hi"}]))
     assert r.status_code == 500 and "RecursionError" in r.json()["error"]["message"]
     assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in caplog.records if rec.name == "lorafleet.server")
+
+
+async def test_add_generation_prompt_and_continue_final_message_render_as_transformers(tiny_llama_dir, tmp_path):
+    """vLLM's two chat fields (they were refused as unknown): add_generation_prompt false ends the prompt
+    after the last message; continue_final_message ends it inside the last (assistant) message, with no
+    end-of-turn (</s> here), so the reply continues it. Prompts as transformers renders them; usage,
+    /tokenize and a stream agree with them."""
+    from transformers import AutoTokenizer
+
+    from runtime.tokenizer import Tokenizer
+    from tests.fixtures.tiny_models import CHAT_TEMPLATE
+
+    ref, ours = AutoTokenizer.from_pretrained(str(tiny_llama_dir)), Tokenizer(tiny_llama_dir)
+    asked = [{"role": "user", "content": "name a colour"}]
+    answered = [*asked, {"role": "assistant", "content": "Sure, the colour is"}]
+    cases = [(asked, {}, dict(add_generation_prompt=True)),
+             (asked, {"add_generation_prompt": False}, dict(add_generation_prompt=False)),
+             (answered, {"add_generation_prompt": False, "continue_final_message": True}, dict(add_generation_prompt=False, continue_final_message=True))]
+    async with served(tiny_llama_dir, tmp_path, CHAT_TEMPLATE) as c:
+        for messages, fields, hf_fields in cases:
+            want = ours.encode(ref.apply_chat_template(messages, tokenize=False, **hf_fields), add_special_tokens=False)
+            r = await c.post("/v1/chat/completions", json=chat_body(c, messages, return_token_ids=True, **fields))
+            assert r.status_code == 200, r.text
+            choice, usage = r.json()["choices"][0], r.json()["usage"]
+            assert choice["prompt_token_ids"] == want and usage["prompt_tokens"] == len(want), fields
+            assert usage["completion_tokens"] == len(choice["token_ids"]) and choice["message"]["content"] == ours.decode(choice["token_ids"])
+            counted = await c.post("/tokenize", json={"messages": messages, **fields})
+            assert counted.status_code == 200 and counted.json()["tokens"] == want
+            async with c.stream("POST", "/v1/chat/completions", json={**chat_body(c, messages, **fields), "stream": True,
+                                                                      "stream_options": {"include_usage": True}}) as s:
+                last = [line async for line in s.aiter_lines() if line.startswith("data: {")][-1]
+            assert json.loads(last[len("data: "):])["usage"] == usage
+        assert want[-1] != ours.eos_token_ids[0] and ours.decode(want).endswith("Sure, the colour is")
+
+
+@pytest.mark.parametrize("route, body, message", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "continue_final_message": True},
+     "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message: the last message must be the assistant's (the one to continue), not a user message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message: the last message must be the assistant's (the one to continue), not a user message"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt: only with messages (it is how the chat template renders them)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": 0}, "add_generation_prompt: Input should be a valid boolean"),
+])
+async def test_chat_template_field_refusals(tiny_llama_dir, tmp_path, route, body, message):
+    async with served(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}") as c:
+        r = await c.post(route, json={"model": c.model_name, **body})  # type: ignore[attr-defined]
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == message.split(":")[0]
