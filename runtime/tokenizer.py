@@ -25,7 +25,8 @@ like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continu
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
 ``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
 ``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
-``continue_final_message`` ends the text inside the last message as transformers does. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
+``continue_final_message`` ends the text inside the last message as transformers does, and
+``template_kwargs`` adds variables (not over these). Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
 """
@@ -61,6 +62,17 @@ REPLACEMENT_CHAR = "\ufffd"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' continue_final_message_tag: appended to the message to continue, to find where its content ends.
 CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
+# The variables a render sets -> what to; ``template_kwargs`` may not set them (nor the template
+# environment's functions: jinja's ``range``, ``namespace``, ..., and ``TEMPLATE_FUNCTIONS``).
+RENDER_VARIABLES = MappingProxyType({
+    "messages": "the request's messages",
+    "add_generation_prompt": "the request's add_generation_prompt field",
+    "continue_final_message": "the request's continue_final_message field (not a template variable; transformers reads it)",
+    "tools": "none (lorafleet has no tool calling)",
+    "documents": "none (lorafleet takes no documents)",
+    **{name: "the tokenizer's special token" for name in SPECIAL_TOKEN_NAMES},
+})
+TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")  # transformers' globals, which lorafleet's templates get too
 
 
 class TokenizerError(ValueError):
@@ -256,8 +268,13 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default).
+
+        ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g.
+        ``enable_thinking``), as transformers passes its extra keyword arguments; one that the
+        template does not read changes nothing. A name the render sets itself (``RENDER_VARIABLES``)
+        or a function of the template's environment is refused (TokenizerError), never overridden.
 
         ``continue_final_message``: the text ends inside the last message, right after its content
         (no end-of-turn after it), so a model continues that message; not with
@@ -275,16 +292,21 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"messages[{i}]: each message needs 'role' and 'content'")
+        extra = dict(template_kwargs or {})
+        for key in extra:
+            why = RENDER_VARIABLES.get(key) or ("a function templates call" if key in TEMPLATE_FUNCTIONS or key in _jinja_globals() else None)
+            if why is not None:
+                raise TokenizerError(f"chat_template_kwargs: {key!r} cannot be set: lorafleet sets it to {why}")
         shown = [dict(m) for m in messages]
         if not continue_final_message:
-            return self._render(shown, add_generation_prompt)
+            return self._render(shown, add_generation_prompt, extra)
         if add_generation_prompt:
             raise TokenizerError("continue_final_message: not with add_generation_prompt, which starts a new message after it")
         if not shown or not isinstance(shown[-1]["content"], str):
             raise TokenizerError("continue_final_message: needs a last message whose content is a string")
         final = shown[-1]["content"]
         shown[-1]["content"] = final + CONTINUE_MARKER
-        text = self._render(shown, add_generation_prompt=False)
+        text = self._render(shown, False, extra)
         marker = CONTINUE_MARKER.strip()
         if final.strip() not in text or marker not in text:
             raise TokenizerError("continue_final_message: the chat template does not write the last message's content as given, "
@@ -292,8 +314,9 @@ class Tokenizer:
         cut = text.rindex(marker)
         return text[:cut] if text.startswith(CONTINUE_MARKER, cut) else text[:cut].rstrip()
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The template's text for ``messages``, with the variables transformers passes; its errors as ``apply_chat_template`` says."""
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: Mapping[str, Any]) -> str:
+        """The template's text for ``messages``, with the variables transformers passes and ``extra`` (checked
+        by the caller); its errors as ``apply_chat_template`` says."""
         import jinja2
 
         try:
@@ -303,6 +326,7 @@ class Tokenizer:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._template_tokens,
+                **extra,
             )
         except TokenizerError:  # the template's raise_exception
             raise
@@ -320,7 +344,7 @@ class Tokenizer:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.filters["tojson"] = _tojson
-            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
             self._compiled_template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         return self._compiled_template
 
@@ -331,6 +355,13 @@ class Tokenizer:
         if tid is None:
             raise TokenizerError(f"{path}: {key} {token!r} is not in tokenizer.json's vocabulary")
         return tid
+
+
+def _jinja_globals() -> frozenset[str]:
+    """The functions every jinja environment has (``range``, ``namespace``, ``cycler``, ...)."""
+    from jinja2.defaults import DEFAULT_NAMESPACE
+
+    return frozenset(DEFAULT_NAMESPACE)
 
 
 def _raise_exception(message: str) -> None:

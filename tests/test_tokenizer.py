@@ -429,3 +429,21 @@ def test_continue_final_message_with_templates_that_cannot_continue_it(model_cop
         AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(TokenizerError, match="continue_final_message: the chat template does not write the last message's content"):
         Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_template_kwargs_render_as_transformers_extra_arguments(model_copy):
+    """vLLM's chat_template_kwargs: more variables for the template, as transformers' apply_chat_template
+    passes its extra keyword arguments; names the render sets itself are refused, not overridden."""
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, chat_template="{% if enable_thinking is false %}<no_think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                          "{% if persona %}[{{ persona.name }}|{{ persona.traits | join(',') }}]{% endif %}{{ eos_token }}")
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = {"enable_thinking": False, "persona": {"name": "Ada", "traits": ["terse", "exact"]}, "unused": 1}
+    ours = Tokenizer(model_copy).apply_chat_template(messages, template_kwargs=kwargs)
+    assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ours == "<no_think>hi[Ada|terse,exact]</s>"
+    for key in ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "eos_token", "mask_token",
+                "raise_exception", "strftime_now", "namespace", "range"):
+        with pytest.raises(TokenizerError, match=f"^chat_template_kwargs: '{key}' cannot be set: lorafleet sets it to "):
+            Tokenizer(model_copy).apply_chat_template(messages, template_kwargs={key: 1})

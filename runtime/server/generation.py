@@ -61,7 +61,8 @@ async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True
 def render_chat(tokenizer: Any, request: Any) -> str:
     """The chat template's text for a request's ``messages`` (pydantic chat messages), with its chat
     template fields (``protocol.CHAT_TEMPLATE_FIELDS``). ``continue_final_message`` needs
-    ``add_generation_prompt`` false (vLLM's rule) and an assistant message last, else a 400 on it.
+    ``add_generation_prompt`` false (vLLM's rule) and an assistant message last, else a 400 on it;
+    a ``chat_template_kwargs`` key the render sets itself is a 400 on that field.
     A refusal by the template (its ``raise_exception``, a sandbox violation) is a 400 on
     ``messages`` whose text starts with the field's name, as every field's error does. So is a
     Python error the template's code raises on the request's values (ChatTemplateError: e.g. a
@@ -76,7 +77,8 @@ def render_chat(tokenizer: Any, request: Any) -> str:
             raise APIError(400, f"continue_final_message: {refusal}", param="continue_final_message", code="invalid_parameter")
     try:
         return tokenizer.apply_chat_template([m.template_fields() for m in messages], add_generation_prompt=request.add_generation_prompt,
-                                             continue_final_message=request.continue_final_message)  # fmt: skip
+                                             continue_final_message=request.continue_final_message,
+                                             template_kwargs=request.chat_template_kwargs)  # fmt: skip
     except ValueError as err:
         if isinstance(err, ChatTemplateError):
             server_log.warning("the chat template failed on a request's values: %s", err, exc_info=err.__cause__)

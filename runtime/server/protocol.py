@@ -292,6 +292,26 @@ class _ChatTemplateFields(BaseModel):
     continue_final_message: StrictBool = Field(False, description="vLLM's extension: the prompt ends inside the last message, which "
                                                "must be the assistant's, right after its content (no end of turn), so the model continues "
                                                "it; the reply holds the continuation only. Needs add_generation_prompt: false.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="vLLM's extension: more variables for the chat template "
+                                                            "(e.g. {\"enable_thinking\": false}); one the template does not read changes "
+                                                            "nothing. Names the server sets (messages, add_generation_prompt, the special "
+                                                            "tokens, tools, documents, the template's functions) are a 400.")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_text_is_unicode(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        """Every string in it, keys included, is Unicode text (it may be written into the prompt)."""
+        pending: list[Any] = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+            elif isinstance(item, str):
+                _valid_unicode(item)
+        return value
 
 
 CHAT_TEMPLATE_FIELDS = tuple(_ChatTemplateFields.model_fields)

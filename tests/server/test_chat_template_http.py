@@ -5,6 +5,7 @@ continue_final_message give transformers' prompts."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import shutil
@@ -116,7 +117,7 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_transf
         assert want[-1] != ours.eos_token_ids[0] and ours.decode(want).endswith("Sure, the colour is")
 
 
-@pytest.mark.parametrize("route, body, message", [
+FIELD_REFUSALS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "continue_final_message": True},
      "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True, "add_generation_prompt": False},
@@ -125,9 +126,63 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_transf
      "continue_final_message: the last message must be the assistant's (the one to continue), not a user message"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt: only with messages (it is how the chat template renders them)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": 0}, "add_generation_prompt: Input should be a valid boolean"),
-])
-async def test_chat_template_field_refusals(tiny_llama_dir, tmp_path, route, body, message):
+]
+
+
+async def test_chat_template_field_refusals(tiny_llama_dir, tmp_path):
     async with served(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}") as c:
-        r = await c.post(route, json={"model": c.model_name, **body})  # type: ignore[attr-defined]
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == message.split(":")[0]
+        for route, body, message in FIELD_REFUSALS:
+            r = await c.post(route, json={"model": c.model_name, **body})  # type: ignore[attr-defined]
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == message.split(":")[0]
+
+
+THINKING = ("{{ bos_token }}{% if enable_thinking is defined and not enable_thinking %}<|nothink|>{% endif %}"
+            "{% if budget is defined and budget > 100 %}<|long|>{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}<|assistant|>")
+
+
+async def test_chat_template_kwargs_reach_the_template(tiny_llama_dir, tmp_path, caplog):
+    """vLLM's chat_template_kwargs (refused as an unknown field before): its keys are template variables,
+    for chat completions and /tokenize alike; null is not set."""
+    from runtime.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    async with served(tiny_llama_dir, tmp_path, THINKING) as c:
+        ids = {}
+        for kwargs in (None, {"enable_thinking": False, "budget": 500}):
+            r = await c.post("/v1/chat/completions", json=chat_body(c, messages, return_token_ids=True, chat_template_kwargs=kwargs))
+            assert r.status_code == 200, r.text
+            ids[bool(kwargs)] = r.json()["choices"][0]["prompt_token_ids"]
+            counted = await c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": kwargs})
+            assert counted.json()["tokens"] == ids[bool(kwargs)]
+        with caplog.at_level(logging.WARNING, logger="lorafleet.server"):
+            wrong_type = await c.post("/v1/chat/completions", json=chat_body(c, messages, chat_template_kwargs={"budget": "high"}))
+    tok = Tokenizer(tmp_path / "model")
+    assert tok.decode(ids[False], skip_special_tokens=False) == "<s><|user|>hi</s><|assistant|>"
+    assert tok.decode(ids[True], skip_special_tokens=False) == "<s><|nothink|><|long|><|user|>hi</s><|assistant|>"
+    assert wrong_type.status_code == 400, wrong_type.text  # the template compares it with a number: the request's fault, not a 500
+    assert wrong_type.json()["error"]["message"] == ("messages: chat_template: failed on these inputs with TypeError: "
+                                                     "'>' not supported between instances of 'str' and 'int'")
+
+
+KWARGS_REFUSALS = [
+    ({"enable_thinking": True, "messages": []}, "chat_template_kwargs: 'messages' cannot be set: lorafleet sets it to the request's messages"),
+    ({"add_generation_prompt": False}, "chat_template_kwargs: 'add_generation_prompt' cannot be set: lorafleet sets it to the request's add_generation_prompt field"),
+    ({"bos_token": ""}, "chat_template_kwargs: 'bos_token' cannot be set: lorafleet sets it to the tokenizer's special token"),
+    ({"tools": [{"type": "function"}]}, "chat_template_kwargs: 'tools' cannot be set: lorafleet sets it to none (lorafleet has no tool calling)"),
+    ({"raise_exception": "no"}, "chat_template_kwargs: 'raise_exception' cannot be set: lorafleet sets it to a function templates call"),
+    ({"note": "\ud800"}, "chat_template_kwargs: not valid Unicode text: a lone surrogate '\\ud800' at character 0"),
+    ({"nested": {"x": ["\ud800"]}}, "chat_template_kwargs: not valid Unicode text: a lone surrogate '\\ud800' at character 0"),
+    ("enable_thinking", "chat_template_kwargs: Input should be a valid dictionary"),
+]
+
+
+async def test_chat_template_kwargs_refusals(tiny_llama_dir, tmp_path):
+    """A key the server sets itself is refused by name, never overridden; strings must be Unicode text."""
+    async with served(tiny_llama_dir, tmp_path, THINKING) as c:
+        for (kwargs, message), route in itertools.product(KWARGS_REFUSALS, ("/v1/chat/completions", "/tokenize")):
+            body = {"model": c.model_name, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}  # type: ignore[attr-defined]
+            r = await c.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": "chat_template_kwargs", "code": "invalid_parameter"}
