@@ -278,7 +278,7 @@ class Tokenizer:
 
         ``continue_final_message``: the text ends inside the last message, right after its content
         (no end-of-turn after it), so a model continues that message; not with
-        ``add_generation_prompt``. As transformers (>= 5) does it: the last message's content gets
+        ``add_generation_prompt``. As transformers 5 does it (compared with 5.24): the last message's content gets
         ``CONTINUE_MARKER`` appended, and the rendered text is cut where the marker's last occurrence
         starts (then right-stripped, when the template dropped the marker's trailing space: a
         template that trims the content). A template that does not write the content as given

@@ -69,12 +69,13 @@ def render_chat(tokenizer: Any, request: Any) -> str:
     TypeError); as it may as well be the template's fault, it is also logged, with its traceback,
     on ``lorafleet.server``."""
     messages = request.messages
-    if request.continue_final_message:
-        refusal = ("not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"
-                   if request.add_generation_prompt else None if messages[-1].role == "assistant"
-                   else f"the last message must be the assistant's (the one to continue), not a {messages[-1].role} message")
-        if refusal:
-            raise APIError(400, f"continue_final_message: {refusal}", param="continue_final_message", code="invalid_parameter")
+    refusal = None
+    if request.continue_final_message and request.add_generation_prompt:
+        refusal = "not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"
+    elif request.continue_final_message and messages[-1].role != "assistant":
+        refusal = f"the last message must be the assistant's (the one to continue), not a {messages[-1].role} message"
+    if refusal is not None:
+        raise APIError(400, f"continue_final_message: {refusal}", param="continue_final_message", code="invalid_parameter")
     try:
         return tokenizer.apply_chat_template([m.template_fields() for m in messages], add_generation_prompt=request.add_generation_prompt,
                                              continue_final_message=request.continue_final_message,
