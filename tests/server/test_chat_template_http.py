@@ -62,7 +62,8 @@ async def test_a_template_failing_on_the_request_values_is_a_400_naming_the_erro
     """It was a 500 "internal server error" (ZeroDivisionError, TypeError, KeyError, ...) or, for a
     ValueError, a 400 that did not say the template had failed ("messages: substring not found")."""
     async with served(tiny_llama_dir, tmp_path, template) as c:
-        fine = await c.post("/v1/chat/completions", json=chat_body(c, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>a</think>b"}, {"role": "user", "content": "y"}]))
+        usual = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>a</think>b"}, {"role": "user", "content": "y"}]
+        fine = await c.post("/v1/chat/completions", json=chat_body(c, usual))
         assert fine.status_code == 200, fine.text
         with caplog.at_level(logging.WARNING, logger="lorafleet.server"):
             r = await c.post("/v1/chat/completions", json=chat_body(c, messages))
