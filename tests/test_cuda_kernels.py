@@ -392,6 +392,26 @@ def test_launchers_reject_bad_arguments() -> None:
         bgmv_expand(h, strided, meta, torch.zeros(3, 40).half(), [0])
 
 
+def test_segment_launchers_check_seg_tiles_device_and_dtype() -> None:
+    """``seg_tiles`` is the segment kernels' program map (read as int32 from the weights'
+    device), checked like the other index arrays; it was not, so a map on another device
+    reached the launch (a foreign pointer on a GPU). Torch's "meta" device stands in for
+    the other device: no launch happens."""
+    from backends.cuda.sgmv_expand import sgmv_expand
+    from backends.cuda.sgmv_shrink import sgmv_shrink
+
+    weights, meta = _small()
+    x, h, y = torch.randn(3, 32).half(), torch.zeros(2, 3, 64), torch.zeros(3, 40).half()
+    elsewhere = dataclasses.replace(meta, seg_tiles=meta.seg_tiles.to("meta"))
+    wide = dataclasses.replace(meta, seg_tiles=meta.seg_tiles.long())
+    with pytest.raises(ValueError, match=r"sgmv_shrink: meta.seg_tiles must be int32 on cpu, got torch.int32 on meta"):
+        sgmv_shrink(x, weights, elsewhere, torch.zeros(2, 3, 64))
+    with pytest.raises(ValueError, match=r"sgmv_expand: meta.seg_tiles must be int32 on cpu, got torch.int32 on meta"):
+        sgmv_expand(h, weights, elsewhere, y, [0, 16])
+    with pytest.raises(ValueError, match=r"sgmv_shrink: meta.seg_tiles must be int32 on cpu, got torch.int64 on cpu"):
+        sgmv_shrink(x, weights, wide, torch.zeros(2, 3, 64))
+
+
 @interpreter
 @pytest.mark.interpreter
 def test_launchers_accept_a_column_window_and_a_permuted_workspace_interpreted() -> None:

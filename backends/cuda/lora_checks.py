@@ -56,9 +56,14 @@ def check_weights(op: str, weights: Sequence[LoRASliceWeights]) -> None:
 
 
 def check_meta(op: str, meta: LoRABatchMeta, num_tokens: int, table: "SliceTable") -> None:
+    """``meta`` describes these rows with slots the weights have, and every index array the kernels
+    may read (``seg_tiles`` too, when built: the segment kernels' program map) is int32 on the
+    weights' device. A missing ``seg_tiles`` is refused by ``check_tiles``, on the segment path only."""
     check_rows_and_slots(op, meta, num_tokens, table.max_slots)
-    for name in ("token_slots", "sorted_tokens", "seg_slots", "seg_starts"):
+    for name in ("token_slots", "sorted_tokens", "seg_slots", "seg_starts", "seg_tiles"):
         t = getattr(meta, name)
+        if t is None:
+            continue
         if t.device != table.device or t.dtype != torch.int32:
             _fail(op, f"meta.{name} must be int32 on {table.device}, got {t.dtype} on {t.device}")
 
