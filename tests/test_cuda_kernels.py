@@ -412,6 +412,39 @@ def test_segment_launchers_check_seg_tiles_device_and_dtype() -> None:
         sgmv_shrink(x, weights, wide, torch.zeros(2, 3, 64))
 
 
+def test_grid_axes_past_cuda_limits_are_refused() -> None:
+    """CUDA caps grid axis 0 at 2^31 - 1 and axes 1 and 2 at 65535; Triton does not check, and the
+    driver's refusal names no shape. The expand kernels put slices x column blocks on axis 1."""
+    from backends.cuda.lora_checks import check_grid
+
+    def axes() -> tuple[str, str]:
+        return ("rows", "slices x column blocks")
+
+    check_grid("op", (2**31 - 1, 65535), axes)  # at the limits
+    with pytest.raises(ValueError, match=r"op: grid axis 1 would have 65536 programs \(slices x column blocks\), above CUDA's limit of 65535"):
+        check_grid("op", (1, 65536), axes)
+    with pytest.raises(ValueError, match=r"op: grid axis 0 would have 2147483648 programs \(rows\)"):
+        check_grid("op", (2**31, 1), axes)
+
+
+def test_expand_refuses_a_slice_too_wide_for_grid_axis_1() -> None:
+    """A slice of 65535 x 128 + 1 columns at rank 64 needs 65536 column blocks of 128 on axis 1 in
+    both expand kernels. Before, the launch went ahead (the driver refuses it, naming no shape).
+    Tensors on torch's "meta" device: no memory, no launch."""
+    from backends.cuda.bgmv_expand import bgmv_expand
+    from backends.cuda.sgmv_expand import sgmv_expand
+
+    out = 65535 * 128 + 1
+    w = LoRASliceWeights.allocate(16, out, 1, 64, torch.float16, "meta")
+    w.write_slot(0, 0, torch.empty(64, 16, dtype=torch.float16, device="meta"), torch.empty(out, 64, dtype=torch.float16, device="meta"), 1.0)
+    h, y = torch.empty(1, 1, 64, device="meta"), torch.empty(1, out, dtype=torch.float16, device="meta")
+    for expand, decode_only in ((bgmv_expand, True), (sgmv_expand, False)):
+        meta = LoRABatchMeta.build([0], "meta", decode_only=decode_only)
+        with pytest.raises(ValueError, match=rf"{expand.__name__}: grid axis 1 would have 65536 programs \(1 slice\(s\) x 65536 column blocks "
+                                             rf"of 128; the widest slice is {out} columns wide\), above CUDA's limit of 65535"):
+            expand(h, [w], meta, y, [0])
+
+
 @interpreter
 @pytest.mark.interpreter
 def test_launchers_accept_a_column_window_and_a_permuted_workspace_interpreted() -> None:

@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.kernel_config import token_tiles
-from backends.cuda.lora_checks import check_expand
+from backends.cuda.lora_checks import check_expand, check_grid
 from backends.cuda.slice_table import COL_B, COL_OFFSET, COL_OUT, COL_RANK, COL_SCALE, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
@@ -91,7 +91,10 @@ def bgmv_expand(
         return
     tiles = token_tiles(max_rank, weights[0].in_features, table.max_out)
     n_col_blocks = triton.cdiv(table.max_out, tiles.block_n)
-    _kernel[(y.shape[0], len(weights) * n_col_blocks)](
+    grid = (y.shape[0], len(weights) * n_col_blocks)
+    check_grid("bgmv_expand", grid, lambda: (f"{y.shape[0]} rows",
+                                     f"{len(weights)} slice(s) x {n_col_blocks} column blocks of {tiles.block_n}; the widest slice is {table.max_out} columns wide"))
+    _kernel[grid](
         h, y, table.table, meta.token_slots,
         n_col_blocks, h.stride(0), h.stride(1), y.stride(0),
         BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n,

@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.kernel_config import token_tiles
-from backends.cuda.lora_checks import check_shrink
+from backends.cuda.lora_checks import check_grid, check_shrink
 from backends.cuda.slice_table import COL_A, COL_RANK, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
@@ -80,7 +80,9 @@ def bgmv_shrink(
     if x.shape[0] == 0 or max_rank == 0:
         return
     tiles = token_tiles(max_rank, x.shape[1], table.max_out)
-    _kernel[(x.shape[0], len(weights))](
+    grid = (x.shape[0], len(weights))
+    check_grid("bgmv_shrink", grid, lambda: (f"{x.shape[0]} rows", f"{len(weights)} slice(s)"))
+    _kernel[grid](
         x, out, table.table, meta.token_slots,
         x.shape[1], x.stride(0), out.stride(0), out.stride(1),
         BLOCK_R=tiles.block_r, BLOCK_K=tiles.block_k,

@@ -7,7 +7,7 @@ activations, the workspace and the batch metadata against the table.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -21,8 +21,37 @@ if TYPE_CHECKING:
     from backends.cuda.slice_table import SliceTable
 
 
+# CUDA's gridDim maxima (x, y, z). Triton maps program_id(0..2) onto them and does not check
+# them; the driver refuses a launch past one with an invalid-argument error naming no shape.
+CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
 def _fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
+
+
+def check_grid(op: str, grid: Sequence[int], axes: Callable[[], Sequence[str]]) -> None:
+    """Every grid axis within CUDA's limit; ``axes()`` says what each axis counts (called only
+    to word the error, so a launch formats nothing).
+
+    The launchers' grids (``block_n`` >= 128 once the widest slice is that wide):
+
+        sgmv_shrink  (row tiles, slices)            bgmv_shrink  (rows, slices)
+        sgmv_expand  (row tiles, slices x ceil(max_out / block_n))
+        bgmv_expand  (rows, slices x ceil(max_out / block_n))
+
+    Axis 1 is the one that can pass 65535: the expand kernels' column blocks, once
+    slices x ceil(max_out / block_n) > 65535, e.g. one slice wider than 65535 x 128 =
+    8,388,480 columns (block_n is 128 in sgmv_expand; 128, 256 or 512 in bgmv_expand, for
+    ranks above 32, above 16, up to 16). LoRA targets stay far below that (a 256k-column
+    vocabulary is 2048 blocks), so such a slice is refused here rather than folded into axis 0.
+    Axis 0 (rows, or 64-row tiles) would need 2^31 rows; axis 2 is unused. Applied under the
+    interpreter too, which has no such limit, so CPU runs refuse what a GPU would.
+    """
+    for axis, (n, limit) in enumerate(zip(grid, CUDA_GRID_LIMITS)):
+        if n > limit:
+            what = axes()[axis]
+            _fail(op, f"grid axis {axis} would have {n} programs ({what}), above CUDA's limit of {limit} on that axis")
 
 
 def check_weights(op: str, weights: Sequence[LoRASliceWeights]) -> None:

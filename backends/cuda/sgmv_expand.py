@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.kernel_config import dot_in_fp32, expand_warps, segment_tiles
-from backends.cuda.lora_checks import check_expand, check_tiles
+from backends.cuda.lora_checks import check_expand, check_grid, check_tiles
 from backends.cuda.slice_table import COL_B, COL_OFFSET, COL_OUT, COL_RANK, COL_SCALE, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
@@ -104,6 +104,8 @@ def sgmv_expand(
     check_tiles(meta, tiles.block_m, op="sgmv_expand")
     n_col_blocks = triton.cdiv(table.max_out, tiles.block_n)
     grid = (meta.num_tiles, len(weights) * n_col_blocks)
+    check_grid("sgmv_expand", grid, lambda: (f"{meta.num_tiles} row tiles",
+                                     f"{len(weights)} slice(s) x {n_col_blocks} column blocks of {tiles.block_n}; the widest slice is {table.max_out} columns wide"))
     _kernel[grid](
         h, y, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, meta.seg_tiles,
         n_col_blocks, h.stride(0), h.stride(1), y.stride(0),

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from backends.cuda.kernel_config import dot_in_fp32, segment_tiles, shrink_warps
-from backends.cuda.lora_checks import check_shrink, check_tiles
+from backends.cuda.lora_checks import check_grid, check_shrink, check_tiles
 from backends.cuda.slice_table import COL_A, COL_RANK, COL_START, TABLE_WIDTH, SliceTable
 from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
@@ -90,6 +90,7 @@ def sgmv_shrink(
     tiles = segment_tiles(meta.max_seg_len, max_rank, x.shape[1], table.max_out)
     check_tiles(meta, tiles.block_m, op="sgmv_shrink")
     grid = (meta.num_tiles, len(weights))
+    check_grid("sgmv_shrink", grid, lambda: (f"{meta.num_tiles} row tiles", f"{len(weights)} slice(s)"))
     _kernel[grid](
         x, out, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, meta.seg_tiles,
         x.shape[1], x.stride(0), out.stride(0), out.stride(1),
