@@ -329,6 +329,42 @@ def test_offsets_past_2_31_elements_interpreted() -> None:
         assert torch.equal(y[1], torch.ones(width, dtype=torch.float16)), f"{path} expand wrote the no-adapter row"
 
 
+@interpreter
+@pytest.mark.interpreter
+def test_fp16_segment_expand_survives_h_above_fp16_max_interpreted() -> None:
+    """fp16 sgmv_expand rounds h to fp16 for its tensor-core dot; an |h| above 65504 became inf
+    there although scale * h @ B^T fits fp16 (the float64 oracle is finite). Rank 80 is two rank
+    tiles, each scaled on its own: row 0 is large in the second only, row 1 is ordinary (scaled
+    with its tile), row 3 is large in the first tile, row 4 around 10^6 everywhere; row 2 has no
+    adapter."""
+    from backends.cuda.sgmv_expand import sgmv_expand
+
+    rank, out_features = 80, 24
+    gen = torch.Generator().manual_seed(5)
+    w = LoRASliceWeights.allocate(16, out_features, 2, rank, torch.float16, "cpu")
+    b = ((torch.rand(out_features, rank, generator=gen) - 0.5) * 2e-4).half()
+    w.write_slot(1, 0, torch.zeros(rank, 16).half(), b, 0.75)
+    slots = [1, 1, -1, 1, 1]
+    h = torch.randn(1, len(slots), rank, generator=gen)
+    h[0, 0, 64:] *= 1.5e5
+    h[0, 2, :] = float("nan")  # the -1 row: never read
+    h[0, 3, :64] *= 9e4
+    h[0, 4] *= 1e6
+    y0 = torch.randn(len(slots), out_features, generator=gen).half()
+    y = y0.clone()
+    sgmv_expand(h, [w], LoRABatchMeta.build(slots, "cpu"), y, [0])
+    rows = [0, 1, 3, 4]
+    hd, bd = h[0, rows].double(), b.double()
+    want = y0[rows].double() + 0.75 * hd @ bd.t()
+    assert want.abs().max() < 65504 and hd.abs().max() > 65504
+    # h rounded to fp16 once (2^-11 relative) inside the dot, y rounded once at the end (2^-11),
+    # fp32 sums: twice those bounds (this case reaches 0.82 of the single ones).
+    bound = 2**-10 * (0.75 * hd.abs() @ bd.abs().t() + want.abs()) + 1e-6
+    err = (y[rows].double() - want).abs()
+    assert (err <= bound).all(), f"error / bound up to {(err / bound).max().item()}, y finite: {torch.isfinite(y).all().item()}"
+    assert torch.equal(y[2], y0[2])
+
+
 def test_bf16_dot_is_upcast_when_interpreting() -> None:
     from backends.cuda.kernel_config import dot_in_fp32
 

@@ -10,18 +10,40 @@ with fp32 accumulation and one rounding to ``y``'s dtype. Grid: (tile, slice x c
 block), one program per ``meta.seg_tiles`` entry (a segment's run of at most 64 rows); a
 column block past its slice's width returns at once.
 The rank (the reduction) is walked in ``BLOCK_R`` tiles masked to the slot's own
-rank, so entries of ``h`` past it are never read. On a GPU, fp16/bf16 runs cast the
-fp32 ``h`` tile to the weights' dtype for a tensor-core dot (as vLLM does); fp32 runs
-(and bf16 in the interpreter) dot in fp32 with ``input_precision="ieee"``. The cast is a
-known limit: in fp16 an ``|h|`` above 65504 (an adapter whose A has a very large norm)
-becomes inf here while the per-token kernel, which keeps ``h`` in fp32, stays finite; in
-bf16 it costs ``h`` about 2^-9 relative precision. Not changed without a GPU to measure the
-fp32-operand alternative (TF32 dot) on.
+rank, so entries of ``h`` past it are never read.
+
+Numerics of the dot. fp32 runs (and bf16 in the interpreter) dot in fp32 with
+``input_precision="ieee"``. On a GPU, fp16/bf16 runs cast the fp32 ``h`` tile to the
+weights' dtype for a tensor-core dot with fp32 accumulation (as vLLM does), which rounds
+``h`` to 2^-11 (fp16) or 2^-8 (bf16) relative precision. bf16 has fp32's exponent range, so
+the cast cannot overflow. fp16 tops out at 65504, and ``|h|`` can pass it (large activations
+times an A of large norm) while ``scale * h @ B^T`` fits, so fp16 runs scale each
+``[BLOCK_M, BLOCK_R]`` tile ``H`` of ``h`` by a power of two before the cast
+(``_fp16_tile_scale``):
+
+    m = max |H|       s = 1                       if m <= 65504
+                      s = 2^(floor(log2 m) - 14)  otherwise
+    acc = s * (acc / s + fp16(H / s) @ B_tile)
+
+The dot takes ``acc`` as its accumulator operand (``tl.dot(a, b, acc)``), so no second
+register tile holds its result. With ``s`` a power of two, the divisions and the
+multiplication are exact in fp32 (short of fp32 underflow), and the scaled tile's max lies in
+[2^14, 2^15): every entry is rounded to fp16 once, to 2^-11 relative, as without scaling,
+except that an entry below 2^-14 * s becomes subnormal or zero in fp16 (an absolute error of
+at most 2^-25 * s, under 2^-39 of the tile's max). Tiles that fit take ``s = 1``, and
+multiplying by 1 is exact, so they get bit for bit ``tl.dot(fp16(H), B_tile, acc)``. The dot
+stays one fp16 tensor-core dot; the added work per rank tile is a tile max, a select, and
+multiplies of ``H`` and (twice) of ``acc``. One scale per tile, not per row: per row needed
+more registers (compiled for sm_90, 64 x 16 x 128 at 8 warps: 224 against 212; 32 x 64 x 128
+at 4 warps spilled 8 bytes) for no gain beyond the 2^-39 above. Not timed, and not run on a
+GPU: the guard ran only under Triton's interpreter (docs/platforms.md). The per-token kernel
+keeps ``h`` in fp32 and needs none.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -33,11 +55,25 @@ from runtime.lora.batch_meta import LoRABatchMeta
 from runtime.lora.slice_weights import LoRASliceWeights
 
 
+FP16_MAX = tl.constexpr(65504.0)
+EXPONENT_BITS = tl.constexpr(0x7F800000)  # of a float32: keeping only them rounds down to a power of two
+
+
+@triton.jit
+def _fp16_tile_scale(ht):
+    """For the fp32 tile ``ht``: 1.0 when its max ``|h|`` fits fp16, else the power of two
+    2^(e - 14), with 2^e <= max < 2^(e + 1), that brings the max into [2^14, 2^15)."""
+    tile_max = tl.max(tl.max(tl.abs(ht), axis=1), axis=0)
+    floor_pow2 = (tile_max.to(tl.int32, bitcast=True) & EXPONENT_BITS).to(tl.float32, bitcast=True)
+    return tl.where(tile_max > FP16_MAX, floor_pow2 * (1.0 / 16384.0), 1.0)
+
+
 @triton.jit
 def _kernel(
     h_ptr, y_ptr, table_ptr, sorted_ptr, seg_slots_ptr, seg_starts_ptr, tiles_ptr,
     n_col_blocks, stride_hs, stride_ht, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    H_TO_FP16: tl.constexpr,
 ):
     tile = tl.program_id(0)
     sid = tl.program_id(1) // n_col_blocks
@@ -74,6 +110,10 @@ def _kernel(
         bt = tl.load(b_ptr + b_rows[:, None] * n_out + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         if DOT_FP32:
             acc += tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
+        elif H_TO_FP16:  # keep |h| under fp16's max (module docstring)
+            tile_scale = _fp16_tile_scale(ht)
+            inv_scale = 1.0 / tile_scale
+            acc = tl.dot((ht * inv_scale).to(bt.dtype), bt, acc * inv_scale) * tile_scale
         else:
             acc += tl.dot(ht.to(bt.dtype), bt)
     mask = m_mask[:, None] & n_mask[None, :]
@@ -110,5 +150,5 @@ def sgmv_expand(
         h, y, table.table, meta.sorted_tokens, meta.seg_slots, meta.seg_starts, meta.seg_tiles,
         n_col_blocks, h.stride(0), h.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_R=tiles.block_r, BLOCK_N=tiles.block_n, DOT_FP32=dot_in_fp32(y.dtype),
-        num_warps=expand_warps(tiles),
+        H_TO_FP16=y.dtype == torch.float16, num_warps=expand_warps(tiles),
     )
