@@ -329,9 +329,7 @@ def test_offsets_past_2_31_elements_interpreted() -> None:
         assert torch.equal(y[1], torch.ones(width, dtype=torch.float16)), f"{path} expand wrote the no-adapter row"
 
 
-@interpreter
-@pytest.mark.interpreter
-def test_fp16_segment_expand_survives_h_above_fp16_max_interpreted() -> None:
+def check_fp16_expand_past_fp16_max(device: str) -> None:
     """fp16 sgmv_expand rounds h to fp16 for its tensor-core dot; an |h| above 65504 became inf
     there although scale * h @ B^T fits fp16 (the float64 oracle is finite). Rank 80 is two rank
     tiles, each scaled on its own: row 0 is large in the second only, row 1 is ordinary (scaled
@@ -341,7 +339,7 @@ def test_fp16_segment_expand_survives_h_above_fp16_max_interpreted() -> None:
 
     rank, out_features = 80, 24
     gen = torch.Generator().manual_seed(5)
-    w = LoRASliceWeights.allocate(16, out_features, 2, rank, torch.float16, "cpu")
+    w = LoRASliceWeights.allocate(16, out_features, 2, rank, torch.float16, device)
     b = ((torch.rand(out_features, rank, generator=gen) - 0.5) * 2e-4).half()
     w.write_slot(1, 0, torch.zeros(rank, 16).half(), b, 0.75)
     slots = [1, 1, -1, 1, 1]
@@ -351,18 +349,25 @@ def test_fp16_segment_expand_survives_h_above_fp16_max_interpreted() -> None:
     h[0, 3, :64] *= 9e4
     h[0, 4] *= 1e6
     y0 = torch.randn(len(slots), out_features, generator=gen).half()
-    y = y0.clone()
-    sgmv_expand(h, [w], LoRABatchMeta.build(slots, "cpu"), y, [0])
+    y = y0.to(device, copy=True)
+    sgmv_expand(h.to(device), [w], LoRABatchMeta.build(slots, device), y, [0])
+    y = y.cpu()
     rows = [0, 1, 3, 4]
     hd, bd = h[0, rows].double(), b.double()
     want = y0[rows].double() + 0.75 * hd @ bd.t()
     assert want.abs().max() < 65504 and hd.abs().max() > 65504
     # h rounded to fp16 once (2^-11 relative) inside the dot, y rounded once at the end (2^-11),
-    # fp32 sums: twice those bounds (this case reaches 0.82 of the single ones).
+    # fp32 sums: twice those bounds (the interpreter reaches 0.82 of the single ones).
     bound = 2**-10 * (0.75 * hd.abs() @ bd.abs().t() + want.abs()) + 1e-6
     err = (y[rows].double() - want).abs()
     assert (err <= bound).all(), f"error / bound up to {(err / bound).max().item()}, y finite: {torch.isfinite(y).all().item()}"
     assert torch.equal(y[2], y0[2])
+
+
+@interpreter
+@pytest.mark.interpreter
+def test_fp16_segment_expand_survives_h_above_fp16_max_interpreted() -> None:
+    check_fp16_expand_past_fp16_max("cpu")
 
 
 def test_bf16_dot_is_upcast_when_interpreting() -> None:
@@ -594,6 +599,13 @@ def test_kernels_match_oracle_on_gpu(rows: int, path: str, dtype: torch.dtype) -
     """q/k/v-like slices at hidden 4096 (GQA widths), ranks 8..128 mixed, rank-0 slices."""
     ranks = [_gpu_ranks(MAX_SLOTS, seed, skip_every=7) for seed in (1, 2, 3)]
     run_case(path, dtype, "cuda", in_features=4096, outs=(4096, 1024, 1024), ranks=ranks, slots=_gpu_slots(rows, MAX_SLOTS, rows), seed=rows)
+
+
+@on_gpu
+@pytest.mark.cuda
+def test_fp16_segment_expand_survives_h_above_fp16_max_on_gpu() -> None:
+    """The compiled tensor-core path of the case above (not yet run on a GPU when written)."""
+    check_fp16_expand_past_fp16_max("cuda")
 
 
 @on_gpu
