@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from tqdm import tqdm
-
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, check_adapter_name
 from runtime.lora.adapter import check_adapter_folder
+from runtime.progress_bar import ProgressBar
 from runtime.request import SamplingParams, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
@@ -176,7 +175,7 @@ class LLM:
                 self.engine.add_checked(request)
             results: dict[str, CompletionResult] = {}
             wanted = set(ids)
-            with tqdm(total=n, desc="generate", unit="prompt", disable=None if use_tqdm is None else not use_tqdm) as bar:
+            with ProgressBar(n, "generate", "prompt", enabled=use_tqdm) as bar:
                 while len(results) < n:
                     for out in self.engine.step():
                         if out.finished and out.request_id in wanted:

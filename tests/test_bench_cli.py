@@ -508,6 +508,8 @@ def test_a_small_run_exits_0_and_writes_the_json(tmp_path: Path, capsys: pytest.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "w"]
     assert "requests failed" not in captured.err
     assert "warming up" not in captured.err  # the CPU backend compiles nothing: no untimed run first
+    # stderr is no terminal here (a CI log, `2> file`): plain progress lines, none of a bar's \r redraws
+    assert "\r" not in captured.err and "requests: 4/4 req (100%)" in captured.err.splitlines(), captured.err
 
 
 def test_off_the_cpu_an_untimed_run_of_the_same_requests_comes_first(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -234,7 +234,8 @@ def test_use_tqdm_shows_one_step_per_finished_prompt(tiny_llama_dir, capsys):
     with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4) as llm:
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         llm.generate(["a", "b", "c"], params, use_tqdm=True)
-        assert "3/3" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "generate: 3/3 prompt (100%)" in err.splitlines() and "\r" not in err  # no terminal: lines, not a redrawn bar
         llm.generate(["a", "b", "c"], params)  # the default: only on a terminal
         assert "3/3" not in capsys.readouterr().err
         with pytest.raises(ValueError, match="use_tqdm"):

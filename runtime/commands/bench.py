@@ -510,7 +510,7 @@ def duration_text(seconds: float) -> str:
 def _run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tqdm import tqdm
+    from runtime.progress_bar import ProgressBar
 
     problems = _ignored_flags(args)
     if problems:
@@ -566,7 +566,7 @@ def _run(args: argparse.Namespace) -> int:
         hint = "" if args.workload else "; a higher --rate shortens it"
         print(f"the requests arrive over {duration_text(workload.arrival_span_s)}, so the run takes at least that long "
               f"(Ctrl-C stops it{hint})", file=sys.stderr, flush=True)
-    bar = tqdm(total=len(workload.requests), desc="requests", unit="req")
+    bar = ProgressBar(len(workload.requests), "requests", "req")
     try:
         if setup is None:
             result = asyncio.run(replay_http(args.url, base, requests, "lorafleet-http", args.api_key, progress=bar.update))

@@ -38,11 +38,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from tqdm import tqdm
 
 from runtime.file_mode import new_file_mode
 from runtime.lora.adapter import LoRAAdapter
 from runtime.models.loader import CheckpointError, causal_lm_names, check_quantized_tensor, checkpoint_quantization, weight_files
+from runtime.progress_bar import ProgressBar
 from runtime.quant.int8 import QUANTIZATION_CONFIG, dequantize_int8, is_quantized_projection, quantize_int8, scale_name
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # HF's default shard size
@@ -113,7 +113,7 @@ def write_checkpoint(spec: MergeSpec, out_dir: Path, progress: bool = True) -> W
         raise MergeError(f"{spec.model_dir}: the adapter targets {missing[0]}, which the checkpoint does not hold")
     shards = _ShardWriter(out_dir, spec.max_shard_bytes)
     merged = 0
-    bar = tqdm(total=len(names), desc="merge" if spec.adapter else "write", unit="tensor", disable=not progress)
+    bar = ProgressBar(len(names), "merge" if spec.adapter else "write", "tensor", enabled=progress)
     for name, tensor in _read_float(files, stored, names, source_quantized):
         target = deltas.get(name)
         if target is not None and spec.adapter is not None:
