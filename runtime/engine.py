@@ -114,6 +114,7 @@ class LLMEngine:
             from backends import get_backend
 
             backend = get_backend(config.device)
+        self._closed = False  # close() has released the model: requests and adapter changes are refused
         asked_gemm = config.cpu_gemm
         config = config.for_backend(backend.name)  # the step budget's default depends on the device
         check_cpu_gemm_applies(config, asked_gemm)  # an int8 checkpoint with a tied LM head has no float32 GEMM to choose
@@ -170,6 +171,7 @@ class LLMEngine:
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter_files(self, name: str, path: str) -> LoRAAdapter:
         """Read and validate an adapter (no engine state touched; may run outside the engine lock)."""
+        self._check_open()
         check_adapter_name(name)
         adapter = load_adapter(
             str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
@@ -180,6 +182,7 @@ class LLMEngine:
 
     def install_adapter(self, adapter: LoRAAdapter, path: str) -> AdapterRef:
         """Make a loaded adapter the current version of its name (hot update if the name exists)."""
+        self._check_open()
         ref = AdapterRef(adapter.name, adapter.version)
         previous = self.registry.register(ref, str(path), adapter.max_rank, adapter.files)
         self.pool.revive(ref)  # same content registered again after an unregister: current, not retired
@@ -192,6 +195,7 @@ class LLMEngine:
         return self.install_adapter(self.load_adapter_files(name, path), str(path))
 
     def unregister_adapter(self, name: str) -> None:
+        self._check_open()
         self.pool.retire(self.registry.unregister(name))
 
     def adapters(self) -> list[AdapterInfo]:
@@ -258,6 +262,7 @@ class LLMEngine:
         raise. ``add_checked`` then queues the result, as long as nothing was added or
         registered in between (a caller that holds the engine's lock across both: a group of
         requests is checked whole before any of it is queued)."""
+        self._check_open()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         self._refuse_in_flight(request_id)
@@ -314,6 +319,7 @@ class LLMEngine:
 
     def add_checked(self, checked: CheckedRequest) -> None:
         """Queue a request ``check_request`` accepted (see there)."""
+        self._check_open()
         request_id, prompt_ids, params, ref = checked
         self._refuse_in_flight(request_id)
         if ref is not None and not self.registry.known(ref):  # unregistered since the check, with no reader left
@@ -455,6 +461,7 @@ class LLMEngine:
 
         If the step raises, the outputs it had made (requests it finished, aborts before it)
         are kept for the next ``step`` or ``fail_all``, so no finished request loses its end."""
+        self._check_open()
         outputs, self._pending = self._pending, []
         try:
             return self._step(outputs, wait_for_loads)
@@ -674,10 +681,19 @@ class LLMEngine:
                         setattr(total, f.name, getattr(total, f.name) + getattr(entry, f.name))
 
     def close(self) -> None:
-        """Stop the pool's loader and free the model, KV cache and LoRA buffers now.
+        """Stop the pool's loader and free the model, KV cache and LoRA buffers now. Idempotent.
 
         The engine, its pool and their callbacks form reference cycles, so without the
         explicit release their memory (~0.8 GB for the serving benchmark's small model)
-        would stay until Python's cycle collector happened to run."""
+        would stay until Python's cycle collector happened to run. Afterwards a request, a
+        step or an adapter change is a RuntimeError (as for a closed ``LLM``); ``abort``,
+        ``drop_pending``, ``fail_all`` and the reports still answer."""
+        if self._closed:
+            return
+        self._closed = True
         self.pool.close()
         self.runner.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("LLMEngine: closed; create a new LLMEngine")

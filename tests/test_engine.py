@@ -346,6 +346,24 @@ def test_close_frees_the_model_and_kv_cache_at_once(tiny_llama_dir, tiny_adapter
         engine.runner.memory_report()
 
 
+def test_a_closed_engine_refuses_requests_steps_and_adapter_changes(tiny_llama_dir, tiny_adapters):
+    """After close() add_request queued the request without a word (only the next step failed,
+    on the released runner) and register_adapter installed an adapter; now each is a
+    RuntimeError, as for a closed LLM. abort and the reports still answer; close is idempotent."""
+    engine = make_engine(tiny_llama_dir)
+    engine.register_adapter("a", str(tiny_adapters["a"]))
+    engine.close()
+    closed = "LLMEngine: closed; create a new LLMEngine"
+    calls = [lambda: engine.add_request("r0", [5, 6, 7], GREEDY), lambda: engine.check_request("r0", [5, 6, 7], GREEDY),
+             engine.step, lambda: engine.register_adapter("b", str(tiny_adapters["b"])), lambda: engine.unregister_adapter("a")]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=closed):
+            call()
+    assert not engine.has_unfinished() and [info.name for info in engine.adapters()] == ["a"]
+    assert engine.abort("r0") is False and engine.snapshot()["running"] == 0
+    engine.close()
+
+
 def test_request_metrics_adapter_wait(tiny_llama_dir, tiny_adapters):
     """Per-request adapter wait: 0 when the adapter was on the host, the disk load's duration
     (> 0) when it was on disk only, None for the base model."""
