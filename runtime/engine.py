@@ -33,7 +33,7 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import PrefixCache
-from runtime.lora.adapter import AdapterError, LoRAAdapter, load_adapter, resolved_files
+from runtime.lora.adapter import AdapterError, LoRAAdapter, check_adapter_path_type, load_adapter, resolved_files
 from runtime.lora.pool import AdapterCounters, AdapterPool
 from runtime.lora.registry import AdapterInfo, AdapterRegistry
 from runtime.model_runner import ModelRunner, SeqStep, check_cpu_gemm_applies
@@ -173,6 +173,7 @@ class LLMEngine:
         """Read and validate an adapter (no engine state touched; may run outside the engine lock)."""
         self._check_open()
         check_adapter_name(name)
+        check_adapter_path_type(path)
         adapter = load_adapter(
             str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
         )

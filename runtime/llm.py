@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, check_adapter_name
-from runtime.lora.adapter import check_adapter_folder
+from runtime.lora.adapter import check_adapter_folder, check_adapter_path_type
 from runtime.progress_bar import ProgressBar
 from runtime.request import SamplingParams, TokenLogprobs
 
@@ -63,7 +63,8 @@ class LLM:
 
     ``device``: "auto" (the default, as for ``lorafleet serve``) picks cuda, then npu, then cpu.
     ``adapters``: name -> PEFT adapter folder; names and folders are checked before the model
-    loads, the adapters' contents once it has (a ValueError starting ``adapters[name]`` or naming the file).
+    loads, the adapters' contents once it has (a ValueError starting ``adapters[name]`` or naming the file;
+    a folder given as neither a str nor an ``os.PathLike``: a TypeError, as from ``register_adapter``).
     One call at a time: calls from several threads take turns (``close()`` waits for a running
     ``generate()``); for concurrent serving use ``AsyncLLMEngine``.
     """
@@ -110,8 +111,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def register_adapter(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at ``path`` as ``name`` (a new version of it if the name exists)."""
+    def register_adapter(self, name: str, path: Union[str, os.PathLike[str]]) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (a new version of it if the name exists);
+        ``path`` neither a str nor an ``os.PathLike``: a TypeError."""
+        check_adapter_path_type(path)  # before str(): None is no folder named "None"
         with self._turn:
             self._check_open()
             self.engine.register_adapter(name, str(path))
@@ -203,8 +206,9 @@ class LLM:
 
 def _check_adapters(adapters: Optional[Mapping[str, Any]]) -> dict[str, str]:
     """``adapters={name: folder}`` as name -> folder (str), every name and folder checked as far as
-    that needs no model and no file read (``check_adapter_name``, ``check_adapter_folder``); an
-    error starts with ``adapters[name]``."""
+    that needs no model and no file read (``check_adapter_name``, ``check_adapter_path_type``,
+    ``check_adapter_folder``); an error (a TypeError for a folder that is no str or path, else a
+    ValueError) starts with ``adapters[name]``."""
     if adapters is None:
         return {}
     if not isinstance(adapters, Mapping):
@@ -213,10 +217,9 @@ def _check_adapters(adapters: Optional[Mapping[str, Any]]) -> dict[str, str]:
     for name, path in adapters.items():
         try:
             check_adapter_name(name)
-            if not isinstance(path, (str, os.PathLike)):
-                raise ValueError(f"expected an adapter folder (a str or a path), got {type(path).__name__}")
+            check_adapter_path_type(path)
             check_adapter_folder(Path(path))
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             raise type(err)(f"adapters[{name!r}]: {err}") from None
         folders[name] = str(path)
     return folders

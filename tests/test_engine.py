@@ -346,6 +346,26 @@ def test_close_frees_the_model_and_kv_cache_at_once(tiny_llama_dir, tiny_adapter
         engine.runner.memory_report()
 
 
+def test_an_adapter_folder_of_the_wrong_type_is_a_type_error(tiny_llama_dir, tiny_adapters):
+    """register_adapter(name, None) said "None: adapter folder does not exist" (str(None) looked
+    up as a folder); a wrong type is a TypeError naming the types taken, from the engine and from
+    AsyncLLMEngine. A pathlib.Path is taken."""
+    from runtime.async_engine import AsyncLLMEngine
+
+    engine = make_engine(tiny_llama_dir)
+    for folder in (None, 3, b"/adapters/a", ["/adapters/a"]):
+        with pytest.raises(TypeError, match=f"adapter folder: expected a str or os.PathLike, got {type(folder).__name__}"):
+            engine.register_adapter("a", folder)
+    engine.register_adapter("a", tiny_adapters["a"])
+    wrapped = AsyncLLMEngine(None, engine=engine)
+    try:
+        with pytest.raises(TypeError, match="adapter folder: expected a str or os.PathLike, got NoneType"):
+            wrapped.register_adapter("b", None)
+        assert [info.name for info in wrapped.adapters()] == ["a"]
+    finally:
+        wrapped.shutdown(timeout=5)
+
+
 def test_a_closed_engine_refuses_requests_steps_and_adapter_changes(tiny_llama_dir, tiny_adapters):
     """After close() add_request queued the request without a word (only the next step failed,
     on the released runner) and register_adapter installed an adapter; now each is a

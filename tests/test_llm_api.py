@@ -189,6 +189,9 @@ def test_a_closed_llm_refuses_every_call_and_adapters_can_be_unregistered(tiny_l
         llm.generate(["x"], SamplingParams(max_tokens=1), adapter="a")
     with pytest.raises(ValueError, match="raise_on_error: expected True or False"):
         llm.generate(["x"], SamplingParams(max_tokens=1), raise_on_error="no")
+    with pytest.raises(TypeError, match="adapter folder: expected a str or os.PathLike, got NoneType"):
+        llm.register_adapter("late", None)  # was "None: adapter folder does not exist"
+    llm.register_adapter("a", tiny_adapters["a"])  # a Path is a path
     llm.close()
     for call in (lambda: llm.register_adapter("late", str(tiny_adapters["b"])), lambda: llm.unregister_adapter("a"),
                  lambda: llm.generate(["x"], SamplingParams(max_tokens=1))):  # fmt: skip
@@ -266,11 +269,13 @@ def test_adapters_are_checked_before_the_model_loads(tiny_llama_dir, tiny_adapte
     (tmp_path / "not_an_adapter").mkdir()
     good = str(tiny_adapters["a"])
     for adapters, message in [({"good": good, "bad": "/no/such/adapter"}, r"adapters\['bad'\]: /no/such/adapter: adapter folder does not exist"),
-                              ({"x": None}, r"adapters\['x'\]: expected an adapter folder \(a str or a path\), got NoneType"),
                               ({"x": str(tmp_path / "not_an_adapter")}, r"adapters\['x'\]: .*adapter_config.json: missing"),
                               ({"": good}, r"adapters\[''\]: adapter name: must be a non-empty string"),
                               ({" a": good}, r"adapters\[' a'\]: adapter name"), ({1: good}, r"adapters\[1\]: adapter name"),
                               ({"__base__": good}, r"adapters\['__base__'\]: adapter name: '__base__' is reserved")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny_llama_dir), adapters=adapters)
+    for folder in (None, 7, b"/adapters/a"):  # a wrong type: a TypeError, as from register_adapter
+        with pytest.raises(TypeError, match=rf"adapters\['x'\]: adapter folder: expected a str or os.PathLike, got {type(folder).__name__}"):
+            LLM(str(tiny_llama_dir), adapters={"x": folder})
     assert built == []

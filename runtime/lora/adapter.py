@@ -118,6 +118,13 @@ def resolved_files(folder: str | Path) -> tuple[str, ...]:
     return tuple(str(p.resolve()) for p in (Path(folder), Path(folder) / CONFIG_FILE, Path(folder) / WEIGHTS_FILE))
 
 
+def check_adapter_path_type(path: object) -> None:
+    """TypeError unless ``path`` can name an adapter folder: a ``str`` or an ``os.PathLike``
+    (turned into a string, None would be looked up as a folder named "None")."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"adapter folder: expected a str or os.PathLike, got {type(path).__name__}")
+
+
 def check_adapter_folder(root: Path) -> tuple[Path, Path]:
     """The checks on ``root``'s shape that need no file read: a folder holding ``CONFIG_FILE`` and
     ``WEIGHTS_FILE`` as regular files (pickled weights alone are refused). Returns their paths."""
