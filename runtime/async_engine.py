@@ -36,17 +36,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from runtime.config import EngineConfig
 from runtime.engine import CheckedRequest, LLMEngine
 from runtime.lora.registry import AdapterInfo
 from runtime.output_mailbox import OutputMailbox
-from runtime.request import AdapterRef, RequestOutput, SamplingParams
+from runtime.request import AdapterRef, ErrorKind, RequestOutput, SamplingParams
 from runtime.tokenizer import LONG_TEXT_CHARS
 from runtime.torch_threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
+STEP_GRACE_S = 3.0  # shutdown(): how long a step still running when the drain ends is waited for before it counts as stuck
 
 
 class _FairLock:
@@ -56,15 +57,31 @@ class _FairLock:
     step, before a woken waiter runs, so API calls (new requests, aborts, /metrics, model
     lookups) could wait for the whole batch to finish: 1.3 s of a 2 s run in the hardening
     tests. Works as the lock of a ``threading.Condition`` (acquire/release, non-blocking acquire).
+
+    ``abandon(error)``: its holder will not release it in time (a stuck step): every waiter, and
+    every later ``acquire``, raises ``error()`` instead of waiting for ever; the holder's own
+    ``release`` still works.
     """
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._held = False
         self._waiters: deque[threading.Lock] = deque()
+        self._abandoned: Optional[Callable[[], BaseException]] = None
+        self._dismissed: set[threading.Lock] = set()  # waiters abandon() woke without handing them the lock
+
+    def abandon(self, error: Callable[[], BaseException]) -> None:
+        with self._mutex:
+            self._abandoned = error
+            dismissed, self._waiters = list(self._waiters), deque()
+            self._dismissed.update(dismissed)
+        for turn in dismissed:
+            turn.release()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         with self._mutex:
+            if self._abandoned is not None:
+                raise self._abandoned()
             if not self._held and not self._waiters:
                 self._held = True
                 return True
@@ -74,20 +91,26 @@ class _FairLock:
             turn.acquire()
             self._waiters.append(turn)
         try:
-            if turn.acquire(timeout=timeout):  # released by release(): ownership handed over
-                return True
+            woken = turn.acquire(timeout=timeout)  # released by release() (ownership handed over) or by abandon()
         except BaseException:  # interrupted (Ctrl-C in the main thread): leave the queue, or pass on what came
             with self._mutex:
                 if turn in self._waiters:
                     self._waiters.remove(turn)
                     raise
+                if turn in self._dismissed:  # abandon() woke it: nothing was handed over
+                    self._dismissed.discard(turn)
+                    raise
             self.release()  # handed over meanwhile: a lock nobody would release otherwise
             raise
         with self._mutex:
-            if turn in self._waiters:
+            if turn in self._dismissed:
+                self._dismissed.discard(turn)
+                assert self._abandoned is not None
+                raise self._abandoned()
+            if not woken and turn in self._waiters:
                 self._waiters.remove(turn)
                 return False
-        return True  # handed over just as the timeout expired
+        return True  # handed over (perhaps just as the timeout expired)
 
     def release(self) -> None:
         with self._mutex:
@@ -188,6 +211,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
+        self.step_abandoned = False  # shutdown() gave up on a step still running after the drain (see there)
         self._adapter_infos: tuple[AdapterInfo, ...] = ()  # replaced (not mutated) under the lock
         self.engine: LLMEngine  # assigned by the step thread once built
         self._thread = threading.Thread(target=self._run, args=(config, backend, engine), name="lorafleet-engine-step", daemon=True)
@@ -238,22 +262,41 @@ class AsyncLLMEngine:
         drain.start()
         return drain
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting requests, let in-flight ones finish for up to ``timeout`` s, fail the rest."""
-        with self._lock:
-            self._accepting = False
-            self._wake.notify_all()
+    def shutdown(self, timeout: float = 30.0, step_grace_s: float = STEP_GRACE_S) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to ``timeout`` s, fail the rest.
+
+        The rest are failed under the engine lock, which a step holds: a step still running
+        when ``timeout`` is up is waited for ``step_grace_s`` s more. One still running then is
+        taken to be stuck (a hung device, a deadlock), which would otherwise hold the drain (and a
+        server's exit) for ever: an ERROR log line says so, every stream in flight ends at once
+        with a "shutdown" error, every thread waiting for the engine lock (an admission, an abort,
+        a snapshot for /metrics) gets an ``EngineDeadError`` instead, and the engine is not closed
+        (the step thread still uses it; that thread is a daemon, so the process can exit).
+        ``step_abandoned`` is True then, and a later ``shutdown`` returns at once."""
+        if self.step_abandoned:
+            return
+        self._accepting = False  # without the lock: refused at once even while a step holds it (admission re-checks under it)
         self._fail_parked("engine is shutting down; no new requests are accepted")
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while self.running and time.monotonic() < deadline:
-            with self._lock:
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break  # a step outlasted the drain
+            try:
                 if not self.engine.has_unfinished():
                     break
+            finally:
+                self._lock.release()
             time.sleep(0.01)
-        with self._lock:
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) + step_grace_s):
+            self._abandon_step(time.monotonic() - started, timeout, step_grace_s)
+            return
+        try:
             self._stopping = True
             self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {timeout}s)", "shutdown"))
             self._wake.notify_all()
+        finally:
+            self._lock.release()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, timeout))
         self._files.shutdown(wait=True)
@@ -261,6 +304,21 @@ class AsyncLLMEngine:
         self.engine.close()
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
+
+    def _abandon_step(self, waited: float, timeout: float, step_grace_s: float) -> None:
+        """``shutdown``'s end when a step still holds the lock after ``timeout + step_grace_s`` (see there)."""
+        logger.error("engine step still running %.1f s after shutdown began (the drain's %g s, then %g s for the step); not waiting "
+                     "for it: the requests in flight end with an error now, and the engine is not closed", waited, timeout, step_grace_s)
+        self._stopping = True  # the step thread stops, should the step ever return
+        self.step_abandoned = True
+        if self.dead_error is None:
+            self.dead_error = "engine was shut down while a step was still running"
+        dead = self.dead_error
+        self._lock.abandon(lambda: EngineDeadError(dead))
+        self._end_streams(f"engine shut down before the request finished (a step was still running {waited:.1f} s after shutdown began)", "shutdown")
+        self._refuse_queued(dead)
+        self._files.shutdown(wait=False)
+        self._submit.shutdown(wait=False)
 
     # ---- requests ---------------------------------------------------------------------------
     async def generate(
@@ -369,8 +427,26 @@ class AsyncLLMEngine:
         holder of the lock already did)."""
         if not self._admissions:
             return
-        with self._lock:
+        try:
+            self._lock.acquire()
+        except EngineDeadError as err:  # shutdown gave up on a stuck step: nobody admits any more
+            self._refuse_queued(str(err))
+            return
+        try:
             self._drain_admissions()
+        finally:
+            self._lock.release()
+
+    def _refuse_queued(self, message: str) -> None:
+        """Fail every queued admission with ``EngineDeadError(message)`` (the lock was abandoned)."""
+        while self._admissions:
+            try:
+                group = self._admissions.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            for ticket in group:
+                if ticket.future.set_running_or_notify_cancel():
+                    ticket.future.set_exception(EngineDeadError(message))
 
     def _drain_admissions(self) -> None:
         """Admit every queued request; the lock is held. Each ticket's future gets the outcome.
@@ -430,12 +506,20 @@ class AsyncLLMEngine:
     def _abort_and_forget(self, request_id: str) -> None:
         """Abort for a consumer that has gone, and drop its pending outputs (left waiting, they
         would reach a new request that reuses the id)."""
-        with self._lock:
+        try:
+            self._lock.acquire()
+        except EngineDeadError:  # shutdown gave up on a stuck step and ended every stream: nothing to abort
+            with self._queues_lock:
+                self._queues.pop(request_id, None)
+            return
+        try:
             self.engine.abort(request_id)
             self.engine.drop_pending([request_id])
             with self._queues_lock:
                 self._queues.pop(request_id, None)
             self._wake.notify_all()
+        finally:
+            self._lock.release()
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -521,10 +605,15 @@ class AsyncLLMEngine:
             while self._one_iteration():
                 pass
         except BaseException as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
+            if self.step_abandoned:  # shutdown gave up on this step and ended the streams; the lock is abandoned
+                logger.error("engine step abandoned at shutdown ended with %s: %s", type(err).__name__, err)
+                return
             self._die(err)
 
     def _one_iteration(self) -> bool:
         """Wait for work, run one step and hand its outputs out; False once stopping."""
+        if self._stopping:  # also after shutdown abandoned a stuck step, whose lock then refuses everyone
+            return False
         with self._lock:
             self._drain_admissions()
             while not self._stopping and not self.engine.has_unfinished():
@@ -575,12 +664,13 @@ class AsyncLLMEngine:
             with self._queues_lock:
                 self._queues.pop(request_id, None)
 
-    def _end_streams(self, message: str) -> None:
-        """Last resort when fail_all itself failed: end every stream with an error output."""
+    def _end_streams(self, message: str, error_kind: ErrorKind = "engine") -> None:
+        """End every stream with an error output, without the lock or the engine: the last resort
+        when fail_all itself failed, or when shutdown gave up on a stuck step."""
         with self._queues_lock:
             targets = dict(self._queues)
         for request_id, target in targets.items():
-            self._deliver(request_id, target, RequestOutput(request_id, None, (), "", (), "", True, "error", message, ()))
+            self._deliver(request_id, target, RequestOutput(request_id, None, (), "", (), "", True, "error", message, (), error_kind=error_kind))
 
 
 def _engine_gpu(engine: Optional[LLMEngine], backend: Any) -> Optional[Any]:

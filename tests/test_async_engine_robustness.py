@@ -425,3 +425,63 @@ def test_a_cpu_engine_leaves_the_step_threads_gpu_alone(tiny_llama_dir, monkeypa
     async_engine = AsyncLLMEngine(config(tiny_llama_dir))
     async_engine.shutdown()
     assert chosen == []
+
+
+class StuckStepEngine(LLMEngine):
+    """An LLMEngine whose steps wait for ``unstuck`` (a hung device, a deadlock); ``entered``: a step began."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.entered, self.unstuck = threading.Event(), threading.Event()
+        super().__init__(config)
+
+    def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
+        self.entered.set()
+        self.unstuck.wait(60)
+        return super().step(wait_for_loads)
+
+
+def test_a_stuck_step_does_not_hold_shutdown_for_ever(tiny_llama_dir: Path, caplog) -> None:
+    """shutdown() waited for the engine lock without a bound: a step that never returned held the
+    drain (so `lorafleet serve` until a second signal), its streams, and every thread waiting for
+    the lock (an admission, a /metrics snapshot). Now, a ``step_grace_s`` after the drain, an ERROR
+    line says so, the streams end with a "shutdown" error (a 503), the waiters get EngineDeadError,
+    and shutdown returns; should the step ever return, the step thread stops without another."""
+    import logging
+
+    inner = StuckStepEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    outputs: list[RequestOutput] = []
+
+    async def consume(request_id: str) -> None:
+        async for out in engine.generate(request_id, [5, 6, 7], greedy(4)):
+            outputs.append(out)
+
+    async def scenario() -> None:
+        stuck = asyncio.create_task(consume("stuck"))
+        assert await asyncio.to_thread(inner.entered.wait, 30)
+        snapshot = asyncio.create_task(asyncio.to_thread(engine.snapshot))  # waits for the lock the step holds
+        late = asyncio.create_task(consume("late"))  # queued for admission, which waits for the lock too
+        await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.to_thread(engine.shutdown, 0.05, 0.05), 30)
+        await asyncio.wait_for(stuck, 30)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(snapshot, 30)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(late, 30)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="runtime.async_engine"):
+            asyncio.run(scenario())
+        assert engine.step_abandoned and not engine.accepting
+        (end,) = outputs
+        assert end.request_id == "stuck" and end.finish_reason == "error" and end.error_kind == "shutdown", end
+        assert "a step was still running" in (end.error or "")
+        assert any("engine step still running" in r.getMessage() and "not waiting for it" in r.getMessage() for r in caplog.records), caplog.text
+        with pytest.raises(EngineDeadError):
+            engine.abort("stuck")
+        engine.shutdown(0.05, 0.05)  # again (a second signal, a caller's cleanup): nothing left to do
+    finally:
+        inner.unstuck.set()  # the step returns: the step thread stops before another
+        engine._thread.join(30)
+    assert not engine.running
+    inner.close()
