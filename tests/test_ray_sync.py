@@ -695,7 +695,14 @@ def adapter_series(page: str) -> list[str]:
     return sorted(line for line in page.splitlines() if line.startswith("lorafleet_adapter_") and 'adapter="' in line)
 
 
-def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(replica, service, folders, tiny_llama_dir) -> None:
+def ray_get_locally(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ingress's blocking ``ray.get`` (admin calls, /metrics' snapshot fetch) runs a ``LocalHandle`` call."""
+    from runtime.distributed import replica_set
+
+    monkeypatch.setattr(replica_set, "ray", SimpleNamespace(get=lambda ref, timeout=None: asyncio.run(ref), exceptions=replica_set.ray.exceptions))
+
+
+def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(replica, service, folders, tiny_llama_dir, monkeypatch) -> None:
     """/metrics at the ingress was bounded (adapters past the cap share __other__), but a replica's
     engine was never told to fold, as a single server's is: it kept counters, and sent them to the
     registry and the ingress, for every adapter it ever served. Now the ingress's scrape relays the
@@ -703,6 +710,8 @@ def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(
     from runtime.distributed.ingress import build_app
     from runtime.distributed.replica_set import ReplicaSetEngine
     from runtime.server.options import ServerOptions
+
+    ray_get_locally(monkeypatch)
 
     names = [f"n{i}" for i in range(4)]
     for name in names:
@@ -714,10 +723,15 @@ def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(
         service.unregister(name)
     sync(replica)
     assert set(names) <= set(replica.report()["adapters"])
-    relay = SimpleNamespace(fold_adapter_counters=SimpleNamespace(remote=lambda rid, names: service.fold_adapter_counters(rid, names)))  # Ray call, made here
-    ingress = ReplicaSetEngine(None, relay, str(tiny_llama_dir), "tiny", 64)
+    class FoldsAtOnce(LocalHandle):  # the fold call made here: the ingress does not wait for it
+        def __getattr__(self, name: str) -> Any:
+            if name == "fold_adapter_counters":
+                return SimpleNamespace(remote=lambda rid, names: service.fold_adapter_counters(rid, names))
+            return super().__getattr__(name)
+
+    ingress = ReplicaSetEngine(None, FoldsAtOnce(service), str(tiny_llama_dir), "tiny", 64)
     app = build_app(ingress, ServerOptions(metrics_max_adapters=1))
-    ingress._take(service.view())
+    asyncio.run(ingress.refresh())
     before = app.state.lorafleet.metrics.render().decode()
     assert 'adapter="n0"' in before and 'adapter="__other__"' in before and 'adapter="n1"' not in before
     asyncio.run(replica._heartbeat())  # the reply asks the replica to fold what the scrape counted under __other__
@@ -726,9 +740,153 @@ def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(
     assert "__other__" in kept and "n0" in kept
     asyncio.run(replica._heartbeat())
     assert set(service.replicas["replica-1"].snapshot["adapters"]) == kept
-    ingress._take(service.view())
     after = app.state.lorafleet.metrics.render().decode()
     assert adapter_series(after) == adapter_series(before)
+
+
+class RecordingHandle(LocalHandle):
+    """A ``LocalHandle`` that keeps every call: (method, reply) once answered, and how many calls
+    were made and how many of their results were read (awaited, or ``ray.get``)."""
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(target)
+        self.replies: list[tuple[str, Any]] = []
+        self.made = self.read = 0
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name).remote
+        handle = self
+
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            handle.made += 1
+
+            async def answered() -> Any:
+                handle.read += 1
+                reply = await call(*args, **kwargs)
+                handle.replies.append((name, reply))
+                return reply
+
+            return answered()
+
+        return SimpleNamespace(remote=remote)
+
+
+def adapter_entries(reply: dict[str, Any]) -> int:
+    """Per-adapter entries a registry view carries: registry entries, and replicas' snapshot map entries."""
+    return len(reply.get("entries") or []) + sum(map_entries(r.get("snapshot", {})) for r in reply.get("replicas", {}).values())
+
+
+def test_an_idle_ingress_refresh_carries_no_adapter_entry(service, tiny_llama_dir, monkeypatch) -> None:
+    """The ingress's refresh (twice a second) pulled every registered entry and every live replica's
+    whole snapshot, adapters x replicas entries with nothing changing. Now an idle refresh carries
+    none: the set travels when its revision (or the registry actor) changed, the snapshots when
+    /metrics is scraped; what requests are routed with (the revision, each adapter's version, ready)
+    is as fresh as before."""
+    import pickle
+
+    from runtime.distributed.replica_set import STARTING, ReplicaSetEngine
+
+    ray_get_locally(monkeypatch)
+    names = [f"n{i:02d}" for i in range(20)]
+    for name in names:
+        service.register(name, f"/adapters/{name}", f"{1:064x}", 8)
+
+    def report(requests: int) -> dict[str, Any]:
+        return {"running": 0, "adapters": {n: {"requests": requests, "loads": 1} for n in names}, "registered": {n: f"{1:064x}" for n in names}}
+
+    for rid in ("r1", "r2", "r3"):
+        service.heartbeat(rid, service.manifest.revision, report(1))
+    handle = RecordingHandle(service)
+    ingress = ReplicaSetEngine(None, handle, str(tiny_llama_dir), "tiny", 64)
+
+    def refresh() -> tuple[int, int]:
+        """(adapter entries, pickled bytes) of the refresh's view reply."""
+        handle.replies.clear()
+        asyncio.run(ingress.refresh())
+        [(method, reply)] = handle.replies
+        assert method == "view"
+        return adapter_entries(reply), len(pickle.dumps(reply))
+
+    first, _ = refresh()
+    assert first >= len(names) and [a.name for a in ingress.adapters()] == names
+    idle = [refresh() for _ in range(3)]
+    assert [entries for entries, _ in idle] == [0, 0, 0], f"idle refreshes carried {idle} (entries, bytes)"
+    assert all(size < 300 for _, size in idle), idle
+    assert [a.name for a in ingress.adapters()] == names
+    # A change travels with the next refresh: a hot update's version is what requests are pinned to.
+    revision = service.register("n03", "/adapters/n03-v2", f"{2:064x}", 8)["revision"]
+    assert refresh()[0] == len(names)
+    assert ingress._view["revision"] == revision and ingress._current_version("n03") == f"{2:064x}"
+    assert refresh()[0] == 0
+    service.set_ready(False)  # no new revision: still taken
+    refresh()
+    assert ingress.dead_error == STARTING
+    service.set_ready(True)
+    refresh()
+    assert ingress.dead_error is None
+    # A restarted registry actor (same manifest) sends the set whole once.
+    handle.target = AdapterRegistryService(service.folder())
+    assert refresh()[0] == len(names) and refresh()[0] == 0
+    assert [(a.name, a.version) for a in ingress.adapters()] == [(n, f"{2 if n == 'n03' else 1:064x}") for n in names]
+    # The snapshots come when /metrics asks for them.
+    handle.target = service
+    service.heartbeat("r1", service.manifest.revision, report(5))
+    snaps = ingress.replica_snapshots()
+    assert sorted(snaps) == ["r1", "r2", "r3"] and snaps["r1"]["adapters"]["n00"]["requests"] == 5 and snaps["r2"] == report(1), snaps
+
+
+def test_a_scrape_keeps_a_replica_s_last_snapshot_while_a_restarted_registry_waits_for_its_whole_report(service, tiny_llama_dir, monkeypatch) -> None:
+    """A restarted registry refuses a replica's first change-only report, and the whole report comes
+    in the replica's next call. A view taken in between showed that replica with an empty snapshot,
+    which /metrics rendered as its counters going back to 0 (a counter reset for Prometheus)."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    ray_get_locally(monkeypatch)
+    service.register("A", "/adapters/a", f"{1:064x}", 8)
+    revision = service.manifest.revision
+    whole = {"running": 0, "adapters": {"A": {"requests": 7, "loads": 1}}, "registered": {"A": f"{1:064x}"}}
+    number = service.heartbeat("r1", revision, whole)["report"]
+    handle = LocalHandle(service)
+    ingress = ReplicaSetEngine(None, handle, str(tiny_llama_dir), "tiny", 64)
+    asyncio.run(ingress.refresh())
+    assert ingress.replica_snapshots() == {"r1": whole}
+    restarted = AdapterRegistryService(service.folder())
+    handle.target = restarted
+    changes = {"running": 0, "adapters": {"changed": {"A": {"requests": 8, "loads": 1}}, "removed": []}, "registered": {"changed": {}, "removed": []}}
+    assert restarted.heartbeat("r1", revision, changes, (), revision, number)["report"] is None  # refused: the whole report follows
+    asyncio.run(ingress.refresh())
+    assert ingress.replica_snapshots() == {"r1": whole}, "the replica's counters went back to 0 between its two calls"
+    newer = {**whole, "adapters": {"A": {"requests": 8, "loads": 1}}}
+    restarted.heartbeat("r1", revision, newer)
+    asyncio.run(ingress.refresh())
+    assert ingress.replica_snapshots() == {"r1": newer}
+
+
+def test_a_scrape_that_the_registry_does_not_answer_in_time_shows_the_last_snapshots(tiny_llama_dir, monkeypatch) -> None:
+    """The snapshot fetch waits ``SNAPSHOT_TIMEOUT_S`` (the registry may be restarting): the scrape
+    then shows the snapshots fetched last, and the next one waits for the same call (its reply is
+    read, and calls do not pile up on a registry that is slow to answer)."""
+    from ray.exceptions import GetTimeoutError
+
+    from runtime.distributed import replica_set
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    answers = [{"r1": {"running": 1}}, {"r1": {"running": 2}}]
+    fetches: list[int] = []
+    registry = SimpleNamespace(replica_snapshots=SimpleNamespace(remote=lambda: fetches.append(len(fetches)) or len(fetches) - 1))
+    late = [False, True, False]  # the second fetch is not answered in time at the first try
+
+    def get(ref: int, timeout: float | None = None) -> Any:
+        assert timeout == ReplicaSetEngine.SNAPSHOT_TIMEOUT_S
+        if late.pop(0):
+            raise GetTimeoutError("late")
+        return answers[ref]
+
+    monkeypatch.setattr(replica_set, "ray", SimpleNamespace(get=get, exceptions=replica_set.ray.exceptions))
+    ingress = ReplicaSetEngine(None, registry, str(tiny_llama_dir), "tiny", 64)
+    assert ingress.replica_snapshots() == {"r1": {"running": 1}}
+    assert ingress.replica_snapshots() == {"r1": {"running": 1}}  # not answered in time: the last ones
+    assert ingress.replica_snapshots() == {"r1": {"running": 2}} and fetches == [0, 1]
 
 
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:

@@ -18,6 +18,14 @@ A replica is *live* while its last heartbeat is younger than ``live_after_s``.
 ``wait_applied(R)`` returns once every live replica has applied a revision >= R or reported
 errors for one, or at the timeout with the lagging replicas named.
 
+The ingress refreshes its copy of the registered set twice a second (``view(known)``), with the
+(registry, revision) it holds: when this actor is that registry at that revision, the reply
+carries no entry (the set is unchanged; ``registry`` is this actor's incarnation, so a
+restarted actor sends it whole once). The replicas' reports, for /metrics, are fetched only when
+it is scraped (``replica_snapshots``), with None for a live replica whose report this actor
+does not hold yet (a restarted actor refused its change-only report, and the whole one has not
+come in): the ingress keeps the last one it had, so no counter seems to go back.
+
 Version rules are the single server's: re-registering a name with other content is a
 hot update (a new version; requests in flight finish on the old one, each replica's
 engine keeps it until its last reader is done); registering identical content is a
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -71,6 +80,7 @@ class AdapterRegistryService:
         self.forget_after_s = max(60.0, self.FORGET_AFTER_LIVE * live_after_s)
         self.replicas: dict[str, ReplicaStatus] = {}
         self.ready = True
+        self.incarnation = uuid.uuid4().hex  # which actor answers: a restarted one holds no report, and is sent views whole once
         self.drain_deadline: Optional[float] = None  # time.monotonic() when the drain ends; None: not shutting down
 
     # ---- the registered set --------------------------------------------------------------------
@@ -194,9 +204,23 @@ class AdapterRegistryService:
             for rid, s in self._live().items()
         }
 
-    def view(self) -> dict[str, Any]:
-        """What the ingress caches: the registered set and the live replicas (with snapshots)."""
-        return {**self.state(), "replicas": self.live_replicas(), "ready": self.ready}
+    def view(self, known: Optional[tuple[str, int]] = None) -> dict[str, Any]:
+        """What the ingress caches: {"registry": ``incarnation``, "revision", "entries", "ready"}.
+
+        ``known``: the (registry, revision) of the view the ingress holds. When that is this
+        actor at its current revision, "entries" is None: the registered set is the one the
+        ingress holds (a revision names one set; every change bumps it), so an idle refresh
+        carries no entry however many are registered."""
+        unchanged = known is not None and tuple(known) == (self.incarnation, self.manifest.revision)
+        return {"registry": self.incarnation, "revision": self.manifest.revision,
+                "entries": None if unchanged else self.state()["entries"], "ready": self.ready}
+
+    def replica_snapshots(self) -> dict[str, Optional[dict[str, Any]]]:
+        """Live replica id -> the report it sent last (its engine snapshot and ``registered``),
+        for the ingress's /metrics; None for one whose report this actor does not hold yet (it
+        restarted, and the replica's first, change-only, report was refused: the whole one
+        follows in its next call). Its counters are not 0: the ingress keeps the report it had."""
+        return {rid: s.snapshot if s.report_number is not None else None for rid, s in self._live().items()}
 
     async def wait_applied(self, revision: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
         """Wait until every live replica is done with ``revision``: applied it, or tried and

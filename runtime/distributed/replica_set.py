@@ -5,9 +5,11 @@ The ingress builds the unchanged FastAPI app around this object:
                          or without it (``routing="adapter_blind"``: the baseline to compare)
   register/unregister -> ``RegistryClient`` (validate on a replica, record, wait for replicas)
   adapters()          -> the registered set, cached from the registry actor (refreshed every
-                         ``refresh_s``, and at once after a change made through this ingress)
+                         ``refresh_s``, and at once after a change made through this ingress;
+                         a refresh whose revision the ingress holds carries no entry)
   snapshot()          -> the sum of the replicas' engine snapshots; ``replica_snapshots()``
-                         gives them one by one for /metrics' ``replica`` label
+                         gives them one by one for /metrics' ``replica`` label (fetched from the
+                         registry when called, i.e. at a scrape, not at every refresh)
 
 Replica failure: if the replica dies before the request produced output, the request is
 sent once more (Serve routes it to a live replica). If it dies after output was already
@@ -28,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence as SequenceABC
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from runtime.async_engine import EngineDeadError
 from runtime.distributed.registry_client import RegistryClient
@@ -63,6 +67,10 @@ def replica_error(kind: str, message: str) -> Exception:
 
 
 class ReplicaSetEngine:
+    # How long a /metrics scrape waits for the registry's snapshots before it shows the last ones
+    # fetched (the registry may be restarting: its calls are retried until it is back).
+    SNAPSHOT_TIMEOUT_S = 2.0
+
     def __init__(
         self,
         replicas: Any,
@@ -89,8 +97,14 @@ class ReplicaSetEngine:
         self.routing = routing
         self.refresh_s = refresh_s
         self._observers: list[Callable[[Any], None]] = []
-        self._view: dict[str, Any] = {"revision": -1, "entries": [], "replicas": {}, "ready": True, "versions": {}, "infos": ()}
+        self._view: dict[str, Any] = {"registry": None, "revision": -1, "entries": [], "ready": True, "versions": {}, "infos": ()}
         self._refresh_task: Optional[asyncio.Task] = None
+        # /metrics: the replicas' snapshots as last fetched, and the fetch a scrape stopped waiting
+        # for (the next scrape waits for that one, so every reply is read and none piles up).
+        self._snapshots_lock = threading.Lock()
+        self._snapshots: dict[str, dict[str, Any]] = {}
+        self._snapshot_fetch: Any = None
+        self._snapshot_problem: Optional[str] = None  # why the last fetch failed (logged when it changes)
         self.shutting_down = False
         self.active = 0  # generate() calls not finished yet (requests in flight here)
 
@@ -99,13 +113,29 @@ class ReplicaSetEngine:
         """Install the registry's ``view`` unless it is older than the one held, with what every
         request reads made once here: ``infos`` (``adapters()``, which resolves each request's
         model: 2000 AdapterInfo built per request took 2 ms of the one ingress's event loop) and
-        ``versions`` (name -> version, ``_current_version``)."""
-        if view["revision"] >= self._view["revision"]:
-            infos = tuple(AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e["registered_at"]) for e in view["entries"])
-            self._view = {**view, "infos": infos, "versions": {i.name: i.version for i in infos}}  # one reference swap: readers see the old or the new view
+        ``versions`` (name -> version, ``_current_version``).
+
+        A view whose ``entries`` is None says the set is the one of the (registry, revision) this
+        ingress sent (``_known``): only its ``ready`` is taken, and only if that is still the
+        (registry, revision) held (else it is dropped; the next refresh brings the entries)."""
+        held = self._view
+        if view["revision"] < held["revision"]:
+            return
+        if view.get("entries") is None:
+            if (view.get("registry"), view["revision"]) == (held.get("registry"), held["revision"]):
+                self._view = {**held, "ready": view["ready"]}
+            return
+        infos = tuple(AdapterInfo(e["name"], e["version"], e["path"], e["max_rank"], e["registered_at"]) for e in view["entries"])
+        self._view = {**view, "infos": infos, "versions": {i.name: i.version for i in infos}}  # one reference swap: readers see the old or the new view
+
+    def _known(self) -> Optional[tuple[str, int]]:
+        """The (registry, revision) of the view held, which a refresh sends (``AdapterRegistryService.view``)."""
+        registry = self._view.get("registry")
+        return None if registry is None else (registry, self._view["revision"])
 
     async def refresh(self) -> None:
-        self._take(await self.registry.view.remote())
+        """Take the registry's view (without the entries when they did not change)."""
+        self._take(await self.registry.view.remote(self._known()))
 
     def start_refresh(self) -> None:
         async def loop() -> None:
@@ -137,7 +167,38 @@ class ReplicaSetEngine:
         return list(self._view["infos"])
 
     def replica_snapshots(self) -> dict[str, dict[str, Any]]:
-        return {rid: r["snapshot"] for rid, r in self._view["replicas"].items()}
+        """Live replica id -> its last engine snapshot (the report of its last heartbeat), fetched
+        from the registry now: this blocks (up to ``SNAPSHOT_TIMEOUT_S``), so call it off the event
+        loop (/metrics renders in a worker thread). Only a scrape fetches them: the refresh loop
+        pulled every replica's whole snapshot twice a second, adapters x replicas entries with
+        nothing changing.
+
+        A replica the registry lists without a report yet (``AdapterRegistryService.replica_snapshots``:
+        it restarted) keeps the snapshot fetched before, rather than showing none (which a scrape
+        would read as its counters going back to 0). When the registry does not answer (within the
+        timeout, or at all), the snapshots fetched last are returned; a fetch still running is
+        waited for by the next call instead of starting another."""
+        with self._snapshots_lock:
+            try:
+                if self._snapshot_fetch is None:
+                    self._snapshot_fetch = self.registry.replica_snapshots.remote()
+                fetched = ray.get(self._snapshot_fetch, timeout=self.SNAPSHOT_TIMEOUT_S)
+            except GetTimeoutError:
+                self._snapshot_failed(f"the registry did not answer within {self.SNAPSHOT_TIMEOUT_S:g} s")
+                return dict(self._snapshots)
+            except Exception as err:  # noqa: BLE001 - the scrape must still answer
+                self._snapshot_fetch = None
+                self._snapshot_failed(f"{type(err).__name__}: {err}")
+                return dict(self._snapshots)
+            self._snapshot_fetch, self._snapshot_problem = None, None
+            held = self._snapshots
+            self._snapshots = {rid: snap if snap is not None else held[rid] for rid, snap in fetched.items() if snap is not None or rid in held}
+            return dict(self._snapshots)
+
+    def _snapshot_failed(self, problem: str) -> None:
+        if problem != self._snapshot_problem:  # log changes, not every scrape
+            logger.warning("/metrics: could not fetch the replicas' snapshots from the registry (%s); showing the last ones fetched", problem)
+        self._snapshot_problem = problem
 
     def fold_replica_adapter_counters(self, replica_id: str, names: Sequence[str]) -> None:
         """/metrics counts ``names`` of replica ``replica_id`` under ``__other__``: ask that replica
@@ -166,13 +227,13 @@ class ReplicaSetEngine:
         try:
             return self.client.register(name, path)
         finally:  # also after a 503 (the change is recorded; some replica failed to apply it): requests carry its revision now
-            self._take(ray.get(self.registry.view.remote()))
+            self._take(ray.get(self.registry.view.remote(self._known())))
 
     def unregister_adapter(self, name: str) -> None:
         try:
             self.client.unregister(name)
         finally:
-            self._take(ray.get(self.registry.view.remote()))
+            self._take(ray.get(self.registry.view.remote(self._known())))
 
     def add_observer(self, callback: Callable[[Any], None]) -> None:
         self._observers.append(callback)
