@@ -706,7 +706,8 @@ def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(
     """/metrics at the ingress was bounded (adapters past the cap share __other__), but a replica's
     engine was never told to fold, as a single server's is: it kept counters, and sent them to the
     registry and the ingress, for every adapter it ever served. Now the ingress's scrape relays the
-    names through the registry, the replica folds them at its next heartbeat, and the page is unchanged."""
+    names through the registry (with its next refresh), the replica folds them at its next
+    heartbeat, and the page is unchanged."""
     from runtime.distributed.ingress import build_app
     from runtime.distributed.replica_set import ReplicaSetEngine
     from runtime.server.options import ServerOptions
@@ -723,17 +724,12 @@ def test_a_replica_folds_the_counters_of_unloaded_adapters_past_the_metrics_cap(
         service.unregister(name)
     sync(replica)
     assert set(names) <= set(replica.report()["adapters"])
-    class FoldsAtOnce(LocalHandle):  # the fold call made here: the ingress does not wait for it
-        def __getattr__(self, name: str) -> Any:
-            if name == "fold_adapter_counters":
-                return SimpleNamespace(remote=lambda rid, names: service.fold_adapter_counters(rid, names))
-            return super().__getattr__(name)
-
-    ingress = ReplicaSetEngine(None, FoldsAtOnce(service), str(tiny_llama_dir), "tiny", 64)
+    ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64)
     app = build_app(ingress, ServerOptions(metrics_max_adapters=1))
     asyncio.run(ingress.refresh())
     before = app.state.lorafleet.metrics.render().decode()
     assert 'adapter="n0"' in before and 'adapter="__other__"' in before and 'adapter="n1"' not in before
+    asyncio.run(ingress.refresh())  # sends what the scrape asked for
     asyncio.run(replica._heartbeat())  # the reply asks the replica to fold what the scrape counted under __other__
     kept = set(replica.report()["adapters"])
     assert kept.isdisjoint(names[1:]), f"the replica still keeps counters of unloaded adapters past the cap: {sorted(kept)}"
@@ -887,6 +883,38 @@ def test_a_scrape_that_the_registry_does_not_answer_in_time_shows_the_last_snaps
     assert ingress.replica_snapshots() == {"r1": {"running": 1}}
     assert ingress.replica_snapshots() == {"r1": {"running": 1}}  # not answered in time: the last ones
     assert ingress.replica_snapshots() == {"r1": {"running": 2}} and fetches == [0, 1]
+
+
+def test_a_scrape_s_fold_request_is_read_and_its_failure_logged_once(service, tiny_llama_dir, monkeypatch, caplog) -> None:
+    """The scrape's fold request through the registry was fired and forgotten: when the registry's
+    call failed, its error sat on a Ray reference nobody read, which Ray logs as "Unhandled error"
+    when it is collected. Now the next refresh sends it and reads the reply; a failure is logged by
+    lorafleet, once, and the next scrape asks again."""
+    import logging
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    ray_get_locally(monkeypatch)
+    service.heartbeat("r1", service.manifest.revision, {"adapters": {"gone": {"requests": 1}}})
+    handle = RecordingHandle(service)
+    ingress = ReplicaSetEngine(None, handle, str(tiny_llama_dir), "tiny", 64)
+    asyncio.run(ingress.refresh())
+    ingress.fold_replica_adapter_counters("r1", ["gone"])  # what a scrape past the label cap does
+    asyncio.run(ingress.refresh())
+    assert handle.made == handle.read, f"{handle.made - handle.read} registry call(s) whose result nobody reads"
+    assert service.replicas["r1"].fold == {"gone"}
+
+    def broken(folds: Any) -> None:
+        raise ValueError("no such replica table")
+
+    service.fold_adapter_counters = broken  # type: ignore[method-assign]
+    ingress.fold_replica_adapter_counters("r1", ["gone"])
+    with caplog.at_level(logging.WARNING, logger="lorafleet"):
+        asyncio.run(ingress.refresh())
+        asyncio.run(ingress.refresh())  # nothing asked since: nothing sent, nothing logged
+    assert handle.made == handle.read
+    warnings = [r.getMessage() for r in caplog.records if "fold" in r.getMessage()]
+    assert len(warnings) == 1 and "no such replica table" in warnings[0], warnings
 
 
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:

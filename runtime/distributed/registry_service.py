@@ -155,12 +155,15 @@ class AdapterRegistryService:
         return {"state": self.state() if applied_revision < self.manifest.revision else None, "drain_s": self.drain_left(),
                 "report": status.report_number if report is not None else None, "fold": fold}
 
-    def fold_adapter_counters(self, replica_id: str, names: list[str]) -> None:
-        """The ingress's /metrics counts ``names`` of that replica under ``__other__``: its next
-        heartbeat's reply asks it to fold their counters (``LoraReplica._heartbeat``)."""
-        status = self.replicas.get(replica_id)
-        if status is not None:
-            status.fold.update(names)
+    def fold_adapter_counters(self, folds: dict[str, list[str]]) -> None:
+        """The ingress's /metrics counts, for each replica id of ``folds``, those names under
+        ``__other__``: that replica's next heartbeat's reply asks it to fold their counters
+        (``LoraReplica._heartbeat``). Replicas this actor does not know are skipped (the ingress's
+        next scrape asks again)."""
+        for replica_id, names in folds.items():
+            status = self.replicas.get(replica_id)
+            if status is not None:
+                status.fold.update(names)
 
     # ---- start and shutdown ------------------------------------------------------------------------
     def set_ready(self, ready: bool) -> None:

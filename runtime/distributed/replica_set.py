@@ -105,6 +105,9 @@ class ReplicaSetEngine:
         self._snapshots: dict[str, dict[str, Any]] = {}
         self._snapshot_fetch: Any = None
         self._snapshot_problem: Optional[str] = None  # why the last fetch failed (logged when it changes)
+        # Replica id -> adapter names a scrape asked it to fold, sent by the next refresh (``_send_folds``).
+        self._folds_lock = threading.Lock()
+        self._folds: dict[str, set[str]] = {}
         self.shutting_down = False
         self.active = 0  # generate() calls not finished yet (requests in flight here)
 
@@ -134,8 +137,10 @@ class ReplicaSetEngine:
         return None if registry is None else (registry, self._view["revision"])
 
     async def refresh(self) -> None:
-        """Take the registry's view (without the entries when they did not change)."""
+        """Take the registry's view (without the entries when they did not change), then send the
+        folds the last scrapes asked for."""
         self._take(await self.registry.view.remote(self._known()))
+        await self._send_folds()
 
     def start_refresh(self) -> None:
         async def loop() -> None:
@@ -204,16 +209,26 @@ class ReplicaSetEngine:
         """/metrics counts ``names`` of replica ``replica_id`` under ``__other__``: ask that replica
         (through the registry, at its next heartbeat) to fold the counters of those not registered
         into its engine's ``__other__`` entry (``LLMEngine.fold_adapter_counters``), so its books,
-        and the reports it sends, do not keep every adapter it ever served. Not waited for (a
-        scrape's worker thread calls it); a fold that gets lost is asked for again at the next scrape."""
+        and the reports it sends, do not keep every adapter it ever served. A scrape's worker
+        thread calls it; the request goes with the next refresh (``_send_folds``), whose call is
+        waited for, so a failure is logged here once, not left on an unread Ray reference."""
         unregistered = [name for name in names if name not in self._view["versions"]]
-        if not unregistered:
+        if unregistered:
+            with self._folds_lock:
+                self._folds.setdefault(replica_id, set()).update(unregistered)
+
+    async def _send_folds(self) -> None:
+        """Send the folds asked for since the last send, in one call. One that fails is logged and
+        dropped: the next scrape counts those names under ``__other__`` again, and asks again."""
+        with self._folds_lock:
+            folds, self._folds = self._folds, {}
+        if not folds:
             return
         try:
-            self.registry.fold_adapter_counters.remote(replica_id, unregistered)
-        except Exception as err:  # noqa: BLE001 - the scrape must still answer; the next one asks again
-            logger.warning("could not ask replica %s to fold the counters of %d unloaded adapter(s): %s: %s", replica_id, len(unregistered),
-                           type(err).__name__, err)  # fmt: skip
+            await self.registry.fold_adapter_counters.remote({rid: sorted(names) for rid, names in folds.items()})
+        except Exception as err:  # noqa: BLE001 - the refresh must go on
+            logger.warning("could not ask %d replica(s) to fold the counters of unloaded adapters (%s: %s); the next scrape asks again",
+                           len(folds), type(err).__name__, err)  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
         """Sum of the live replicas' snapshots (numbers add; per-adapter counters add by name)."""
