@@ -917,6 +917,38 @@ def test_a_scrape_s_fold_request_is_read_and_its_failure_logged_once(service, ti
     assert len(warnings) == 1 and "no such replica table" in warnings[0], warnings
 
 
+def test_the_ingress_refresh_loop_goes_on_after_an_unexpected_error(service, tiny_llama_dir) -> None:
+    """Only RayActorError was caught: any other error from the registry call ended the refresh task
+    silently, and the ingress served a frozen adapter set from then on."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    calls = [0]
+    real = service.view
+
+    def view(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyError("revision")
+        return real(*args)
+
+    service.view = view  # type: ignore[method-assign]
+    ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, refresh_s=0.0)
+    service.register("A", "/adapters/a", f"{1:064x}", 8)
+
+    async def run() -> None:
+        ingress.start_refresh()
+        for _ in range(1000):  # a bound, not a clock: each turn yields to the loop once
+            if calls[0] >= 3 or ingress._refresh_task.done():
+                break
+            await asyncio.sleep(0)
+        ingress._refresh_task.cancel()
+        await asyncio.gather(ingress._refresh_task, return_exceptions=True)
+
+    asyncio.run(run())
+    assert calls[0] >= 3, f"the refresh loop ended after {calls[0]} call(s)"
+    assert [a.name for a in ingress.adapters()] == ["A"]
+
+
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:
     """The heartbeat's snapshot takes the engine lock, which a step holds for its whole length:
     it must wait in a worker thread, not on the replica's event loop (which streams tokens)."""

@@ -150,6 +150,8 @@ class ReplicaSetEngine:
                     await self.refresh()
                 except ray.exceptions.RayActorError as err:
                     logger.warning("registry unavailable (%s); serving the last known adapter set", err)
+                except Exception as err:  # noqa: BLE001 - the loop must go on: a stopped one would freeze the adapter set here
+                    logger.error("taking the registry's view failed (%s: %s); serving the last known adapter set", type(err).__name__, err)
 
         self._refresh_task = asyncio.create_task(loop())
 
