@@ -1,6 +1,7 @@
 """Tokenizer vs transformers' AutoTokenizer on the same tokenizer.json, plus eos / template sources."""
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -396,14 +397,14 @@ LLAMA3_STYLE_TEMPLATE = (  # trims the content, so transformers' marker loses it
 def test_continue_final_message_matches_transformers(model_copy, template):
     """The prompt ends right after the last message's content, with no end-of-turn (here </s>, or
     <|eot_id|> after trimmed content), as transformers renders it; a final content that the template
-    repeats earlier, ends in spaces or is empty included."""
+    repeats earlier, ends in spaces or is empty included; a user's last message as well as an assistant's."""
     from transformers import AutoTokenizer
 
     if template is not None:
         _set_config(model_copy, chat_template=template)
     ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
-    for final in ("Sure, the answer is", "twice", "ends in a space ", "", "  padded  "):
-        messages = [{"role": "user", "content": "twice"}, {"role": "assistant", "content": final}]
+    for final, role in itertools.product(("Sure, the answer is", "twice", "ends in a space ", "", "  padded  "), ("assistant", "user")):
+        messages = [{"role": "user", "content": "twice"}, {"role": role, "content": final}]
         want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
         assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == want, final
         assert not want.endswith(("</s>", "<|eot_id|>"))

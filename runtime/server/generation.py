@@ -61,21 +61,19 @@ async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True
 def render_chat(tokenizer: Any, request: Any) -> str:
     """The chat template's text for a request's ``messages`` (pydantic chat messages), with its chat
     template fields (``protocol.CHAT_TEMPLATE_FIELDS``). ``continue_final_message`` needs
-    ``add_generation_prompt`` false (vLLM's rule) and an assistant message last, else a 400 on it;
-    a ``chat_template_kwargs`` key the render sets itself is a 400 on that field.
+    ``add_generation_prompt`` false (vLLM's rule), else a 400 on it; it continues the last message
+    whatever its role (as vLLM and transformers do); a template that does not write that message's
+    content as given is a 400 on it too. A ``chat_template_kwargs`` key the render sets itself is a
+    400 on that field.
     A refusal by the template (its ``raise_exception``, a sandbox violation) is a 400 on
     ``messages`` whose text starts with the field's name, as every field's error does. So is a
     Python error the template's code raises on the request's values (ChatTemplateError: e.g. a
     TypeError); as it may as well be the template's fault, it is also logged, with its traceback,
     on ``lorafleet.server``."""
     messages = request.messages
-    refusal = None
     if request.continue_final_message and request.add_generation_prompt:
-        refusal = "not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"
-    elif request.continue_final_message and messages[-1].role != "assistant":
-        refusal = f"the last message must be the assistant's (the one to continue), not a {messages[-1].role} message"
-    if refusal is not None:
-        raise APIError(400, f"continue_final_message: {refusal}", param="continue_final_message", code="invalid_parameter")
+        raise APIError(400, "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; "
+                       "send add_generation_prompt: false", param="continue_final_message", code="invalid_parameter")
     try:
         return tokenizer.apply_chat_template([m.template_fields() for m in messages], add_generation_prompt=request.add_generation_prompt,
                                              continue_final_message=request.continue_final_message,

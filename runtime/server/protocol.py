@@ -289,9 +289,9 @@ class _ChatTemplateFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
     add_generation_prompt: StrictBool = Field(True, description="vLLM's extension: the template's add_generation_prompt: end the "
                                               "prompt with the start of an assistant message. false: the prompt ends after the last message.")
-    continue_final_message: StrictBool = Field(False, description="vLLM's extension: the prompt ends inside the last message, which "
-                                               "must be the assistant's, right after its content (no end of turn), so the model continues "
-                                               "it; the reply holds the continuation only. Needs add_generation_prompt: false.")
+    continue_final_message: StrictBool = Field(False, description="vLLM's extension: the prompt ends inside the last message (of "
+                                               "any role), right after its content (no end of turn), so the model continues it; the reply "
+                                               "holds the continuation only. Needs add_generation_prompt: false.")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="vLLM's extension: more variables for the chat template "
                                                             "(e.g. {\"enable_thinking\": false}); one the template does not read changes "
                                                             "nothing. Names the server sets (messages, add_generation_prompt, the special "

@@ -87,8 +87,9 @@ async def test_a_template_failing_otherwise_is_still_a_500(tiny_llama_dir, tmp_p
 
 async def test_add_generation_prompt_and_continue_final_message_render_as_transformers(tiny_llama_dir, tmp_path):
     """vLLM's two chat fields (they were refused as unknown): add_generation_prompt false ends the prompt
-    after the last message; continue_final_message ends it inside the last (assistant) message, with no
-    end-of-turn (</s> here), so the reply continues it. Prompts as transformers renders them; usage,
+    after the last message; continue_final_message ends it inside the last message, with no
+    end-of-turn (</s> here), so the reply continues it: an assistant's, or a user's (which was a 400
+    though vLLM and transformers continue it). Prompts as transformers renders them; usage,
     /tokenize and a stream agree with them."""
     from transformers import AutoTokenizer
 
@@ -100,6 +101,7 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_transf
     answered = [*asked, {"role": "assistant", "content": "Sure, the colour is"}]
     cases = [(asked, {}, dict(add_generation_prompt=True)),
              (asked, {"add_generation_prompt": False}, dict(add_generation_prompt=False)),
+             (asked, {"add_generation_prompt": False, "continue_final_message": True}, dict(add_generation_prompt=False, continue_final_message=True)),
              (answered, {"add_generation_prompt": False, "continue_final_message": True}, dict(add_generation_prompt=False, continue_final_message=True))]
     async with served(tiny_llama_dir, tmp_path, CHAT_TEMPLATE) as c:
         for messages, fields, hf_fields in cases:
@@ -115,16 +117,16 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_transf
                                                                       "stream_options": {"include_usage": True}}) as s:
                 last = [line async for line in s.aiter_lines() if line.startswith("data: {")][-1]
             assert json.loads(last[len("data: "):])["usage"] == usage
+            if messages is asked and fields.get("continue_final_message"):
+                assert ours.decode(want).endswith("<|user|>name a colour"), want  # the user's message, left open
         assert want[-1] != ours.eos_token_ids[0] and ours.decode(want).endswith("Sure, the colour is")
 
 
 FIELD_REFUSALS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "continue_final_message": True},
      "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True, "add_generation_prompt": False},
-     "continue_final_message: the last message must be the assistant's (the one to continue), not a user message"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True, "add_generation_prompt": False},
-     "continue_final_message: the last message must be the assistant's (the one to continue), not a user message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+     "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt: only with messages (it is how the chat template renders them)"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": 0}, "add_generation_prompt: Input should be a valid boolean"),
 ]
