@@ -26,7 +26,9 @@ like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continu
 ``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
 ``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
 ``continue_final_message`` ends the text inside the last message as transformers does, and
-``template_kwargs`` adds variables (not over these). Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
+``template_kwargs`` adds variables (not over these). The template is compiled when the tokenizer
+loads; one that does not compile leaves the tokenizer usable for text and sets
+``chat_template_problem``, which every ``apply_chat_template`` raises. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
 """
@@ -85,6 +87,18 @@ class TokenizerError(ValueError):
 TEMPLATE_DATA_ERRORS = (TypeError, ValueError, LookupError, ArithmeticError)
 
 
+class ChatTemplateUnusable(TokenizerError):
+    """The checkpoint's chat template cannot render any messages: it does not compile (a jinja
+    syntax error), or the config names its templates but none "default". Found when the tokenizer
+    loads (``Tokenizer.chat_template_problem``); the server's misconfiguration, not a request's.
+    ``source``: where the template comes from (a file, or tokenizer_config.json's key);
+    ``reason``: what is wrong, with jinja's line number for a syntax error."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"{source}: {reason}")
+        self.source, self.reason = source, reason
+
+
 class ChatTemplateError(TokenizerError):
     """The chat template failed on the inputs of one render with one of ``TEMPLATE_DATA_ERRORS``
     (not jinja's own errors, not its ``raise_exception``). The message names the error; the
@@ -137,21 +151,31 @@ class Tokenizer:
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
         template = cfg.get("chat_template")
-        # Set when the config names its templates but none "default": transformers then refuses to
-        # render (it does not fall back to a built-in template), and so does apply_chat_template.
-        self._no_default_template: str | None = None
+        # Why no messages can be rendered (ChatTemplateUnusable), else None; apply_chat_template raises
+        # it. Either the template does not compile (below), or the config names its templates but none
+        # "default": transformers then refuses to render (it does not fall back to a built-in template).
+        self.chat_template_problem: ChatTemplateUnusable | None = None
         jinja_file = root / "chat_template.jinja"  # where transformers >= 4.50 saves it; it wins over the config's, as there
+        source = f"{root / 'tokenizer_config.json'} (chat_template)"
         if isinstance(template, list):  # HF also allows [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
             if "default" not in named and not jinja_file.is_file():
-                self._no_default_template = (
-                    f"{root / 'tokenizer_config.json'}: chat_template lists named templates "
-                    f"({', '.join(sorted(map(str, named)))}) but none named 'default', the one chat uses")
+                self.chat_template_problem = ChatTemplateUnusable(
+                    str(root / "tokenizer_config.json"),
+                    f"chat_template lists named templates ({', '.join(sorted(map(str, named)))}) but none named 'default', the one chat uses")
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
         self.chat_template: str | None = template if isinstance(template, str) else None
-        self._compiled_template: Any = None  # the jinja Template of chat_template (or the default), once compiled
+        self.chat_template_source = source if self.chat_template is not None else "lorafleet's default chat template"
+        # The jinja Template of chat_template (or the default), compiled now and kept: a syntax error
+        # is the checkpoint's, known at load (chat_template_problem), not a failure of each request.
+        self._compiled_template: Any = None
+        if self.chat_template_problem is None:
+            try:
+                self._compiled_template = _compile_chat_template(self.chat_template or DEFAULT_CHAT_TEMPLATE, self.chat_template_source)
+            except ChatTemplateUnusable as err:
+                self.chat_template_problem = err
         eos: list[int] = []
         tok_eos = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
         if tok_eos is not None:
@@ -284,11 +308,13 @@ class Tokenizer:
         template that trims the content). A template that does not write the content as given
         (the content, stripped, or the marker is missing from its text) cannot be continued.
 
-        Raises TokenizerError when the template refuses the messages (``raise_exception``) or jinja
-        fails (syntax, sandbox, an undefined value used), and its subclass ChatTemplateError when
-        the template's own code fails on these values with one of ``TEMPLATE_DATA_ERRORS``."""
-        if self._no_default_template is not None:
-            raise TokenizerError(self._no_default_template)
+        Raises ChatTemplateUnusable (``chat_template_problem``) whatever the messages when the
+        template does not compile; TokenizerError when the template refuses the messages
+        (``raise_exception``) or jinja fails (sandbox, an undefined value used), and its subclass
+        ChatTemplateError when the template's own code fails on these values with one of
+        ``TEMPLATE_DATA_ERRORS``."""
+        if self.chat_template_problem is not None:
+            raise self.chat_template_problem
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise TokenizerError(f"messages[{i}]: each message needs 'role' and 'content'")
@@ -320,7 +346,7 @@ class Tokenizer:
         import jinja2
 
         try:
-            return self._template().render(
+            return self._compiled_template.render(
                 messages=messages,
                 tools=None,  # transformers passes both, None without tools or documents; a template may test ``is none``
                 documents=None,
@@ -335,19 +361,6 @@ class Tokenizer:
         except TEMPLATE_DATA_ERRORS as err:
             raise ChatTemplateError(f"chat_template: failed on these inputs with {type(err).__name__}: {err}") from err
 
-    def _template(self) -> Any:
-        """The chat template, compiled on first use and kept (transformers caches it too): compiling a
-        real one (Llama 3.1's, ~5 KB) takes tens of milliseconds, which every chat request spent on
-        the event loop. A template that does not compile raises jinja2's TemplateSyntaxError each time."""
-        if self._compiled_template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = _tojson
-            env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
-            self._compiled_template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-        return self._compiled_template
-
     def _id_of(self, token: str | None, path: Path, key: str) -> int | None:
         if token is None:
             return None
@@ -355,6 +368,23 @@ class Tokenizer:
         if tid is None:
             raise TokenizerError(f"{path}: {key} {token!r} is not in tokenizer.json's vocabulary")
         return tid
+
+
+def _compile_chat_template(text: str, source: str) -> Any:
+    """``text`` compiled in a sandbox set up like transformers' (see the module docstring). Done
+    once per tokenizer, at load (transformers caches it too): compiling a real template (Llama
+    3.1's, ~5 KB) takes tens of milliseconds, which every chat request spent on the event loop.
+    A syntax error raises ChatTemplateUnusable naming ``source`` and jinja's line."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ChatTemplateUnusable(source, f"does not compile: line {err.lineno}: {err.message}") from err
 
 
 def _jinja_globals() -> frozenset[str]:

@@ -374,17 +374,49 @@ def test_a_chat_template_sees_tools_and_documents_as_none_as_in_transformers(mod
 
 def test_the_chat_template_is_compiled_once(model_copy, monkeypatch):
     """Compiling a real template takes tens of milliseconds, which every chat request spent on the
-    server's event loop: it is compiled on first use and kept, as transformers caches it."""
+    server's event loop: it is compiled when the tokenizer loads and kept, as transformers caches it."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     compiled = []
     original = ImmutableSandboxedEnvironment.from_string
     monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", lambda env, source, *a, **k: compiled.append(source) or original(env, source, *a, **k))
     tok = Tokenizer(model_copy)
+    assert compiled == [tok.chat_template]  # at load, before any request
     first = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == first
     assert tok.apply_chat_template([{"role": "user", "content": "ho"}]) != first
     assert compiled == [tok.chat_template]
+
+
+BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"  # line 2 closes {{ with a single }
+
+
+@pytest.mark.parametrize("in_jinja_file", [False, True], ids=["tokenizer_config", "chat_template_jinja"])
+def test_a_chat_template_that_does_not_compile_is_found_at_load(model_copy, in_jinja_file):
+    """A jinja syntax error was raised by each render, as if the messages were at fault. It is found
+    when the tokenizer loads (chat_template_problem, naming the template's source and jinja's line);
+    the tokenizer still encodes text, and every render raises that problem. transformers fails to
+    render it too."""
+    from transformers import AutoTokenizer
+
+    from runtime.tokenizer import ChatTemplateUnusable
+
+    if in_jinja_file:
+        (model_copy / "chat_template.jinja").write_text(BROKEN_TEMPLATE)
+    else:
+        _set_config(model_copy, chat_template=BROKEN_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(Exception, match="unexpected '}'"):
+        AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False)
+    tok = Tokenizer(model_copy)
+    source = str(model_copy / "chat_template.jinja") if in_jinja_file else f"{model_copy / 'tokenizer_config.json'} (chat_template)"
+    problem = tok.chat_template_problem
+    assert isinstance(problem, ChatTemplateUnusable) and str(problem) == f"{source}: does not compile: line 2: unexpected '}}'"
+    assert problem.source == tok.chat_template_source == source
+    assert tok.decode(tok.encode("hi")) == "hi"
+    with pytest.raises(ChatTemplateUnusable) as raised:
+        tok.apply_chat_template(messages)
+    assert raised.value is problem
 
 
 LLAMA3_STYLE_TEMPLATE = (  # trims the content, so transformers' marker loses its space: the rstrip branch

@@ -6,6 +6,7 @@ engine, so tests run it in-process and the Ray deployment reuses the same routes
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,6 +19,8 @@ from runtime.server.errors import error_response, install_error_handlers, instal
 from runtime.server.metrics import ServerMetrics
 from runtime.server.options import ServerOptions
 from runtime.server.security import GuardMiddleware
+
+server_log = logging.getLogger("lorafleet.server")  # errors.py's: what the operator should look at
 
 
 def unavailable_reason(engine: Any) -> str | None:
@@ -79,6 +82,10 @@ def create_app(
     metrics = ServerMetrics(engine.snapshot, replica=replica, replica_snapshots=replica_snapshots, max_adapters=options.metrics_max_adapters,
                             fold_counters=getattr(engine, "fold_adapter_counters", None), fold_replica_counters=fold_replica_counters)
     engine.add_observer(metrics.observe)
+    problem = getattr(engine.tokenizer, "chat_template_problem", None)
+    if problem is not None:  # the server still serves completions; chat requests get a 500 saying why (generation.render_chat)
+        server_log.warning("the chat template cannot be used, so chat completions (and /tokenize of messages) will fail with a 500 "
+                           "until it is fixed: %s", problem)
     state = AppState(
         engine=engine,
         options=options,

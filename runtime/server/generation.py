@@ -19,7 +19,7 @@ from runtime.async_engine import EngineDeadError, GroupRefused, admits_groups
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import CHAT_TEMPLATE_FIELDS, _SamplingFields
-from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError
+from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError, ChatTemplateUnusable
 
 DEFAULT_COMPLETION_TOKENS = 16
 # SamplingParams.seed is in [0, SEED_MODULUS); a request's seed is any int64, taken modulo this (two's complement).
@@ -69,7 +69,9 @@ def render_chat(tokenizer: Any, request: Any) -> str:
     ``messages`` whose text starts with the field's name, as every field's error does. So is a
     Python error the template's code raises on the request's values (ChatTemplateError: e.g. a
     TypeError); as it may as well be the template's fault, it is also logged, with its traceback,
-    on ``lorafleet.server``."""
+    on ``lorafleet.server``. A template that cannot render anything (ChatTemplateUnusable: it does
+    not compile, found at load and logged by ``create_app``) is the server's fault: a 500,
+    ``chat_template_unusable``, that says so with jinja's reason."""
     messages = request.messages
     if request.continue_final_message and request.add_generation_prompt:
         raise APIError(400, "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; "
@@ -78,6 +80,9 @@ def render_chat(tokenizer: Any, request: Any) -> str:
         return tokenizer.apply_chat_template([m.template_fields() for m in messages], add_generation_prompt=request.add_generation_prompt,
                                              continue_final_message=request.continue_final_message,
                                              template_kwargs=request.chat_template_kwargs)  # fmt: skip
+    except ChatTemplateUnusable as err:
+        raise APIError(500, f"the server's chat template cannot be used ({err.reason}); chat fails until the server's operator "
+                       "fixes it (completions work)", code="chat_template_unusable") from err
     except ValueError as err:
         if isinstance(err, ChatTemplateError):
             server_log.warning("the chat template failed on a request's values: %s", err, exc_info=err.__cause__)

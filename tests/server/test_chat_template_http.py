@@ -189,3 +189,30 @@ async def test_chat_template_kwargs_refusals(tiny_llama_dir, tmp_path):
             r = await c.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
             assert r.status_code == 400, r.text
             assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": "chat_template_kwargs", "code": "invalid_parameter"}
+
+
+BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"  # line 2 closes {{ with a single }
+
+
+async def test_a_chat_template_that_does_not_compile_is_the_servers_500_and_a_startup_warning(tiny_llama_dir, tmp_path, caplog):
+    """A jinja syntax error in the checkpoint's template was a 400 on messages for every chat request,
+    as if each client had sent bad messages. The server starts (completions and /tokenize of a prompt
+    work: a completion-only model may ship a broken template it never uses), says so in a warning
+    naming the template's source and jinja's line, and chat is a 500 that says the server's template
+    is at fault."""
+    with caplog.at_level(logging.WARNING, logger="lorafleet.server"):
+        async with served(tiny_llama_dir, tmp_path, BROKEN_TEMPLATE) as c:
+            started = [rec.getMessage() for rec in caplog.records if rec.name == "lorafleet.server"]
+            messages = [{"role": "user", "content": "hi"}]
+            chat = await c.post("/v1/chat/completions", json=chat_body(c, messages))
+            counted = await c.post("/tokenize", json={"messages": messages})
+            completion = await c.post("/v1/completions", json={"model": c.model_name, "prompt": "hi", "max_tokens": 2})  # type: ignore[attr-defined]
+            prompt = await c.post("/tokenize", json={"prompt": "hi"})
+    assert any(f"{tmp_path / 'model' / 'tokenizer_config.json'} (chat_template): does not compile: line 2: unexpected '}}'" in m
+               for m in started), started
+    assert chat.status_code == 500, chat.text
+    assert chat.json()["error"] == {"message": "the server's chat template cannot be used (does not compile: line 2: unexpected '}'); "
+                                               "chat fails until the server's operator fixes it (completions work)",
+                                    "type": "internal_server_error", "param": None, "code": "chat_template_unusable"}
+    assert counted.status_code == 500 and counted.json() == chat.json()
+    assert completion.status_code == 200 and prompt.status_code == 200
