@@ -129,7 +129,8 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.model_name = self.runner.model_config.name
         self.max_model_len = self.runner.max_model_len
-        self._eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.runner.model_config.eos_token_ids)
+        # The tokenizer's eos, then the generation config's (config.json's where transformers' generate reads it).
+        self._eos_ids = tuple(self.tokenizer.eos_token_ids)
         self._vocab_size = self.runner.model_config.vocab_size
         self._warn_tokenizer_vocab()
         self._targets = self.runner.lora_targets()

@@ -10,10 +10,12 @@ Sources, in the checkpoint folder:
   present it is used instead of tokenizer_config's ``chat_template``, as transformers does.
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
 
-``eos_token_ids``: tokenizer_config's eos, then generation_config's, in that order without
-duplicates; config.json's only when generation_config.json gives none. generation_config
-overrides config.json, as in transformers' ``generate`` and vLLM: a config.json eos that the
-generation config dropped must not stop generation.
+``eos_token_ids``: tokenizer_config's eos, then the generation config's, in that order without
+duplicates. The generation config is what transformers' ``generate`` reads (checked with 5.24):
+``generation_config.json`` when the checkpoint has one, even one without ``eos_token_id`` (then
+it has no eos: config.json's does not stop generation, nor in vLLM), else config.json's own
+``eos_token_id`` (read from the file: the model class's default, LlamaConfig's and
+MistralConfig's 2, never stops ``generate``, so it is no eos here either).
 
 ``encode(text, add_special_tokens=True)`` runs the tokenizer's post-processor; when
 ``add_bos_token`` is true and the post-processor did not already put bos first, bos is
@@ -180,8 +182,8 @@ class Tokenizer:
         tok_eos = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
         if tok_eos is not None:
             eos.append(tok_eos)
-        generation_eos = _eos_ids(_read_json(root / "generation_config.json").get("eos_token_id"), root / "generation_config.json")
-        eos.extend(generation_eos or _eos_ids(_read_json(root / "config.json").get("eos_token_id"), root / "config.json"))
+        generation = root / "generation_config.json" if (root / "generation_config.json").is_file() else root / "config.json"
+        eos.extend(_eos_ids(_read_json(generation).get("eos_token_id"), generation))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         if self.bos_token_id is None:
             self.bos_token_id = _first_int(_read_json(root / "config.json").get("bos_token_id"))

@@ -44,8 +44,9 @@ def test_special_tokens_and_eos(tiny_llama_dir):
 
 
 def test_eos_ids_from_tokenizer_and_generation_config_which_overrides_config(model_copy):
-    """generation_config's eos replaces config.json's (as in transformers' generate and vLLM); the
-    tokenizer's eos stays first; config.json's counts only when generation_config gives none."""
+    """generation_config.json's eos replaces config.json's (as in transformers' generate and vLLM); the
+    tokenizer's eos stays first; config.json's counts only when there is no generation_config.json
+    (one without eos_token_id has no eos: transformers' generate then stops on none)."""
     gen = json.loads((model_copy / "generation_config.json").read_text())
     gen["eos_token_id"] = [257, 12]
     (model_copy / "generation_config.json").write_text(json.dumps(gen))
@@ -55,7 +56,7 @@ def test_eos_ids_from_tokenizer_and_generation_config_which_overrides_config(mod
     assert Tokenizer(model_copy).eos_token_ids == (257, 12)
     del gen["eos_token_id"]
     (model_copy / "generation_config.json").write_text(json.dumps(gen))
-    assert Tokenizer(model_copy).eos_token_ids == (257, 13)
+    assert Tokenizer(model_copy).eos_token_ids == (257,)
     (model_copy / "generation_config.json").unlink()
     assert Tokenizer(model_copy).eos_token_ids == (257, 13)
 
