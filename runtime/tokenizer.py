@@ -23,7 +23,8 @@ prepended (older Llama tokenizer.json files leave that to the Python class). Lik
 ``add_eos_token`` appends eos.
 
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
-like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``, a
+like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``,
+``{% generation %}...{% endgeneration %}`` rendered as its body, a
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
 ``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
 ``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
@@ -372,6 +373,29 @@ class Tokenizer:
         return tid
 
 
+def _generation_block() -> Any:
+    """transformers' ``{% generation %}...{% endgeneration %}`` tag, a jinja extension class: it marks
+    the assistant's text (for ``return_assistant_tokens_mask``, training masks, as TRL's
+    ``assistant_only_loss`` needs) and renders its body unchanged, in a scope of its own (a call
+    block, as transformers parses it); rendering a prompt never tracks it. Without it such a
+    template did not compile."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return GenerationBlock
+
+
 def _compile_chat_template(text: str, source: str) -> Any:
     """``text`` compiled in a sandbox set up like transformers' (see the module docstring). Done
     once per tokenizer, at load (transformers caches it too): compiling a real template (Llama
@@ -380,7 +404,7 @@ def _compile_chat_template(text: str, source: str) -> Any:
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_block()])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
     try:

@@ -389,6 +389,31 @@ def test_the_chat_template_is_compiled_once(model_copy, monkeypatch):
     assert compiled == [tok.chat_template]
 
 
+# A training template (TRL's assistant_only_loss needs the assistant's text marked); the set inside the
+# block stays there, as in transformers' scope for it.
+GENERATION_TAG_TEMPLATE = (
+    "{% set ns = namespace(turns=0) %}{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}"
+    "{% generation %}{% set shown = m['content'] | trim %}{{ shown }}{{ eos_token }}{% set ns.turns = ns.turns + 1 %}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}[{{ shown | default('no shown') }}|{{ ns.turns }}]"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_the_generation_tag_renders_as_in_transformers(model_copy):
+    """transformers' template environment has a {% generation %} tag (marking the assistant's text for
+    training masks); without it lorafleet could not compile such a template, which transformers renders."""
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, chat_template=GENERATION_TAG_TEMPLATE)
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    assert ours.chat_template_problem is None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " there "}, {"role": "user", "content": "so?"}]
+    for add in (True, False):
+        want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add) == want
+    assert "there</s><|user|>" in want and want.endswith("[no shown|1]")
+
+
 BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"  # line 2 closes {{ with a single }
 
 
