@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,6 +23,19 @@ def make_engine(model_dir: Path, **overrides) -> LLMEngine:
     )
     values.update(overrides)
     return LLMEngine(EngineConfig(**values))
+
+
+class StuckStepEngine(LLMEngine):
+    """An LLMEngine whose steps wait for ``unstuck`` (a hung device, a deadlock); ``entered``: a step began."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.entered, self.unstuck = threading.Event(), threading.Event()
+        super().__init__(config)
+
+    def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
+        self.entered.set()
+        self.unstuck.wait(60)
+        return super().step(wait_for_loads)
 
 
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:

@@ -15,7 +15,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.output_mailbox import OutputMailbox
 from runtime.request import RequestOutput, SamplingParams
-from tests.engine_helpers import run_to_completion
+from tests.engine_helpers import StuckStepEngine, run_to_completion
 
 
 def config(model: Path, **overrides) -> EngineConfig:
@@ -425,19 +425,6 @@ def test_a_cpu_engine_leaves_the_step_threads_gpu_alone(tiny_llama_dir, monkeypa
     async_engine = AsyncLLMEngine(config(tiny_llama_dir))
     async_engine.shutdown()
     assert chosen == []
-
-
-class StuckStepEngine(LLMEngine):
-    """An LLMEngine whose steps wait for ``unstuck`` (a hung device, a deadlock); ``entered``: a step began."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.entered, self.unstuck = threading.Event(), threading.Event()
-        super().__init__(config)
-
-    def step(self, wait_for_loads: bool = True) -> list[RequestOutput]:
-        self.entered.set()
-        self.unstuck.wait(60)
-        return super().step(wait_for_loads)
 
 
 def test_a_stuck_step_does_not_hold_shutdown_for_ever(tiny_llama_dir: Path, caplog) -> None:

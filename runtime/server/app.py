@@ -14,6 +14,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from runtime.async_engine import EngineDeadError
 from runtime.server import admin, chat, completions, tokenize
 from runtime.server.errors import error_response, install_error_handlers, install_openapi_errors
 from runtime.server.metrics import ServerMetrics
@@ -111,7 +112,10 @@ def create_app(
     @app.get("/metrics", tags=["ops"], response_class=Response)
     async def prometheus_metrics() -> Response:
         # The engine snapshot takes the engine lock (held for a whole step): wait for it off the event loop.
-        body = await asyncio.to_thread(metrics.render)
+        try:
+            body = await asyncio.to_thread(metrics.render)
+        except EngineDeadError as err:  # shutdown gave up on a stuck step: its lock refuses everyone
+            return error_response(503, f"engine unavailable: {err}", code="engine_unavailable")
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_cards() -> list[dict[str, Any]]:

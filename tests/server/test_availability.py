@@ -102,3 +102,38 @@ async def test_unexpected_errors_are_openai_shaped_500s(engine, caplog: pytest.L
     assert err["type"] == "internal_server_error" and err["code"] == "internal_error" and "KeyError" in err["message"]
     logged = [rec for rec in caplog.records if "/v1/models" in rec.getMessage()]
     assert logged and logged[0].exc_info is not None  # the traceback is in the log
+
+
+async def test_routes_after_shutdown_abandoned_a_stuck_step_answer_503_without_a_traceback(tiny_llama_dir: Path, adapter_root: Path,
+                                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Once shutdown gave up on a stuck step (a hung device), the engine lock refuses everyone with
+    EngineDeadError: /metrics, whose snapshot takes that lock, answered a 500 and logged an ERROR
+    traceback. Now every route that needs the engine answers the 503 ``engine_unavailable`` of a
+    shut-down engine (the request in flight too), with no ERROR logged; /v1/models needs no lock."""
+    from runtime.async_engine import AsyncLLMEngine
+    from tests.engine_helpers import StuckStepEngine
+
+    inner = StuckStepEngine(make_engine_config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    app = create_app(engine, ServerOptions(enable_adapter_admin=True, adapter_roots=(adapter_root,)))
+    adapter = sorted(p.name for p in adapter_root.iterdir())[0]
+    try:
+        with caplog.at_level(logging.ERROR, logger="lorafleet"):
+            async with client_for(app) as c:
+                in_flight = asyncio.create_task(c.post("/v1/completions", json=completion(engine.model_name)))
+                assert await asyncio.to_thread(inner.entered.wait, 30)
+                await asyncio.to_thread(engine.shutdown, 0.05, 0.05)
+                assert engine.step_abandoned
+                assert_unavailable(await in_flight, "a step was still running")
+                assert_unavailable(await c.get("/metrics"), "shut down while a step was still running")
+                assert_unavailable(await c.get("/health"), "shut down while a step was still running")
+                assert_unavailable(await c.post("/v1/completions", json=completion(engine.model_name)), "shut down")
+                assert_unavailable(await c.post("/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": str(adapter_root / adapter)}),
+                                   "shut down")
+                assert_unavailable(await c.post("/v1/unload_lora_adapter", json={"lora_name": adapter}), "shut down")
+                assert (await c.get("/v1/models")).status_code == 200
+        assert [r.name for r in caplog.records] == ["runtime.async_engine"], caplog.text  # shutdown's own line, nothing from the routes
+    finally:
+        inner.unstuck.set()  # the step returns: the step thread stops before another
+        engine._thread.join(30)
+        inner.close()
