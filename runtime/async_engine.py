@@ -211,7 +211,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._accepting = True
         self.dead_error: Optional[str] = None
-        self.step_abandoned = False  # shutdown() gave up on a step still running after the drain (see there)
+        self._step_abandoned = False  # read through ``step_abandoned``
         self._adapter_infos: tuple[AdapterInfo, ...] = ()  # replaced (not mutated) under the lock
         self.engine: LLMEngine  # assigned by the step thread once built
         self._thread = threading.Thread(target=self._run, args=(config, backend, engine), name="lorafleet-engine-step", daemon=True)
@@ -255,6 +255,12 @@ class AsyncLLMEngine:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def step_abandoned(self) -> bool:
+        """True once ``shutdown`` gave up on a step still running after the drain (see there): that
+        step's engine was neither drained nor closed, and its lock refuses everyone. Lock-free."""
+        return self._step_abandoned
+
     def shutdown_in_background(self, timeout: float) -> threading.Thread:
         """``shutdown(timeout)`` in a daemon thread, started; join it to wait (a server's drain:
         its event loop keeps relaying the last outputs and the 503s meanwhile)."""
@@ -273,7 +279,7 @@ class AsyncLLMEngine:
         a snapshot for /metrics) gets an ``EngineDeadError`` instead, and the engine is not closed
         (the step thread still uses it; that thread is a daemon, so the process can exit).
         ``step_abandoned`` is True then, and a later ``shutdown`` returns at once."""
-        if self.step_abandoned:
+        if self._step_abandoned:
             return
         self._accepting = False  # without the lock: refused at once even while a step holds it (admission re-checks under it)
         self._fail_parked("engine is shutting down; no new requests are accepted")
@@ -310,7 +316,7 @@ class AsyncLLMEngine:
         logger.error("engine step still running %.1f s after shutdown began (the drain's %g s, then %g s for the step); not waiting "
                      "for it: the requests in flight end with an error now, and the engine is not closed", waited, timeout, step_grace_s)
         self._stopping = True  # the step thread stops, should the step ever return
-        self.step_abandoned = True
+        self._step_abandoned = True
         if self.dead_error is None:
             self.dead_error = "engine was shut down while a step was still running"
         dead = self.dead_error
@@ -605,7 +611,7 @@ class AsyncLLMEngine:
             while self._one_iteration():
                 pass
         except BaseException as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
-            if self.step_abandoned:  # shutdown gave up on this step and ended the streams; the lock is abandoned
+            if self._step_abandoned:  # shutdown gave up on this step and ended the streams; the lock is abandoned
                 logger.error("engine step abandoned at shutdown ended with %s: %s", type(err).__name__, err)
                 return
             self._die(err)

@@ -593,6 +593,44 @@ def test_unreachable_ray_cluster_is_one_line(tiny_llama_dir: Path, capsys, monke
     assert err.strip() == "lorafleet serve: --ray-address ray://nohost:10001: ray client connection timeout"
 
 
+def test_the_last_line_says_whether_the_engine_stopped_or_its_stuck_step_was_abandoned(tiny_llama_dir: Path) -> None:
+    """After shutdown gave up on a stuck step (a hung device), `lorafleet serve` still ended with
+    "HTTP server and engine stopped"; now the line says the step was abandoned (a WARNING)."""
+    import asyncio
+    import logging
+
+    from runtime.async_engine import AsyncLLMEngine
+    from runtime.request import SamplingParams
+    from tests.engine_helpers import StuckStepEngine
+    from tests.server.conftest import make_engine_config
+
+    stopped = AsyncLLMEngine(make_engine_config(tiny_llama_dir))
+    stopped.shutdown(timeout=5)
+    assert serve.stopped_line(stopped) == (logging.INFO, "lorafleet serve: HTTP server and engine stopped")
+
+    inner = StuckStepEngine(make_engine_config(tiny_llama_dir))
+    stuck = AsyncLLMEngine(None, engine=inner)
+
+    async def stop_during_a_step() -> None:
+        async def consume() -> None:
+            async for _ in stuck.generate("r", [5, 6, 7], SamplingParams(max_tokens=2)):
+                pass
+
+        request = asyncio.create_task(consume())
+        assert await asyncio.to_thread(inner.entered.wait, 30)
+        await asyncio.to_thread(stuck.shutdown, 0.05, 0.05)
+        await asyncio.wait_for(request, 30)  # ended with the shutdown's error output
+
+    try:
+        asyncio.run(stop_during_a_step())
+        level, line = serve.stopped_line(stuck)
+        assert level == logging.WARNING and line.startswith("lorafleet serve: HTTP server stopped; the engine's step was still running and was abandoned")
+    finally:
+        inner.unstuck.set()
+        stuck._thread.join(30)
+        inner.close()
+
+
 @pytest.mark.parametrize("signal_name, count", [("SIGTERM", 1), ("SIGINT", 2)])
 def test_serve_subprocess_answers_then_drains_on_sigterm(tmp_path: Path, signal_name: str, count: int) -> None:
     """The real CLI end to end: `--port 0` picks a free port and the log names it; a request

@@ -232,13 +232,22 @@ def run(args: argparse.Namespace) -> int:
         drain = server.drain if server is not None else None
         if drain is not None:
             drain.join()
-            log.info("lorafleet serve: HTTP server and engine stopped")
         else:
             log.info("lorafleet serve: HTTP server stopped; shutting down the engine")
             engine.shutdown(timeout=ENGINE_SHUTDOWN_S)
+        log.log(*stopped_line(engine))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def stopped_line(engine: Any) -> tuple[int, str]:
+    """``lorafleet serve``'s last log line (level, text), once the engine's shutdown returned: both
+    stopped, or the engine's step was still running and shutdown abandoned it
+    (``AsyncLLMEngine.step_abandoned``; the engine was not closed, and the process exits without it)."""
+    if engine.step_abandoned:
+        return logging.WARNING, "lorafleet serve: HTTP server stopped; the engine's step was still running and was abandoned (not closed)"
+    return logging.INFO, "lorafleet serve: HTTP server and engine stopped"
 
 
 def one_line_error(err: BaseException) -> str:
