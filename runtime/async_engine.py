@@ -261,10 +261,10 @@ class AsyncLLMEngine:
         step's engine was neither drained nor closed, and its lock refuses everyone. Lock-free."""
         return self._step_abandoned
 
-    def shutdown_in_background(self, timeout: float) -> threading.Thread:
-        """``shutdown(timeout)`` in a daemon thread, started; join it to wait (a server's drain:
-        its event loop keeps relaying the last outputs and the 503s meanwhile)."""
-        drain = threading.Thread(target=self.shutdown, kwargs={"timeout": timeout}, name="lorafleet-drain", daemon=True)
+    def shutdown_in_background(self, timeout: float, step_grace_s: float = STEP_GRACE_S) -> threading.Thread:
+        """``shutdown(timeout, step_grace_s)`` in a daemon thread, started; join it to wait (a server's
+        drain: its event loop keeps relaying the last outputs and the 503s meanwhile)."""
+        drain = threading.Thread(target=self.shutdown, kwargs={"timeout": timeout, "step_grace_s": step_grace_s}, name="lorafleet-drain", daemon=True)
         drain.start()
         return drain
 

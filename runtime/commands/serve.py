@@ -18,7 +18,7 @@ log = logging.getLogger("lorafleet.serve")
 DEMO_MODEL_NAME = "lorafleet-demo"
 GRACEFUL_SHUTDOWN_S = 30  # uvicorn: how long connections may stay open after SIGTERM
 ENGINE_DRAIN_S = 25.0  # in-flight requests may run this long after SIGTERM; then the engine fails them (a 503 / stream error event)
-# (a step still running then gets async_engine.STEP_GRACE_S more: the drain ends inside uvicorn's window even if that step is stuck)
+# (a step still running then gets async_engine.STEP_GRACE_S more; DrainingServer checks that both end inside uvicorn's window)
 ENGINE_SHUTDOWN_S = 5.0  # shutting the engine down when uvicorn stopped without starting a drain (e.g. it failed to start)
 
 

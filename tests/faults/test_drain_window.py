@@ -3,15 +3,18 @@ still run, so each client gets a 503 ``engine_unavailable`` (a stream: an error 
 [DONE]) instead of uvicorn's bare 500 when its own window ends and it cancels the handlers."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
 
 from runtime.async_engine import AsyncLLMEngine
+from runtime.commands.serve import ENGINE_DRAIN_S, GRACEFUL_SHUTDOWN_S
 from runtime.server.app import create_app
 from runtime.server.draining_server import DrainingServer
 from tests.faults.conftest import engine_config
@@ -91,3 +94,33 @@ def test_requests_left_when_the_drain_ends_get_a_503_and_a_clean_stream_end(tiny
     errors = [json.loads(e)["error"] for events in streams for e in events[:-1] if "error" in json.loads(e)]
     assert errors and all(e["code"] == "engine_unavailable" for e in errors), [events[-2:] for events in streams]
     assert not engine.running
+
+
+class _Stop(Exception):
+    """Ends ``DrainingServer.shutdown`` once the engine was asked to shut down (no server to stop)."""
+
+
+class _RecordingEngine:
+    def shutdown_in_background(self, timeout: float, step_grace_s: float) -> None:
+        self.asked = (timeout, step_grace_s)
+        raise _Stop
+
+
+def test_the_drain_and_a_stuck_step_s_grace_must_both_end_inside_uvicorn_s_window() -> None:
+    """Only drain_s was checked against uvicorn's window, but a step still running when it ends
+    gets step_grace_s more: drain_s=28 of a 30 s window passed, and a stuck step then left the
+    requests in flight to uvicorn's bare 500s. A window of 0 (none at all) passed any drain_s."""
+    def config(window: float | None) -> uvicorn.Config:
+        return uvicorn.Config("app:app", timeout_graceful_shutdown=window)
+
+    with pytest.raises(ValueError, match=r"drain_s \+ step_grace_s \(28\.0 \+ 3\.0 s\) must end inside uvicorn's graceful shutdown window \(30 s\)"):
+        DrainingServer(config(30), _RecordingEngine(), drain_s=28.0)  # inside the window alone, not with the default grace
+    for window, drain_s, grace in [(30, 20.0, 10.0), (0, 0.5, 0.0)]:
+        with pytest.raises(ValueError, match="must end inside"):
+            DrainingServer(config(window), _RecordingEngine(), drain_s=drain_s, step_grace_s=grace)
+    DrainingServer(config(GRACEFUL_SHUTDOWN_S), _RecordingEngine(), drain_s=ENGINE_DRAIN_S)  # lorafleet serve's own
+    DrainingServer(config(None), _RecordingEngine(), drain_s=1000.0)  # no window: uvicorn waits for every connection
+    engine = _RecordingEngine()
+    with pytest.raises(_Stop):
+        asyncio.run(DrainingServer(config(30), engine, drain_s=5.0, step_grace_s=2.0).shutdown())
+    assert engine.asked == (5.0, 2.0)  # the grace checked is the grace the engine gets
