@@ -100,9 +100,12 @@ def _check_range(adapter: LoRAAdapter, path: str, dtype: torch.dtype) -> None:
 
 
 def check_adapter_name(name: object) -> None:
-    """ValueError unless ``name`` can name an adapter: a non-empty string without surrounding
-    spaces, and not one of the labels per-adapter metrics reserve."""
-    if not isinstance(name, str) or not name or name != name.strip():
+    """TypeError unless ``name`` is a ``str`` (as ``check_adapter_path_type`` for the folder);
+    ValueError unless it can name an adapter: non-empty, without surrounding spaces, and not one
+    of the labels per-adapter metrics reserve."""
+    if not isinstance(name, str):
+        raise TypeError(f"adapter name: expected a str, got {type(name).__name__}")
+    if not name or name != name.strip():
         raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
     if name in (BASE_LABEL, OTHER_LABEL):
         raise ValueError(f"adapter name: {name!r} is reserved (a label of its own in per-adapter metrics)")

@@ -207,8 +207,8 @@ class LLM:
 def _check_adapters(adapters: Optional[Mapping[str, Any]]) -> dict[str, str]:
     """``adapters={name: folder}`` as name -> folder (str), every name and folder checked as far as
     that needs no model and no file read (``check_adapter_name``, ``check_adapter_path_type``,
-    ``check_adapter_folder``); an error (a TypeError for a folder that is no str or path, else a
-    ValueError) starts with ``adapters[name]``."""
+    ``check_adapter_folder``); an error (a TypeError for a name that is no str or a folder that is
+    no str or path, else a ValueError) starts with ``adapters[name]``."""
     if adapters is None:
         return {}
     if not isinstance(adapters, Mapping):

@@ -366,6 +366,27 @@ def test_an_adapter_folder_of_the_wrong_type_is_a_type_error(tiny_llama_dir, tin
         wrapped.shutdown(timeout=5)
 
 
+def test_an_adapter_name_of_the_wrong_type_is_a_type_error(tiny_llama_dir, tiny_adapters):
+    """A name that is no str (None, an int, bytes) was a ValueError, where the folder's wrong type
+    is a TypeError; now it is a TypeError too, from the engine and from AsyncLLMEngine, and
+    nothing is registered. A bad string stays a ValueError."""
+    from runtime.async_engine import AsyncLLMEngine
+
+    engine = make_engine(tiny_llama_dir)
+    for name in (None, 3, b"a"):
+        with pytest.raises(TypeError, match=f"adapter name: expected a str, got {type(name).__name__}"):
+            engine.register_adapter(name, tiny_adapters["a"])
+    with pytest.raises(ValueError, match="adapter name: must be a non-empty string"):
+        engine.register_adapter(" a", tiny_adapters["a"])
+    wrapped = AsyncLLMEngine(None, engine=engine)
+    try:
+        with pytest.raises(TypeError, match="adapter name: expected a str, got NoneType"):
+            wrapped.register_adapter(None, str(tiny_adapters["a"]))
+        assert wrapped.adapters() == []
+    finally:
+        wrapped.shutdown(timeout=5)
+
+
 def test_a_closed_engine_refuses_requests_steps_and_adapter_changes(tiny_llama_dir, tiny_adapters):
     """After close() add_request queued the request without a word (only the next step failed,
     on the released runner) and register_adapter installed an adapter; now each is a

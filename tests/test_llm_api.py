@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -271,11 +272,14 @@ def test_adapters_are_checked_before_the_model_loads(tiny_llama_dir, tiny_adapte
     for adapters, message in [({"good": good, "bad": "/no/such/adapter"}, r"adapters\['bad'\]: /no/such/adapter: adapter folder does not exist"),
                               ({"x": str(tmp_path / "not_an_adapter")}, r"adapters\['x'\]: .*adapter_config.json: missing"),
                               ({"": good}, r"adapters\[''\]: adapter name: must be a non-empty string"),
-                              ({" a": good}, r"adapters\[' a'\]: adapter name"), ({1: good}, r"adapters\[1\]: adapter name"),
+                              ({" a": good}, r"adapters\[' a'\]: adapter name"),
                               ({"__base__": good}, r"adapters\['__base__'\]: adapter name: '__base__' is reserved")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny_llama_dir), adapters=adapters)
     for folder in (None, 7, b"/adapters/a"):  # a wrong type: a TypeError, as from register_adapter
         with pytest.raises(TypeError, match=rf"adapters\['x'\]: adapter folder: expected a str or os.PathLike, got {type(folder).__name__}"):
             LLM(str(tiny_llama_dir), adapters={"x": folder})
+    for name in (1, None, b"a"):  # so is a name that is not a str
+        with pytest.raises(TypeError, match=rf"adapters\[{re.escape(repr(name))}\]: adapter name: expected a str, got {type(name).__name__}"):
+            LLM(str(tiny_llama_dir), adapters={name: good})
     assert built == []
