@@ -558,6 +558,82 @@ def test_a_replica_that_cannot_reach_the_registry_refuses_a_name_it_cannot_serve
     assert len(replicas.calls) == 1, "retried as if the replica had died"
 
 
+# ---- 7: a registry restarted at a lower revision (its manifest lost or deleted) -----------------------
+def test_the_ingress_follows_a_registry_restarted_at_a_lower_revision_and_never_steps_back_within_one(service, tiny_llama_dir, tmp_path) -> None:
+    """A registry actor restarted from a lost (or deleted) manifest starts again at revision 0: the
+    ingress dropped its views as older than the revision it held (5), so the adapters registered
+    after the restart, hot updates included, never reached routing. Revisions are now compared
+    within one registry actor only; a late reply of the registry left is still never taken."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    for i in range(5):
+        service.register("A", f"/adapters/a{i}", f"{i + 1:064x}", 8)
+    handle = LocalHandle(service)
+    ingress = ReplicaSetEngine(None, handle, str(tiny_llama_dir), "tiny", 64)
+    asyncio.run(ingress.refresh())
+    assert (ingress._view["revision"], ingress._current_version("A")) == (5, f"{5:064x}")
+    late_reply_of_the_old_registry = service.view()
+    restarted = AdapterRegistryService(str(tmp_path / "manifest-lost"))
+    restarted.register("A", "/adapters/a-new", f"{9:064x}", 8)
+    handle.target = restarted
+    asyncio.run(ingress.refresh())
+    assert (ingress._view["revision"], ingress._current_version("A")) == (1, f"{9:064x}"), "the restarted registry's set is not routed"
+    restarted.register("B", "/adapters/b", f"{2:064x}", 8)
+    stale_within_the_new_registry = restarted.view()
+    restarted.register("A", "/adapters/a-newer", f"{10:064x}", 8)  # a hot update after the restart
+    asyncio.run(ingress.refresh())
+    assert (ingress._view["revision"], ingress._current_version("A")) == (3, f"{10:064x}")
+    ingress._take(stale_within_the_new_registry)
+    ingress._take(late_reply_of_the_old_registry)
+    assert (ingress._view["revision"], ingress._current_version("A"), ingress._view["registry"]) == (3, f"{10:064x}", restarted.incarnation)
+
+
+def test_a_replica_follows_a_registry_restarted_at_a_lower_revision_and_never_serves_the_replaced_version(replica, service, folders, tiny_llama_dir,
+                                                                                                          tmp_path) -> None:  # fmt: skip
+    """A replica at revision 3 of the registry before the restart counted as having applied revision
+    1 of the restarted one (3 >= 1): it was sent no state, the admin call's wait saw it done, and it
+    served A@v1, which the restarted registry had replaced by v2, for as long as that registry's
+    revision stayed at or below 3. Now revisions of another registry actor count as nothing applied."""
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    record(replica, service, "A", folders.v1)
+    record(replica, service, "B", folders.v1)
+    record(replica, service, "C", folders.v1)
+    sync(replica)
+    assert replica.applied_revision == 3
+    restarted = AdapterRegistryService(str(tmp_path / "manifest-lost"))
+    revision = record(replica, restarted, "A", folders.v2)["revision"]
+    assert revision == 1
+    v1, v2 = version_of(folders.v1, replica), version_of(folders.v2, replica)
+    # The replica's next heartbeat reaches the restarted registry: it is behind, and an admin call waits for it.
+    replica.registry = LocalHandle(restarted)
+    assert asyncio.run(replica._heartbeat()) == restarted.state(), "the replica is not sent the restarted registry's set"
+    assert asyncio.run(restarted.wait_applied(revision, timeout_s=0.0))["lagging"] == ["replica-1"]
+    # A request routed with the restarted registry's view, before the replica applied its set: it syncs first.
+    ingress = ReplicaSetEngine(ScriptedReplicas(replica.generate, replica.generate), LocalHandle(restarted), str(tiny_llama_dir), "tiny", 64)
+    asyncio.run(ingress.refresh())
+
+    async def run(adapter: str) -> list[Any]:
+        return [d async for d in ingress.generate(f"req-{adapter}", "hello there", SamplingParams(max_tokens=2), adapter)]
+
+    assert asyncio.run(run("A"))[-1].adapter == AdapterRef("A", v2)
+    assert held(replica) == {"A": (v2, str(folders.v2))}, "B and C, which the restarted registry does not know, are still served"
+    assert replica.applied_revision == revision and replica.registry_id == restarted.incarnation
+    assert asyncio.run(restarted.wait_applied(revision, timeout_s=0.0))["applied"] == ["replica-1"]
+    # Another restart, and the replica cannot reach it: it holds a version the new registry replaced, so it refuses.
+    again = AdapterRegistryService(str(tmp_path / "manifest-lost-again"))
+    record(replica, again, "A", folders.v1)
+    replica.registry = LocalHandle(FlakyRegistry(again, failures=10**9, error=ray.exceptions.RayActorError()))
+    ingress.registry = LocalHandle(again)
+    asyncio.run(ingress.refresh())
+    with pytest.raises(APIError) as refused:
+        served = asyncio.run(run("A"))
+        pytest.fail(f"served A@{served[-1].adapter.version}; the registry names {v1}")
+    assert (refused.value.status, refused.value.code) == (503, "adapter_unavailable"), refused.value.message
+
+
 def test_ingress_sends_the_registry_revision_it_knows(tiny_llama_dir) -> None:
     from runtime.distributed.replica_set import ReplicaSetEngine
 

@@ -5,7 +5,7 @@ from it and the ingress writes to it. Every change bumps ``revision`` and is wri
 the manifest *before* it becomes visible, so what replicas apply is always durable.
 
 Replicas call ``heartbeat(replica_id, applied_revision, snapshot, errors,
-attempted_revision, report_base)`` every ``sync_interval`` seconds: it records that they are alive,
+attempted_revision, report_base, registry)`` every ``sync_interval`` seconds: it records that they are alive,
 which revision they have applied in full, which one they tried (and what failed), and
 their engine snapshot (for /metrics; its per-adapter maps sent as changes to the one held,
 ``report_delta.py``), and returns ``{"state", "drain_s", "report", "fold"}``: the registered
@@ -89,7 +89,9 @@ class AdapterRegistryService:
         return str(self.store.folder)
 
     def state(self) -> dict[str, Any]:
-        return {"revision": self.manifest.revision, "entries": [vars_of(e) for e in self.manifest.entries]}
+        """The registered set: {"revision", "entries", "registry": ``incarnation``, the actor whose
+        revision sequence "revision" belongs to (a replica reports it back: ``heartbeat``)}."""
+        return {"revision": self.manifest.revision, "entries": [vars_of(e) for e in self.manifest.entries], "registry": self.incarnation}
 
     def register(self, name: str, path: str, version: str, max_rank: int) -> dict[str, Any]:
         """Record ``name`` at ``version``; returns {revision, previous_version, changed}."""
@@ -123,6 +125,7 @@ class AdapterRegistryService:
         errors: tuple[str, ...] = (),
         attempted_revision: Optional[int] = None,
         report_base: Optional[int] = None,
+        registry: Optional[str] = None,
     ) -> dict[str, Any]:
         """Record a replica's progress; returns {"state": ``state()`` when it is behind, else
         None, "drain_s": ``drain_left()``, "report": the number of the replica's report held now,
@@ -135,10 +138,20 @@ class AdapterRegistryService:
 
         A replica whose entries failed stays behind (``applied_revision`` does not advance),
         so it gets the state again at every heartbeat and retries them.
+
+        ``registry``: the incarnation whose ``state()`` the replica's revisions come from (None:
+        not said). Revisions of another registry actor, or past this one's revision, say nothing
+        of this actor's sequence (it restarted; from a lost or deleted manifest it starts again
+        lower, and its revision 3 need not be the set another actor's revision 3 was): such a
+        replica counts as having applied nothing (-1), so it is sent the state and
+        ``wait_applied`` waits for it to apply it.
         """
         now = time.monotonic()
         for rid in [rid for rid, s in self.replicas.items() if now - s.last_seen > self.forget_after_s]:
             del self.replicas[rid]
+        reported = max(applied_revision, attempted_revision if attempted_revision is not None else -1)
+        if (registry is not None and registry != self.incarnation) or reported > self.manifest.revision:
+            applied_revision, attempted_revision, errors = -1, -1, ()
         attempted = max(applied_revision, attempted_revision if attempted_revision is not None else applied_revision)
         status = self.replicas.get(replica_id)
         if status is None:

@@ -17,6 +17,9 @@ its folder changes or a backoff passes: ``apply_backoff.py``), and the name is n
 served meanwhile unless the replica already holds the registered version. A request
 carries the registry revision the ingress knows and the version it names for the adapter; a
 replica behind that revision syncs first, and if it cannot, serves the adapter only in that version.
+Revisions are compared within one registry actor only (``registry_id``): a restarted registry
+may start its sequence again lower (its manifest lost), so a replica synced with another one is
+behind whatever the numbers say.
 
 Shutdown: once the registry says the application is draining (a heartbeat's ``drain_s``),
 the replica shuts its engine down as a single server does at SIGTERM: no new request,
@@ -169,10 +172,10 @@ class LoraReplica:
         self.replica_id = replica_id
         self.registry = registry
         self.sync_interval_s = sync_interval_s
-        # (applied_revision, attempted_revision, apply_errors), replaced whole: a heartbeat sent while
-        # an apply runs in its thread (``_apply_keeping_alive``) must not pair one revision's errors
-        # with another's numbers.
-        self._progress: tuple[int, int, tuple[str, ...]] = (-1, -1, ())
+        # (applied_revision, attempted_revision, apply_errors, registry_id), replaced whole: a heartbeat
+        # sent while an apply runs in its thread (``_apply_keeping_alive``) must not pair one revision's
+        # errors, or one registry actor's id, with another's numbers.
+        self._progress: tuple[int, int, tuple[str, ...], Optional[str]] = (-1, -1, (), None)
         self._unservable: dict[str, str] = {}  # registered names this replica cannot serve yet -> why
         self._reports = ReportSender()  # heartbeats carry what changed in the per-adapter maps
         self._sync_lock = asyncio.Lock()
@@ -217,7 +220,7 @@ class LoraReplica:
         for name in set(have) - set(wanted):
             self.engine.unregister_adapter(name)
         self._backoff.keep_only(failed)
-        self._record_apply(state["revision"], failed)
+        self._record_apply(state["revision"], failed, state.get("registry"))
 
     def _apply_entry(self, entry: dict[str, Any], held: Optional[AdapterInfo]) -> Optional[str]:
         """Make ``entry`` current in the engine; returns why it could not (``"<name>: ..."``), else None.
@@ -267,14 +270,27 @@ class LoraReplica:
     def apply_errors(self) -> tuple[str, ...]:
         return self._progress[2]
 
-    def _record_apply(self, revision: int, failed: dict[str, str]) -> None:
-        """Record the outcome of applying ``revision``: applied only when nothing failed."""
+    @property
+    def registry_id(self) -> Optional[str]:
+        """The registry actor (incarnation) whose revision sequence the two revisions above belong
+        to; a restarted registry has another one, and may restart its sequence lower (None: not said)."""
+        return self._progress[3]
+
+    def has_tried(self, revision: int, registry: Optional[str] = None) -> bool:
+        """Whether revision ``revision`` of registry ``registry`` (None: the one synced with) was tried
+        here. A revision of another registry actor was not: its numbers are another sequence."""
+        return (registry is None or registry == self.registry_id) and self.attempted_revision >= revision
+
+    def _record_apply(self, revision: int, failed: dict[str, str], registry: Optional[str] = None) -> None:
+        """Record the outcome of applying ``revision`` of ``registry``: applied only when nothing
+        failed (a revision of another registry than the one before counts from scratch)."""
         self._unservable = {name: failed[name] for name in failed if name not in {a.name for a in self.engine.adapters()}}
         errors = tuple(failed[name] for name in sorted(failed))
         if errors != self.apply_errors:  # log changes, not every retry
             for e in errors:
                 logger.error("replica %s: %s", self.replica_id, e)
-        self._progress = (self.applied_revision if failed else revision, revision, errors)
+        applied_before = self.applied_revision if registry == self.registry_id else -1
+        self._progress = (applied_before if failed else revision, revision, errors, registry)
 
     async def _heartbeat(self) -> Optional[dict[str, Any]]:
         """Report progress to the registry; returns its state when this replica is behind.
@@ -282,12 +298,12 @@ class LoraReplica:
         The report's per-adapter maps go as changes to the report the registry holds
         (``report_delta``); when it holds another one, the whole report follows at once."""
         report = await asyncio.to_thread(self.report)  # snapshot() takes the engine lock: never on the event loop
-        applied, attempted, errors = self._progress
+        applied, attempted, errors, registry = self._progress
         wire, base = self._reports.outgoing(report)
         try:
-            reply = await self.registry.heartbeat.remote(self.replica_id, applied, wire, errors, attempted, base)
+            reply = await self.registry.heartbeat.remote(self.replica_id, applied, wire, errors, attempted, base, registry)
             if reply.get("report") is None and base is not None:
-                reply = await self.registry.heartbeat.remote(self.replica_id, applied, report, errors, attempted, None)
+                reply = await self.registry.heartbeat.remote(self.replica_id, applied, report, errors, attempted, None, registry)
         except BaseException:
             self._reports.forget()
             raise
@@ -306,11 +322,11 @@ class LoraReplica:
         logger.info("replica %s: the application is shutting down; requests in flight get up to %.1f s to finish", self.replica_id, drain_s)
         self._drain = self.engine.shutdown_in_background(drain_s)
 
-    async def _sync_once(self, unless_tried: Optional[int] = None) -> None:
+    async def _sync_once(self, unless_tried: Optional[int] = None, registry: Optional[str] = None) -> None:
         """Heartbeat, and apply the registry's state when this replica is behind it (skipped when
-        revision ``unless_tried`` was tried meanwhile, by a sync this one waited for)."""
+        revision ``unless_tried`` of ``registry`` was tried meanwhile, by a sync this one waited for)."""
         async with self._sync_lock:
-            if unless_tried is not None and self.attempted_revision >= unless_tried:
+            if unless_tried is not None and self.has_tried(unless_tried, registry):
                 return
             attempted = None
             for _ in range(2):  # the second heartbeat acknowledges what the first one delivered
@@ -420,6 +436,7 @@ class LoraReplica:
         pinned_version: Optional[str] = None,
         min_revision: int = -1,
         expected_version: Optional[str] = None,
+        min_registry: Optional[str] = None,
     ) -> AsyncIterator[tuple]:
         """Stream one request (wire format: the module docstring).
 
@@ -430,6 +447,9 @@ class LoraReplica:
         sync fails (the registry is restarting) and stays behind ``min_revision`` serves the
         adapter only if it holds that version, else refuses (``adapter_unavailable``, retry):
         it never serves, unknowingly, a version the registry has replaced.
+        ``min_registry``: the registry actor (incarnation) whose revision ``min_revision`` is; a
+        replica synced with another one (the registry restarted, maybe at a lower revision) is
+        behind whatever its own revision (None: compare the revisions only).
 
         ``pinned_version``: the request is a replay of one that already streamed tokens of
         that version of ``adapter`` on a replica that died, or one of an HTTP request's
@@ -438,7 +458,7 @@ class LoraReplica:
         and its request's, never mix two versions.
         """
         if adapter is not None:
-            behind = await self._catch_up(min_revision)
+            behind = await self._catch_up(min_revision, min_registry)
             refusal = self._stale_refusal(adapter, behind, expected_version) or await self._refusal(adapter, pinned_version)
             if refusal is not None:
                 yield refusal
@@ -469,19 +489,19 @@ class LoraReplica:
                     del self._streaming[request_id]
                     self._finished.pop(request_id, None)
 
-    async def _catch_up(self, revision: int) -> Optional[str]:
-        """Sync now if this replica has not tried ``revision`` yet. Returns why it is still behind
-        ``revision`` (the sync failed; the sync loop retries, and check_health reports it if it
+    async def _catch_up(self, revision: int, registry: Optional[str] = None) -> Optional[str]:
+        """Sync now if this replica has not tried ``revision`` of ``registry`` yet. Returns why it is
+        still behind it (the sync failed; the sync loop retries, and check_health reports it if it
         lasts), or None once it has tried it."""
-        if self.attempted_revision >= revision:
+        if self.has_tried(revision, registry):
             return None
         try:
-            await self._sync_once(unless_tried=revision)
+            await self._sync_once(unless_tried=revision, registry=registry)
         except Exception as err:  # noqa: BLE001 - the request is still served, from the current set where it is current
             logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapters it holds in their current version", self.replica_id,
                            type(err).__name__, err)  # fmt: skip
             return f"its sync failed: {type(err).__name__}: {err}"
-        return None if self.attempted_revision >= revision else f"revision {revision} is not in the registry it reached"
+        return None if self.has_tried(revision, registry) else f"revision {revision} is not in the registry it reached"
 
     def _stale_refusal(self, adapter: str, behind: Optional[str], expected_version: Optional[str]) -> Optional[tuple]:
         """The error item refusing ``adapter`` on a replica that is ``behind`` the ingress's revision

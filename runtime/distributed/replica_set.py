@@ -99,6 +99,8 @@ class ReplicaSetEngine:
         self._observers: list[Callable[[Any], None]] = []
         self._view: dict[str, Any] = {"registry": None, "revision": -1, "entries": [], "ready": True, "versions": {}, "infos": ()}
         self._refresh_task: Optional[asyncio.Task] = None
+        # Registry incarnations this ingress took views from and then moved on from (one per registry restart).
+        self._left_registries: set[str] = set()
         # /metrics: the replicas' snapshots as last fetched, and the fetch a scrape stopped waiting
         # for (the next scrape waits for that one, so every reply is read and none piles up).
         self._snapshots_lock = threading.Lock()
@@ -120,9 +122,23 @@ class ReplicaSetEngine:
 
         A view whose ``entries`` is None says the set is the one of the (registry, revision) this
         ingress sent (``_known``): only its ``ready`` is taken, and only if that is still the
-        (registry, revision) held (else it is dropped; the next refresh brings the entries)."""
+        (registry, revision) held (else it is dropped; the next refresh brings the entries).
+
+        Revisions are compared within one registry actor (``registry``, its incarnation) only: a
+        view older than the one held from the same registry is dropped (a refresh and an admin
+        call's view can arrive in either order). A view from another registry, a restarted actor,
+        is taken whatever its revision, and the registry left is never taken from again (a reply
+        it sent before it died may arrive late): a registry restarted from a lost or deleted
+        manifest starts again below the revision held, and its set, hot updates included, must
+        reach routing (the replicas follow it too: ``AdapterRegistryService.heartbeat``)."""
         held = self._view
-        if view["revision"] < held["revision"]:
+        registry = view.get("registry")
+        if registry != held.get("registry"):
+            if registry in self._left_registries or view.get("entries") is None:
+                return
+            if held.get("registry") is not None:
+                self._left_registries.add(held["registry"])
+        elif view["revision"] < held["revision"]:
             return
         if view.get("entries") is None:
             if (view.get("registry"), view["revision"]) == (held.get("registry"), held["revision"]):
@@ -268,11 +284,13 @@ class ReplicaSetEngine:
         options: dict[str, Any] = {"stream": True}
         if self.routing == "affinity" and adapter is not None:
             options["multiplexed_model_id"] = adapter
-        # The registry revision this ingress knows, and the version it names for the adapter: a replica behind that
-        # revision syncs before serving, and one that cannot serves the adapter only in that version (LoraReplica.generate).
+        # The registry revision this ingress knows (and of which registry actor), and the version it names for the adapter:
+        # a replica behind that revision syncs before serving, and one that cannot serves the adapter only in that version
+        # (LoraReplica.generate).
         view = self._view
         expected = view["versions"].get(adapter) if adapter is not None else None
-        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version, view["revision"], expected)
+        return self.replicas.options(**options).generate.remote(request_id, prompt, params, adapter, pinned_version, view["revision"], expected,
+                                                                view.get("registry"))
 
     async def generate(
         self, request_id: str, prompt: str | Sequence[int], params: Optional[SamplingParams] = None, adapter: Optional[str] = None,
