@@ -1025,6 +1025,51 @@ def test_the_ingress_refresh_loop_goes_on_after_an_unexpected_error(service, tin
     assert [a.name for a in ingress.adapters()] == ["A"]
 
 
+def test_the_ingress_logs_a_registry_outage_once_and_its_end_once(service, tiny_llama_dir, caplog) -> None:
+    """While the registry was away the refresh loop logged a warning at every tick (twice a second,
+    for the whole outage). Now one line when refreshes start failing, one when they succeed again
+    (with how long the outage lasted), and one more only if the kind of failure changes."""
+    import logging
+
+    import ray
+
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    failures: list[Exception] = [ray.exceptions.RayActorError()] * 5 + [KeyError("revision")] * 2
+    calls = [0]
+    real = service.view
+
+    def view(*args: Any) -> Any:
+        calls[0] += 1
+        if failures:
+            raise failures.pop(0)
+        return real(*args)
+
+    service.view = view  # type: ignore[method-assign]
+    ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, refresh_s=0.0)
+    now = [100.0]
+    ingress._clock = lambda: now[0]
+    service.register("A", "/adapters/a", f"{1:064x}", 8)
+
+    async def run() -> None:
+        ingress.start_refresh()
+        for _ in range(1000):  # a bound, not a clock: each turn yields to the loop once
+            if calls[0] >= 10 or ingress._refresh_task.done():
+                break
+            now[0] += 0.5
+            await asyncio.sleep(0)
+        ingress._refresh_task.cancel()
+        await asyncio.gather(ingress._refresh_task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="lorafleet"):
+        asyncio.run(run())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "lorafleet.replica_set"]
+    assert [level for level, _ in lines] == ["WARNING", "ERROR", "INFO"], lines
+    assert "registry unavailable" in lines[0][1] and "KeyError" in lines[1][1], lines
+    assert lines[2][1].startswith("registry reachable again after ") and " s" in lines[2][1], lines
+    assert [a.name for a in ingress.adapters()] == ["A"]
+
+
 def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(replica) -> None:
     """The heartbeat's snapshot takes the engine lock, which a step holds for its whole length:
     it must wait in a worker thread, not on the replica's event loop (which streams tokens)."""

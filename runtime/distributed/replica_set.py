@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence as SequenceABC
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
@@ -99,6 +100,9 @@ class ReplicaSetEngine:
         self._observers: list[Callable[[Any], None]] = []
         self._view: dict[str, Any] = {"registry": None, "revision": -1, "entries": [], "ready": True, "versions": {}, "infos": ()}
         self._refresh_task: Optional[asyncio.Task] = None
+        # Since when, and with which kind of error, refreshes have been failing (None: the last one succeeded).
+        self._refresh_outage: Optional[tuple[float, str]] = None
+        self._clock = time.monotonic
         # Registry incarnations this ingress took views from and then moved on from (one per registry restart).
         self._left_registries: set[str] = set()
         # /metrics: the replicas' snapshots as last fetched, and the fetch a scrape stopped waiting
@@ -159,17 +163,35 @@ class ReplicaSetEngine:
         await self._send_folds()
 
     def start_refresh(self) -> None:
+        """Refresh every ``refresh_s`` until cancelled; a failed refresh is retried at the next tick
+        (``_refresh_logged``)."""
         async def loop() -> None:
             while True:
                 await asyncio.sleep(self.refresh_s)
-                try:
-                    await self.refresh()
-                except ray.exceptions.RayActorError as err:
-                    logger.warning("registry unavailable (%s); serving the last known adapter set", err)
-                except Exception as err:  # noqa: BLE001 - the loop must go on: a stopped one would freeze the adapter set here
-                    logger.error("taking the registry's view failed (%s: %s); serving the last known adapter set", type(err).__name__, err)
+                await self._refresh_logged()
 
         self._refresh_task = asyncio.create_task(loop())
+
+    async def _refresh_logged(self) -> None:
+        """``refresh``, with its failures logged once per outage, not at every tick: a line when
+        refreshes start failing (a warning while the registry actor is away, an error for any other
+        failure; again only if the kind of failure changes), and one when a refresh succeeds again,
+        with how long they failed. Never raises: a stopped loop would freeze the adapter set here."""
+        try:
+            await self.refresh()
+        except Exception as err:  # noqa: BLE001 - the loop must go on
+            kind = type(err).__name__
+            if self._refresh_outage is None or self._refresh_outage[1] != kind:
+                if isinstance(err, ray.exceptions.RayActorError):
+                    logger.warning("registry unavailable (%s); serving the last known adapter set until it is back", err)
+                else:
+                    logger.error("taking the registry's view failed (%s: %s); serving the last known adapter set, retrying", kind, err)
+            since = self._refresh_outage[0] if self._refresh_outage is not None else self._clock()
+            self._refresh_outage = (since, kind)
+            return
+        if self._refresh_outage is not None:
+            logger.info("registry reachable again after %.1f s; the adapter set is current", self._clock() - self._refresh_outage[0])
+            self._refresh_outage = None
 
     # ---- availability ------------------------------------------------------------------------------
     @property
