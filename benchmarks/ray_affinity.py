@@ -39,11 +39,23 @@ def zipf_sequence(n_adapters: int, alpha: float, n_requests: int, seed: int) -> 
     return rng.choices(names, weights=weights, k=n_requests)
 
 
-def pool_counters(registry: Any) -> dict[str, float]:
+def pool_counters(registry: Any, wait_s: float = 10.0, poll_s: float = 0.1) -> dict[str, float]:
+    """The live replicas' pool counters, summed. A replica whose report the registry does not hold
+    yet (snapshot None: it restarted, and the replica's whole report is on its way) is waited for
+    (up to ``wait_s``, then RuntimeError): counted as 0, it made the phase's delta wrong."""
     import ray
 
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = ray.get(registry.live_replicas.remote())
+        missing = sorted(rid for rid, status in live.items() if status["snapshot"] is None)
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the registry holds no report of replica(s) {missing} after {wait_s:g} s; cannot sum their counters")
+        time.sleep(poll_s)
     total = {"loads": 0.0, "device_loads": 0.0, "host_evictions": 0.0}
-    for status in ray.get(registry.live_replicas.remote()).values():
+    for status in live.values():
         for counters in status["snapshot"].get("adapters", {}).values():
             for key in total:
                 total[key] += counters.get(key, 0)

@@ -292,7 +292,7 @@ def test_admin_load_reaches_both_replicas(app, adapter_root: Path, tiny_adapters
 
     def served_by_both() -> bool:
         live = ray.get(registry(cfg).live_replicas.remote())
-        return all(s["snapshot"]["adapters"].get("e", {}).get("requests", 0) > 0 for s in live.values())
+        return all((s["snapshot"] or {}).get("adapters", {}).get("e", {}).get("requests", 0) > 0 for s in live.values())  # None: no report yet
 
     for i in range(40):
         asyncio.run(once(i))

@@ -934,6 +934,36 @@ def test_a_scrape_keeps_a_replica_s_last_snapshot_while_a_restarted_registry_wai
     assert ingress.replica_snapshots() == {"r1": newer}
 
 
+def test_live_replicas_says_no_report_yet_and_the_affinity_benchmark_waits_for_it(service, monkeypatch) -> None:
+    """``live_replicas`` showed ``{}`` for a replica whose report a restarted registry did not hold
+    yet (its change-only report refused, the whole one on its way); the affinity benchmark summed
+    that as the replica's counters being 0, and its phase delta (after - before) came out wrong."""
+    import ray
+
+    from benchmarks.ray_affinity import pool_counters
+
+    report = {"running": 0, "adapters": {"A": {"loads": 3, "device_loads": 2}}, "registered": {}}
+    number = service.heartbeat("r1", 0, report)["report"]
+    restarted = AdapterRegistryService(service.folder())
+    changes = {"running": 0, "adapters": {"changed": {}, "removed": []}, "registered": {"changed": {}, "removed": []}}
+    assert restarted.heartbeat("r1", 0, changes, (), 0, number)["report"] is None  # refused: the whole report follows
+    assert restarted.live_replicas()["r1"]["snapshot"] is None
+    calls = [0]
+
+    def live_replicas() -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # the replica's whole report arrives
+            restarted.heartbeat("r1", 0, report)
+        return restarted.live_replicas()
+
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    registry = SimpleNamespace(live_replicas=SimpleNamespace(remote=live_replicas))
+    assert pool_counters(registry, poll_s=0.0) == {"loads": 3, "device_loads": 2, "host_evictions": 0}
+    restarted.heartbeat("r2", 0, changes, (), 0, 1)  # refused, and its whole report never comes
+    with pytest.raises(RuntimeError, match=r"no report of replica\(s\) \['r2'\]"):
+        pool_counters(SimpleNamespace(live_replicas=SimpleNamespace(remote=restarted.live_replicas)), wait_s=0.0)
+
+
 def test_a_scrape_that_the_registry_does_not_answer_in_time_shows_the_last_snapshots(tiny_llama_dir, monkeypatch) -> None:
     """The snapshot fetch waits ``SNAPSHOT_TIMEOUT_S`` (the registry may be restarting): the scrape
     then shows the snapshots fetched last, and the next one waits for the same call (its reply is

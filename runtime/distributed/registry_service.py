@@ -208,13 +208,17 @@ class AdapterRegistryService:
         return {rid: s for rid, s in sorted(self.replicas.items()) if now - s.last_seen <= self.live_after_s}
 
     def live_replicas(self) -> dict[str, dict[str, Any]]:
+        """Live replica id -> {"applied_revision", "attempted_revision", "age_s", "snapshot",
+        "errors"}. "snapshot" is the replica's last report, or None while this actor holds none
+        (as in ``replica_snapshots``): an empty one would read as its counters being 0, and a sum
+        over replicas taken then (``benchmarks/ray_affinity.py``'s deltas) as a reset."""
         now = time.monotonic()
         return {
             rid: {
                 "applied_revision": s.applied_revision,
                 "attempted_revision": s.attempted_revision,
                 "age_s": now - s.last_seen,
-                "snapshot": s.snapshot,
+                "snapshot": s.snapshot if s.report_number is not None else None,
                 "errors": list(s.errors),
             }
             for rid, s in self._live().items()
