@@ -60,7 +60,7 @@ class _FairLock:
 
     ``abandon(error)``: its holder will not release it in time (a stuck step): every waiter, and
     every later ``acquire``, raises ``error()`` instead of waiting for ever; the holder's own
-    ``release`` still works.
+    ``release`` (and its ``Condition``'s ``notify``) still works.
     """
 
     def __init__(self) -> None:
@@ -111,6 +111,12 @@ class _FairLock:
                 self._waiters.remove(turn)
                 return False
         return True  # handed over (perhaps just as the timeout expired)
+
+    def _is_owned(self) -> bool:
+        """``threading.Condition``'s check that its lock is held before ``wait``/``notify``. Its
+        fallback probes with a non-blocking ``acquire``, which raises once the lock is abandoned,
+        so the holder's ``notify`` would fail where its ``release`` works."""
+        return self._held
 
     def release(self) -> None:
         with self._mutex:

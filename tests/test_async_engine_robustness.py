@@ -391,6 +391,25 @@ def test_a_waiter_interrupted_in_the_engine_lock_does_not_take_it_with_it() -> N
     lock.release()
 
 
+def test_the_holder_of_an_abandoned_engine_lock_can_still_notify_and_release() -> None:
+    """abandon() left the holder's release working but not its Condition's notify (threading.Condition
+    checks ownership with a non-blocking acquire, which raised EngineDeadError): a holder that was
+    handed the lock as shutdown gave up on a step (an abort, which notifies the step thread) failed
+    with it. Waiters and later callers are still refused."""
+    from runtime.async_engine import _FairLock
+
+    lock = _FairLock()
+    wake = threading.Condition(lock)
+    lock.acquire()
+    lock.abandon(lambda: EngineDeadError("gave up"))
+    wake.notify_all()
+    lock.release()
+    with pytest.raises(EngineDeadError, match="gave up"):
+        lock.acquire(blocking=False)
+    with pytest.raises(RuntimeError, match="cannot notify on un-acquired lock"):
+        wake.notify_all()  # not held: still refused, as before
+
+
 @pytest.mark.parametrize("source", ["creator", "backend"])
 def test_the_step_thread_runs_on_the_gpu_the_engine_was_made_for(tiny_llama_dir, monkeypatch, source) -> None:
     """Each thread has its own current GPU and Triton launches on it, not on the tensors' GPU; the
