@@ -76,6 +76,7 @@ RENDER_VARIABLES = MappingProxyType({
     "tools": "none (lorafleet has no tool calling)",
     "documents": "none (lorafleet takes no documents)",
     **{name: "the tokenizer's special token" for name in SPECIAL_TOKEN_NAMES},
+    "self": "jinja's reference to the template (the render's own argument)",
 })
 TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")  # transformers' globals, which lorafleet's templates get too
 

@@ -503,6 +503,6 @@ def test_template_kwargs_render_as_transformers_extra_arguments(model_copy):
     assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     assert ours == "<no_think>hi[Ada|terse,exact]</s>"
     for key in ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "eos_token", "mask_token",
-                "raise_exception", "strftime_now", "namespace", "range"):
+                "raise_exception", "strftime_now", "namespace", "range", "self"):  # self: was "failed on these inputs with TypeError"
         with pytest.raises(TokenizerError, match=f"^chat_template_kwargs: '{key}' cannot be set: lorafleet sets it to "):
             Tokenizer(model_copy).apply_chat_template(messages, template_kwargs={key: 1})

@@ -175,6 +175,8 @@ KWARGS_REFUSALS = [
     ({"bos_token": ""}, "chat_template_kwargs: 'bos_token' cannot be set: lorafleet sets it to the tokenizer's special token"),
     ({"tools": [{"type": "function"}]}, "chat_template_kwargs: 'tools' cannot be set: lorafleet sets it to none (lorafleet has no tool calling)"),
     ({"raise_exception": "no"}, "chat_template_kwargs: 'raise_exception' cannot be set: lorafleet sets it to a function templates call"),
+    # jinja's render takes self itself: it was a 400 on messages, "the template failed with TypeError", logged with a traceback
+    ({"self": 1}, "chat_template_kwargs: 'self' cannot be set: lorafleet sets it to jinja's reference to the template (the render's own argument)"),
     ({"note": "\ud800"}, "chat_template_kwargs: not valid Unicode text: a lone surrogate '\\ud800' at character 0"),
     ({"nested": {"x": ["\ud800"]}}, "chat_template_kwargs: not valid Unicode text: a lone surrogate '\\ud800' at character 0"),
     ("enable_thinking", "chat_template_kwargs: Input should be a valid dictionary"),
