@@ -140,6 +140,17 @@ async def test_chat_template_field_refusals(tiny_llama_dir, tmp_path):
             assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == message.split(":")[0]
 
 
+async def test_tokenize_a_prompt_with_chat_template_fields_at_their_defaults(tiny_llama_dir, tmp_path):
+    """A /tokenize prompt beside chat template fields that ask for nothing (null kwargs, as clients send
+    an unset field; the defaults) encodes the prompt; they were a 400 'only with messages'."""
+    async with served(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}") as c:
+        plain = await c.post("/tokenize", json={"prompt": "a b"})
+        for fields in ({"chat_template_kwargs": None}, {"add_generation_prompt": True, "continue_final_message": False}):
+            r = await c.post("/tokenize", json={"prompt": "a b", **fields})
+            assert r.status_code == 200, (fields, r.text)
+            assert r.json()["tokens"] == plain.json()["tokens"]
+
+
 THINKING = ("{{ bos_token }}{% if enable_thinking is defined and not enable_thinking %}<|nothink|>{% endif %}"
             "{% if budget is defined and budget > 100 %}<|long|>{% endif %}"
             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}<|assistant|>")
