@@ -86,8 +86,6 @@ class ModelConfig:
     o_proj_bias: bool  # llama's attention_bias also puts a bias on o_proj
     mlp_bias: bool  # gate/up/down carry a bias (llama with mlp_bias; qwen2 and mistral never)
     sliding_window: int | None  # honoured by capping max_model_len to it
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # the checkpoint's own dtype, informational
 
     @property
@@ -175,8 +173,6 @@ def parse_model_config(raw: Mapping[str, Any], path: Path) -> ModelConfig:
         o_proj_bias=llama_bias,
         mlp_bias=mlp_bias,
         sliding_window=_sliding_window(raw, model_type, path),
-        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
-        eos_token_ids=eos_ids(raw.get("eos_token_id"), path, "eos_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
 
@@ -189,16 +185,6 @@ def _kv_heads(raw: Mapping[str, Any], model_type: str, heads: int) -> tuple[Any,
         return DEFAULT_KV_HEADS[model_type], f" (config.json has no num_key_value_heads: transformers' {model_type} default)"
     value = raw.get("num_key_value_heads")
     return (heads, "") if value is None else (value, "")
-
-
-def eos_ids(value: Any, path: Path, key: str) -> tuple[int, ...]:
-    """``eos_token_id`` may be absent, an int, or a list of ints."""
-    if value is None:
-        return ()
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ModelConfigError(f"{path}: {key} must be an int or a list of ints, got {value!r}")
-    return tuple(values)
 
 
 def _sliding_window(raw: Mapping[str, Any], model_type: str, path: Path) -> int | None:
