@@ -334,7 +334,10 @@ def check_fp16_expand_past_fp16_max(device: str) -> None:
     there although scale * h @ B^T fits fp16 (the float64 oracle is finite). Rank 80 is two rank
     tiles, each scaled on its own: row 0 is large in the second only, row 1 is ordinary (scaled
     with its tile), row 3 is large in the first tile, row 4 around 10^6 everywhere; row 2 has no
-    adapter."""
+    adapter. Row 5's h holds an inf in each rank tile (an fp16 activation that overflowed): it
+    must stay in row 5 (an inf tile max made the scale inf and the whole tile, the other
+    requests' rows with it, NaN). y starts small (1e-3) so that row 1's own LoRA term (~1e-3)
+    is far above the bound: its loss would show."""
     from backends.cuda.sgmv_expand import sgmv_expand
 
     rank, out_features = 80, 24
@@ -342,13 +345,14 @@ def check_fp16_expand_past_fp16_max(device: str) -> None:
     w = LoRASliceWeights.allocate(16, out_features, 2, rank, torch.float16, device)
     b = ((torch.rand(out_features, rank, generator=gen) - 0.5) * 2e-4).half()
     w.write_slot(1, 0, torch.zeros(rank, 16).half(), b, 0.75)
-    slots = [1, 1, -1, 1, 1]
+    slots = [1, 1, -1, 1, 1, 1]
     h = torch.randn(1, len(slots), rank, generator=gen)
     h[0, 0, 64:] *= 1.5e5
     h[0, 2, :] = float("nan")  # the -1 row: never read
     h[0, 3, :64] *= 9e4
     h[0, 4] *= 1e6
-    y0 = torch.randn(len(slots), out_features, generator=gen).half()
+    h[0, 5, 3] = h[0, 5, 70] = float("inf")
+    y0 = (torch.randn(len(slots), out_features, generator=gen) * 1e-3).half()
     y = y0.to(device, copy=True)
     sgmv_expand(h.to(device), [w], LoRABatchMeta.build(slots, device), y, [0])
     y = y.cpu()

@@ -21,7 +21,7 @@ times an A of large norm) while ``scale * h @ B^T`` fits, so fp16 runs scale eac
 ``[BLOCK_M, BLOCK_R]`` tile ``H`` of ``h`` by a power of two before the cast
 (``_fp16_tile_scale``):
 
-    m = max |H|       s = 1                       if m <= 65504
+    m = max |H|       s = 1                       if m <= 65504       (finite entries only)
                       s = 2^(floor(log2 m) - 14)  otherwise
     acc = s * (acc / s + fp16(H / s) @ B_tile)
 
@@ -56,14 +56,21 @@ from runtime.lora.slice_weights import LoRASliceWeights
 
 
 FP16_MAX = tl.constexpr(65504.0)
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 EXPONENT_BITS = tl.constexpr(0x7F800000)  # of a float32: keeping only them rounds down to a power of two
 
 
 @triton.jit
 def _fp16_tile_scale(ht):
-    """For the fp32 tile ``ht``: 1.0 when its max ``|h|`` fits fp16, else the power of two
-    2^(e - 14), with 2^e <= max < 2^(e + 1), that brings the max into [2^14, 2^15)."""
-    tile_max = tl.max(tl.max(tl.abs(ht), axis=1), axis=0)
+    """For the fp32 tile ``ht``: 1.0 when its max finite ``|h|`` fits fp16, else the power of two
+    2^(e - 14), with 2^e <= max < 2^(e + 1), that brings the max into [2^14, 2^15).
+
+    inf and NaN entries do not count: an inf max would make the scale inf, and then
+    ``acc * (1 / s) * s`` is ``0 * inf``, NaN in every row of the tile, i.e. in the other
+    requests of the segment too; left out, they stay inf/NaN in their own row only, as without
+    the scaling."""
+    abs_h = tl.abs(ht)
+    tile_max = tl.max(tl.max(tl.where(abs_h <= FP32_MAX, abs_h, 0.0), axis=1), axis=0)
     floor_pow2 = (tile_max.to(tl.int32, bitcast=True) & EXPONENT_BITS).to(tl.float32, bitcast=True)
     return tl.where(tile_max > FP16_MAX, floor_pow2 * (1.0 / 16384.0), 1.0)
 
