@@ -673,6 +673,31 @@ def test_base_model_save_with_tied_embeddings_matches_transformers(tmp_path):
     assert all(torch.equal(merged["base"][k], merged["causal"][k]) for k in merged["causal"])
 
 
+def test_int8_base_model_save_loads_and_merges_as_its_causal_lm_save(tmp_path):
+    """An int8 checkpoint (``lorafleet quantize``) saved without the 'model.' prefix: the prefix was
+    added to look tensors up, but each tensor's kind was judged by its stored name, so every
+    ``layers.N...proj.weight`` code tensor was refused as 'int8, only the projections are integer'
+    in serving and merge. Now it loads and merges as the same checkpoint with the prefix."""
+    from runtime.cli import main as cli_main
+    from runtime.commands.quantize import quantize_checkpoint
+    from tests.fixtures.tiny_models import build_adapter
+
+    causal = build_tiny_model(tmp_path / "causal", "llama", seed=3, tie_word_embeddings=True)
+    quantize_checkpoint(str(causal), str(tmp_path / "q8"), progress=False)
+    base = tmp_path / "q8base"
+    shutil.copytree(tmp_path / "q8", base)
+    strip_model_prefix(base)
+    assert load_file(str(base / "model.safetensors"))["layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    ids = prompt(1)
+    assert_rel(chunked_logits(runner_for(base), ids), chunked_logits(runner_for(tmp_path / "q8"), ids), 1e-5)
+    adapter = build_adapter(causal, tmp_path / "adapter", r=4, target_modules=["q_proj", "down_proj"], seed=11)
+    for src in ("q8", "q8base"):
+        assert cli_main(["merge", "--model", str(tmp_path / src), "--adapter", str(adapter), "--out", str(tmp_path / f"m-{src}"), "--no-verify"]) == 0
+    merged = {src: load_file(str(tmp_path / f"m-{src}" / "model.safetensors")) for src in ("q8", "q8base")}
+    assert merged["q8base"].keys() == merged["q8"].keys()
+    assert all(torch.equal(merged["q8base"][k], merged["q8"][k]) for k in merged["q8"])
+
+
 def test_tensor_stored_with_and_without_the_model_prefix_is_refused(tmp_path):
     path = build_tiny_model(tmp_path / "m", "llama", seed=0)
     rewrite(path, lambda t: t.__setitem__("norm.weight", t["model.norm.weight"] * 2))

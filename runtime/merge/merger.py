@@ -165,11 +165,11 @@ def _read_float(files: dict[str, Path], stored: dict[str, str], names: list[str]
                     s_name = scale_name(name)
                     if s_name not in stored:
                         raise CheckpointError(f"{path}: int8 tensor {key} has no scale tensor {scale_name(key)}")
-                    check_quantized_tensor(key, t, path)  # as serving: int8 codes in -127..127
+                    check_quantized_tensor(name, t, path, stored_as=key)  # as serving: int8 codes in -127..127
                     s_key = stored[s_name]
                     with safe_open(str(files[s_key]), framework="pt", device="cpu") as fs:
                         scale = fs.get_tensor(s_key)
-                    check_quantized_tensor(s_key, scale, files[s_key])  # float32, finite, > 0
+                    check_quantized_tensor(s_name, scale, files[s_key], stored_as=s_key)  # float32, finite, > 0
                     yield name, dequantize_int8(t, scale)
                 elif not t.is_floating_point():
                     raise CheckpointError(f"{path}: tensor {key} is {t.dtype}; expected a float tensor")

@@ -306,7 +306,7 @@ def load_weights(
             for name in names:
                 raw[causal_name[name]] = f.get_tensor(name)
                 if quantized:
-                    check_quantized_tensor(name, raw[causal_name[name]], path)
+                    check_quantized_tensor(causal_name[name], raw[causal_name[name]], path, stored_as=name)
     out: dict[str, Tensor | Int8Weight] = {}
     for name, tensor in raw.items():
         if quantized and is_quantized_projection(name):
@@ -353,25 +353,29 @@ def check_tied_head(cfg: ModelConfig, files: dict[str, Path]) -> None:
         )
 
 
-def check_quantized_tensor(name: str, tensor: Tensor, path: Path) -> None:
+def check_quantized_tensor(name: str, tensor: Tensor, path: Path, stored_as: str | None = None) -> None:
     """One tensor of an int8 checkpoint: projection codes int8 in -127..127, their scales float32,
     finite and > 0, everything else float. Serving (``load_weights``) and merge (which dequantizes
-    ``q * s`` itself) both call it, so neither takes a tensor the other refuses."""
+    ``q * s`` itself) both call it, so neither takes a tensor the other refuses.
+
+    ``name``: the ``*ForCausalLM`` name, which says what the tensor is; ``stored_as``: its name in
+    the file (``causal_lm_names``; a base-model save's lacks the ``model.`` prefix), for the messages."""
+    shown = stored_as or name
     if is_quantized_projection(name):
         want = torch.int8
     elif name.endswith("_scale") and is_quantized_projection(name[: -len("_scale")]):
         want = torch.float32
     else:
         if not tensor.is_floating_point():
-            raise CheckpointError(f"{path}: tensor {name} is {tensor.dtype}; only the projections of an int8 checkpoint are integer")
+            raise CheckpointError(f"{path}: tensor {shown} is {tensor.dtype}; only the projections of an int8 checkpoint are integer")
         return
     if tensor.dtype != want:
-        raise CheckpointError(f"{path}: tensor {name} is {tensor.dtype}; the int8 weight-only format stores it as {want}")
+        raise CheckpointError(f"{path}: tensor {shown} is {tensor.dtype}; the int8 weight-only format stores it as {want}")
     # Contents too: a hand-edited or corrupted file would otherwise give NaN or zeroed rows silently.
     if want == torch.int8 and bool((tensor == -128).any()):
-        raise CheckpointError(f"{path}: tensor {name} holds code -128; the int8 weight-only format uses -127..127")
+        raise CheckpointError(f"{path}: tensor {shown} holds code -128; the int8 weight-only format uses -127..127")
     if want == torch.float32 and not bool((torch.isfinite(tensor) & (tensor > 0)).all()):
-        raise CheckpointError(f"{path}: tensor {name} holds a scale that is not a finite positive number")
+        raise CheckpointError(f"{path}: tensor {shown} holds a scale that is not a finite positive number")
 
 
 def _prefix_hint(files: dict[str, Path], missing: list[str]) -> str:
