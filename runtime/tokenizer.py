@@ -309,8 +309,11 @@ class Tokenizer:
         ``add_generation_prompt``. As transformers 5 does it (compared with 5.24): the last message's content gets
         ``CONTINUE_MARKER`` appended, and the rendered text is cut where the marker's last occurrence
         starts (then right-stripped, when the template dropped the marker's trailing space: a
-        template that trims the content). A template that does not write the content as given
-        (the content, stripped, or the marker is missing from its text) cannot be continued.
+        template that trims the content). A template whose text never names ``content``
+        (transformers' check, before rendering: one that writes each message whole, with
+        ``tojson``, would keep the marker inside a JSON string) or that does not write the
+        content as given (the content, stripped, or the marker is missing from its text) cannot
+        be continued.
 
         Raises ChatTemplateUnusable (``chat_template_problem``) whatever the messages when the
         template does not compile; TokenizerError when the template refuses the messages
@@ -334,6 +337,9 @@ class Tokenizer:
             raise TokenizerError("continue_final_message: not with add_generation_prompt, which starts a new message after it")
         if not shown or not isinstance(shown[-1]["content"], str):
             raise TokenizerError("continue_final_message: needs a last message whose content is a string")
+        if "content" not in (self.chat_template or DEFAULT_CHAT_TEMPLATE):  # transformers' test: the template's text
+            raise TokenizerError("continue_final_message: the chat template's text never names 'content' (it writes the messages "
+                                 "whole, e.g. with tojson), so the prompt cannot end inside the last message's content")
         final = shown[-1]["content"]
         shown[-1]["content"] = final + CONTINUE_MARKER
         text = self._render(shown, False, extra)

@@ -483,11 +483,29 @@ def test_continue_final_message_with_templates_that_cannot_continue_it(model_cop
         AutoTokenizer.from_pretrained(str(demo)).apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(TokenizerError, match="must be a user message"):
         Tokenizer(demo).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-    _set_config(model_copy, chat_template="{% for m in messages %}[{{ m.role }}]{% endfor %}")
-    with pytest.raises(ValueError):
+    _set_config(model_copy, chat_template="{% for m in messages %}[{{ m.role }}]{% if m.content %}+{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match="does not appear in the chat"):
         AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(TokenizerError, match="continue_final_message: the chat template does not write the last message's content"):
         Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m | tojson }}{% endfor %}", "{{ messages | tojson }}",
+                                      "{% for m in messages %}{% for k, v in m | items %}{{ k }}={{ v }};{% endfor %}{% endfor %}"])
+def test_continue_final_message_with_a_template_that_never_names_content(model_copy, template):
+    """transformers refuses to continue the last message when the template's text never names
+    ``content`` (it writes each message whole): with tojson the marker stays inside a JSON string,
+    which lorafleet cut open, a prompt transformers never gives."""
+    from transformers import AutoTokenizer
+
+    _set_config(model_copy, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "so"}]
+    with pytest.raises(ValueError, match="not an accepted field in the chat_template"):
+        AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    with pytest.raises(TokenizerError, match="^continue_final_message: the chat template's text never names 'content'"):
+        Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert '"content": "so"' in Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False) or "content=so;" in \
+        Tokenizer(model_copy).apply_chat_template(messages, add_generation_prompt=False)  # the whole message renders as before
 
 
 def test_template_kwargs_render_as_transformers_extra_arguments(model_copy):

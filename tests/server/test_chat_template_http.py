@@ -140,6 +140,19 @@ async def test_chat_template_field_refusals(tiny_llama_dir, tmp_path):
             assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == message.split(":")[0]
 
 
+async def test_continue_final_message_with_a_template_that_writes_messages_whole_is_a_400(tiny_llama_dir, tmp_path):
+    """A template that never names ``content`` (``m | tojson``) cannot be continued, as transformers
+    refuses it; lorafleet cut the JSON string open after the last message's text."""
+    async with served(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m | tojson }}{% endfor %}") as c:
+        body = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                "add_generation_prompt": False, "continue_final_message": True}
+        for route in ("/v1/chat/completions", "/tokenize"):
+            r = await c.post(route, json={"model": c.model_name, **body})  # type: ignore[attr-defined]
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "continue_final_message" and "never names 'content'" in error["message"], error
+
+
 async def test_tokenize_a_prompt_with_chat_template_fields_at_their_defaults(tiny_llama_dir, tmp_path):
     """A /tokenize prompt beside chat template fields that ask for nothing (null kwargs, as clients send
     an unset field; the defaults) encodes the prompt; they were a 400 'only with messages'."""
