@@ -26,7 +26,8 @@ prepended (older Llama tokenizer.json files leave that to the Python class). Lik
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``,
 ``{% generation %}...{% endgeneration %}`` rendered as its body, a
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
-``raise_exception``; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
+``raise_exception``, and transformers' ``dict`` (a call or ``dict.fromkeys`` only) and
+``namespace`` (no attribute named ``_...``) in place of jinja's; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
 ``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
 ``continue_final_message`` ends the text inside the last message as transformers does, and
 ``template_kwargs`` adds variables (not over these). The template is compiled when the tokenizer
@@ -403,6 +404,44 @@ def _generation_block() -> Any:
     return GenerationBlock
 
 
+class _TemplateDict:
+    """A chat template's ``dict``, as transformers': ``dict(...)`` builds one and ``dict.fromkeys``
+    works; nothing else of the type is reachable (``dict.keys(m)`` is undefined, so calling it fails).
+    With jinja's own ``dict``, ``dict.update(d, {...})`` changed a value inside the immutable sandbox."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _template_namespace() -> Any:
+    """A chat template's ``namespace``, as transformers': jinja's, except that an attribute name
+    starting with ``_`` is refused (jinja's SecurityError), whether given to ``namespace(...)`` or
+    set with ``{% set ns._x = ... %}``; jinja's own accepted both."""
+    import jinja2
+
+    def check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. Please rename the attribute.")
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: namespace(self=...) works
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    return TemplateNamespace
+
+
 def _compile_chat_template(text: str, source: str) -> Any:
     """``text`` compiled in a sandbox set up like transformers' (see the module docstring). Done
     once per tokenizer, at load (transformers caches it too): compiling a real template (Llama
@@ -414,6 +453,7 @@ def _compile_chat_template(text: str, source: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_block()])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
+    env.globals.update(dict=_TemplateDict(), namespace=_template_namespace())  # transformers' narrower versions of jinja's
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as err:
