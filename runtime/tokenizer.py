@@ -20,7 +20,9 @@ MistralConfig's 2, never stops ``generate``, so it is no eos here either).
 ``encode(text, add_special_tokens=True)`` runs the tokenizer's post-processor; when
 ``add_bos_token`` is true and the post-processor did not already put bos first, bos is
 prepended (older Llama tokenizer.json files leave that to the Python class). Likewise
-``add_eos_token`` appends eos.
+``add_eos_token`` appends eos. Only the tokenizer's own named bos/eos (tokenizer_config.json or
+special_tokens_map.json) are added: with none named, the flag adds nothing, as in transformers,
+which never takes config.json's ``bos_token_id`` for the tokenizer.
 
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``,
@@ -152,9 +154,14 @@ class Tokenizer:
         self._template_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
         self.bos_token = self._template_tokens.get("bos_token")
         self.eos_token = self._template_tokens.get("eos_token")
+        # The ids of the tokenizer's own bos and eos, None when its files name none: transformers never
+        # reads config.json's bos_token_id or eos_token_id for the tokenizer.
         self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
-        self.add_bos_token = bool(cfg.get("add_bos_token", False))
-        self.add_eos_token = bool(cfg.get("add_eos_token", False))
+        self.eos_token_id = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
+        # Without a named bos (eos) there is none to add: transformers' update_post_processor then turns
+        # add_bos_token (add_eos_token) off likewise.
+        self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.add_eos_token = bool(cfg.get("add_eos_token", False)) and self.eos_token_id is not None
         template = cfg.get("chat_template")
         # Why no messages can be rendered (ChatTemplateUnusable), else None; apply_chat_template raises
         # it. Either the template does not compile (below), or the config names its templates but none
@@ -181,17 +188,10 @@ class Tokenizer:
                 self._compiled_template = _compile_chat_template(self.chat_template or DEFAULT_CHAT_TEMPLATE, self.chat_template_source)
             except ChatTemplateUnusable as err:
                 self.chat_template_problem = err
-        eos: list[int] = []
-        tok_eos = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
-        if tok_eos is not None:
-            eos.append(tok_eos)
+        eos: list[int] = [] if self.eos_token_id is None else [self.eos_token_id]
         generation = root / "generation_config.json" if (root / "generation_config.json").is_file() else root / "config.json"
         eos.extend(_eos_ids(_read_json(generation).get("eos_token_id"), generation))
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
-        if self.bos_token_id is None:
-            self.bos_token_id = _first_int(_read_json(root / "config.json").get("bos_token_id"))
-        if self.add_bos_token and self.bos_token_id is None:
-            raise TokenizerError(f"{root / 'tokenizer_config.json'}: add_bos_token is true but no bos token is defined")
         # Only tokens marked special: an added token that is not (Qwen2's <tool_call>, <|fim_*|>)
         # is text, which decoding keeps and text offsets must count.
         self._special_ids = frozenset(i for i, added in self._tok.get_added_tokens_decoder().items() if added.special)
@@ -205,7 +205,7 @@ class Tokenizer:
         surrogate, which JSON's ``"\\ud800"`` can carry)."""
         ids = list(self._encoding(text, add_special_tokens).ids)
         bos, eos = self._added_specials(ids, add_special_tokens)
-        return [self.bos_token_id] * bos + ids + [self.eos_token_ids[0]] * eos
+        return [self.bos_token_id] * bos + ids + [self.eos_token_id] * eos
 
     def encode_with_spans(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode(text)``'s ids, and the characters ``(start, end)`` of ``text`` each token was read
@@ -217,7 +217,7 @@ class Tokenizer:
         encoding = self._encoding(text, add_special_tokens)
         ids, spans = list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
         bos, eos = self._added_specials(ids, add_special_tokens)
-        return ([self.bos_token_id] * bos + ids + [self.eos_token_ids[0]] * eos,
+        return ([self.bos_token_id] * bos + ids + [self.eos_token_id] * eos,
                 [(0, 0)] * bos + spans + [(len(text), len(text))] * eos)  # fmt: skip
 
     def _encoding(self, text: str, add_special_tokens: bool) -> Any:
@@ -236,9 +236,9 @@ class Tokenizer:
         ``add_eos_token``, for tokenizer.json files that leave them to the Python class)."""
         if not add_special_tokens:
             return False, False
-        bos = self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id)
+        bos = self.add_bos_token and (not ids or ids[0] != self.bos_token_id)
         last = ids[-1] if ids else (self.bos_token_id if bos else None)
-        eos = self.add_eos_token and bool(self.eos_token_ids) and last != self.eos_token_ids[0]
+        eos = self.add_eos_token and last != self.eos_token_id
         return bos, eos
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -497,12 +497,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _first_int(value: Any) -> int | None:
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _eos_ids(value: Any, path: Path) -> list[int]:

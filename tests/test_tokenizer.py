@@ -75,6 +75,24 @@ def test_add_bos_token_without_post_processor(model_copy):
     assert Tokenizer(model_copy).encode("hi") == tok.encode("hi", add_special_tokens=False)
 
 
+def test_add_bos_and_eos_token_without_a_named_token_add_none_as_in_transformers(model_copy):
+    """tokenizer_config.json's add_bos_token / add_eos_token with no bos / eos token named in the
+    tokenizer's files: transformers (which never reads config.json for the tokenizer) adds none.
+    lorafleet prepended config.json's bos_token_id and appended generation_config.json's eos."""
+    from transformers import AutoTokenizer
+
+    raw = json.loads((model_copy / "tokenizer.json").read_text())
+    raw["post_processor"] = None
+    (model_copy / "tokenizer.json").write_text(json.dumps(raw))
+    _set_config(model_copy, bos_token=None, eos_token=None, add_bos_token=True, add_eos_token=True)
+    assert json.loads((model_copy / "config.json").read_text())["bos_token_id"] == 256  # <s>, there to be taken
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    for text in TEXTS:
+        assert ours.encode(text) == ref(text)["input_ids"] == ours.encode(text, add_special_tokens=False), text
+        assert ours.encode_with_spans(text)[0] == ours.encode(text)
+    assert ours.bos_token_id is None and ours.eos_token_ids == (257,)  # generation_config's eos still stops generation
+
+
 def test_chat_template_matches_transformers(tiny_llama_dir):
     from transformers import AutoTokenizer
 
