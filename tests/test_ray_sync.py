@@ -194,6 +194,25 @@ def test_admin_call_reports_a_replica_that_failed_to_apply_and_succeeds_once_it_
     assert client.register("A", str(folders.v2)).version == v2
 
 
+@pytest.mark.parametrize("name", ["__other__", "__base__", " A", "", 7])
+def test_the_admin_path_refuses_a_name_as_a_single_server_does(service, monkeypatch, name) -> None:
+    """RegistryClient had its own copy of the name check: a reserved name (a label of its own in
+    per-adapter metrics) reached the registry once a replica's files validated, and a non-str was a
+    ValueError where a single server raises TypeError. Now it is the engine's check_adapter_name:
+    the same exception and message, before a replica is asked or anything is recorded."""
+    from runtime.engine import check_adapter_name
+
+    with pytest.raises((TypeError, ValueError)) as single:
+        check_adapter_name(name)
+    client = admin_client(service, {"version": "0" * 64, "max_rank": 4}, monkeypatch)
+    asked: list[str] = []
+    client.replicas = SimpleNamespace(validate_adapter=SimpleNamespace(remote=lambda n, p: asked.append(n)))
+    with pytest.raises((TypeError, ValueError)) as refused:
+        client.register(name, "/adapters/a")
+    assert (type(refused.value), str(refused.value)) == (type(single.value), str(single.value))
+    assert asked == [] and service.manifest.by_name() == {}
+
+
 def test_initial_adapters_are_all_validated_before_any_is_recorded(replica, service, folders, monkeypatch, tmp_path) -> None:
     """A start whose --lora-modules hold one adapter that does not load recorded the ones before it,
     and the next start (no --lora-modules) served them from the registry; now none is recorded."""

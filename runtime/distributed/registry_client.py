@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import ray
 
+from runtime.engine import check_adapter_name
 from runtime.lora.registry import some_names
 from runtime.request import AdapterRef, UnknownAdapterError
 from runtime.server.errors import APIError
@@ -56,9 +57,10 @@ class RegistryClient:
         return [self._record(name, path, result) for name, path, result in checked]
 
     def validate(self, name: str, path: str) -> dict[str, Any]:
-        """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or ValueError."""
-        if not isinstance(name, str) or not name or name != name.strip():
-            raise ValueError(f"adapter name: must be a non-empty string without surrounding spaces, got {name!r}")
+        """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
+        ValueError; the name is checked here first as a single server checks it (``check_adapter_name``:
+        TypeError for a non-str, ValueError for an empty, padded or reserved one)."""
+        check_adapter_name(name)
         checked = self.replicas.validate_adapter.remote(name, str(path)).result()
         if "error" in checked:
             raise ValueError(checked["error"])
