@@ -213,6 +213,52 @@ def test_the_admin_path_refuses_a_name_as_a_single_server_does(service, monkeypa
     assert asked == [] and service.manifest.by_name() == {}
 
 
+class RestartsAfter:
+    """A registry actor handle whose actor restarts as soon as ``method`` answered: every later
+    call reaches ``after`` (a new ``AdapterRegistryService``, with its own incarnation)."""
+
+    def __init__(self, before: AdapterRegistryService, after: AdapterRegistryService, method: str) -> None:
+        self.before, self.after, self.method, self.restarted = before, after, method, False
+        self.waits: list[tuple[Any, ...]] = []  # (revision, registry) of each wait_applied call
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(LocalHandle(self.after if self.restarted else self.before), name).remote
+
+        async def remote(*args: Any, **kwargs: Any) -> Any:
+            if name == "wait_applied":
+                self.waits.append((args[0], kwargs.get("registry")))
+            result = await call(*args, **kwargs)
+            self.restarted = self.restarted or name == self.method
+            return result
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_an_admin_call_whose_registry_restarted_without_the_change_answers_503_not_200(service, monkeypatch, tmp_path) -> None:
+    """The registry restarted between recording a load and the wait for the replicas: the call
+    waited for that revision number in the new registry's sequence, logged lagging replicas and
+    answered 200 although the new registry (its manifest lost) did not hold the adapter. Now the
+    wait sees another registry actor, and the call answers 503 registry_restarted (retry) unless
+    that one holds the change (restarted from its manifest: then the call waits on its revision)."""
+    checked = {"version": "1" * 64, "max_rank": 4}
+    client = admin_client(service, checked, monkeypatch)
+    lost = AdapterRegistryService(str(tmp_path / "manifest-lost"))
+    client.registry = RestartsAfter(service, lost, "register")
+    with pytest.raises(APIError) as refused:
+        client.register("A", "/adapters/a")
+    assert (refused.value.status, refused.value.code) == (503, "registry_restarted"), refused.value.message
+    assert "retry" in refused.value.message and lost.manifest.by_name() == {}
+    # Restarted from its manifest: it holds the load, and the call waits for the replicas on its current revision.
+    kept = AdapterRegistryService(service.folder())
+    kept.register("B", "/adapters/b", "2" * 64, 4)  # another change after the restart
+    client.registry = restarts = RestartsAfter(service, kept, "register")
+    assert client.register("A", "/adapters/a") == AdapterRef("A", checked["version"])  # the same load again: no new revision
+    assert restarts.waits == [(1, service.incarnation), (2, kept.incarnation)], restarts.waits
+    # An unload: a registry that does not hold the name holds the change.
+    client.registry = RestartsAfter(kept, AdapterRegistryService(str(tmp_path / "lost-again")), "unregister")
+    client.unregister("A")
+
+
 def test_initial_adapters_are_all_validated_before_any_is_recorded(replica, service, folders, monkeypatch, tmp_path) -> None:
     """A start whose --lora-modules hold one adapter that does not load recorded the ones before it,
     and the next start (no --lora-modules) served them from the registry; now none is recorded."""

@@ -5,12 +5,15 @@ same checks and content hash as a single server), the registry records name -> (
 version) durably and bumps its revision, then we wait until every live replica applied
 that revision (or ``apply_timeout_s`` passes); once every live replica has tried it, a replica
 that reports it could not apply it makes the call end with ``ReplicasFailedToApply`` (HTTP 503),
-and the change stays recorded. Blocking; call it from a worker thread (the admin routes already do).
+and the change stays recorded. A registry actor that restarted between recording the change and
+the wait is followed when it holds the change (it reloaded its manifest); one that does not (its
+manifest was lost) makes the call end with ``RegistryRestarted`` (HTTP 503: retry), not a 200 for a
+change that is gone. Blocking; call it from a worker thread (the admin routes already do).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 
@@ -41,7 +44,22 @@ class ReplicasFailedToApply(APIError):
         self.failed = failed
 
 
+class RegistryRestarted(APIError):
+    """HTTP 503: the registry actor restarted between recording the change and the replicas
+    applying it, and the restarted one does not hold it (it started without its manifest, which
+    was deleted or lost). Nothing of the change is left; the client should send it again."""
+
+    def __init__(self, what: str, again: bool = False) -> None:
+        why = ("kept restarting while the call waited for the replicas" if again else
+               "restarted before the replicas applied the change, and the restarted registry does not hold it (its manifest was lost)")
+        super().__init__(503, f"{what}: the adapter registry {why}; the change is not in effect, retry the request", code="registry_restarted")
+
+
 class RegistryClient:
+    # How many registry restarts one admin call follows (each one a restart from its manifest that
+    # still holds the change) before it gives up with ``RegistryRestarted``.
+    MAX_RESTARTS_FOLLOWED = 3
+
     def __init__(self, registry: Any, replicas: Any, apply_timeout_s: float = 30.0) -> None:
         self.registry = registry
         self.replicas = replicas
@@ -68,18 +86,38 @@ class RegistryClient:
 
     def _record(self, name: str, path: str, checked: dict[str, Any]) -> AdapterRef:
         result = ray.get(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"]))
-        self._wait(result["revision"], f"register {name}@{checked['version']}", name)
+        self._wait(result, f"register {name}@{checked['version']}", name,
+                   lambda entry: entry is not None and (entry["version"], entry["path"]) == (checked["version"], str(path)))
         return AdapterRef(name, checked["version"])
 
     def unregister(self, name: str) -> None:
-        revision = ray.get(self.registry.unregister.remote(name))
-        if revision is None:
+        result = ray.get(self.registry.unregister.remote(name))
+        if result is None:
             registered = some_names(e["name"] for e in ray.get(self.registry.state.remote())["entries"])
             raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {registered}")
-        self._wait(revision, f"unregister {name}", name)
+        self._wait(result, f"unregister {name}", name, lambda entry: entry is None)
 
-    def _wait(self, revision: int, what: str, name: str) -> None:
-        report = ray.get(self.registry.wait_applied.remote(revision, self.apply_timeout_s))
+    def _wait(self, recorded: dict[str, Any], what: str, name: str, holds: Callable[[Optional[dict[str, Any]]], bool]) -> None:
+        """Wait for the live replicas to apply ``recorded`` ({revision, registry}: what the change
+        returned). ``holds(entry)``: whether a registry whose entry for ``name`` is ``entry`` (None:
+        not registered) holds the change.
+
+        A revision says nothing outside the registry actor that numbered it: when the actor restarted
+        since (``wait_applied`` answers with another incarnation), its state is read, and the call
+        waits for its current revision if that holds the change (restarted from its manifest), else
+        raises ``RegistryRestarted`` (its manifest was lost: the change is not there, and waiting
+        for the old revision number would wait for another set)."""
+        revision, registry = recorded["revision"], recorded["registry"]
+        for _ in range(self.MAX_RESTARTS_FOLLOWED + 1):
+            report = ray.get(self.registry.wait_applied.remote(revision, self.apply_timeout_s, registry=registry))
+            if report["registry"] == registry:
+                break
+            state = ray.get(self.registry.state.remote())
+            if not holds(next((e for e in state["entries"] if e["name"] == name), None)):
+                raise RegistryRestarted(what)
+            revision, registry = state["revision"], state["registry"]
+        else:
+            raise RegistryRestarted(what, again=True)
         failed = {rid: [e for e in errs if e.startswith(f"{name}: ")] for rid, errs in report["errors"].items()}
         failed = {rid: errs for rid, errs in failed.items() if errs}
         if failed:

@@ -16,7 +16,8 @@ it holds; which adapters' counters to fold (``fold_adapter_counters``, asked by 
 heartbeat, and retries them (reading their files only when ``ApplyBackoff`` says it is due).
 A replica is *live* while its last heartbeat is younger than ``live_after_s``.
 ``wait_applied(R)`` returns once every live replica has applied a revision >= R or reported
-errors for one, or at the timeout with the lagging replicas named.
+errors for one, or at the timeout with the lagging replicas named; at once when R is of another
+registry actor (``register``/``unregister`` return their revision with this actor's incarnation).
 
 The ingress refreshes its copy of the registered set twice a second (``view(known)``), with the
 (registry, revision) it holds: when this actor is that registry at that revision, the reply
@@ -94,22 +95,25 @@ class AdapterRegistryService:
         return {"revision": self.manifest.revision, "entries": [vars_of(e) for e in self.manifest.entries], "registry": self.incarnation}
 
     def register(self, name: str, path: str, version: str, max_rank: int) -> dict[str, Any]:
-        """Record ``name`` at ``version``; returns {revision, previous_version, changed}."""
+        """Record ``name`` at ``version``; returns {revision, previous_version, changed, registry}
+        (``registry``: this actor's incarnation, whose sequence ``revision`` is of: ``wait_applied``)."""
         current = self.manifest.by_name()
         previous = current.get(name)
         if previous is not None and previous.version == version and previous.path == path:
-            return {"revision": self.manifest.revision, "previous_version": version, "changed": False}
+            return {"revision": self.manifest.revision, "previous_version": version, "changed": False, "registry": self.incarnation}
         current[name] = ManifestEntry(name, path, version, max_rank, time.time())
         self._commit(current)
-        return {"revision": self.manifest.revision, "previous_version": previous.version if previous else None, "changed": True}
+        return {"revision": self.manifest.revision, "previous_version": previous.version if previous else None, "changed": True,
+                "registry": self.incarnation}
 
-    def unregister(self, name: str) -> Optional[int]:
-        """Remove ``name``; returns the new revision, or None when the name is not registered."""
+    def unregister(self, name: str) -> Optional[dict[str, Any]]:
+        """Remove ``name``; returns {revision, registry} (as ``register``), or None when the name is
+        not registered."""
         current = self.manifest.by_name()
         if current.pop(name, None) is None:
             return None
         self._commit(current)
-        return self.manifest.revision
+        return {"revision": self.manifest.revision, "registry": self.incarnation}
 
     def _commit(self, entries: dict[str, ManifestEntry]) -> None:
         manifest = Manifest(self.manifest.revision + 1, tuple(sorted(entries.values(), key=lambda e: e.name)))
@@ -242,13 +246,19 @@ class AdapterRegistryService:
         follows in its next call). Its counters are not 0: the ingress keeps the report it had."""
         return {rid: s.snapshot if s.report_number is not None else None for rid, s in self._live().items()}
 
-    async def wait_applied(self, revision: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
+    async def wait_applied(self, revision: int, timeout_s: float, poll_s: float = 0.02, registry: Optional[str] = None) -> dict[str, Any]:
         """Wait until every live replica is done with ``revision``: applied it, or tried and
         reported errors (those are returned at once, not after the timeout).
 
-        Returns {applied, lagging, errors}: replicas that applied it, replicas that had not
-        tried it by the timeout, and replica -> errors of its attempt at ``revision`` or later.
+        Returns {applied, lagging, errors, registry}: replicas that applied it, replicas that had
+        not tried it by the timeout, replica -> errors of its attempt at ``revision`` or later, and
+        this actor's incarnation. ``registry``: the incarnation ``revision`` is of (None: this one);
+        when that is another actor (this one restarted since: its revision sequence is another,
+        and may not hold the change), it returns at once, with nothing applied, so the caller can
+        check what this actor holds (``RegistryClient``).
         """
+        if registry is not None and registry != self.incarnation:
+            return {"applied": [], "lagging": [], "errors": {}, "registry": self.incarnation}
         deadline = time.monotonic() + timeout_s
         while True:
             live = self._live()
@@ -258,6 +268,7 @@ class AdapterRegistryService:
                     "applied": sorted(rid for rid, s in live.items() if s.applied_revision >= revision),
                     "lagging": lagging,
                     "errors": {rid: list(s.errors) for rid, s in live.items() if s.errors and s.attempted_revision >= revision},
+                    "registry": self.incarnation,
                 }
             await asyncio.sleep(poll_s)
 
