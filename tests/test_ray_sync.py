@@ -748,6 +748,56 @@ def test_ingress_pins_a_group_of_requests_to_one_adapter_version(tiny_llama_dir)
         asyncio.run(run("g-2", group=group))
 
 
+def test_an_unchanged_refresh_reply_never_overwrites_the_newer_view_an_admin_call_installed(service, tiny_llama_dir) -> None:
+    """The refresh (event loop) and an admin call (worker thread) both take views. _take read the
+    view held (revision R), compared, and wrote it back with the reply's "ready"; an admin call's
+    R+1 view installed between the read and the write was overwritten, and routing went back to R
+    until the next refresh. The interleaving is made by hand: the admin call's _take runs in a
+    thread at the refresh's first read of the held view, and the refresh goes on once that call
+    finished or waits for the view's lock (a stand-in that says when it is contended)."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64)
+    service.register("A", "/adapters/a1", "1" * 64, 8)
+    asyncio.run(ingress.refresh())
+    unchanged = service.view(ingress._known())
+    assert unchanged["entries"] is None and unchanged["revision"] == 1
+    service.register("A", "/adapters/a2", "2" * 64, 8)  # the admin call's load: revision 2
+    admin_view = service.view(ingress._known())
+    admin_may_go_on = threading.Event()  # the admin call's _take finished, or waits for the lock
+
+    class ContendedLock:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if not self.lock.acquire(blocking=False):
+                admin_may_go_on.set()
+                self.lock.acquire()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.lock.release()
+
+    def admin_take() -> None:
+        ingress._take(admin_view)
+        admin_may_go_on.set()
+
+    admin = threading.Thread(target=admin_take)
+
+    class HeldView(dict):
+        def get(self, key: Any, default: Any = None) -> Any:
+            if admin.ident is None:  # the refresh's first read of the view held: the admin call's _take runs now
+                admin.start()
+                assert admin_may_go_on.wait(30), "the admin call's _take neither finished nor waited for the lock"
+            return super().get(key, default)
+
+    ingress._view_lock = ContendedLock()
+    ingress._view = HeldView(ingress._view)
+    ingress._take(unchanged)  # the refresh's reply for revision 1
+    admin.join(30)
+    assert (ingress._view["revision"], ingress._current_version("A")) == (2, "2" * 64), "the refresh's unchanged reply stepped routing back"
+
+
 def test_ingress_lists_each_adapter_with_its_registration_time(tiny_llama_dir) -> None:
     """/v1/models dates an adapter's card by its registration; the ingress takes it from the registry's view."""
     from runtime.distributed.replica_set import ReplicaSetEngine

@@ -99,6 +99,7 @@ class ReplicaSetEngine:
         self.refresh_s = refresh_s
         self._observers: list[Callable[[Any], None]] = []
         self._view: dict[str, Any] = {"registry": None, "revision": -1, "entries": [], "ready": True, "versions": {}, "infos": ()}
+        self._view_lock = threading.Lock()  # ``_take``'s compare-and-swap of ``_view``; readers read the reference without it
         self._refresh_task: Optional[asyncio.Task] = None
         # Since when, and with which kind of error, refreshes have been failing (None: the last one succeeded).
         self._refresh_outage: Optional[tuple[float, str]] = None
@@ -134,7 +135,16 @@ class ReplicaSetEngine:
         is taken whatever its revision, and the registry left is never taken from again (a reply
         it sent before it died may arrive late): a registry restarted from a lost or deleted
         manifest starts again below the revision held, and its set, hot updates included, must
-        reach routing (the replicas follow it too: ``AdapterRegistryService.heartbeat``)."""
+        reach routing (the replicas follow it too: ``AdapterRegistryService.heartbeat``).
+
+        The compare and the swap hold ``_view_lock``: the refresh (on the event loop) and an admin
+        call (in a worker thread) both take views; without it, an "unchanged" reply for revision R
+        compared against the R view held, then written over the R+1 view the admin call installed
+        meanwhile, stepped routing back until the next refresh."""
+        with self._view_lock:
+            self._take_locked(view)
+
+    def _take_locked(self, view: dict[str, Any]) -> None:
         held = self._view
         registry = view.get("registry")
         if registry != held.get("registry"):
