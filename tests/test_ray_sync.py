@@ -429,6 +429,40 @@ def test_check_health_fails_when_the_sync_task_ended(replica) -> None:
         replica.check_health()
 
 
+def test_a_replica_whose_engine_is_gone_says_so_in_one_line_and_stops_syncing(replica, monkeypatch, caplog) -> None:
+    """After a shutdown that gave up on a stuck step, the engine's lock refuses every snapshot with
+    EngineDeadError: the sync loop logged an ERROR with a traceback ("adapter sync failed") and
+    kept heartbeating for nothing until Serve deleted the replica. Now one WARNING line says the
+    engine is gone, and the loop ends."""
+    from runtime.async_engine import EngineDeadError
+
+    snapshots = [0]
+
+    def gone() -> Any:
+        snapshots[0] += 1
+        raise EngineDeadError("engine was shut down while a step was still running")
+
+    monkeypatch.setattr(replica.engine, "snapshot", gone)
+
+    async def run() -> bool:
+        task = asyncio.create_task(replica._sync_loop())
+        for _ in range(20_000):  # a bound, not a clock: each turn yields to the loop once
+            if task.done() or snapshots[0] >= 3:
+                break
+            await asyncio.sleep(0.001)
+        ended = task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return ended
+
+    with caplog.at_level("DEBUG", logger="lorafleet"):
+        ended = asyncio.run(run())
+    lines = [r for r in caplog.records if r.name == "lorafleet.replica"]
+    assert [(r.levelname, r.exc_info) for r in lines] == [("WARNING", None)], [(r.levelname, r.getMessage()) for r in lines]
+    assert "engine is gone" in lines[0].getMessage(), lines[0].getMessage()
+    assert ended and snapshots[0] == 1, f"the sync loop went on ({snapshots[0]} snapshots asked)"
+
+
 def test_check_health_fails_when_syncs_keep_failing(replica, service) -> None:
     now = [1000.0]
     replica._clock = lambda: now[0]

@@ -354,10 +354,18 @@ class LoraReplica:
 
     async def _sync_loop(self) -> None:
         """Sync every ``sync_interval_s`` until cancelled. A failed sync is logged and retried at
-        the next tick; ``check_health`` fails if that lasts (see ``SYNC_STALE_AFTER_S``)."""
+        the next tick; ``check_health`` fails if that lasts (see ``SYNC_STALE_AFTER_S``).
+
+        Ends, with one WARNING line, once the engine refuses with ``EngineDeadError``: it is gone
+        (shut down, e.g. after a drain that gave up on a stuck step, whose lock refuses every
+        snapshot), so there is nothing to apply or report; Serve deletes the replica next."""
         while True:
             try:
                 await self._sync_once()
+            except EngineDeadError as err:  # not a sync failure: no later tick can succeed
+                self._sync_error = f"the engine is gone: {err}"
+                logger.warning("replica %s: its engine is gone (%s); adapter syncs and reports to the registry stop", self.replica_id, err)
+                return
             except ray.exceptions.RayActorError as err:  # the registry restarts from its manifest; keep serving
                 self._sync_failed(f"registry unavailable: {err}", registry_away=True)
             except Exception as err:  # noqa: BLE001 - whatever it is, a later tick may succeed
@@ -379,7 +387,7 @@ class LoraReplica:
         succeeded for ``SYNC_STALE_AFTER_S`` (time the registry was away excepted); else None."""
         task = self._sync_task
         if task is not None and task.done():
-            why = "cancelled" if task.cancelled() else repr(task.exception())
+            why = "cancelled" if task.cancelled() else repr(task.exception()) if task.exception() is not None else self._sync_error
             return f"the adapter sync task ended ({why}); the adapter set would stay frozen"
         stale_s = self._clock() - self._sync_fine_at
         if stale_s > self.SYNC_STALE_AFTER_S:
