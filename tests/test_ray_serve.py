@@ -153,6 +153,28 @@ def test_serve_timeouts_outlast_the_drain_and_a_hung_replica_is_given_up_soon() 
     assert replica_cfg.health_check_timeout_s == application.HEALTH_CHECK_TIMEOUT_S <= 5
 
 
+def test_a_drain_with_the_step_grace_must_end_inside_the_replicas_graceful_shutdown(monkeypatch) -> None:
+    """A replica's engine gives a step still running at the drain's end STEP_GRACE_S more before it
+    fails that step's requests; nothing checked that drain + grace ends before Serve kills the
+    replica (its graceful shutdown timeout), as DrainingServer checks uvicorn's window. Now build
+    (DRAIN_S) and drain (its drain_s, before it begins anything) check it. No Ray needed."""
+    from runtime.async_engine import STEP_GRACE_S
+
+    too_long = application.REPLICA_GRACEFUL_SHUTDOWN_S - STEP_GRACE_S
+    cfg = ScaleOutConfig(engine=EngineConfig(model="m", device="cpu"), server=ServerOptions(), num_replicas=1, registry_dir="unused")
+    began: list[str] = []
+    monkeypatch.setattr(application.serve, "get_app_handle", lambda name: began.append(name))
+    with pytest.raises(ValueError, match="graceful shutdown timeout"):
+        application.drain(cfg, too_long)
+    assert began == [], "the drain began"
+    application.build(cfg)  # DRAIN_S fits
+    monkeypatch.setattr(application, "DRAIN_S", too_long)
+    with pytest.raises(ValueError, match="graceful shutdown timeout"):
+        application.build(cfg)
+    with pytest.raises(ValueError, match="DRAIN_MARGIN_S"):
+        application.check_shutdown_timeouts(1.0, step_grace_s=application.DRAIN_MARGIN_S)
+
+
 def test_log_level_reaches_serves_own_logs(monkeypatch) -> None:
     """--log-level warning quieted lorafleet's loggers but not Serve's INFO lines (two per request). No Ray needed."""
     cfg = ScaleOutConfig(engine=EngineConfig(model="m", device="cpu"), server=ServerOptions(), num_replicas=2, registry_dir="unused",
