@@ -47,12 +47,17 @@ class ReplicasFailedToApply(APIError):
 class RegistryRestarted(APIError):
     """HTTP 503: the registry actor restarted between recording the change and the replicas
     applying it, and the restarted one does not hold it (it started without its manifest, which
-    was deleted or lost). Nothing of the change is left; the client should send it again."""
+    was deleted or lost): nothing of the change is left, the client should send it again. Also
+    (``again``) when it restarted more than ``RegistryClient.MAX_RESTARTS_FOLLOWED`` times during
+    one call; sending the same change again is then a no-op where it is held."""
 
     def __init__(self, what: str, again: bool = False) -> None:
-        why = ("kept restarting while the call waited for the replicas" if again else
-               "restarted before the replicas applied the change, and the restarted registry does not hold it (its manifest was lost)")
-        super().__init__(503, f"{what}: the adapter registry {why}; the change is not in effect, retry the request", code="registry_restarted")
+        if again:
+            why = "the adapter registry kept restarting while the call waited for the replicas to apply the change; retry the request"
+        else:
+            why = ("the adapter registry restarted before the replicas applied the change, and the restarted registry does not hold it "
+                   "(its manifest was lost): the change is not in effect; retry the request")
+        super().__init__(503, f"{what}: {why}", code="registry_restarted")
 
 
 class RegistryClient:
