@@ -60,7 +60,9 @@ class _FairLock:
 
     ``abandon(error)``: its holder will not release it in time (a stuck step): every waiter, and
     every later ``acquire``, raises ``error()`` instead of waiting for ever; the holder's own
-    ``release`` (and its ``Condition``'s ``notify``) still works.
+    ``release`` (and its ``Condition``'s ``notify``) still works. A ``Condition.wait`` that cannot
+    re-take the lock raises too, and the ``release`` its caller's ``with`` block then makes is a
+    no-op (``_acquire_restore``).
     """
 
     def __init__(self) -> None:
@@ -69,6 +71,7 @@ class _FairLock:
         self._waiters: deque[threading.Lock] = deque()
         self._abandoned: Optional[Callable[[], BaseException]] = None
         self._dismissed: set[threading.Lock] = set()  # waiters abandon() woke without handing them the lock
+        self._unheld: set[int] = set()  # threads whose Condition.wait raised without re-taking the lock: their next release is a no-op
 
     def abandon(self, error: Callable[[], BaseException]) -> None:
         with self._mutex:
@@ -118,8 +121,26 @@ class _FairLock:
         so the holder's ``notify`` would fail where its ``release`` works."""
         return self._held
 
+    def _acquire_restore(self, _state: Any) -> None:
+        """``threading.Condition.wait``'s re-take of the lock once woken. Should that ``acquire``
+        raise (the lock was abandoned meanwhile: the idle step thread woken by an abort), the wait
+        raises without the lock, but its caller's ``with`` block still releases it on the way out,
+        which raised "release of an unheld _FairLock" or, were another thread holding the lock,
+        cleared that thread's hold. So this thread's next ``release`` is made a no-op."""
+        try:
+            self.acquire()
+        except BaseException:
+            with self._mutex:
+                self._unheld.add(threading.get_ident())
+            raise
+
     def release(self) -> None:
         with self._mutex:
+            if self._unheld:
+                me = threading.get_ident()
+                if me in self._unheld:  # the release after a Condition.wait that raised without the lock
+                    self._unheld.discard(me)
+                    return
             if not self._held:
                 raise RuntimeError("release of an unheld _FairLock")
             if self._waiters:
@@ -618,6 +639,8 @@ class AsyncLLMEngine:
                 pass
         except BaseException as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
             if self._step_abandoned:  # shutdown gave up on this step and ended the streams; the lock is abandoned
+                if isinstance(err, EngineDeadError):  # this thread waited for the lock, which another thread held: no step ran
+                    return
                 logger.error("engine step abandoned at shutdown ended with %s: %s", type(err).__name__, err)
                 return
             self._die(err)

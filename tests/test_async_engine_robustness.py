@@ -410,6 +410,67 @@ def test_the_holder_of_an_abandoned_engine_lock_can_still_notify_and_release() -
         wake.notify_all()  # not held: still refused, as before
 
 
+def test_a_condition_wait_that_cannot_retake_an_abandoned_lock_leaves_the_holder_s_hold() -> None:
+    """A thread woken in Condition.wait re-takes the lock; abandoned meanwhile, that raised, and the
+    release of the waiter's ``with`` block on the way out then released a lock it did not hold: it
+    cleared the hold of the thread that had it (whose own release then raised "unheld"), or raised."""
+    from runtime.async_engine import _FairLock
+
+    lock = _FairLock()
+    wake = threading.Condition(lock)
+    waiting = threading.Event()
+    ended: list[BaseException] = []
+
+    def waiter() -> None:  # the idle step thread: ``with lock: wake.wait()``
+        try:
+            with lock:
+                waiting.set()
+                wake.wait()
+        except BaseException as err:  # noqa: BLE001 - checked below
+            ended.append(err)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    assert waiting.wait(10)
+    lock.acquire()  # the waiter's wait() has released it: it is ours (an abort, say)
+    wake.notify_all()  # the waiter wakes and queues for the lock we hold
+    lock.abandon(lambda: EngineDeadError("gave up"))  # shutdown gives up: the waiter's re-take raises
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(ended) == 1 and isinstance(ended[0], EngineDeadError), ended
+    lock.release()  # still ours to release
+    with pytest.raises(RuntimeError, match="unheld"):
+        lock.release()
+
+
+def test_an_idle_step_thread_woken_after_shutdown_gave_up_on_the_lock_does_not_release_it(tiny_llama_dir: Path, caplog) -> None:
+    """The same at the engine: the idle step thread waits in ``self._wake.wait()``; a thread that held
+    the engine lock past the shutdown's grace (here the test) notifies it (an abort does), and the
+    step thread's ``with self._lock`` exit released the lock the other thread held. The step thread
+    then ends quietly: it logged "engine step abandoned at shutdown ended with EngineDeadError",
+    though no step had run."""
+    import logging
+
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    for _ in range(1000):  # until the step thread waits for work (it gets there at once)
+        with engine._lock:
+            if engine._wake._waiters:
+                break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the step thread never waited for work")
+    engine._lock.acquire()
+    engine.shutdown(timeout=0, step_grace_s=0)  # the lock is ours: shutdown gives up on it
+    assert engine.step_abandoned
+    with caplog.at_level(logging.ERROR, logger="runtime.async_engine"):
+        engine._wake.notify_all()
+        engine._thread.join(30)
+    assert not engine.running
+    assert not any("engine step abandoned" in r.getMessage() for r in caplog.records), caplog.text
+    engine._lock.release()  # ours; the step thread's exit had released it in our place
+    engine.engine.close()
+
+
 @pytest.mark.parametrize("source", ["creator", "backend"])
 def test_the_step_thread_runs_on_the_gpu_the_engine_was_made_for(tiny_llama_dir, monkeypatch, source) -> None:
     """Each thread has its own current GPU and Triton launches on it, not on the tensors' GPU; the
