@@ -236,6 +236,8 @@ class AsyncLLMEngine:
         self._parked: set[AdmissionGroup] = set()
         self._parked_lock = threading.Lock()
         self._stopping = False
+        self._shutdown_once = threading.Lock()  # held by the shutdown() under way: a concurrent call waits for it
+        self._shut_down = False  # a shutdown() returned: later calls return at once
         self._accepting = True
         self.dead_error: Optional[str] = None
         self._step_abandoned = False  # read through ``step_abandoned``
@@ -305,9 +307,18 @@ class AsyncLLMEngine:
         with a "shutdown" error, every thread waiting for the engine lock (an admission, an abort,
         a snapshot for /metrics) gets an ``EngineDeadError`` instead, and the engine is not closed
         (the step thread still uses it; that thread is a daemon, so the process can exit).
-        ``step_abandoned`` is True then, and a later ``shutdown`` returns at once."""
-        if self._step_abandoned:
-            return
+        ``step_abandoned`` is True then.
+
+        One call does this: a call made while another runs waits for that one to end, and a later
+        call returns at once (after one that raised, the next tries again)."""
+        with self._shutdown_once:
+            if self._shut_down:
+                return
+            self._shut_down_now(timeout, step_grace_s)
+            self._shut_down = True
+
+    def _shut_down_now(self, timeout: float, step_grace_s: float) -> None:
+        """``shutdown``'s work, done once."""
         self._accepting = False  # without the lock: refused at once even while a step holds it (admission re-checks under it)
         self._fail_parked("engine is shutting down; no new requests are accepted")
         started = time.monotonic()

@@ -471,6 +471,62 @@ def test_an_idle_step_thread_woken_after_shutdown_gave_up_on_the_lock_does_not_r
     engine.engine.close()
 
 
+def test_a_shutdown_called_while_another_gives_up_on_a_stuck_step_returns(tiny_llama_dir: Path, monkeypatch) -> None:
+    """A second shutdown() (a second signal, a replica's cleanup) made while the first was waiting
+    for a stuck step waited for the engine lock too; when the first gave up on the step, the
+    abandoned lock made the second raise EngineDeadError instead of returning."""
+    inner = StuckStepEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+
+    async def consume() -> None:
+        async for _ in engine.generate("stuck", [5, 6, 7], greedy(4)):
+            pass
+
+    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    abandoning, go = threading.Event(), threading.Event()
+    abandon_step = engine._abandon_step
+
+    def gated_abandon_step(*args) -> None:  # type: ignore[no-untyped-def]
+        abandoning.set()
+        go.wait(30)  # until the second call is under way
+        abandon_step(*args)
+
+    monkeypatch.setattr(engine, "_abandon_step", gated_abandon_step)
+    errors: list[BaseException] = []
+
+    def call_shutdown(called: threading.Event, timeout: float) -> None:
+        called.set()
+        try:
+            engine.shutdown(timeout, timeout)
+        except BaseException as err:  # noqa: BLE001 - checked below
+            errors.append(err)
+
+    try:
+        consumer.start()
+        assert inner.entered.wait(30)
+        first = threading.Thread(target=call_shutdown, args=(threading.Event(), 0.05))
+        first.start()
+        assert abandoning.wait(30)  # the first gives up on the step, held before it abandons the lock
+        second_called = threading.Event()
+        second = threading.Thread(target=call_shutdown, args=(second_called, 60.0))
+        second.start()
+        assert second_called.wait(30)
+        second.join(0.5)  # lets it reach its wait (for the engine lock before, for the first call now)
+        go.set()
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive()
+        assert errors == [], errors
+        assert engine.step_abandoned
+        engine.shutdown(60.0, 60.0)  # later: returns at once
+    finally:
+        go.set()
+        inner.unstuck.set()
+        engine._thread.join(30)
+        consumer.join(30)
+    inner.close()
+
+
 @pytest.mark.parametrize("source", ["creator", "backend"])
 def test_the_step_thread_runs_on_the_gpu_the_engine_was_made_for(tiny_llama_dir, monkeypatch, source) -> None:
     """Each thread has its own current GPU and Triton launches on it, not on the tensors' GPU; the
