@@ -291,12 +291,14 @@ def test_target_module_the_model_lacks(copy_of, targets):
 # ---- good adapters: PEFT semantics ---------------------------------------------------------
 
 
-def peft_ranks_and_scales(base_dir: Path, adapter_dir: Path) -> dict[tuple[int, str], tuple[int, float]]:
+def peft_ranks_and_scales(base_dir: Path, adapter_dir: Path, bare_decoder: bool = False) -> dict[tuple[int, str], tuple[int, float]]:
+    """PEFT's (rank, scale) per adapted module; ``bare_decoder``: on the model's decoder alone (``LlamaModel``)."""
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(adapter_dir), adapter_name="x")
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    model = PeftModel.from_pretrained(base.model if bare_decoder else base, str(adapter_dir), adapter_name="x")
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and "x" in module.r:
@@ -449,6 +451,41 @@ def test_an_excluded_unsupported_target_is_not_refused(tiny_llama_dir, tmp_path,
     got = set(load(path, targets).modules)
     assert got == {(0, "q_proj"), (1, "q_proj")}
     assert got == set(peft_ranks_and_scales(tiny_llama_dir, path))
+
+
+@pytest.mark.parametrize("config", [
+    dict(target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"layers.1.mlp.down_proj": 12}, alpha_pattern={"v_proj": 3.0}),
+    dict(target_modules=["k_proj", "up_proj"], layers_to_transform=[1], layers_pattern="layers"),
+    dict(target_modules=["q_proj", "v_proj"], exclude_modules=r"layers\.0\.self_attn\.v_proj"),
+], ids=["patterns", "layers_pattern", "exclude_regex"])
+def test_an_adapter_trained_on_the_bare_decoder_is_read_as_peft_reads_it(tiny_llama_dir, tmp_path, targets, config):
+    """PEFT on ``LlamaModel`` (``AutoModel``) names the tensors ``base_model.model.layers...`` and matches
+    targets, patterns and exclusions against ``layers.N...`` paths. Such an adapter was refused as
+    "unexpected tensor"; it now selects the modules, ranks and scales PEFT gives it on that model, and
+    its weights are the file's. (tests/test_peft_match.py checks its logits and tokens.)"""
+    path = build_adapter(tiny_llama_dir, tmp_path / "decoder", r=4, seed=9, bare_decoder=True, **config)
+    assert next(iter(load_file(str(path / "adapter_model.safetensors")))).startswith("base_model.model.layers.")
+    got = load(path, targets)
+    assert {k: (m.rank, m.scale) for k, m in got.modules.items()} == peft_ranks_and_scales(tiny_llama_dir, path, bare_decoder=True)
+    layer, name = next(iter(got.modules))
+    parent = "mlp" if name.endswith(("up_proj", "down_proj", "gate_proj")) else "self_attn"
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    assert torch.equal(got.modules[(layer, name)].lora_b, tensors[f"base_model.model.layers.{layer}.{parent}.{name}.lora_B.weight"])
+
+
+def test_an_adapter_trained_on_the_bare_decoder_is_refused_as_the_others_are(tiny_llama_dir, tmp_path, targets):
+    """Its refusals name its own tensors and paths: keys of both forms, the embedding as a target, more layers than the base."""
+    path = build_adapter(tiny_llama_dir, tmp_path / "decoder", r=4, target_modules=["q_proj"], seed=10, bare_decoder=True)
+    mixed = Path(shutil.copytree(path, tmp_path / "mixed"))
+    edit_tensors(mixed, lambda t: t.__setitem__(KEY.replace("layers.0", "layers.1").replace("q_proj", "v_proj"), torch.zeros(4, 64)))
+    expect(mixed, targets, "adapter_model.safetensors", "base_model.model.layers.0.self_attn.q_proj.lora_A.weight", "bare decoder",
+           "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight", "*ForCausalLM")
+    embedding = Path(shutil.copytree(path, tmp_path / "embedding"))
+    edit_config(embedding, target_modules=["q_proj", "embed_tokens"])
+    expect(embedding, targets, "adapter_config.json", "selects embed_tokens", "cannot serve LoRA on")
+    deeper = Path(shutil.copytree(path, tmp_path / "deeper"))
+    edit_tensors(deeper, lambda t: t.update({k.replace("layers.1", "layers.2"): v.clone() for k, v in t.items() if "layers.1" in k}))
+    expect(deeper, targets, "base_model.model.layers.2.self_attn.q_proj.lora_A.weight", "the base has 2 layers", "another model")
 
 
 def test_hand_written_config_shorthands(copy_of, targets, tiny_adapters, tiny_llama_dir, tmp_path, caplog):

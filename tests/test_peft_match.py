@@ -299,3 +299,37 @@ def test_bfloat16_on_packed_weights_agrees_with_plain_bfloat16_and_float32(tiny_
         assert packed.dtype == torch.float32
         assert rel_err(packed, hi).max() < 5e-2 and rel_err(packed, plain).max() < 1e-2  # (bit-identical on this machine)
         assert rel_err(packed, hi).max() <= 2 * rel_err(plain, hi).max() + 1e-2
+
+
+def test_an_adapter_trained_on_the_bare_decoder_matches_peft(tiny_llama_dir, tmp_path):
+    """PEFT on ``LlamaModel`` (``AutoModel``: no LM head) saves ``base_model.model.layers...`` (no inner
+    ``model.``) and matches its targets against ``layers.N...`` paths. Such an adapter was refused as
+    "unexpected tensor"; it now serves the ForCausalLM's decoder as PEFT's decoder + the checkpoint's
+    LM head compute: logits within 1e-4, greedy tokens equal. The regex target matches the
+    decoder's own paths only (``model.layers...`` would not fullmatch it)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.tiny_models import build_adapter
+
+    path = build_adapter(tiny_llama_dir, tmp_path / "decoder", r=4, seed=21, bare_decoder=True,
+                         target_modules=r"layers\.\d+\.(self_attn\.(q_proj|v_proj)|mlp\.up_proj)", rank_pattern={"up_proj": 8})
+    runner, slots = make_runner(tiny_llama_dir, {"x": path})
+    causal = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    decoder = PeftModel.from_pretrained(causal.model, str(path)).eval()  # the model it was trained on
+
+    def reference_logits(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return causal.lm_head(decoder(input_ids=ids).last_hidden_state).float()
+
+    prompts = random_prompts(2, PROMPT_LEN, seed=10)
+    order = ["x", "x"]
+    (ours,) = prefill_chunked(runner, slots, order, prompts, [PROMPT_LEN])
+    err = rel_err(ours, reference_logits(prompts)[:, -1])
+    assert err.max() < 1e-4, f"relative errors per row {err.tolist()}"
+    tokens = greedy(runner, slots, order, prompts)
+    ref = prompts
+    for _ in range(NEW_TOKENS):
+        ref = torch.cat([ref, reference_logits(ref)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(tokens, ref[:, PROMPT_LEN:]), f"ours {tokens.tolist()}\nPEFT {ref[:, PROMPT_LEN:].tolist()}"
+    assert not torch.equal(tokens, greedy(runner, slots, [None, None], prompts))  # the adapter changes the tokens

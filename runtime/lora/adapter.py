@@ -3,9 +3,14 @@
 Folder: ``adapter_config.json`` + ``adapter_model.safetensors``. ``adapter_model.bin``
 (pickle) is refused and never opened. Tensor keys look like
 ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``; shapes are
-A ``[r, in]`` and B ``[out, r]``.
+A ``[r, in]`` and B ``[out, r]``. An adapter trained on the bare decoder (``LlamaModel``,
+``AutoModel``: no LM head) has no inner ``model.``: ``base_model.model.layers.3...``; it applies to
+the ``*ForCausalLM``'s decoder unchanged and is read like the others, its module paths being the
+ones PEFT matched when it was trained (``layers.3.self_attn.q_proj``), as a base-model checkpoint
+loads (``loader.causal_lm_name``).
 
-Per targeted module (PEFT semantics; ``path`` = ``model.layers.{i}.{self_attn|mlp}.{name}``):
+Per targeted module (PEFT semantics; ``path`` = ``model.layers.{i}.{self_attn|mlp}.{name}``, without
+``model.`` for an adapter trained on the bare decoder):
 
     r     = rank_pattern[k]  for the first key k with re.match(rf"(.*\\.)?({k})$", path), else r
     alpha = alpha_pattern[k] likewise, else lora_alpha
@@ -27,8 +32,8 @@ LoftQ, with which PEFT rewrites the base weights on load (``W - scale * B0 A0``)
 adding the adapter. Tensor keys with PEFT's ``.default`` adapter-name infix
 (``lora_A.default.weight``) are read like the plain ones, as PEFT reads them.
 
-Validation order: files (and their sizes, before reading them) -> JSON -> config fields -> targets -> safetensors header
-(names, dtypes, shapes, ranks, byte ranges) -> tensor values (NaN/Inf). Every failure
+Validation order: files (and their sizes, before reading them) -> JSON -> config fields -> safetensors header
+(dtypes, shapes, byte ranges; the decoder's naming) -> targets -> tensor names, shapes and ranks -> tensor values (NaN/Inf). Every failure
 is an ``AdapterError`` naming the file and the key or tensor.
 
 ``version``: the first 12 hex digits of sha256 over the canonical (sorted-key) config
@@ -51,6 +56,7 @@ import torch
 from torch import Tensor
 
 from runtime.hub_hint import hub_download_hint
+from runtime.models.loader import BASE_MODEL_PREFIX, causal_lm_name
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +68,13 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 KEY_PREFIX = "base_model.model."
 MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
-# Modules of a Llama-family model that exist but cannot carry LoRA here.
-UNSUPPORTED_MODULES = ("lm_head", "model.embed_tokens")
+# Modules of a Llama-family model that exist but cannot carry LoRA here (the last part of their path).
+UNSUPPORTED_MODULES = ("lm_head", "embed_tokens")
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 # Size limits checked before a file is read, so a huge file cannot take the process's memory:
 MAX_CONFIG_BYTES = 16 * 2**20  # adapter_config.json (a real one is a few KiB, rank_pattern included)
 MAX_HEADER_BYTES = 100_000_000  # a safetensors header: the safetensors library's own limit
-_TENSOR_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_TENSOR_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Config fields that change the math; a non-default value we cannot honour is refused.
 _REFUSED_IF_TRUTHY = ("use_dora", "lora_bias", "layer_replication", "target_parameters", "trainable_token_indices",
                       "alora_invocation_tokens", "use_qalora", "use_bdlora", "arrow_config", "kasa_config",
@@ -167,10 +173,11 @@ def load_adapter(
     files = resolved_files(root)
     raw = _read_config(config_path)
     cfg = _parse_config(raw, config_path)
-    modules = _resolve_modules(cfg, config_path, targets, num_layers)
     header, data_start, blob = _read_safetensors(weights_path, max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank)
     header = _without_default_infix(header, weights_path)
-    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank, num_layers)
+    root = _decoder_root(header, weights_path)
+    modules = _resolve_modules(cfg, config_path, targets, num_layers, root)
+    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank, num_layers, root)
     tensors = _decode_tensors(header, data_start, blob, weights_path)
     built: dict[tuple[int, str], LoRAModule] = {}
     for key, (rank, scale, a_name, b_name) in plan.items():
@@ -355,17 +362,36 @@ def _pattern_key(keys: Any, module_path: str) -> str | None:
 # ---- targets -----------------------------------------------------------------------------
 
 
-def _module_path(layer: int, name: str) -> str:
-    return f"model.layers.{layer}.{MODULE_PARENT[name]}.{name}"
+def _decoder_root(header: Mapping[str, Any], path: Path) -> str:
+    """The prefix of the decoder's module paths in the model the adapter was trained on: ``"model."``
+    for a ``*ForCausalLM`` (keys ``base_model.model.model.layers...``), ``""`` for the bare decoder
+    (``LlamaModel``, ``AutoModel``: ``base_model.model.layers...``), whose names a base-model
+    checkpoint has too (``loader.causal_lm_name`` tells them apart). Keys of both kinds are refused."""
+    bare = sorted(k for k in header if k.startswith(KEY_PREFIX) and causal_lm_name(k[len(KEY_PREFIX):]) != k[len(KEY_PREFIX):])
+    if not bare:
+        return BASE_MODEL_PREFIX
+    prefixed = sorted(k for k in header if k.startswith(KEY_PREFIX + BASE_MODEL_PREFIX))
+    if prefixed:
+        raise AdapterError(f"{path}: tensor {bare[0]} is named as on a bare decoder (LlamaModel, no 'model.' after 'base_model.model.'), "
+                           f"tensor {prefixed[0]} as on a *ForCausalLM; an adapter is trained on one model, so its keys take one form")
+    return ""
 
 
-def _all_module_paths(num_layers: int) -> list[str]:
-    """Every named module of a Llama-family CausalLM, as PEFT walks them."""
-    paths = ["model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+def _module_path(layer: int, name: str, root: str) -> str:
+    """A LoRA target's module path in the model trained on (``root``: ``_decoder_root``)."""
+    return f"{root}layers.{layer}.{MODULE_PARENT[name]}.{name}"
+
+
+def _all_module_paths(num_layers: int, root: str) -> list[str]:
+    """Every named module of a Llama-family CausalLM (``root`` "model."), or of its bare decoder
+    (``root`` "": no LM head), as PEFT walks them."""
+    paths = [f"{root}embed_tokens", f"{root}layers", f"{root}norm", f"{root}rotary_emb"]
+    if root:
+        paths = [root.rstrip(".")] + paths + ["lm_head"]
     for i in range(num_layers):
-        p = f"model.layers.{i}"
+        p = f"{root}layers.{i}"
         paths += [p, f"{p}.self_attn", f"{p}.mlp", f"{p}.input_layernorm", f"{p}.post_attention_layernorm", f"{p}.mlp.act_fn"]
-        paths += [_module_path(i, n) for n in MODULE_PARENT]
+        paths += [_module_path(i, n, root) for n in MODULE_PARENT]
     return paths
 
 
@@ -406,13 +432,14 @@ def _selected(cfg: _Config, module_path: str) -> bool:
     return _layer_index(cfg, module_path) in cfg.layers_to_transform
 
 
-def _resolve_modules(cfg: _Config, path: Path, targets: Mapping[str, tuple[int, int]], num_layers: int) -> list[tuple[int, str]]:
-    """(layer, module) pairs the adapter targets, or an error naming the offending target."""
+def _resolve_modules(cfg: _Config, path: Path, targets: Mapping[str, tuple[int, int]], num_layers: int, root: str) -> list[tuple[int, str]]:
+    """(layer, module) pairs the adapter targets, or an error naming the offending target; module
+    paths as in the model it was trained on (``root``: ``_decoder_root``)."""
     if cfg.layers_to_transform is not None:
         bad = [i for i in cfg.layers_to_transform if not 0 <= i < num_layers]
         if bad:
             raise AdapterError(f"{path}: layers_to_transform {bad} are outside the model's {num_layers} layers")
-    known = _all_module_paths(num_layers)
+    known = _all_module_paths(num_layers, root)
     if isinstance(cfg.target_modules, tuple):
         unmatched = []
         for t in cfg.target_modules:
@@ -434,7 +461,7 @@ def _resolve_modules(cfg: _Config, path: Path, targets: Mapping[str, tuple[int, 
     chosen = []
     for layer in range(num_layers):
         for name in MODULE_PARENT:
-            mp = _module_path(layer, name)
+            mp = _module_path(layer, name, root)
             if _selected(cfg, mp):
                 if name not in targets:
                     raise AdapterError(f"{path}: target module {mp} is not a LoRA target of this model ({', '.join(targets)})")
@@ -447,7 +474,7 @@ def _resolve_modules(cfg: _Config, path: Path, targets: Mapping[str, tuple[int, 
 def _refuse_unsupported(hits: list[str], path: Path, what: str, targets: Mapping[str, tuple[int, int]]) -> None:
     for hit in sorted(hits):
         leaf = hit.rsplit(".", 1)[-1]
-        if hit in UNSUPPORTED_MODULES:
+        if leaf in UNSUPPORTED_MODULES:
             raise AdapterError(f"{path}: {what} selects {hit}, which lorafleet cannot serve LoRA on (supported: {', '.join(targets)})")
         if leaf not in MODULE_PARENT:
             raise AdapterError(f"{path}: {what} selects {hit}, which is not a linear layer LoRA can target (supported: {', '.join(targets)})")
@@ -535,12 +562,14 @@ def _check_tensors(
     cfg: _Config,
     max_lora_rank: int,
     num_layers: int,
+    root: str,
 ) -> dict[tuple[int, str], tuple[int, float, str, str]]:
-    """Names and shapes against the base; returns (layer, module) -> (rank, scale, A name, B name)."""
+    """Names and shapes against the base; returns (layer, module) -> (rank, scale, A name, B name).
+    ``root``: the decoder's prefix in the model trained on (``_decoder_root``)."""
     expected: dict[str, tuple[int, str, str]] = {}
     for layer, name in modules:
         for ab in "AB":
-            expected[f"{KEY_PREFIX}{_module_path(layer, name)}.lora_{ab}.weight"] = (layer, name, ab)
+            expected[f"{KEY_PREFIX}{_module_path(layer, name, root)}.lora_{ab}.weight"] = (layer, name, ab)
     extra = sorted(set(header) - set(expected))
     beyond = [(e, int(m.group(1))) for e in extra if (m := _TENSOR_KEY.match(e)) and int(m.group(1)) >= num_layers]
     if beyond:  # same widths, more layers: an adapter for another model, which target_modules has nothing to do with
@@ -555,7 +584,7 @@ def _check_tensors(
         raise AdapterError(f"{path}: missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     plan = {}
     for layer, name in modules:
-        mp = _module_path(layer, name)
+        mp = _module_path(layer, name, root)
         a_name, b_name = f"{KEY_PREFIX}{mp}.lora_A.weight", f"{KEY_PREFIX}{mp}.lora_B.weight"
         a_shape, b_shape = list(header[a_name]["shape"]), list(header[b_name]["shape"])
         rk = _pattern_key(cfg.rank_pattern, mp)

@@ -164,6 +164,13 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
 
 
+def causal_lm_name(stored: str) -> str:
+    """The ``*ForCausalLM`` name of a tensor stored as ``stored``: a decoder name without
+    the ``model.`` prefix (``layers.0...``, ``embed_tokens.weight``, ``norm.weight``: a base model's
+    own, ``LlamaModel``'s) gets it; every other name is its own."""
+    return BASE_MODEL_PREFIX + stored if stored.startswith(BASE_MODEL_MODULES) else stored
+
+
 def causal_lm_names(files: dict[str, Path]) -> dict[str, str]:
     """Tensor name as ``*ForCausalLM`` names it -> the name stored in the checkpoint, for every tensor of
     ``files`` (stored name -> file). A decoder tensor stored without the ``model.`` prefix (a base-model
@@ -173,7 +180,7 @@ def causal_lm_names(files: dict[str, Path]) -> dict[str, str]:
     loads is not ours to guess)."""
     names: dict[str, str] = {}
     for stored in files:
-        name = BASE_MODEL_PREFIX + stored if stored.startswith(BASE_MODEL_MODULES) else stored
+        name = causal_lm_name(stored)
         if name in names:
             first, second = sorted((names[name], stored))
             raise CheckpointError(f"{files[stored]}: tensor {name} is stored twice, as {first} and as {second}; keep one of them")
