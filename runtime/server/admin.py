@@ -7,10 +7,12 @@ must the files the loader opens in it.
 Loading an existing name is a hot update: a new immutable version; requests in
 flight finish on the version they started with. Once the engine has died or is shut
 down, both routes answer 503 ``engine_unavailable``, as the generation routes do.
+Their blocking work runs on threads of their own (``AdminWorkers``), never on the event loop's
+default executor, which /metrics and long prompts need; past ``ADMIN_MAX_IN_PROGRESS`` calls
+in progress, one more is a 429 ``too_many_admin_requests``.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from runtime.async_engine import EngineDeadError
 from runtime.request import UnknownAdapterError
+from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminBusy, AdminWorkers
 from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from runtime.lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
@@ -26,6 +29,13 @@ from runtime.server.security import confine_adapter_folder
 
 def build_router(state: Any) -> APIRouter:
     router = APIRouter(route_class=UTF8Route)
+    workers = AdminWorkers(ADMIN_THREADS, ADMIN_MAX_IN_PROGRESS)
+
+    async def off_loop(fn: Any, *args: Any) -> Any:
+        try:
+            return await workers.run(fn, *args)
+        except AdminBusy as err:
+            raise APIError(429, str(err), code="too_many_admin_requests") from err
 
     @router.post("/v1/load_lora_adapter", tags=["admin"])
     async def load_lora_adapter(body: LoadAdapterRequest) -> Any:
@@ -38,7 +48,7 @@ def build_router(state: Any) -> APIRouter:
         except ValueError as err:
             raise APIError(400, str(err), param="lora_path", code="invalid_parameter") from err
         try:
-            ref = await asyncio.to_thread(state.engine.register_adapter, body.lora_name, str(path))
+            ref = await off_loop(state.engine.register_adapter, body.lora_name, str(path))
         except EngineDeadError as err:  # a RuntimeError: the engine died or is shut down
             raise APIError(503, str(err), code="engine_unavailable") from err
         except ValueError as err:  # the validator's message: names the file and the key/tensor
@@ -51,7 +61,7 @@ def build_router(state: Any) -> APIRouter:
     @router.post("/v1/unload_lora_adapter", tags=["admin"])
     async def unload_lora_adapter(body: UnloadAdapterRequest) -> Any:
         try:
-            await asyncio.to_thread(state.engine.unregister_adapter, body.lora_name)
+            await off_loop(state.engine.unregister_adapter, body.lora_name)
         except EngineDeadError as err:
             raise APIError(503, str(err), code="engine_unavailable") from err
         except UnknownAdapterError as err:

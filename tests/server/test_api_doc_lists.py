@@ -19,7 +19,7 @@ from runtime.tokenizer import RENDER_VARIABLES, TEMPLATE_FUNCTIONS
 ROOT = Path(__file__).resolve().parents[2]
 API_DOC = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
 NEVER_SENT = {"client_closed_request"}  # 499: the client is gone, nobody reads it
-UNUSED_DEFAULTS = {403, 429, 503}  # no route answers a 429; every 403 and 503 names its own code (path_not_allowed, engine_unavailable, ...)
+UNUSED_DEFAULTS = {403, 429, 503}  # every 403, 429 and 503 names its own code (path_not_allowed, too_many_admin_requests, engine_unavailable, ...)
 
 
 def section(title: str) -> str:
