@@ -69,6 +69,33 @@ def test_merged_greedy_equals_dynamic_path_and_loads_with_transformers(tiny_llam
     assert a.tolist() == b.tolist() == dynamic.tokens[0].tolist()
 
 
+def test_an_adapter_trained_on_the_bare_decoder_merges_as_peft_merges_it(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """An adapter PEFT trained on ``LlamaModel`` (keys ``base_model.model.layers...``, its targets matched
+    against ``layers.N...``) merges into the ``*ForCausalLM`` checkpoint's ``model.layers...`` tensors:
+    the weights are PEFT's merge_and_unload on the decoder, the LM head and embeddings untouched, and
+    greedy decoding on the merged model equals the engine serving the adapter unmerged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = build_adapter(tiny_llama_dir, tmp_path / "decoder", r=4, seed=23, bare_decoder=True,
+                         target_modules=r"layers\.\d+\.(self_attn\.(q_proj|v_proj)|mlp\.down_proj)", rank_pattern={"down_proj": 8})
+    out = tmp_path / "merged"
+    merge(tiny_llama_dir, path, out)
+    ours = load_file(str(out / "model.safetensors"))
+    base = load_file(str(tiny_llama_dir / "model.safetensors"))
+    decoder = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).model
+    ref = {f"model.{k}": v for k, v in PeftModel.from_pretrained(decoder, str(path)).merge_and_unload().state_dict().items()}
+    assert set(ours) == set(base)
+    moved = {key for key in ours if not torch.equal(ours[key], base[key])}
+    assert moved == {module_weight_name(layer, module) for layer, module in adapter_of(tiny_llama_dir, path).modules} and moved
+    for key in moved:
+        torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+    prompts = prompt_ids(tiny_llama_dir)[:4]
+    dynamic = trace(tiny_llama_dir, adapter_of(tiny_llama_dir, path), prompts, new_tokens=12)
+    assert torch.equal(trace(out, None, prompts, new_tokens=12).tokens, dynamic.tokens)
+    assert not torch.equal(trace(tiny_llama_dir, None, prompts, new_tokens=12).tokens, dynamic.tokens)  # the adapter matters
+
+
 def test_cli_merge_verifies_and_writes_a_traceable_manifest(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "m"
     rc = cli_main(["merge", "--model", str(tiny_llama_dir), "--adapter", str(tiny_adapters["d"]), "--out", str(out), "--adapter-name", "legal-v2"])
