@@ -238,6 +238,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._shutdown_once = threading.Lock()  # held by the shutdown() under way: a concurrent call waits for it
         self._shut_down = False  # a shutdown() returned: later calls return at once
+        self._shutting_down_in: Optional[int] = None  # the thread running shutdown()'s work, while it runs
         self._accepting = True
         self.dead_error: Optional[str] = None
         self._step_abandoned = False  # read through ``step_abandoned``
@@ -310,11 +311,19 @@ class AsyncLLMEngine:
         ``step_abandoned`` is True then.
 
         One call does this: a call made while another runs waits for that one to end, and a later
-        call returns at once (after one that raised, the next tries again)."""
+        call returns at once (after one that raised, the next tries again). A call made from the
+        thread running one (a signal handler that interrupted it) returns at once: the interrupted
+        call finishes the work once the handler returns (waiting for it there would wait for ever)."""
+        if self._shutting_down_in == threading.get_ident():
+            return
         with self._shutdown_once:
             if self._shut_down:
                 return
-            self._shut_down_now(timeout, step_grace_s)
+            self._shutting_down_in = threading.get_ident()
+            try:
+                self._shut_down_now(timeout, step_grace_s)
+            finally:
+                self._shutting_down_in = None
             self._shut_down = True
 
     def _shut_down_now(self, timeout: float, step_grace_s: float) -> None:

@@ -527,6 +527,29 @@ def test_a_shutdown_called_while_another_gives_up_on_a_stuck_step_returns(tiny_l
     inner.close()
 
 
+def test_a_shutdown_called_again_from_the_thread_running_one_returns(tiny_llama_dir: Path, monkeypatch) -> None:
+    """A shutdown() made from the thread already running one, as a signal handler does (a SIGTERM
+    handler that shuts the engine down, run while the main thread is in shutdown), waited for the
+    lock the call it interrupted holds, for ever. It returns at once: the interrupted call finishes
+    the work once the handler returns."""
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    fail_parked = engine._fail_parked
+    nested: list[str] = []
+
+    def fail_parked_then_reenter(why: str) -> None:  # inside the running shutdown, where a handler would interrupt it
+        fail_parked(why)
+        engine.shutdown(timeout=5.0)
+        nested.append("returned")
+
+    monkeypatch.setattr(engine, "_fail_parked", fail_parked_then_reenter)
+    outer = threading.Thread(target=engine.shutdown, kwargs={"timeout": 5.0}, daemon=True)
+    outer.start()
+    outer.join(60)
+    assert not outer.is_alive(), "the nested shutdown() waited for the call it interrupted"
+    assert nested == ["returned"] and not engine.running and engine.dead_error == "engine was shut down"
+    engine.shutdown()  # later: returns at once
+
+
 @pytest.mark.parametrize("source", ["creator", "backend"])
 def test_the_step_thread_runs_on_the_gpu_the_engine_was_made_for(tiny_llama_dir, monkeypatch, source) -> None:
     """Each thread has its own current GPU and Triton launches on it, not on the tensors' GPU; the
