@@ -78,7 +78,7 @@ def run_ray(settings: Any) -> int:
     from runtime.config import ConfigError
     from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
     from runtime.distributed.manifest import ManifestError, check_folder
-    from runtime.distributed.registry_client import ReplicasFailedToApply
+    from runtime.distributed.registry_client import RegistryRestarted, ReplicasFailedToApply
     from runtime.commands.serve import one_line_error
     from runtime.models.hf_config import load_model_config
     from runtime.lora.adapter import check_adapter_folder
@@ -172,6 +172,9 @@ def run_ray(settings: Any) -> int:
             detail = "; ".join(f"replica {rid}: {' | '.join(errs)}" for rid, errs in sorted(err.failed.items()))
             print(f"lorafleet serve: the initial adapters could not be applied ({detail}). They stay recorded in the "
                   f"registry at {registry_dir}: fix the files, or start with another --registry-dir", file=sys.stderr)  # fmt: skip
+            return 2
+        except RegistryRestarted as err:  # the registry actor restarted while an initial --lora-modules entry was applied
+            print(f"lorafleet serve: the initial adapters are not recorded ({err.message}); start again", file=sys.stderr)
             return 2
         signals.starting = False
         if signals.event.is_set():
