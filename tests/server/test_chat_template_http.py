@@ -155,10 +155,10 @@ async def test_continue_final_message_with_a_template_that_writes_messages_whole
 
 async def test_tokenize_a_prompt_with_chat_template_fields_at_their_defaults(tiny_llama_dir, tmp_path):
     """A /tokenize prompt beside chat template fields that ask for nothing (null kwargs, as clients send
-    an unset field; the defaults) encodes the prompt; they were a 400 'only with messages'."""
+    an unset field, or {}; the defaults) encodes the prompt; they were a 400 'only with messages'."""
     async with served(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m['content'] }}{% endfor %}") as c:
         plain = await c.post("/tokenize", json={"prompt": "a b"})
-        for fields in ({"chat_template_kwargs": None}, {"add_generation_prompt": True, "continue_final_message": False}):
+        for fields in ({"chat_template_kwargs": None}, {"chat_template_kwargs": {}}, {"add_generation_prompt": True, "continue_final_message": False}):
             r = await c.post("/tokenize", json={"prompt": "a b", **fields})
             assert r.status_code == 200, (fields, r.text)
             assert r.json()["tokens"] == plain.json()["tokens"]
