@@ -16,7 +16,7 @@ import shutil
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -1172,6 +1172,18 @@ def test_a_scrape_s_fold_request_is_read_and_its_failure_logged_once(service, ti
     assert len(warnings) == 1 and "no such replica table" in warnings[0], warnings
 
 
+async def run_refresh_loop(ingress: Any, done: Callable[[], bool]) -> None:
+    """Run the ingress's refresh loop until ``done()`` (asked once per turn) or the loop ends, then stop it.
+    A bound of 1000 turns, not a clock: each turn yields to the event loop once."""
+    ingress.start_refresh()
+    for _ in range(1000):
+        if done() or ingress._refresh_task.done():
+            break
+        await asyncio.sleep(0)
+    ingress._refresh_task.cancel()
+    await asyncio.gather(ingress._refresh_task, return_exceptions=True)
+
+
 def test_the_ingress_refresh_loop_goes_on_after_an_unexpected_error(service, tiny_llama_dir) -> None:
     """Only RayActorError was caught: any other error from the registry call ended the refresh task
     silently, and the ingress served a frozen adapter set from then on."""
@@ -1190,16 +1202,7 @@ def test_the_ingress_refresh_loop_goes_on_after_an_unexpected_error(service, tin
     ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, refresh_s=0.0)
     service.register("A", "/adapters/a", f"{1:064x}", 8)
 
-    async def run() -> None:
-        ingress.start_refresh()
-        for _ in range(1000):  # a bound, not a clock: each turn yields to the loop once
-            if calls[0] >= 3 or ingress._refresh_task.done():
-                break
-            await asyncio.sleep(0)
-        ingress._refresh_task.cancel()
-        await asyncio.gather(ingress._refresh_task, return_exceptions=True)
-
-    asyncio.run(run())
+    asyncio.run(run_refresh_loop(ingress, lambda: calls[0] >= 3))
     assert calls[0] >= 3, f"the refresh loop ended after {calls[0]} call(s)"
     assert [a.name for a in ingress.adapters()] == ["A"]
 
@@ -1230,18 +1233,12 @@ def test_the_ingress_logs_a_registry_outage_once_and_its_end_once(service, tiny_
     ingress._clock = lambda: now[0]
     service.register("A", "/adapters/a", f"{1:064x}", 8)
 
-    async def run() -> None:
-        ingress.start_refresh()
-        for _ in range(1000):  # a bound, not a clock: each turn yields to the loop once
-            if calls[0] >= 10 or ingress._refresh_task.done():
-                break
-            now[0] += 0.5
-            await asyncio.sleep(0)
-        ingress._refresh_task.cancel()
-        await asyncio.gather(ingress._refresh_task, return_exceptions=True)
+    def tick() -> bool:
+        now[0] += 0.5
+        return calls[0] >= 10
 
     with caplog.at_level(logging.INFO, logger="lorafleet"):
-        asyncio.run(run())
+        asyncio.run(run_refresh_loop(ingress, tick))
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "lorafleet.replica_set"]
     assert [level for level, _ in lines] == ["WARNING", "ERROR", "INFO"], lines
     assert "registry unavailable" in lines[0][1] and "KeyError" in lines[1][1], lines

@@ -499,27 +499,34 @@ def test_help_states_units_and_the_defaults_that_apply(flag: str, words: str) ->
     assert words in action.help
 
 
-def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_llama_dir: Path, tmp_path: Path, tiny_adapters, capsys, monkeypatch) -> None:
+def ray_start_whose_deploy_raises(error: Exception, tmp_path: Path, tiny_llama_dir: Path, tiny_adapters, monkeypatch, capsys) -> tuple[int, str]:
+    """``run_ray``'s exit status and stderr for a ``serve --ray --lora-modules a=...`` whose
+    ``application.deploy`` raises ``error`` (Ray itself stood in)."""
     ray = pytest.importorskip("ray")
     from runtime.distributed import application
     from runtime.distributed.launcher import run_ray
-    from runtime.distributed.registry_client import ReplicasFailedToApply
 
     def deploy(cfg):  # type: ignore[no-untyped-def]
-        raise ReplicasFailedToApply("load 'a'", "a", {"replica-1": ["a: /x: adapter folder does not exist"]})
+        raise error
 
     monkeypatch.setattr(application, "deploy", deploy)
     monkeypatch.setattr(application, "stop", lambda cfg: None)
     monkeypatch.setattr(ray, "init", lambda **kw: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-
     settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules",
                                          f"a={tiny_adapters['a']}", "--ray", "--port", str(free_port()),
                                          "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
-    assert run_ray(settings) == 2
-    err = capsys.readouterr().err
-    assert "the initial adapters could not be applied" in err and "replica replica-1" in err and "Traceback" not in err
+    return run_ray(settings), capsys.readouterr().err
 
+
+def test_ray_replicas_failing_the_initial_adapters_end_serve_with_one_line(tiny_llama_dir: Path, tmp_path: Path, tiny_adapters, capsys, monkeypatch) -> None:
+    pytest.importorskip("ray")
+    from runtime.distributed.registry_client import ReplicasFailedToApply
+
+    error = ReplicasFailedToApply("load 'a'", "a", {"replica-1": ["a: /x: adapter folder does not exist"]})
+    rc, err = ray_start_whose_deploy_raises(error, tmp_path, tiny_llama_dir, tiny_adapters, monkeypatch, capsys)
+    assert rc == 2
+    assert "the initial adapters could not be applied" in err and "replica replica-1" in err and "Traceback" not in err
 
 
 def test_ray_start_whose_registry_restarted_while_the_initial_adapters_were_applied_says_so(tmp_path: Path, tiny_llama_dir, tiny_adapters,
@@ -527,25 +534,14 @@ def test_ray_start_whose_registry_restarted_while_the_initial_adapters_were_appl
     """deploy records --lora-modules through RegistryClient, which raises RegistryRestarted (7c07e9c)
     when the registry actor restarted without the change before the replicas applied it; the
     launcher caught only ReplicasFailedToApply, so start-up ended with a traceback."""
-    ray = pytest.importorskip("ray")
-    from runtime.distributed import application
-    from runtime.distributed.launcher import run_ray
+    pytest.importorskip("ray")
     from runtime.distributed.registry_client import RegistryRestarted
 
-    def deploy(cfg):  # type: ignore[no-untyped-def]
-        raise RegistryRestarted("register a@0123")
-
-    monkeypatch.setattr(application, "deploy", deploy)
-    monkeypatch.setattr(application, "stop", lambda cfg: None)
-    monkeypatch.setattr(ray, "init", lambda **kw: None)
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
-    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--lora-modules",
-                                         f"a={tiny_adapters['a']}", "--ray", "--port", str(free_port()),
-                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
-    assert run_ray(settings) == 2
-    err = capsys.readouterr().err
+    rc, err = ray_start_whose_deploy_raises(RegistryRestarted("register a@0123"), tmp_path, tiny_llama_dir, tiny_adapters, monkeypatch, capsys)
+    assert rc == 2
     assert "the initial adapters are not recorded (register a@0123: the adapter registry restarted" in err and "start again" in err, err
     assert "Traceback" not in err
+
 
 def test_ray_name_check_is_skipped_when_the_model_is_not_readable_here(tmp_path: Path, tiny_adapters, monkeypatch) -> None:
     """With a remote cluster the model path may exist only on the workers: without a declared
