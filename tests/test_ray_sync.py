@@ -247,7 +247,17 @@ def test_an_admin_call_whose_registry_restarted_without_the_change_answers_503_n
     with pytest.raises(APIError) as refused:
         client.register("A", "/adapters/a")
     assert (refused.value.status, refused.value.code) == (503, "registry_restarted"), refused.value.message
-    assert "retry" in refused.value.message and lost.manifest.by_name() == {}
+    assert "sending it again" in refused.value.message and lost.manifest.by_name() == {}
+    # Restarted from its manifest, but another admin call has replaced the adapter since: the same 503,
+    # whose message must not claim the manifest was lost (sending the load again would undo that call).
+    superseded = AdapterRegistryService(str(shutil.copytree(service.folder(), tmp_path / "superseded")))
+    superseded.register("A", "/adapters/a-newer", "3" * 64, 4)
+    client.registry = RestartsAfter(service, superseded, "register")
+    with pytest.raises(APIError) as refused:
+        client.register("A", "/adapters/a")
+    assert (refused.value.status, refused.value.code) == (503, "registry_restarted"), refused.value.message
+    assert "another admin call has changed this adapter since" in refused.value.message, refused.value.message
+    assert "GET /v1/models" in refused.value.message
     # Restarted from its manifest: it holds the load, and the call waits for the replicas on its current revision.
     kept = AdapterRegistryService(service.folder())
     kept.register("B", "/adapters/b", "2" * 64, 4)  # another change after the restart

@@ -46,8 +46,10 @@ class ReplicasFailedToApply(APIError):
 
 class RegistryRestarted(APIError):
     """HTTP 503: the registry actor restarted between recording the change and the replicas
-    applying it, and the restarted one does not hold it (it started without its manifest, which
-    was deleted or lost): nothing of the change is left, the client should send it again. Also
+    applying it, and the restarted one does not hold it: either it started without its manifest
+    (deleted or lost), so nothing of the change is left, or it started from its manifest and
+    another admin call has changed the adapter since, which sending this change again would undo.
+    The two cannot be told apart here, so the message names both and points to ``GET /v1/models``. Also
     (``again``) when it restarted more than ``RegistryClient.MAX_RESTARTS_FOLLOWED`` times during
     one call; sending the same change again is then a no-op where it is held."""
 
@@ -56,7 +58,8 @@ class RegistryRestarted(APIError):
             why = "the adapter registry kept restarting while the call waited for the replicas to apply the change; retry the request"
         else:
             why = ("the adapter registry restarted before the replicas applied the change, and the restarted registry does not hold it "
-                   "(its manifest was lost): the change is not in effect; retry the request")
+                   "(its manifest was lost, or another admin call has changed this adapter since): the change is not in effect; "
+                   "check GET /v1/models before sending it again")
         super().__init__(503, f"{what}: {why}", code="registry_restarted")
 
 
