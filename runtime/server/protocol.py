@@ -300,7 +300,8 @@ class _ChatTemplateFields(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _kwargs_text_is_unicode(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        """Every string in it, keys included, is Unicode text (it may be written into the prompt)."""
+        """Every string in it, keys included, is Unicode text (it may be written into the prompt).
+        ``{}`` sets no variable, so it is None: one value for "none given"."""
         pending: list[Any] = [value]
         while pending:
             item = pending.pop()
@@ -311,7 +312,7 @@ class _ChatTemplateFields(BaseModel):
                 pending.extend(item)
             elif isinstance(item, str):
                 _valid_unicode(item)
-        return value
+        return value or None
 
 
 CHAT_TEMPLATE_FIELDS = tuple(_ChatTemplateFields.model_fields)

@@ -28,9 +28,8 @@ def build_router(state: Any) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give either prompt or messages", param="prompt", code="invalid_parameter")
         tokenizer = state.tokenizer
-        # A chat template field at its default (null kwargs included, as clients send unset fields, and {}) asks for nothing.
-        if body.messages is None and (given := [f for f in CHAT_TEMPLATE_FIELDS if getattr(body, f) != TokenizeRequest.model_fields[f].default
-                                                and not (f == "chat_template_kwargs" and getattr(body, f) == {})]):
+        # A chat template field at its default (null or {} kwargs included, as clients send unset fields) asks for nothing.
+        if body.messages is None and (given := [f for f in CHAT_TEMPLATE_FIELDS if getattr(body, f) != TokenizeRequest.model_fields[f].default]):
             raise APIError(400, f"{given[0]}: only with messages (it is how the chat template renders them)", param=given[0],
                            code="invalid_parameter")  # fmt: skip
         if body.messages is not None:
