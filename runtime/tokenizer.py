@@ -2,8 +2,9 @@
 
 Sources, in the checkpoint folder:
 - ``tokenizer.json`` (required): vocabulary, normaliser, pre-tokenizer, post-processor, decoder.
-- ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token``, ``add_bos_token``,
-  ``add_eos_token``, ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects.
+- ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token``, ``tokenizer_class``,
+  ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects. ``add_bos_token`` and
+  ``add_eos_token`` are not read: transformers drops them when there is a tokenizer.json (below).
 - ``special_tokens_map.json`` (optional): read, as transformers does, only when tokenizer_config
   has no ``added_tokens_decoder`` (older saves); then its named special tokens replace tokenizer_config's.
 - ``chat_template.jinja`` (optional): the chat template as transformers >= 4.50 saves it; when
@@ -17,12 +18,12 @@ it has no eos: config.json's does not stop generation, nor in vLLM), else config
 ``eos_token_id`` (read from the file: the model class's default, LlamaConfig's and
 MistralConfig's 2, never stops ``generate``, so it is no eos here either).
 
-``encode(text, add_special_tokens=True)`` runs the tokenizer's post-processor; when
-``add_bos_token`` is true and the post-processor did not already put bos first, bos is
-prepended (older Llama tokenizer.json files leave that to the Python class). Likewise
-``add_eos_token`` appends eos. Only the tokenizer's own named bos/eos (tokenizer_config.json or
-special_tokens_map.json) are added: with none named, the flag adds nothing, as in transformers,
-which never takes config.json's ``bos_token_id`` for the tokenizer.
+``encode(text, add_special_tokens=True)`` adds the special tokens that transformers 5's
+``AutoTokenizer`` adds (``runtime.tokenizer_class``): those of tokenizer.json's post-processor
+(none without one), whatever ``add_bos_token`` / ``add_eos_token`` say, except for the classes
+that build a post-processor of their own (``CodeLlamaTokenizer``: bos first; ``GPTNeoXTokenizer``:
+nothing), which lorafleet builds likewise, with the tokenizer's own named bos/eos
+(tokenizer_config.json or special_tokens_map.json; never config.json's ``bos_token_id``).
 
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``,
@@ -48,6 +49,8 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from runtime.tokenizer_class import REBUILT_POST_PROCESSORS, auto_tokenizer_class
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token or '' }}\n"
@@ -158,10 +161,12 @@ class Tokenizer:
         # reads config.json's bos_token_id or eos_token_id for the tokenizer.
         self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
         self.eos_token_id = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
-        # Without a named bos (eos) there is none to add: transformers' update_post_processor then turns
-        # add_bos_token (add_eos_token) off likewise.
-        self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
-        self.add_eos_token = bool(cfg.get("add_eos_token", False)) and self.eos_token_id is not None
+        # The class transformers' AutoTokenizer loads; a class that builds its own post-processor gets it
+        # here too, in place of tokenizer.json's (tokenizer_config's add_bos_token / add_eos_token count for no class).
+        self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"))
+        rebuilt = REBUILT_POST_PROCESSORS.get(self.tokenizer_class)
+        if rebuilt is not None:
+            self._tok.post_processor = self._template_post_processor(*rebuilt)
         template = cfg.get("chat_template")
         # Why no messages can be rendered (ChatTemplateUnusable), else None; apply_chat_template raises
         # it. Either the template does not compile (below), or the config names its templates but none
@@ -203,22 +208,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a ValueError for a string that is not Unicode text (a lone
         surrogate, which JSON's ``"\\ud800"`` can carry)."""
-        ids = list(self._encoding(text, add_special_tokens).ids)
-        bos, eos = self._added_specials(ids, add_special_tokens)
-        return [self.bos_token_id] * bos + ids + [self.eos_token_id] * eos
+        return list(self._encoding(text, add_special_tokens).ids)
 
     def encode_with_spans(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         """``encode(text)``'s ids, and the characters ``(start, end)`` of ``text`` each token was read
         from (the tokenizer's offset mapping: a special token spelled in the text, such as ``<eos>``,
-        spans that spelling, a token for characters the vocabulary lacks spans them; a bos the
-        post-processor or ``add_bos_token`` puts first is ``(0, 0)``, an appended eos is empty at the
-        end). A ByteLevel post-processor with ``trim_offsets`` leaves a token's leading spaces out of
-        its span."""
+        spans that spelling, a token for characters the vocabulary lacks spans them; a special token
+        the post-processor adds is ``(0, 0)``). A ByteLevel post-processor with ``trim_offsets``
+        leaves a token's leading spaces out of its span."""
         encoding = self._encoding(text, add_special_tokens)
-        ids, spans = list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
-        bos, eos = self._added_specials(ids, add_special_tokens)
-        return ([self.bos_token_id] * bos + ids + [self.eos_token_id] * eos,
-                [(0, 0)] * bos + spans + [(len(text), len(text))] * eos)  # fmt: skip
+        return list(encoding.ids), [(int(start), int(end)) for start, end in encoding.offsets]
 
     def _encoding(self, text: str, add_special_tokens: bool) -> Any:
         try:
@@ -231,15 +230,16 @@ class Tokenizer:
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def _added_specials(self, ids: Sequence[int], add_special_tokens: bool) -> tuple[bool, bool]:
-        """Whether bos goes first and eos last on top of the post-processor's ids (``add_bos_token`` /
-        ``add_eos_token``, for tokenizer.json files that leave them to the Python class)."""
-        if not add_special_tokens:
-            return False, False
-        bos = self.add_bos_token and (not ids or ids[0] != self.bos_token_id)
-        last = ids[-1] if ids else (self.bos_token_id if bos else None)
-        eos = self.add_eos_token and last != self.eos_token_id
-        return bos, eos
+    def _template_post_processor(self, add_bos: bool, add_eos: bool) -> Any:
+        """transformers' ``update_post_processor``: ``bos $A eos`` (``bos $A eos bos $B eos`` for a
+        pair), each of bos and eos only when asked for and the tokenizer names one."""
+        from tokenizers import processors
+
+        bos = (self.bos_token, self.bos_token_id) if add_bos and self.bos_token is not None else None
+        eos = (self.eos_token, self.eos_token_id) if add_eos and self.eos_token is not None else None
+        single = f"{f'{bos[0]}:0 ' if bos else ''}$A:0{f' {eos[0]}:0' if eos else ''}"
+        pair = f"{single}{f' {bos[0]}:1' if bos else ''} $B:1{f' {eos[0]}:1' if eos else ''}"
+        return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -25,10 +25,15 @@ WORDS = ["▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ".",
 
 
 def save_with_specials(tok, out_dir: Path) -> None:
-    """Add <s>, </s>, <pad> as special tokens, save ``tok`` and a tokenizer_config.json naming them."""
+    """Add <s>, </s>, <pad> as special tokens and a post-processor that puts <s> first, save ``tok``
+    and a tokenizer_config.json naming them."""
+    from tokenizers import processors
+
     tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    bos = ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[bos])
     tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 

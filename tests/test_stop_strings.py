@@ -28,7 +28,7 @@ MERGES = [("â", "Ģ"), (".", "âĢ")]
 
 def write_split_character_tokenizer(out_dir: Path) -> None:
     """The 256 byte symbols, <s> </s> <pad> (256-258), then the ``MERGES`` tokens (259, 260)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {sym: i for i, sym in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for special in ("<s>", "</s>", "<pad>"):
@@ -39,8 +39,9 @@ def write_split_character_tokenizer(out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
     tok.save(str(out_dir / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 

@@ -61,20 +61,6 @@ def test_eos_ids_from_tokenizer_and_generation_config_which_overrides_config(mod
     assert Tokenizer(model_copy).eos_token_ids == (257, 13)
 
 
-def test_add_bos_token_without_post_processor(model_copy):
-    """Older Llama tokenizer.json files leave bos to tokenizer_config's add_bos_token."""
-    raw = json.loads((model_copy / "tokenizer.json").read_text())
-    raw["post_processor"] = None
-    (model_copy / "tokenizer.json").write_text(json.dumps(raw))
-    tok = Tokenizer(model_copy)
-    assert tok.encode("hi") == [tok.bos_token_id] + tok.encode("hi", add_special_tokens=False)
-    assert tok.encode_with_spans("hi") == (tok.encode("hi"), [(0, 0), (0, 1), (1, 2)])  # the bos put first here spans nothing
-    cfg = json.loads((model_copy / "tokenizer_config.json").read_text())
-    cfg["add_bos_token"] = False
-    (model_copy / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert Tokenizer(model_copy).encode("hi") == tok.encode("hi", add_special_tokens=False)
-
-
 def test_add_bos_and_eos_token_without_a_named_token_add_none_as_in_transformers(model_copy):
     """tokenizer_config.json's add_bos_token / add_eos_token with no bos / eos token named in the
     tokenizer's files: transformers (which never reads config.json for the tokenizer) adds none.

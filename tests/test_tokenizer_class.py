@@ -1,0 +1,98 @@
+"""The special tokens ``encode`` adds, against transformers' ``AutoTokenizer`` on the same folders:
+tokenizer.json's post-processor (bos first, eos last, or none) crossed with tokenizer_config.json's
+``tokenizer_class`` and ``add_bos_token`` / ``add_eos_token`` (which transformers 5 drops when there
+is a tokenizer.json; lorafleet added bos / eos for them), and config.json's ``model_type``, which
+makes AutoTokenizer load another class than the one named."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runtime.tokenizer import Tokenizer
+from runtime.tokenizer_class import auto_tokenizer_class
+
+TEXTS = ["hello world", "<s>hi</s>", "", " x"]
+FLAGS = [(None, None), (True, False), (False, True), (True, True), (False, False)]  # None: the key is absent
+POST_PROCESSORS = ["bos", "eos", "none"]
+
+
+def write_tokenizer(folder: Path, kind: str, post_processor: str) -> None:
+    """tokenizer.json: ``kind`` "metaspace" (Llama-2 style pieces, one per character, <unk> 0, <s> 1,
+    </s> 2) or "byte_level" (GPT-2 style, <s> 256, </s> 257); ``post_processor`` "bos" (bos first),
+    "eos" (eos last) or "none" (no post-processor)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+
+    if kind == "metaspace":
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate("▁abcdefghijklmnopqrstuvwxyz")}}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    else:
+        vocab = {sym: i for i, sym in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+        vocab.update({"<s>": 256, "</s>": 257})
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    if post_processor == "bos":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+    elif post_processor == "eos":
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", vocab["</s>"])])
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def write_configs(folder: Path, tokenizer_class: str | None, model_type: str | None, flags: tuple[bool | None, bool | None]) -> None:
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": tokenizer_class, "add_bos_token": flags[0], "add_eos_token": flags[1]}
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    if model_type is not None:
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+
+
+def assert_encodes_as_transformers(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours, ref = Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == ref(text, add_special_tokens=special)["input_ids"], (text, special)
+        assert ours.encode_with_spans(text) == (ref(text)["input_ids"], [tuple(s) for s in ref(text, return_offsets_mapping=True)["offset_mapping"]])
+
+
+@pytest.mark.parametrize("post_processor", POST_PROCESSORS)
+@pytest.mark.parametrize("kind, tokenizer_class", [
+    ("byte_level", "PreTrainedTokenizerFast"),  # transformers' generic class: the post-processor alone decides
+    ("byte_level", None),  # no class named: the generic one
+    ("byte_level", "SomeCustomTokenizer"),  # a name transformers does not know: the generic one
+    ("metaspace", "LlamaTokenizerFast"),  # LlamaTokenizer keeps the post-processor too
+    ("metaspace", "CodeLlamaTokenizerFast"),  # builds its own: bos first, never eos
+    ("byte_level", "GPTNeoXTokenizerFast"),  # builds its own: nothing
+])
+def test_special_tokens_added_as_by_transformers(tmp_path, kind, tokenizer_class, post_processor):
+    write_tokenizer(tmp_path, kind, post_processor)
+    for flags in FLAGS:
+        write_configs(tmp_path, tokenizer_class, "llama", flags)
+        assert_encodes_as_transformers(tmp_path)
+
+
+@pytest.mark.parametrize("kind, model_type, tokenizer_class, loaded", [
+    ("byte_level", "qwen2", "CodeLlamaTokenizerFast", "Qwen2Tokenizer"),  # qwen2 always loads Qwen2Tokenizer
+    ("metaspace", "mistral", "CodeLlamaTokenizerFast", "TokenizersBackend"),  # mistral the generic class
+    ("metaspace", "llama", "CodeLlamaTokenizerFast", "CodeLlamaTokenizer"),  # llama the class named
+    ("byte_level", None, "GPTNeoXTokenizerFast", "GPTNeoXTokenizer"),  # so does a checkpoint without config.json
+])
+def test_the_model_type_picks_the_class_as_in_transformers(tmp_path, kind, model_type, tokenizer_class, loaded):
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, kind, "eos")
+    write_configs(tmp_path, tokenizer_class, model_type, (True, False))
+    assert_encodes_as_transformers(tmp_path)
+    assert type(AutoTokenizer.from_pretrained(str(tmp_path))).__name__ == loaded
+    assert Tokenizer(tmp_path).tokenizer_class == loaded
+
+
+def test_the_class_named_in_config_json_counts_without_one_in_tokenizer_config():
+    assert auto_tokenizer_class({}, {"tokenizer_class": "CodeLlamaTokenizerFast"}) == "CodeLlamaTokenizer"
+    assert auto_tokenizer_class({"tokenizer_class": "GPTNeoXTokenizer"}, {"tokenizer_class": "CodeLlamaTokenizerFast"}) == "GPTNeoXTokenizer"
+    assert auto_tokenizer_class({"tokenizer_class": "PreTrainedTokenizerFast"}, {}) == "TokenizersBackend"
