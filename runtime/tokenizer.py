@@ -33,7 +33,10 @@ like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continu
 ``namespace`` (no attribute named ``_...``) in place of jinja's; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
 ``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
 ``continue_final_message`` ends the text inside the last message as transformers does, and
-``template_kwargs`` adds variables (not over these). The template is compiled when the tokenizer
+``template_kwargs`` adds variables (not over these). Unlike transformers, a render is bounded:
+one ``*`` may repeat a string, list or tuple into at most ``MAX_TEMPLATE_REPETITION`` items, and
+the rendered text may have at most ``MAX_RENDERED_CHARS`` characters (ChatTemplateTooLarge);
+real templates come nowhere near either. The template is compiled when the tokenizer
 loads; one that does not compile leaves the tokenizer usable for text and sets
 ``chat_template_problem``, which every ``apply_chat_template`` raises. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
@@ -113,6 +116,21 @@ class ChatTemplateError(TokenizerError):
     """The chat template failed on the inputs of one render with one of ``TEMPLATE_DATA_ERRORS``
     (not jinja's own errors, not its ``raise_exception``). The message names the error; the
     original is its ``__cause__``, for the log."""
+
+
+# What one render may build. Real templates repeat short strings a few times (``' ' * indent``,
+# ``'-' * 40``) and write each message about once, so neither limit changes their prompts;
+# without them a template's ``'x' * n`` (or a loop's output) sized by a client's
+# ``chat_template_kwargs`` or messages took as much memory as asked (a 500, or the server killed).
+MAX_TEMPLATE_REPETITION = 1 << 20  # items (characters of a string) one ``*`` may build: 1 Mi
+MAX_RENDERED_CHARS = 1 << 24  # characters of the rendered prompt: 16 Mi, 16x what the default 1 MiB body carries
+
+
+class ChatTemplateTooLarge(TokenizerError):
+    """A render would build more than lorafleet allows: a ``*`` that repeats a string, list or
+    tuple into more than ``MAX_TEMPLATE_REPETITION`` items, or a prompt text longer than
+    ``MAX_RENDERED_CHARS``. The template is fixed for the server's lifetime, so the inputs of the
+    render (messages, ``chat_template_kwargs``) are what ask for it: the request's error."""
 
 
 # Texts this long (characters) are encoded without holding the GIL (``Tokenizer._encoding``);
@@ -320,7 +338,8 @@ class Tokenizer:
         template does not compile; TokenizerError when the template refuses the messages
         (``raise_exception``) or jinja fails (sandbox, an undefined value used), and its subclass
         ChatTemplateError when the template's own code fails on these values with one of
-        ``TEMPLATE_DATA_ERRORS``."""
+        ``TEMPLATE_DATA_ERRORS``, and ChatTemplateTooLarge when the render would build more than
+        ``MAX_TEMPLATE_REPETITION`` items with one ``*`` or ``MAX_RENDERED_CHARS`` of text."""
         if self.chat_template_problem is not None:
             raise self.chat_template_problem
         for i, m in enumerate(messages):
@@ -353,11 +372,13 @@ class Tokenizer:
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: Mapping[str, Any]) -> str:
         """The template's text for ``messages``, with the variables transformers passes and ``extra`` (checked
-        by the caller); its errors as ``apply_chat_template`` says."""
+        by the caller); its errors as ``apply_chat_template`` says. The text is joined from the
+        pieces the template writes as it goes, and the render stops (ChatTemplateTooLarge) once they
+        pass ``MAX_RENDERED_CHARS``, rather than after building all of it."""
         import jinja2
 
         try:
-            return self._compiled_template.render(
+            pieces = self._compiled_template.generate(
                 messages=messages,
                 tools=None,  # transformers passes both, None without tools or documents; a template may test ``is none``
                 documents=None,
@@ -365,7 +386,8 @@ class Tokenizer:
                 **self._template_tokens,
                 **extra,
             )
-        except TokenizerError:  # the template's raise_exception
+            return _joined_within(pieces, MAX_RENDERED_CHARS)
+        except TokenizerError:  # the template's raise_exception, ChatTemplateTooLarge
             raise
         except jinja2.TemplateError as err:
             raise TokenizerError(f"chat_template: cannot render: {err}") from err
@@ -448,9 +470,8 @@ def _compile_chat_template(text: str, source: str) -> Any:
     3.1's, ~5 KB) takes tens of milliseconds, which every chat request spent on the event loop.
     A syntax error raises ChatTemplateUnusable naming ``source`` and jinja's line."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_block()])
+    env = _bounded_sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_block()])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
     env.globals.update(dict=_TemplateDict(), namespace=_template_namespace())  # transformers' narrower versions of jinja's
@@ -458,6 +479,48 @@ def _compile_chat_template(text: str, source: str) -> Any:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as err:
         raise ChatTemplateUnusable(source, f"does not compile: line {err.lineno}: {err.message}") from err
+
+
+def _bounded_sandbox() -> type:
+    """jinja's ``ImmutableSandboxedEnvironment`` with its ``*`` bounded (``_check_repetition``):
+    jinja's sandbox bounds ``range()`` (100000 items) but builds whatever ``'x' * n`` asks for.
+    Products of numbers are Python's. An intercepted operator is also never evaluated at compile
+    time, so a constant ``'x' * 10**10`` in a template is the render's error, not the load's."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                _check_repetition(left, right)
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedSandbox
+
+
+def _check_repetition(left: Any, right: Any) -> None:
+    """Raise ChatTemplateTooLarge, before anything is built, when ``left * right`` repeats a
+    string, list or tuple into more than ``MAX_TEMPLATE_REPETITION`` items (``len(seq) * count``)."""
+    for seq, count in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > MAX_TEMPLATE_REPETITION:
+            unit = "characters" if isinstance(seq, str) else "items"
+            raise ChatTemplateTooLarge(
+                f"chat_template: '*' would build a {type(seq).__name__} of {len(seq) * count} {unit} ({len(seq)} x {count}), past the limit of "
+                f"{MAX_TEMPLATE_REPETITION} {unit}; these messages or chat_template_kwargs ask the template for more than a prompt needs")
+
+
+def _joined_within(pieces: Any, limit: int) -> str:
+    """The strings of ``pieces`` joined, or ChatTemplateTooLarge as soon as they pass ``limit`` characters."""
+    kept: list[str] = []
+    size = 0
+    for piece in pieces:
+        size += len(piece)
+        if size > limit:
+            raise ChatTemplateTooLarge(f"chat_template: the prompt these messages render to passes the limit of {limit} characters; "
+                                       "these messages or chat_template_kwargs ask the template for more than a prompt can hold")
+        kept.append(piece)
+    return "".join(kept)
 
 
 def _jinja_globals() -> frozenset[str]:

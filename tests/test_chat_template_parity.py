@@ -240,3 +240,40 @@ def test_dict_is_transformers_narrow_one(with_template, template):
         ref.apply_chat_template(messages, tokenize=False)
     with pytest.raises(TokenizerError, match=r"^chat_template: cannot render: .* has no attribute '(update|keys)'"):
         ours.apply_chat_template(messages)
+
+
+# A template that repeats strings and lists as many times as chat_template_kwargs say, either operand first.
+REPEATS = ("{{ '-' * width }}{{ rule * '=' if rule is defined }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+           "[{{ (['a', 'b'] * copies) | length }}]")
+
+
+def test_a_repetition_past_the_limit_is_refused_before_it_is_built(with_template):
+    """jinja's sandbox bounds range() but built whatever ``'x' * n`` asked for: with ``n`` from a
+    client's chat_template_kwargs, gigabytes (or a MemoryError, a 500). Repetitions up to
+    MAX_TEMPLATE_REPETITION items render as in transformers; one past it is refused, naming the limit."""
+    from runtime.tokenizer import MAX_TEMPLATE_REPETITION, ChatTemplateTooLarge
+
+    ours, ref = with_template(REPEATS)
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs in ({"width": 40, "copies": 3, "rule": 2}, {"width": MAX_TEMPLATE_REPETITION, "copies": MAX_TEMPLATE_REPETITION // 2}):
+        assert _render_both(ours, ref, messages, True, **kwargs) == 2 * [ref.apply_chat_template(messages, tokenize=False, **kwargs)]
+    over = MAX_TEMPLATE_REPETITION // 2 + 1
+    too_many = [({"width": MAX_TEMPLATE_REPETITION + 1, "copies": 1}, f"a str of {MAX_TEMPLATE_REPETITION + 1} characters \\(1 x {MAX_TEMPLATE_REPETITION + 1}\\)"),
+                ({"width": 1, "copies": 1, "rule": 2**62}, f"a str of {2**62} characters \\(1 x {2**62}\\)"),
+                ({"width": 1, "copies": over}, f"a list of {2 * over} items \\(2 x {over}\\)")]
+    for kwargs, what in too_many:
+        with pytest.raises(ChatTemplateTooLarge, match=rf"^chat_template: '\*' would build {what}, past the limit of {MAX_TEMPLATE_REPETITION} "):
+            ours.apply_chat_template(messages, template_kwargs=kwargs)
+
+
+def test_a_rendered_prompt_past_the_limit_is_refused_as_it_grows(with_template):
+    """A loop that writes the messages as many times as chat_template_kwargs say built the whole
+    text, however long; the render now stops once the text passes MAX_RENDERED_CHARS."""
+    from runtime.tokenizer import MAX_RENDERED_CHARS, ChatTemplateTooLarge
+
+    ours, _ = with_template("{% for i in range(times) %}{{ messages[0]['content'] }}{% endfor %}")
+    messages = [{"role": "user", "content": "x" * 200}]
+    fits = MAX_RENDERED_CHARS // 200
+    assert ours.apply_chat_template(messages, template_kwargs={"times": fits}) == "x" * (200 * fits)
+    with pytest.raises(ChatTemplateTooLarge, match=rf"^chat_template: the prompt these messages render to passes the limit of {MAX_RENDERED_CHARS} "):
+        ours.apply_chat_template(messages, template_kwargs={"times": fits + 1})

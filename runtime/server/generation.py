@@ -71,7 +71,8 @@ async def render_chat_off_loop(tokenizer: Any, request: Any) -> str:
     templates, 0.2-1.9 ms for 200 messages of 1 KB, and 55 us for a round trip through
     ``asyncio.to_thread`` (2-core AMD EPYC, a ``/tmp`` script, not kept), which is nothing next
     to the request's prefill. A render cannot be stopped once started (not by a client that
-    goes away either); it holds one of the loop's worker threads until it ends."""
+    goes away either); it holds one of the loop's worker threads until it ends. What it builds
+    is bounded (``tokenizer.MAX_TEMPLATE_REPETITION``, ``MAX_RENDERED_CHARS``), its time is not."""
     return await asyncio.to_thread(render_chat, tokenizer, request)
 
 

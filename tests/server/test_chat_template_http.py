@@ -217,6 +217,24 @@ async def test_chat_template_kwargs_refusals(tiny_llama_dir, tmp_path):
             assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": "chat_template_kwargs", "code": "invalid_parameter"}
 
 
+async def test_a_template_asked_to_build_too_much_is_a_400(tiny_llama_dir, tmp_path):
+    """``'-' * width`` with a client's width past MAX_TEMPLATE_REPETITION was built whatever its size
+    (here a MemoryError: a 500); it is a 400 on messages naming the limit, on both routes."""
+    from runtime.tokenizer import MAX_TEMPLATE_REPETITION
+
+    async with served(tiny_llama_dir, tmp_path, "{{ '-' * width }}{% for m in messages %}{{ m['content'] }}{% endfor %}") as c:
+        messages = [{"role": "user", "content": "hi"}]
+        fine = await c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"width": 3}})
+        for route, body in (("/v1/chat/completions", chat_body(c, messages)), ("/tokenize", {"messages": messages})):
+            r = await c.post(route, json={**body, "chat_template_kwargs": {"width": 2**62}})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == {"message": f"messages: chat_template: '*' would build a str of {2**62} characters (1 x {2**62}), past the limit "
+                                                    f"of {MAX_TEMPLATE_REPETITION} characters; these messages or chat_template_kwargs ask the "
+                                                    "template for more than a prompt needs",
+                                         "type": "invalid_request_error", "param": "messages", "code": "invalid_parameter"}
+    assert fine.status_code == 200 and fine.json()["count"] == 5  # "---hi", a byte each
+
+
 BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"  # line 2 closes {{ with a single }
 
 
