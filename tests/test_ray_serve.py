@@ -175,6 +175,31 @@ def test_a_drain_with_the_step_grace_must_end_inside_the_replicas_graceful_shutd
         application.check_shutdown_timeouts(1.0, step_grace_s=application.DRAIN_MARGIN_S)
 
 
+def test_the_ingress_checks_a_drain_it_is_asked_for_directly() -> None:
+    """``drain`` checked its drain_s, but the ingress's ``begin_shutdown(drain_s)``, a Serve handle
+    method a script can call without ``drain``, took any drain_s: it refused new requests and told
+    the registry to drain for longer than Serve lets a replica live. Now it refuses such a drain_s
+    with the same ValueError, before it begins anything. No Ray needed."""
+    from types import SimpleNamespace
+
+    from runtime.async_engine import STEP_GRACE_S
+    from runtime.distributed.ingress import LoraIngress
+
+    drains: list[float] = []
+
+    async def begin_drain(drain_s: float) -> None:
+        drains.append(drain_s)
+
+    ingress = SimpleNamespace(engine=SimpleNamespace(shutting_down=False), registry=SimpleNamespace(begin_drain=SimpleNamespace(remote=begin_drain)))
+    ingress.engine.begin_shutdown = lambda: setattr(ingress.engine, "shutting_down", True)
+    too_long = application.REPLICA_GRACEFUL_SHUTDOWN_S - STEP_GRACE_S
+    with pytest.raises(ValueError, match="graceful shutdown timeout"):
+        asyncio.run(LoraIngress.begin_shutdown(ingress, too_long))
+    assert (ingress.engine.shutting_down, drains) == (False, []), "the shutdown began"
+    asyncio.run(LoraIngress.begin_shutdown(ingress, 1.0))
+    assert (ingress.engine.shutting_down, drains) == (True, [1.0])
+
+
 def test_log_level_reaches_serves_own_logs(monkeypatch) -> None:
     """--log-level warning quieted lorafleet's loggers but not Serve's INFO lines (two per request). No Ray needed."""
     cfg = ScaleOutConfig(engine=EngineConfig(model="m", device="cpu"), server=ServerOptions(), num_replicas=2, registry_dir="unused",

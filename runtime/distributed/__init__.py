@@ -9,6 +9,7 @@ Needs the optional ``ray`` extra (``pip install -e '.[ray]'``). Modules:
     replica_set      the engine-shaped proxy the ingress app is built around
     ingress          the ingress deployment: the same FastAPI app as ``lorafleet serve``
     application      build / deploy / stop the Serve application
+    shutdown_timeouts the drain's and Serve's shutdown timeouts, and the check that they fit
     launcher         ``lorafleet serve --ray``
 
 Nothing here imports ray at package import time, so ``runtime`` works without the extra.

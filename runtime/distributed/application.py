@@ -32,7 +32,6 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import backends
-from runtime.async_engine import STEP_GRACE_S
 from runtime.config import EngineConfig, check_every_decode_fits
 from runtime.distributed.ingress import LoraIngress
 from runtime.distributed.log_level import LOG_LEVELS
@@ -41,6 +40,13 @@ from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.registry_service import AdapterRegistryService
 from runtime.distributed.replica import LoraReplica
 from runtime.distributed.replica_set import ROUTINGS
+from runtime.distributed.shutdown_timeouts import (  # noqa: F401 - DRAIN_MARGIN_S and the check are this module's API too
+    DRAIN_MARGIN_S,
+    DRAIN_S,
+    INGRESS_GRACEFUL_SHUTDOWN_S,
+    REPLICA_GRACEFUL_SHUTDOWN_S,
+    check_shutdown_timeouts,
+)
 from runtime.server.options import ServerOptions
 
 logger = logging.getLogger("lorafleet.application")
@@ -49,17 +55,8 @@ NAMESPACE = "lorafleet"
 REPLICA_DEPLOYMENT = "LoraReplica"
 INGRESS_DEPLOYMENT = "LoraIngress"
 
-# Shutdown: requests in flight get DRAIN_S to finish (a single server's ENGINE_DRAIN_S); a step
-# still running then gets async_engine.STEP_GRACE_S more before the replica's engine gives up on
-# it and fails its requests (AsyncLLMEngine.shutdown); the ingress waits up to DRAIN_MARGIN_S past
-# the drain (more than that grace) to pass the last outputs and errors on. Serve's graceful
-# shutdown of a replica waits for its requests in flight, then kills it: longer than the drain and
-# the step grace, and the ingress's longer than the replicas', so a request cut by that kill still
-# gets its 503. ``check_shutdown_timeouts`` checks these relations (``build`` and ``drain``).
-DRAIN_S = 25.0
-DRAIN_MARGIN_S = 5.0
-REPLICA_GRACEFUL_SHUTDOWN_S = 30.0
-INGRESS_GRACEFUL_SHUTDOWN_S = 40.0
+# The shutdown's timeouts (DRAIN_S, DRAIN_MARGIN_S, Serve's graceful shutdown timeouts) and their
+# check are in shutdown_timeouts.py (the ingress checks a drain it is asked for too).
 # Serve calls check_health every HEALTH_CHECK_PERIOD_S and gives up on a call after
 # HEALTH_CHECK_TIMEOUT_S; 3 failures in a row (a hung replica: ~15 s) and it replaces the replica.
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -67,24 +64,6 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 # Serve stops an unhealthy replica gracefully by default, i.e. waits up to its graceful shutdown
 # timeout for a replica that does not answer any more; a Serve started here stops it at once.
 SERVE_CONTROLLER_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
-
-
-def check_shutdown_timeouts(drain_s: float, step_grace_s: float = STEP_GRACE_S) -> None:
-    """ValueError unless a drain of ``drain_s`` fits Serve's graceful shutdown timeouts, as
-    ``DrainingServer`` checks uvicorn's window for a single server:
-    ``drain_s + step_grace_s < REPLICA_GRACEFUL_SHUTDOWN_S`` (a replica's engine fails what is left,
-    a stuck step's requests included, before Serve kills the replica), ``step_grace_s <
-    DRAIN_MARGIN_S`` (``drain`` waits for those 503s to pass the ingress) and
-    ``REPLICA_GRACEFUL_SHUTDOWN_S < INGRESS_GRACEFUL_SHUTDOWN_S`` (the ingress relays them)."""
-    if not drain_s + step_grace_s < REPLICA_GRACEFUL_SHUTDOWN_S:
-        raise ValueError(f"drain_s + step_grace_s ({drain_s} + {step_grace_s} s) must end inside the replicas' graceful shutdown timeout "
-                         f"({REPLICA_GRACEFUL_SHUTDOWN_S} s): their engines fail the requests still in flight at that end, before Serve kills them")
-    if not step_grace_s < DRAIN_MARGIN_S:
-        raise ValueError(f"step_grace_s ({step_grace_s} s) must be shorter than DRAIN_MARGIN_S ({DRAIN_MARGIN_S} s), the ingress's wait past the drain "
-                         f"for the replicas' last outputs and errors")
-    if not REPLICA_GRACEFUL_SHUTDOWN_S < INGRESS_GRACEFUL_SHUTDOWN_S:
-        raise ValueError(f"the ingress's graceful shutdown timeout ({INGRESS_GRACEFUL_SHUTDOWN_S} s) must be longer than the replicas' "
-                         f"({REPLICA_GRACEFUL_SHUTDOWN_S} s): it relays what they send until they stop")
 
 
 class StartError(Exception):

@@ -16,6 +16,7 @@ from ray import serve
 
 from runtime.distributed.log_level import apply_log_level
 from runtime.distributed.replica_set import ReplicaSetEngine
+from runtime.distributed.shutdown_timeouts import check_shutdown_timeouts
 from runtime.server.app import create_app
 from runtime.server.errors import error_response
 from runtime.server.options import ServerOptions
@@ -85,7 +86,12 @@ class LoraIngress:
     async def begin_shutdown(self, drain_s: float) -> None:
         """The application's shutdown begins (``application.drain``): refuse new requests (503
         ``engine_unavailable``, /health too) and retry none; tell the replicas, through the
-        registry, to let their requests in flight run for ``drain_s`` and fail the rest."""
+        registry, to let their requests in flight run for ``drain_s`` and fail the rest.
+
+        ValueError (``check_shutdown_timeouts``), with nothing begun, for a ``drain_s`` that, with
+        the step grace, would not end inside the replicas' graceful shutdown timeout: ``drain``
+        checks it first, but a script may call this through a Serve handle directly."""
+        check_shutdown_timeouts(drain_s)
         self.engine.begin_shutdown()
         try:
             await self.registry.begin_drain.remote(drain_s)

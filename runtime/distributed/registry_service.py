@@ -195,7 +195,9 @@ class AdapterRegistryService:
 
     def begin_drain(self, drain_s: float) -> None:
         """The application is shutting down: replicas learn it at their next heartbeat, and let
-        their requests in flight run for what is left of ``drain_s`` (the first call sets it)."""
+        their requests in flight run for what is left of ``drain_s`` (the first call sets it).
+        Called by ``LoraIngress.begin_shutdown``, which checks ``drain_s`` first
+        (``shutdown_timeouts.check_shutdown_timeouts``; not here, where torch is not loaded)."""
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + max(0.0, float(drain_s))
 
