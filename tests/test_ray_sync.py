@@ -697,6 +697,29 @@ def test_the_ingress_follows_a_registry_restarted_at_a_lower_revision_and_never_
     assert (ingress._view["revision"], ingress._current_version("A"), ingress._view["registry"]) == (3, f"{10:064x}", restarted.incarnation)
 
 
+def test_the_ingress_remembers_only_the_last_registries_it_left_and_still_refuses_their_late_replies(tiny_llama_dir) -> None:
+    """The ingress kept the id of every registry incarnation it left, one per registry restart, for
+    ever. Now it keeps the last LEFT_REGISTRIES_KEPT, and still refuses a late reply of each of those."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    ingress = ReplicaSetEngine(None, None, str(tiny_llama_dir), "tiny", 64)
+    kept = ingress.LEFT_REGISTRIES_KEPT
+
+    def view(incarnation: int, revision: int = 0) -> dict[str, Any]:
+        entry = {"name": "A", "path": f"/a{incarnation}", "version": f"{incarnation + 1:064x}", "max_rank": 8, "registered_at": 1.0}
+        return {"registry": f"registry-{incarnation}", "revision": revision, "entries": [entry], "ready": True}
+
+    restarts = kept + 5
+    late_replies = [view(i, revision=99) for i in range(restarts)]  # each sent just before its registry died
+    for i in range(restarts + 1):
+        ingress._take(view(i))
+    assert ingress._view["registry"] == f"registry-{restarts}"
+    assert len(ingress._left_registries) == kept, f"{len(ingress._left_registries)} registries left are kept"
+    for late in late_replies[-kept:]:
+        ingress._take(late)
+    assert (ingress._view["registry"], ingress._current_version("A")) == (f"registry-{restarts}", f"{restarts + 1:064x}"), "a late reply was taken"
+
+
 def test_a_replica_follows_a_registry_restarted_at_a_lower_revision_and_never_serves_the_replaced_version(replica, service, folders, tiny_llama_dir,
                                                                                                           tmp_path) -> None:  # fmt: skip
     """A replica at revision 3 of the registry before the restart counted as having applied revision

@@ -71,6 +71,11 @@ class ReplicaSetEngine:
     # How long a /metrics scrape waits for the registry's snapshots before it shows the last ones
     # fetched (the registry may be restarting: its calls are retried until it is back).
     SNAPSHOT_TIMEOUT_S = 2.0
+    # How many registry incarnations left (one per registry restart) ``_take`` keeps refusing, the
+    # most recent ones. A late reply of a registry left is one it sent just before it died, so it
+    # arrives within moments of the restart; this many restarts take far longer. Unbounded, a
+    # long-lived ingress kept one id per restart for ever.
+    LEFT_REGISTRIES_KEPT = 16
 
     def __init__(
         self,
@@ -104,8 +109,9 @@ class ReplicaSetEngine:
         # Since when, and with which kind of error, refreshes have been failing (None: the last one succeeded).
         self._refresh_outage: Optional[tuple[float, str]] = None
         self._clock = time.monotonic
-        # Registry incarnations this ingress took views from and then moved on from (one per registry restart).
-        self._left_registries: set[str] = set()
+        # Registry incarnations this ingress took views from and then moved on from (one per registry
+        # restart), oldest first: the last ``LEFT_REGISTRIES_KEPT`` (a dict used as an ordered set).
+        self._left_registries: dict[str, None] = {}
         # /metrics: the replicas' snapshots as last fetched, and the fetch a scrape stopped waiting
         # for (the next scrape waits for that one, so every reply is read and none piles up).
         self._snapshots_lock = threading.Lock()
@@ -132,8 +138,9 @@ class ReplicaSetEngine:
         Revisions are compared within one registry actor (``registry``, its incarnation) only: a
         view older than the one held from the same registry is dropped (a refresh and an admin
         call's view can arrive in either order). A view from another registry, a restarted actor,
-        is taken whatever its revision, and the registry left is never taken from again (a reply
-        it sent before it died may arrive late): a registry restarted from a lost or deleted
+        is taken whatever its revision, and the registry left is not taken from again (a reply it
+        sent before it died may arrive late; the last ``LEFT_REGISTRIES_KEPT`` registries left are
+        refused so): a registry restarted from a lost or deleted
         manifest starts again below the revision held, and its set, hot updates included, must
         reach routing (the replicas follow it too: ``AdapterRegistryService.heartbeat``).
 
@@ -151,7 +158,9 @@ class ReplicaSetEngine:
             if registry in self._left_registries or view.get("entries") is None:
                 return
             if held.get("registry") is not None:
-                self._left_registries.add(held["registry"])
+                self._left_registries[held["registry"]] = None
+                while len(self._left_registries) > self.LEFT_REGISTRIES_KEPT:
+                    del self._left_registries[next(iter(self._left_registries))]
         elif view["revision"] < held["revision"]:
             return
         if view.get("entries") is None:
