@@ -473,6 +473,40 @@ def test_a_replica_whose_engine_is_gone_says_so_in_one_line_and_stops_syncing(re
     assert ended and snapshots[0] == 1, f"the sync loop went on ({snapshots[0]} snapshots asked)"
 
 
+def test_requests_reaching_a_replica_whose_engine_is_gone_are_refused_alike_and_logged_once(replica, service, folders, caplog) -> None:
+    """Each request behind the ingress's revision makes a replica sync first; on a replica whose engine
+    is gone (shut down, Serve not done deleting it) every such sync failed, and each request logged
+    its own WARNING: one line per request under load. Now the first failure is logged, and every
+    request is still refused with the same error."""
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    revision = record(replica, service, "B", folders.v1)["revision"]  # the ingress knows it; the replica has not applied it
+    replica.engine.shutdown()
+    with caplog.at_level("DEBUG", logger="lorafleet"):
+        answers = [items(replica, "A", min_revision=revision) for _ in range(3)]
+    assert all(len(a) == 1 and a[0][:2] == ("error", "engine_dead") for a in answers), answers
+    assert len({a[0] for a in answers}) == 1, answers
+    lines = [r for r in caplog.records if r.name == "lorafleet.replica" and r.levelname == "WARNING"]
+    assert len(lines) == 1 and "engine is gone" in lines[0].getMessage(), [r.getMessage() for r in lines]
+
+
+def test_a_failing_sync_before_requests_is_logged_once_per_kind_and_its_end_once(replica, service, folders, caplog) -> None:
+    """While the registry is away, every request behind the ingress's revision logged a WARNING of
+    its own; now one line per kind of failure, and one INFO line once such a sync works again."""
+    import ray
+
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    revision = record(replica, service, "B", folders.v1)["revision"]
+    replica.registry = LocalHandle(FlakyRegistry(service, failures=3, error=ray.exceptions.RayActorError()))
+    with caplog.at_level("DEBUG", logger="lorafleet"):
+        answers = [items(replica, "A", min_revision=revision, max_tokens=1) for _ in range(4)]
+    assert all(a[-1][0] == "out" for a in answers), answers  # served from the set it holds, then caught up
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "lorafleet.replica" and r.levelname in ("WARNING", "INFO")]
+    assert [level for level, _ in lines] == ["WARNING", "INFO"], lines
+    assert "sync before a request failed (RayActorError" in lines[0][1] and "work again (3 failed)" in lines[1][1], lines
+
+
 def test_check_health_fails_when_syncs_keep_failing(replica, service) -> None:
     now = [1000.0]
     replica._clock = lambda: now[0]

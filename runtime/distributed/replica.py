@@ -184,6 +184,9 @@ class LoraReplica:
         self._backoff = ApplyBackoff(clock=lambda: self._clock())  # when a failed entry's files are read again
         self._sync_fine_at = self._clock()  # when the last sync succeeded, or failed only because the registry was away
         self._sync_error: Optional[str] = None  # why the last sync failed (None: it succeeded)
+        # Syncs before requests (``_catch_up``) failing since the last that worked: (the kind of
+        # error logged, how many failed); None: the last one worked. Logged once per kind, not per request.
+        self._catch_up_failing: Optional[tuple[str, int]] = None
         self._metrics_lock = threading.Lock()
         self._finished: dict[str, Any] = {}
         # Requests this replica is streaming: only theirs are kept (an abort that lands after its
@@ -506,10 +509,27 @@ class LoraReplica:
         try:
             await self._sync_once(unless_tried=revision, registry=registry)
         except Exception as err:  # noqa: BLE001 - the request is still served, from the current set where it is current
-            logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapters it holds in their current version", self.replica_id,
-                           type(err).__name__, err)  # fmt: skip
+            self._catch_up_failed(err)
             return f"its sync failed: {type(err).__name__}: {err}"
+        if self._catch_up_failing is not None:
+            logger.info("replica %s: syncs before requests work again (%d failed)", self.replica_id, self._catch_up_failing[1])
+            self._catch_up_failing = None
         return None if self.has_tried(revision, registry) else f"revision {revision} is not in the registry it reached"
+
+    def _catch_up_failed(self, err: Exception) -> None:
+        """Log a failed sync before a request once per kind of error until such a sync works again
+        (``_catch_up`` then says how many failed), not once per request: under load, a replica
+        whose engine is gone, or that cannot reach the registry, got one request after another
+        behind the ingress's revision, and logged a line for each."""
+        kind = type(err).__name__
+        failing = self._catch_up_failing
+        if failing is None or failing[0] != kind:
+            if isinstance(err, EngineDeadError):
+                logger.warning("replica %s: its engine is gone (%s); requests that reach it are refused", self.replica_id, err)
+            else:
+                logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapters it holds in their current version "
+                               "(not logged again for each request until such a sync works)", self.replica_id, kind, err)  # fmt: skip
+        self._catch_up_failing = (kind, (failing[1] if failing is not None else 0) + 1)
 
     def _stale_refusal(self, adapter: str, behind: Optional[str], expected_version: Optional[str]) -> Optional[tuple]:
         """The error item refusing ``adapter`` on a replica that is ``behind`` the ingress's revision
