@@ -194,6 +194,45 @@ def test_admin_call_reports_a_replica_that_failed_to_apply_and_succeeds_once_it_
     assert client.register("A", str(folders.v2)).version == v2
 
 
+def test_validations_wait_on_a_bounded_thread_of_their_own_and_one_too_many_is_a_429(replica, service, folders, monkeypatch) -> None:
+    """A replica validated an admin call's files on its event loop's default executor, the threads its
+    heartbeats' snapshots and its applies wait for, as many at once as admin calls were in progress.
+    Now they wait on a thread of their own (AdminWorkers, as a single server's admin routes do), and
+    one past ADMIN_MAX_IN_PROGRESS gets the admin route's 429 (AdminBusy), not a 400."""
+    from runtime.server.admin_workers import AdminBusy, AdminWorkers
+
+    read = replica.engine.load_adapter_files
+    release, threads = threading.Event(), []
+
+    def slow_read(name: str, path: str) -> Any:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:  # the first read is held until the second call was answered
+            release.wait()
+        return read(name, path)
+
+    monkeypatch.setattr(replica.engine, "load_adapter_files", slow_read)
+    replica._validations = AdminWorkers(threads=1, max_in_progress=1)  # ADMIN_MAX_IN_PROGRESS, made small
+
+    async def run() -> tuple[dict[str, Any], dict[str, Any]]:
+        first = asyncio.ensure_future(replica.validate_adapter("A", str(folders.v1)))
+        for _ in range(20_000):  # a bound, not a clock: until the first one reads
+            if threads:
+                break
+            await asyncio.sleep(0.001)
+        second = await replica.validate_adapter("B", str(folders.v1))
+        release.set()
+        return await first, second
+
+    first, second = asyncio.run(run())
+    assert first == {"version": version_of(folders.v1, replica), "max_rank": first["max_rank"]}, first
+    assert threads == ["lorafleet-admin_0"], threads
+    assert list(second) == ["busy"] and "replica-1" in second["busy"], second
+    client = admin_client(service, second, monkeypatch)
+    with pytest.raises(AdminBusy):
+        client.register("B", str(folders.v1))
+    assert service.manifest.by_name() == {}
+
+
 @pytest.mark.parametrize("name", ["__other__", "__base__", " A", "", 7])
 def test_the_admin_path_refuses_a_name_as_a_single_server_does(service, monkeypatch, name) -> None:
     """RegistryClient had its own copy of the name check: a reserved name (a label of its own in

@@ -20,6 +20,7 @@ import ray
 from runtime.engine import check_adapter_name
 from runtime.lora.registry import some_names
 from runtime.request import AdapterRef, UnknownAdapterError
+from runtime.server.admin_workers import AdminBusy
 from runtime.server.errors import APIError
 
 logger = logging.getLogger("lorafleet.registry")
@@ -85,9 +86,12 @@ class RegistryClient:
     def validate(self, name: str, path: str) -> dict[str, Any]:
         """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
         ValueError; the name is checked here first as a single server checks it (``check_adapter_name``:
-        TypeError for a non-str, ValueError for an empty, padded or reserved one)."""
+        TypeError for a non-str, ValueError for an empty, padded or reserved one). ``AdminBusy`` (the
+        admin route's 429) when the replica has too many validations in progress."""
         check_adapter_name(name)
         checked = self.replicas.validate_adapter.remote(name, str(path)).result()
+        if "busy" in checked:
+            raise AdminBusy(checked["busy"])
         if "error" in checked:
             raise ValueError(checked["error"])
         return checked

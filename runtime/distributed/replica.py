@@ -60,6 +60,7 @@ from runtime.distributed.log_level import apply_log_level
 from runtime.distributed.report_delta import ReportSender
 from runtime.lora.registry import AdapterInfo
 from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, SamplingParams, UnknownAdapterError
+from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, AdminBusy, AdminWorkers
 
 logger = logging.getLogger("lorafleet.replica")
 
@@ -193,6 +194,9 @@ class LoraReplica:
         # stream ended, from a cancelled admission, would otherwise leave an entry for ever).
         self._streaming: Counter[str] = Counter()  # a count: a refused duplicate id ends without ending the other
         self._drain: Optional[threading.Thread] = None  # the engine's shutdown, once the application began draining
+        # validate_adapter's waits for the engine's file reader (one adapter at a time): a thread of their own,
+        # not the event loop's default executor, which the heartbeats' snapshots and the applies use.
+        self._validations = AdminWorkers(threads=1, max_in_progress=ADMIN_MAX_IN_PROGRESS)
         self.engine.add_observer(self._observe)
 
     # ---- the registered set ------------------------------------------------------------------
@@ -556,9 +560,19 @@ class LoraReplica:
         return None
 
     async def validate_adapter(self, name: str, path: str) -> dict[str, Any]:
-        """Read and validate adapter files against this replica's model; engine state is untouched."""
+        """Read and validate adapter files against this replica's model; engine state is untouched.
+        {"version", "max_rank"}, {"error"} for files that do not validate, or {"busy"} (the admin
+        call's 429, ``RegistryClient.validate``) when ``ADMIN_MAX_IN_PROGRESS`` validations are
+        already in progress here.
+
+        The wait for the engine's file reader runs on ``_validations``' one thread: on the event
+        loop's default executor (``min(32, cores + 4)`` threads), each validation in progress held a
+        thread that this replica's heartbeats (their engine snapshot) and applies also need, their
+        number bounded only by the admin calls in progress at the ingress."""
         try:
-            adapter = await asyncio.to_thread(self.engine.load_adapter_files, name, path)
+            adapter = await self._validations.run(self.engine.load_adapter_files, name, path)
+        except AdminBusy as err:
+            return {"busy": f"replica {self.replica_id}: {err}"}
         except (ValueError, OSError) as err:
             return {"error": str(err)}
         return {"version": adapter.version, "max_rank": adapter.max_rank}
