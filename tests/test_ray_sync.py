@@ -529,6 +529,20 @@ def test_requests_reaching_a_replica_whose_engine_is_gone_are_refused_alike_and_
     assert len(lines) == 1 and "engine is gone" in lines[0].getMessage(), [r.getMessage() for r in lines]
 
 
+def test_a_replica_whose_engine_is_gone_refuses_a_name_it_does_not_hold_as_engine_dead_not_as_the_registry_away(replica, service, folders) -> None:
+    """A request for a registered name this replica does not hold makes it sync (Serve's loader); with
+    its engine gone that sync fails with EngineDeadError, and the request was refused with
+    adapter_unavailable, "this replica does not hold it and cannot reach the registry": the registry
+    was fine. Now it is refused as every other request there is, engine_dead, naming the engine."""
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    record(replica, service, "B", folders.v1)  # registered since; this replica does not hold it
+    replica.engine.shutdown()
+    got = items(replica, "B")
+    assert [i[:2] for i in got] == [("error", "engine_dead")], got
+    assert "registry" not in got[0][2] and "shut down" in got[0][2], got
+
+
 def test_a_failing_sync_before_requests_is_logged_once_per_kind_and_its_end_once(replica, service, folders, caplog) -> None:
     """While the registry is away, every request behind the ingress's revision logged a WARNING of
     its own; now one line per kind of failure, and one INFO line once such a sync works again."""

@@ -411,11 +411,16 @@ class LoraReplica:
         """Serve's multiplexed loader: make sure ``name`` is registered here (syncing if needed).
 
         Serve calls it only for names its cache does not hold; ``generate`` checks the rest.
+        EngineDeadError when the sync finds this replica's engine gone (``generate`` answers it as
+        ``engine_dead``, as any request that reaches the engine there), else AdapterUnavailable when
+        the sync fails (the registry is away).
         """
         info = self._held(name)
         if info is None:
             try:
                 await self._sync_once()
+            except EngineDeadError:  # this replica's engine is gone, not the registry: refused as every request here (``_refusal``)
+                raise
             except Exception as err:  # noqa: BLE001 - the registry is away: say what this replica knows
                 # Raised on, the registry's RayActorError would reach the ingress as this replica's death.
                 self._raise_if_unservable(name)
@@ -555,7 +560,7 @@ class LoraReplica:
             held = self._held(adapter)
             if pinned_version is not None and (held is None or held.version != pinned_version):
                 raise AdapterUnavailable(_pin_mismatch(adapter, held.version if held else None, pinned_version))
-        except (UnknownAdapterError, AdapterUnavailable) as err:
+        except (UnknownAdapterError, AdapterUnavailable, EngineDeadError) as err:
             return error_item(err)
         return None
 
