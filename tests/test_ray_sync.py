@@ -233,6 +233,25 @@ def test_validations_wait_on_a_bounded_thread_of_their_own_and_one_too_many_is_a
     assert service.manifest.by_name() == {}
 
 
+def test_a_load_whose_validating_replica_dies_answers_503_to_retry_not_500(service, monkeypatch) -> None:
+    """The replica that validates a load's files can die meanwhile (Serve replaces an unhealthy one):
+    Ray's RayActorError came out of the admin route as a 500 internal_error, as if lorafleet had a
+    bug. Now it is a 503 replica_unavailable saying nothing was recorded and to retry."""
+    import ray
+
+    client = admin_client(service, {}, monkeypatch)
+
+    def died() -> Any:
+        raise ray.exceptions.RayActorError()
+
+    client.replicas = SimpleNamespace(validate_adapter=SimpleNamespace(remote=lambda name, path: SimpleNamespace(result=died)))
+    with pytest.raises(APIError) as refused:
+        client.register("A", "/adapters/a")
+    assert (refused.value.status, refused.value.code) == (503, "replica_unavailable"), refused.value.message
+    assert "nothing was recorded" in refused.value.message and "retry" in refused.value.message, refused.value.message
+    assert service.manifest.by_name() == {}
+
+
 @pytest.mark.parametrize("name", ["__other__", "__base__", " A", "", 7])
 def test_the_admin_path_refuses_a_name_as_a_single_server_does(service, monkeypatch, name) -> None:
     """RegistryClient had its own copy of the name check: a reserved name (a label of its own in

@@ -16,6 +16,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import ray
+from ray.exceptions import RayActorError
 
 from runtime.engine import check_adapter_name
 from runtime.lora.registry import some_names
@@ -87,9 +88,15 @@ class RegistryClient:
         """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
         ValueError; the name is checked here first as a single server checks it (``check_adapter_name``:
         TypeError for a non-str, ValueError for an empty, padded or reserved one). ``AdminBusy`` (the
-        admin route's 429) when the replica has too many validations in progress."""
+        admin route's 429) when the replica has too many validations in progress. An ``APIError`` 503
+        ``replica_unavailable`` when that replica dies before it answers (Serve replaces it; a retry
+        goes to a live one): nothing was recorded."""
         check_adapter_name(name)
-        checked = self.replicas.validate_adapter.remote(name, str(path)).result()
+        try:
+            checked = self.replicas.validate_adapter.remote(name, str(path)).result()
+        except RayActorError as err:  # not a bug here: a 500 would say so
+            raise APIError(503, f"load {name!r}: the replica validating the files stopped before it answered ({type(err).__name__}); "
+                                "nothing was recorded; retry the request", code="replica_unavailable") from err  # fmt: skip
         if "busy" in checked:
             raise AdminBusy(checked["busy"])
         if "error" in checked:
