@@ -36,6 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from runtime.config import EngineConfig
@@ -580,15 +581,16 @@ class AsyncLLMEngine:
             self._wake.notify_all()
             return found
 
-    def register_adapter(self, name: str, path: str) -> AdapterRef:
+    def register_adapter(self, name: str, path: str, *, within: Optional[Sequence[str | Path]] = None) -> AdapterRef:
         # Reading and validating the files happens outside the lock (steps keep running), in a
         # single-threaded helper (see runtime/torch_threads.py).
-        return self.install_adapter(self.load_adapter_files(name, path), path)
+        return self.install_adapter(self.load_adapter_files(name, path, within=within), path)
 
-    def load_adapter_files(self, name: str, path: str) -> Any:
-        """Read and validate an adapter folder without the lock (``LLMEngine.load_adapter_files``)."""
+    def load_adapter_files(self, name: str, path: str, *, within: Optional[Sequence[str | Path]] = None) -> Any:
+        """Read and validate an adapter folder without the lock (``LLMEngine.load_adapter_files``,
+        ``within`` as there)."""
         try:
-            reading = self._files.submit(self.engine.load_adapter_files, name, path)
+            reading = self._files.submit(self.engine.load_adapter_files, name, path, within=within)
         except RuntimeError as err:  # the file reader is shut down with the engine
             raise EngineDeadError(self.dead_error or "engine was shut down") from err
         return reading.result()

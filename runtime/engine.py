@@ -33,7 +33,8 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv.block_manager import BlockManager
 from runtime.kv.prefix_cache import PrefixCache
-from runtime.lora.adapter import AdapterError, LoRAAdapter, check_adapter_path_type, load_adapter, resolved_files
+from runtime.lora.adapter import (AdapterError, AdapterPathError, LoRAAdapter, check_adapter_path_type, files_within, load_adapter,
+                                  resolved_files)
 from runtime.lora.pool import AdapterCounters, AdapterPool
 from runtime.lora.registry import AdapterInfo, AdapterRegistry
 from runtime.model_runner import ModelRunner, SeqStep, check_cpu_gemm_applies
@@ -173,13 +174,18 @@ class LLMEngine:
         self._awaiting_adapter: set[Sequence] = set()  # requests whose adapter is not on host/device yet
 
     # ---- adapters -------------------------------------------------------------------------
-    def load_adapter_files(self, name: str, path: str) -> LoRAAdapter:
-        """Read and validate an adapter (no engine state touched; may run outside the engine lock)."""
+    def load_adapter_files(self, name: str, path: str, *, within: Optional[Seq[str | Path]] = None) -> LoRAAdapter:
+        """Read and validate an adapter (no engine state touched; may run outside the engine lock).
+
+        ``within``: folders (the server's ``--adapter-root``) that the folder and the files read
+        must resolve into when they are opened, not only when a caller checked the path: else
+        ``AdapterPathError``, nothing of them read (``load_adapter``, ``files_within``)."""
         self._check_open()
         check_adapter_name(name)
         check_adapter_path_type(path)
         adapter = load_adapter(
-            str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank
+            str(path), name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank,
+            approve_files=files_within(within) if within is not None else None,
         )
         self.gate.check_adapter(adapter)
         _check_range(adapter, path, self.runner.dtype)
@@ -196,8 +202,9 @@ class LLMEngine:
             self.pool.retire(previous)
         return ref
 
-    def register_adapter(self, name: str, path: str) -> AdapterRef:
-        return self.install_adapter(self.load_adapter_files(name, path), str(path))
+    def register_adapter(self, name: str, path: str, *, within: Optional[Seq[str | Path]] = None) -> AdapterRef:
+        """``load_adapter_files`` (``within`` as there), then ``install_adapter``."""
+        return self.install_adapter(self.load_adapter_files(name, path, within=within), str(path))
 
     def unregister_adapter(self, name: str) -> None:
         self._check_open()
@@ -228,12 +235,24 @@ class LLMEngine:
             moved = now != files and not repointed
         except (OSError, RuntimeError, ValueError):  # a symlink loop, or a path no longer usable
             moved = True
+        moved_error = AdapterPathError(f"{path}: the adapter's files resolve to other paths than when it was registered (version "
+                                       f"{ref.version[:12]}); nothing was read; register it again to serve what is there now")  # fmt: skip
         if files and moved:
             logger.warning("adapter %r (version %s): not re-read from %s: its files resolve elsewhere than %s", ref.name, ref.version[:12], path, files)
-            raise AdapterError(f"{path}: the adapter's files resolve to other paths than when it was registered (version "
-                               f"{ref.version[:12]}); nothing was read; register it again to serve what is there now")  # fmt: skip
+            raise moved_error
+
+        def approve(_folder: Path, read: tuple[str, ...]) -> None:  # the loader's own resolution must be the one checked here
+            if files and read != now:
+                logger.warning("adapter %r (version %s): not re-read from %s: its files moved to %s after the check", ref.name, ref.version[:12], path, read)
+                raise moved_error
+
         try:
-            adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank)
+            adapter = load_adapter(path, ref.name, self._targets, num_layers=self._num_layers, max_lora_rank=self.config.max_lora_rank,
+                                   approve_files=approve)  # fmt: skip
+        except AdapterPathError as err:  # refused before anything was read: its message quotes nothing from the files
+            if err is not moved_error:
+                logger.warning("adapter %r (version %s): not re-read from %s: %s", ref.name, ref.version[:12], path, err)
+            raise
         except AdapterError as err:  # it loaded when registered: its files changed (or went) since
             logger.warning("adapter %r (version %s): re-reading %s failed: %s", ref.name, ref.version[:12], path, err)
             raise AdapterError(f"{path}: the adapter changed on disk since it was registered (version {ref.version[:12]}) and no "

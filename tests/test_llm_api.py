@@ -117,6 +117,35 @@ def test_a_re_read_never_follows_files_swapped_to_point_elsewhere(tiny_llama_dir
         assert failed.finish_reason == "error" and "nothing was read" in failed.error, failed.error
 
 
+def test_a_re_read_never_follows_a_file_swapped_right_after_its_check(tiny_llama_dir, tiny_adapters, tmp_path, caplog, monkeypatch):
+    """The host tier's re-read checks where the files resolve, then reads them: a file swapped for a
+    symlink to one outside in between used to be read (and its parse error, in the log, quoted it);
+    now the loader reads only the paths that check approved, and refuses, nothing read."""
+    import runtime.engine as engine_module
+
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text('{"peft_type": "TOPSECRET-hunter2"}')
+    live = copy_adapter(tiny_adapters["a"], tmp_path / "root" / "live")
+    check = engine_module.resolved_files
+
+    def check_then_swap(folder):
+        files = check(folder)
+        (live / "adapter_config.json").unlink()
+        (live / "adapter_config.json").symlink_to(secret)
+        return files
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=4, max_loras=1, max_cpu_loras=1) as llm:
+        llm.register_adapter("live", str(live))
+        llm.register_adapter("other", str(tiny_adapters["b"]))  # drops "live" from the 1-entry host tier: the next request re-reads it
+        monkeypatch.setattr(engine_module, "resolved_files", check_then_swap)
+        with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+            (failed,) = llm.generate(["y"], params, adapter="live", raise_on_error=False)
+    assert failed.finish_reason == "error" and "nothing was read" in failed.error, failed.error
+    assert "TOPSECRET" not in failed.error and all("TOPSECRET" not in r.getMessage() for r in caplog.records)
+
+
 def test_a_re_read_follows_a_folder_symlink_repointed_at_another_copy(tiny_llama_dir, tiny_adapters, tmp_path):
     """A release switch (``current -> rev1`` repointed at ``rev2``, as git-sync does): the files now
     resolve elsewhere, but inside the folder the registered path names, and hash to the version."""

@@ -342,6 +342,20 @@ def test_initial_adapters_are_all_validated_before_any_is_recorded(replica, serv
     assert [r.name for r in refs] == ["good", "other"] and set(service.manifest.by_name()) == {"good", "other"}
 
 
+def test_an_admin_load_confines_the_validating_replicas_read(replica, service, folders, monkeypatch) -> None:
+    """The admin route's --adapter-root reaches the replica that reads the files to validate them:
+    files that resolve outside it when that replica opens them are refused, nothing recorded."""
+    monkeypatch.setattr(registry_client, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
+    client = RegistryClient(LocalHandle(service), replicas, apply_timeout_s=0.0)
+    before = service.manifest.revision
+    with pytest.raises(ValueError, match="resolves outside every --adapter-root"):
+        client.register("A", str(folders.v1), within=[str(folders.v2)])
+    assert service.manifest.revision == before and service.manifest.by_name() == {}
+    assert client.validate("A", str(folders.v1), within=[str(folders.v1)])["version"]
+
+
 # ---- 2: files are checked against the registered version before they are installed ----------------
 def spy_installs(rep: LoraReplica, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Versions the engine makes current (install_adapter calls), in order."""
@@ -1884,7 +1898,7 @@ def test_the_ingress_takes_the_registry_view_after_an_admin_call_that_failed_to_
     monkeypatch.setattr(replica_set, "ray", SimpleNamespace(get=asyncio.run))
     ingress = ReplicaSetEngine(None, LocalHandle(service), str(tiny_llama_dir), "tiny", 64)
 
-    def recorded_then_refused(name: str, path: str) -> Any:
+    def recorded_then_refused(name: str, path: str, *, within: Any = None) -> Any:
         service.register(name, path, "0" * 64, 4)
         raise ReplicasFailedToApply("register", name, {"replica-1": [f"{name}: cannot read"]})
 

@@ -75,8 +75,9 @@ class RegistryClient:
         self.replicas = replicas
         self.apply_timeout_s = apply_timeout_s
 
-    def register(self, name: str, path: str) -> AdapterRef:
-        return self._record(name, path, self.validate(name, path))
+    def register(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> AdapterRef:
+        """``validate`` (``within`` as there), then record the adapter for every replica to apply."""
+        return self._record(name, path, self.validate(name, path, within=within))
 
     def register_all(self, adapters: Sequence[tuple[str, str]]) -> list[AdapterRef]:
         """``register`` each (name, path), all or nothing as far as validation goes: every adapter
@@ -84,16 +85,19 @@ class RegistryClient:
         checked = [(name, path, self.validate(name, path)) for name, path in adapters]
         return [self._record(name, path, result) for name, path, result in checked]
 
-    def validate(self, name: str, path: str) -> dict[str, Any]:
+    def validate(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
         ValueError; the name is checked here first as a single server checks it (``check_adapter_name``:
-        TypeError for a non-str, ValueError for an empty, padded or reserved one). ``AdminBusy`` (the
+        TypeError for a non-str, ValueError for an empty, padded or reserved one). ``within``: the
+        folders that read must stay in (``LLMEngine.load_adapter_files``); the replicas' own reads
+        when they apply the change later are not confined (docs/security.md). ``AdminBusy`` (the
         admin route's 429) when the replica has too many validations in progress. An ``APIError`` 503
         ``replica_unavailable`` when that replica dies before it answers (Serve replaces it; a retry
         goes to a live one): nothing was recorded."""
         check_adapter_name(name)
+        confined = {"within": [str(r) for r in within]} if within is not None else {}
         try:
-            checked = self.replicas.validate_adapter.remote(name, str(path)).result()
+            checked = self.replicas.validate_adapter.remote(name, str(path), **confined).result()
         except RayActorError as err:  # not a bug here: a 500 would say so
             raise APIError(503, f"load {name!r}: the replica validating the files stopped before it answered ({type(err).__name__}); "
                                 "nothing was recorded; retry the request", code="replica_unavailable") from err  # fmt: skip

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import threading
@@ -564,18 +565,18 @@ class LoraReplica:
             return error_item(err)
         return None
 
-    async def validate_adapter(self, name: str, path: str) -> dict[str, Any]:
+    async def validate_adapter(self, name: str, path: str, within: Optional[list[str]] = None) -> dict[str, Any]:
         """Read and validate adapter files against this replica's model; engine state is untouched.
-        {"version", "max_rank"}, {"error"} for files that do not validate, or {"busy"} (the admin
-        call's 429, ``RegistryClient.validate``) when ``ADMIN_MAX_IN_PROGRESS`` validations are
-        already in progress here.
+        ``within``: as ``LLMEngine.load_adapter_files``'s. {"version", "max_rank"}, {"error"} for
+        files that do not validate, or {"busy"} (the admin call's 429, ``RegistryClient.validate``)
+        when ``ADMIN_MAX_IN_PROGRESS`` validations are already in progress here.
 
         The wait for the engine's file reader runs on ``_validations``' one thread: on the event
         loop's default executor (``min(32, cores + 4)`` threads), each validation in progress held a
         thread that this replica's heartbeats (their engine snapshot) and applies also need, their
         number bounded only by the admin calls in progress at the ingress."""
         try:
-            adapter = await self._validations.run(self.engine.load_adapter_files, name, path)
+            adapter = await self._validations.run(functools.partial(self.engine.load_adapter_files, name, path, within=within))
         except AdminBusy as err:
             return {"busy": f"replica {self.replica_id}: {err}"}
         except (ValueError, OSError) as err:

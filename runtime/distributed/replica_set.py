@@ -297,9 +297,10 @@ class ReplicaSetEngine:
         return total
 
     # ---- admin -----------------------------------------------------------------------------------
-    def register_adapter(self, name: str, path: str) -> AdapterRef:
+    def register_adapter(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> AdapterRef:
+        """Validate on one replica (its read confined to ``within``: ``RegistryClient.validate``) and record."""
         try:
-            return self.client.register(name, path)
+            return self.client.register(name, path, within=within)
         finally:  # also after a 503 (the change is recorded; some replica failed to apply it): requests carry its revision now
             self._take(ray.get(self.registry.view.remote(self._known())))
 

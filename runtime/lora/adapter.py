@@ -32,6 +32,11 @@ LoftQ, with which PEFT rewrites the base weights on load (``W - scale * B0 A0``)
 adding the adapter. Tensor keys with PEFT's ``.default`` adapter-name infix
 (``lora_A.default.weight``) are read like the plain ones, as PEFT reads them.
 
+Files are read from their resolved paths (``resolved_files``: resolved once), opened with no symlink
+followed on the way (``symlink_free_open``), so what is read is what a check of those paths
+(``approve_files``) approved, even if a symlink is swapped in after it; the bytes parsed are the bytes
+hashed into ``version``.
+
 Validation order: files (and their sizes, before reading them) -> JSON -> config fields -> safetensors header
 (dtypes, shapes, byte ranges; the decoder's naming) -> targets -> tensor names, shapes and ranks -> tensor values (NaN/Inf). Every failure
 is an ``AdapterError`` naming the file and the key or tensor.
@@ -50,12 +55,13 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from runtime.hub_hint import hub_download_hint
+from runtime.lora.symlink_free_open import NotRegularFileError, SymlinkInPathError, open_symlink_free
 from runtime.models.loader import BASE_MODEL_PREFIX, causal_lm_name
 
 logger = logging.getLogger(__name__)
@@ -85,6 +91,11 @@ _DEFAULT_INFIX = re.compile(r"\.lora_([AB])\.default\.weight$")
 
 class AdapterError(ValueError):
     """The adapter cannot be served; the message names the file and the key or tensor."""
+
+
+class AdapterPathError(AdapterError):
+    """The adapter's files are not where they were approved to be read from (outside the allowed
+    folders, or a symlink swapped into their path after the check): refused, nothing of them read."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,22 @@ def resolved_files(folder: str | Path) -> tuple[str, ...]:
     """``folder`` and the files ``load_adapter`` reads in it, symlinks resolved (nothing is
     opened): a re-read from disk checks where they resolve now before reading them."""
     return tuple(str(p.resolve()) for p in (Path(folder), Path(folder) / CONFIG_FILE, Path(folder) / WEIGHTS_FILE))
+
+
+def files_within(roots: Sequence[str | Path]) -> Callable[[Path, tuple[str, ...]], None]:
+    """An ``approve_files`` for ``load_adapter``: the folder and every file it reads, resolved
+    (``resolved_files``), must be one of ``roots`` (resolved) or lie under one, else
+    ``AdapterPathError``, whose message quotes no resolved path. A pure comparison of path strings:
+    the files are then opened along exactly these paths, with no symlink followed."""
+    resolved = [Path(r).resolve() for r in roots]
+
+    def approve(folder: Path, files: tuple[str, ...]) -> None:
+        for what, f in zip(("the folder", CONFIG_FILE, WEIGHTS_FILE), files):
+            p = Path(f)
+            if not any(p == r or r in p.parents for r in resolved):
+                raise AdapterPathError(f"{folder}: {what} resolves outside every --adapter-root as the loader opens it (a "
+                                       "symlink changed since the path was checked?); refused, nothing of it was read")
+    return approve
 
 
 def check_adapter_path_type(path: object) -> None:
@@ -162,18 +189,26 @@ def load_adapter(
     *,
     num_layers: int,
     max_lora_rank: int,
+    approve_files: Callable[[Path, tuple[str, ...]], None] | None = None,
 ) -> LoRAAdapter:
     """Validate and read the PEFT adapter at ``path`` (see module docstring).
 
     ``targets``: module name -> (in, out), from ``ModelRunner.lora_targets()``;
     ``num_layers`` and ``max_lora_rank`` are keyword-only so they cannot be swapped.
+    ``approve_files(path, files)``: called with the folder and its files resolved once
+    (``resolved_files``) before any of them is opened; it raises to refuse them (``files_within``).
+    The files are then read along exactly those paths, no symlink followed: a symlink swapped into
+    them after the check is an ``AdapterPathError``, nothing of them read. The recorded ``files``
+    are those paths.
     """
     root = Path(path)
     config_path, weights_path = check_adapter_folder(root)
     files = resolved_files(root)
-    raw = _read_config(config_path)
+    if approve_files is not None:
+        approve_files(root, files)
+    raw = _read_config(config_path, files[1])
     cfg = _parse_config(raw, config_path)
-    header, data_start, blob = _read_safetensors(weights_path, max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank)
+    header, data_start, blob = _read_safetensors(weights_path, files[2], max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank)
     header = _without_default_infix(header, weights_path)
     root = _decoder_root(header, weights_path)
     modules = _resolve_modules(cfg, config_path, targets, num_layers, root)
@@ -215,10 +250,24 @@ class _Config:
     layers_pattern: tuple[str, ...] = ()
 
 
-def _read_bounded(path: Path, limit: int, what: str) -> bytes:
-    """The bytes of ``path``, refused (an AdapterError) without reading them when it holds more than
-    ``limit``; a file that grows meanwhile is read only up to ``limit + 1`` bytes and refused too."""
-    with path.open("rb") as f:
+def _open_checked(path: Path, resolved: str) -> BinaryIO:
+    """``path`` opened along ``resolved`` (its path resolved when it was checked), no symlink
+    followed (``open_symlink_free``); errors name ``path``, as the loader's others do."""
+    try:
+        return open_symlink_free(resolved)
+    except SymlinkInPathError:
+        raise AdapterPathError(f"{path}: a symlink was put into its path after the path was checked; refused, nothing of it was read") from None
+    except NotRegularFileError:
+        raise AdapterError(f"{path}: not a regular file (a PEFT adapter folder needs {path.name} as a file)") from None
+    except OSError as err:  # missing (removed since the checks), unreadable: named as the caller gave it
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+def _read_bounded(path: Path, resolved: str, limit: int, what: str) -> bytes:
+    """The bytes of ``path`` (read along ``resolved``: ``_open_checked``), refused (an AdapterError)
+    without reading them when it holds more than ``limit``; a file that grows meanwhile is read only
+    up to ``limit + 1`` bytes and refused too."""
+    with _open_checked(path, resolved) as f:
         size = os.fstat(f.fileno()).st_size
         data = f.read(limit + 1) if size <= limit else b""
     if size > limit or len(data) > limit:
@@ -226,9 +275,9 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
     return data
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _read_config(path: Path, resolved: str) -> dict[str, Any]:
     try:
-        raw = json.loads(_read_bounded(path, MAX_CONFIG_BYTES, "an adapter config can be").decode())
+        raw = json.loads(_read_bounded(path, resolved, MAX_CONFIG_BYTES, "an adapter config can be").decode())
     except json.JSONDecodeError as err:
         raise AdapterError(f"{path}: invalid JSON: {err}") from err
     except UnicodeDecodeError as err:
@@ -490,12 +539,13 @@ def max_weights_bytes(targets: Mapping[str, tuple[int, int]], num_layers: int, m
     return widest * max_lora_rank * num_layers * sum(d_in + d_out for d_in, d_out in targets.values())
 
 
-def _read_safetensors(path: Path, max_data_bytes: int, max_lora_rank: int) -> tuple[dict[str, Any], int, bytes]:
+def _read_safetensors(path: Path, resolved: str, max_data_bytes: int, max_lora_rank: int) -> tuple[dict[str, Any], int, bytes]:
     """Parse and check the header (size, JSON, byte ranges); returns (tensor entries, data offset, file bytes).
+    The file is read once, along ``resolved`` (``_open_checked``); everything after parses those bytes.
 
     Sizes are checked before the bytes are read: a header over ``MAX_HEADER_BYTES``, or more
     tensor data than ``max_data_bytes`` (``max_weights_bytes``), is refused unread."""
-    with path.open("rb") as f:
+    with _open_checked(path, resolved) as f:
         size = os.fstat(f.fileno()).st_size
         blob = f.read(8)
         if len(blob) < 8:

@@ -3,7 +3,8 @@
 Only mounted with ``--enable-adapter-admin``; without it, ``build_disabled_router`` answers both
 with a 404 that says so. A path must resolve, symlinks
 included, inside one of the ``--adapter-root`` folders before anything is read, and so
-must the files the loader opens in it.
+must the files the loader opens in it; the loader checks again, on the paths it then opens
+with no symlink followed, so a symlink swapped in after the first check is refused too.
 Loading an existing name is a hot update: a new immutable version; requests in
 flight finish on the version they started with. Once the engine has died or is shut
 down, both routes answer 503 ``engine_unavailable``, as the generation routes do.
@@ -13,6 +14,7 @@ in progress, one more is a 429 ``too_many_admin_requests``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi import APIRouter
@@ -23,7 +25,7 @@ from runtime.request import UnknownAdapterError
 from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminBusy, AdminWorkers
 from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
-from runtime.lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE
+from runtime.lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, AdapterPathError
 from runtime.server.security import confine_adapter_folder
 
 
@@ -47,10 +49,12 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(403, str(err), param="lora_path", code="path_not_allowed") from err
         except ValueError as err:
             raise APIError(400, str(err), param="lora_path", code="invalid_parameter") from err
-        try:
-            ref = await off_loop(state.engine.register_adapter, body.lora_name, str(path))
+        try:  # the loader confines again the paths it opens, so a symlink swapped in since this check is refused (docs/security.md)
+            ref = await off_loop(functools.partial(state.engine.register_adapter, body.lora_name, str(path), within=state.options.adapter_roots))
         except EngineDeadError as err:  # a RuntimeError: the engine died or is shut down
             raise APIError(503, str(err), code="engine_unavailable") from err
+        except AdapterPathError as err:  # resolved outside the roots by the time it was opened: what the check above refuses
+            raise APIError(403, str(err), param="lora_path", code="path_not_allowed") from err
         except ValueError as err:  # the validator's message: names the file and the key/tensor
             raise APIError(400, str(err), param="lora_path", code="invalid_adapter") from err
         except OSError as err:  # unreadable, or removed between the loader's checks and its read

@@ -56,9 +56,9 @@ class BlockedAdminCalls:
                     event.set()
         self.release.wait(HOLD_S)
 
-    def register(self, name: str, path: str) -> Any:
+    def register(self, name: str, path: str, **within: Any) -> Any:
         self._enter()
-        return self._register(name, path)
+        return self._register(name, path, **within)
 
     def unregister(self, name: str) -> None:
         self._enter()

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from runtime.lora.adapter import WEIGHTS_FILE
 from runtime.server.app import create_app
 from runtime.server.options import ADAPTER_NAME_RULE, ServerOptions
 from runtime.server.serve_config import parse_lora_module
@@ -172,6 +173,35 @@ async def test_path_escapes_refused(app, adapter_root: Path, tiny_adapters, tmp_
     assert "evil" not in names
 
 
+async def test_a_file_swapped_out_of_the_root_after_the_check_is_refused(app, adapter_root: Path, tiny_adapters, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """The route confines the path, then the loader reads it: a weights file swapped for a symlink
+    to one outside the root in between used to be loaded (200, the outside weights served); the
+    loader now confines the paths it opens itself, so it is a 403 and nothing is registered."""
+    import runtime.server.admin as admin_module
+
+    folder = adapter_root / "swapped"
+    if not folder.exists():
+        shutil.copytree(next(iter(tiny_adapters.values())), folder)
+    outside = shutil.copytree(folder, tmp_path / "outside-copy")
+    confine = admin_module.confine_adapter_folder
+
+    def confine_then_swap(*args):
+        path = confine(*args)
+        (folder / WEIGHTS_FILE).unlink()
+        (folder / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)
+        return path
+
+    monkeypatch.setattr(admin_module, "confine_adapter_folder", confine_then_swap)
+    async with client_for(app) as c:
+        r = await c.post("/v1/load_lora_adapter", json={"lora_name": "swapped", "lora_path": str(folder)})
+        names = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+    assert r.status_code == 403, r.text
+    err = r.json()["error"]
+    assert err["code"] == "path_not_allowed" and WEIGHTS_FILE in err["message"] and "nothing of it was read" in err["message"], err
+    assert str(outside) not in err["message"] and "swapped" not in names
+
+
 async def test_bad_adapter_gets_validator_message(app, adapter_root: Path, tiny_adapters) -> None:
     bad = adapter_root / "broken"
     if not bad.exists():
@@ -258,9 +288,9 @@ async def test_adapter_file_removed_during_load_is_a_400(app, adapter_root: Path
         shutil.copytree(next(iter(tiny_adapters.values())), folder)
     read_config = adapter_module._read_config
 
-    def read_config_then_lose_weights(path: Path) -> dict:
+    def read_config_then_lose_weights(path: Path, *resolved: str) -> dict:
         (path.parent / adapter_module.WEIGHTS_FILE).unlink()  # removed after is_file(), before read_bytes()
-        return read_config(path)
+        return read_config(path, *resolved)
 
     monkeypatch.setattr(adapter_module, "_read_config", read_config_then_lose_weights)
     async with client_for(app) as c:
