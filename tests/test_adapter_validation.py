@@ -525,3 +525,10 @@ def test_an_engine_refuses_weights_its_dtype_cannot_hold(copy_of, tiny_llama_dir
         make_engine(tiny_llama_dir, dtype="float16").register_adapter("big", str(folder))
     for dtype in ("float32", "bfloat16"):
         make_engine(tiny_llama_dir, dtype=dtype).register_adapter("big", str(folder))
+
+
+def test_the_adapter_records_the_folder_it_was_read_from(copy_of, targets) -> None:
+    """``LoRAAdapter.path`` held the decoder's key prefix ("model."), not the folder: a local
+    variable named for the folder was reused for it."""
+    path = copy_of("a")
+    assert load(path, targets).path == str(path)

@@ -210,9 +210,9 @@ def load_adapter(
     cfg = _parse_config(raw, config_path)
     header, data_start, blob = _read_safetensors(weights_path, files[2], max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank)
     header = _without_default_infix(header, weights_path)
-    root = _decoder_root(header, weights_path)
-    modules = _resolve_modules(cfg, config_path, targets, num_layers, root)
-    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank, num_layers, root)
+    decoder_root = _decoder_root(header, weights_path)
+    modules = _resolve_modules(cfg, config_path, targets, num_layers, decoder_root)
+    plan = _check_tensors(header, weights_path, modules, targets, cfg, max_lora_rank, num_layers, decoder_root)
     tensors = _decode_tensors(header, data_start, blob, weights_path)
     built: dict[tuple[int, str], LoRAModule] = {}
     for key, (rank, scale, a_name, b_name) in plan.items():
