@@ -204,11 +204,11 @@ def test_validations_wait_on_a_bounded_thread_of_their_own_and_one_too_many_is_a
     read = replica.engine.load_adapter_files
     release, threads = threading.Event(), []
 
-    def slow_read(name: str, path: str) -> Any:
+    def slow_read(name: str, path: str, within: Any = None) -> Any:
         threads.append(threading.current_thread().name)
         if len(threads) == 1:  # the first read is held until the second call was answered
             release.wait()
-        return read(name, path)
+        return read(name, path, within=within)
 
     monkeypatch.setattr(replica.engine, "load_adapter_files", slow_read)
     replica._validations = AdminWorkers(threads=1, max_in_progress=1)  # ADMIN_MAX_IN_PROGRESS, made small
