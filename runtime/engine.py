@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -119,6 +120,7 @@ class LLMEngine:
 
             backend = get_backend(config.device)
         self._closed = False  # close() has released the model: requests and adapter changes are refused
+        self._close_lock = threading.Lock()  # one close() tears down; a concurrent one waits for it
         asked_gemm = config.cpu_gemm
         config = config.for_backend(backend.name)  # the step budget's default depends on the device
         check_cpu_gemm_applies(config, asked_gemm)  # an int8 checkpoint with a tied LM head has no float32 GEMM to choose
@@ -711,12 +713,16 @@ class LLMEngine:
         explicit release their memory (~0.8 GB for the serving benchmark's small model)
         would stay until Python's cycle collector happened to run. Afterwards a request, a
         step or an adapter change is a RuntimeError (as for a closed ``LLM``); ``abort``,
-        ``drop_pending``, ``fail_all`` and the reports still answer."""
-        if self._closed:
-            return
-        self._closed = True
-        self.pool.close()
-        self.runner.release()
+        ``drop_pending``, ``fail_all`` and the reports still answer.
+
+        Thread-safe: one call tears down; a call made meanwhile from another thread waits for it,
+        so either returns only once the memory is released (or the teardown raised)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.pool.close()
+            self.runner.release()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -231,6 +231,45 @@ def test_llm_close_from_another_thread_waits_for_generate(tiny_llama_dir: Path) 
         llm.generate("hello", greedy(1))
 
 
+def test_close_from_two_threads_tears_down_once_and_both_return_after_the_teardown(tiny_llama_dir: Path) -> None:
+    """LLMEngine.close() had no lock: a second call made while the first was tearing down saw
+    ``_closed`` set and returned at once, before the model was released (and two calls made at the
+    same moment could both tear down). Now the second waits for the first's teardown."""
+    engine = LLMEngine(config(tiny_llama_dir))
+    tearing_down, go = threading.Event(), threading.Event()
+    events: list[str] = []
+    pool_close, runner_release = engine.pool.close, engine.runner.release
+
+    def blocking_pool_close() -> None:
+        events.append("teardown began")
+        tearing_down.set()
+        go.wait(30)
+        pool_close()
+
+    def recorded_release() -> None:
+        runner_release()
+        events.append("teardown done")
+
+    engine.pool.close, engine.runner.release = blocking_pool_close, recorded_release
+
+    def close(name: str) -> None:
+        engine.close()
+        events.append(f"{name} returned")
+
+    first = threading.Thread(target=close, args=("first",))
+    second = threading.Thread(target=close, args=("second",))
+    first.start()
+    assert tearing_down.wait(30)
+    second.start()
+    second.join(0.5)  # the old close() returned by now, the teardown still blocked
+    go.set()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert events.count("teardown began") == 1 and events.count("teardown done") == 1, events
+    assert events.index("second returned") > events.index("teardown done"), events
+
+
 def test_llm_after_a_failed_step_serves_the_next_call_cleanly(tiny_llama_dir: Path) -> None:
     """A step fails after finishing one of the call's requests: the call raises, and the next
     call gets exactly its own results (the finished request's kept output must not leak into it)."""
