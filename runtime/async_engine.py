@@ -589,11 +589,14 @@ class AsyncLLMEngine:
     def load_adapter_files(self, name: str, path: str, *, within: Optional[Sequence[str | Path]] = None) -> Any:
         """Read and validate an adapter folder without the lock (``LLMEngine.load_adapter_files``,
         ``within`` as there)."""
+        return self._read_adapter_files(name, path, within=within).result()
+
+    def _read_adapter_files(self, name: str, path: str, *, within: Optional[Sequence[str | Path]] = None) -> "Future[Any]":
+        """``LLMEngine.load_adapter_files`` queued in the engine's file reader thread."""
         try:
-            reading = self._files.submit(self.engine.load_adapter_files, name, path, within=within)
+            return self._files.submit(self.engine.load_adapter_files, name, path, within=within)
         except RuntimeError as err:  # the file reader is shut down with the engine
             raise EngineDeadError(self.dead_error or "engine was shut down") from err
-        return reading.result()
 
     def install_adapter(self, adapter: Any, path: str) -> AdapterRef:
         """Make an adapter already read and checked current (``LLMEngine.install_adapter``), under the lock."""
@@ -603,8 +606,14 @@ class AsyncLLMEngine:
             self._adapter_infos = tuple(self.engine.adapters())
             return ref
 
-    async def register_adapter_async(self, name: str, path: str) -> AdapterRef:
-        return await asyncio.to_thread(self.register_adapter, name, path)
+    async def register_adapter_async(self, name: str, path: str, *, within: Optional[Sequence[str | Path]] = None) -> AdapterRef:
+        """``register_adapter`` for asyncio callers, on the engine's own threads, not the event
+        loop's default executor (where a slow read would hold a thread that other work, e.g. a
+        server's /metrics, waits for): the files are read in the file reader thread, and the
+        install waits for the lock in an admission helper thread. The result is the same, ``within``
+        as there."""
+        adapter = await asyncio.wrap_future(self._read_adapter_files(name, path, within=within))
+        return await asyncio.wrap_future(self._off_loop(self.install_adapter, adapter, path))
 
     def unregister_adapter(self, name: str) -> None:
         with self._lock:

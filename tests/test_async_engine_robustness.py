@@ -200,6 +200,40 @@ def test_use_after_shutdown_is_an_engine_dead_error(tiny_llama_dir: Path, tiny_a
         asyncio.run(late())
 
 
+def test_register_adapter_async_leaves_the_event_loop_s_default_executor_alone(tiny_llama_dir: Path, tiny_adapters) -> None:
+    """register_adapter_async ran the whole load in the loop's default executor (asyncio.to_thread),
+    whose threads a server's other work waits for; it now reads the files in the engine's file
+    reader thread and installs from an admission helper thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class RecordingExecutor(ThreadPoolExecutor):
+        def __init__(self) -> None:
+            super().__init__(max_workers=1)
+            self.used = 0
+
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.used += 1
+            return super().submit(fn, *args, **kwargs)
+
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    default = RecordingExecutor()
+
+    async def register() -> object:
+        asyncio.get_running_loop().set_default_executor(default)
+        return await engine.register_adapter_async("a", str(tiny_adapters["a"]))
+
+    try:
+        ref = asyncio.run(register())
+        assert ref.name == "a" and [info.name for info in engine.adapters()] == ["a"]
+        assert default.used == 0
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.register_adapter_async("b", str(tiny_adapters["b"])))
+    finally:
+        engine.shutdown()
+        default.shutdown()
+
+
 def test_llm_close_from_another_thread_waits_for_generate(tiny_llama_dir: Path) -> None:
     from runtime.llm import LLM
 
