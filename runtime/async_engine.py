@@ -239,7 +239,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._shutdown_once = threading.Lock()  # held by the shutdown() under way: a concurrent call waits for it
         self._shut_down = False  # a shutdown() returned: later calls return at once
-        self._shutting_down_in: Optional[int] = None  # the thread running shutdown()'s work, while it runs
+        self._in_shutdown = threading.local()  # ``.active``: this thread is inside shutdown() (a signal handler's call returns at once)
         self._accepting = True
         self.dead_error: Optional[str] = None
         self._step_abandoned = False  # read through ``step_abandoned``
@@ -313,19 +313,19 @@ class AsyncLLMEngine:
 
         One call does this: a call made while another runs waits for that one to end, and a later
         call returns at once (after one that raised, the next tries again). A call made from the
-        thread running one (a signal handler that interrupted it) returns at once: the interrupted
+        thread already in one (a signal handler that interrupted it) returns at once: the interrupted
         call finishes the work once the handler returns (waiting for it there would wait for ever)."""
-        if self._shutting_down_in == threading.get_ident():
+        if getattr(self._in_shutdown, "active", False):
             return
-        with self._shutdown_once:
-            if self._shut_down:
-                return
-            self._shutting_down_in = threading.get_ident()
-            try:
+        self._in_shutdown.active = True  # before the lock below is taken: a handler run once it is held must see it
+        try:
+            with self._shutdown_once:
+                if self._shut_down:
+                    return
                 self._shut_down_now(timeout, step_grace_s)
-            finally:
-                self._shutting_down_in = None
-            self._shut_down = True
+                self._shut_down = True
+        finally:
+            self._in_shutdown.active = False
 
     def _shut_down_now(self, timeout: float, step_grace_s: float) -> None:
         """``shutdown``'s work, done once."""

@@ -623,6 +623,44 @@ def test_a_shutdown_called_again_from_the_thread_running_one_returns(tiny_llama_
     engine.shutdown()  # later: returns at once
 
 
+@pytest.mark.parametrize("window", ["after the lock is taken", "before the lock is let go"])
+def test_a_shutdown_from_a_signal_handler_in_shutdown_s_lock_window_returns(tiny_llama_dir: Path, window: str) -> None:
+    """shutdown() marked its thread as the one shutting down only once it held its lock, and
+    cleared the mark before letting go of it: a signal handler calling shutdown() in either window
+    waited for the lock its own thread held, for ever. Stood in for by a lock that calls
+    shutdown() right after it is taken, or right before it is let go."""
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    nested: list[str] = []
+
+    class LockThatRunsAHandler:
+        def __init__(self) -> None:
+            self.lock, self.fired = threading.Lock(), False
+
+        def handler(self) -> None:
+            if not self.fired:
+                self.fired = True
+                engine.shutdown(timeout=5.0)
+                nested.append("returned")
+
+        def __enter__(self) -> bool:
+            self.lock.acquire()
+            if window == "after the lock is taken":
+                self.handler()
+            return True
+
+        def __exit__(self, *exc: object) -> None:
+            if window == "before the lock is let go":
+                self.handler()
+            self.lock.release()
+
+    engine._shutdown_once = LockThatRunsAHandler()
+    outer = threading.Thread(target=engine.shutdown, kwargs={"timeout": 5.0}, daemon=True)
+    outer.start()
+    outer.join(60)
+    assert not outer.is_alive(), "the handler's shutdown() waited for the lock its own thread held"
+    assert nested == ["returned"] and not engine.running and engine.dead_error == "engine was shut down"
+
+
 @pytest.mark.parametrize("source", ["creator", "backend"])
 def test_the_step_thread_runs_on_the_gpu_the_engine_was_made_for(tiny_llama_dir, monkeypatch, source) -> None:
     """Each thread has its own current GPU and Triton launches on it, not on the tensors' GPU; the
