@@ -49,6 +49,35 @@ from runtime.torch_threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
 STEP_GRACE_S = 3.0  # shutdown(): how long a step still running when the drain ends is waited for before it counts as stuck
+UNNAMED_HOLDER = "a caller"  # what holds a _FairLock taken without naming itself
+STEP_HOLDER = "a step"  # the step thread's name as the engine lock's holder
+
+
+class _Turn:
+    """A waiter's place in a ``_FairLock``'s queue: its gate (released when the lock is handed to
+    it, or by ``abandon``) and the name it will hold the lock under."""
+
+    __slots__ = ("gate", "holder")
+
+    def __init__(self, holder: str) -> None:
+        self.gate = threading.Lock()
+        self.gate.acquire()
+        self.holder = holder
+
+
+class _Hold:
+    """``with lock.held_by(name):`` takes the lock as ``name`` for the block."""
+
+    __slots__ = ("lock", "holder")
+
+    def __init__(self, lock: "_FairLock", holder: str) -> None:
+        self.lock, self.holder = lock, holder
+
+    def __enter__(self) -> bool:
+        return self.lock.acquire(holder=self.holder)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.lock.release()
 
 
 class _FairLock:
@@ -64,15 +93,24 @@ class _FairLock:
     ``release`` (and its ``Condition``'s ``notify``) still works. A ``Condition.wait`` that cannot
     re-take the lock raises too, and the ``release`` its caller's ``with`` block then makes is a
     no-op (``_acquire_restore``).
+
+    ``holder``: the name its holder took it under (``acquire(holder=...)``, ``held_by``; None while
+    free), so that ``shutdown`` can say what it gave up on. It is set with the hold itself (also
+    when ``release`` hands the lock over, and kept across a ``Condition.wait``): one attribute store.
     """
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._held = False
-        self._waiters: deque[threading.Lock] = deque()
+        self.holder: Optional[str] = None
+        self._waiters: deque[_Turn] = deque()
         self._abandoned: Optional[Callable[[], BaseException]] = None
-        self._dismissed: set[threading.Lock] = set()  # waiters abandon() woke without handing them the lock
+        self._dismissed: set[_Turn] = set()  # waiters abandon() woke without handing them the lock
         self._unheld: set[int] = set()  # threads whose Condition.wait raised without re-taking the lock: their next release is a no-op
+
+    def held_by(self, holder: str) -> _Hold:
+        """A context manager that takes the lock as ``holder`` (see the class docstring)."""
+        return _Hold(self, holder)
 
     def abandon(self, error: Callable[[], BaseException]) -> None:
         with self._mutex:
@@ -80,22 +118,22 @@ class _FairLock:
             dismissed, self._waiters = list(self._waiters), deque()
             self._dismissed.update(dismissed)
         for turn in dismissed:
-            turn.release()
+            turn.gate.release()
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float = -1, holder: str = UNNAMED_HOLDER) -> bool:
         with self._mutex:
             if self._abandoned is not None:
                 raise self._abandoned()
             if not self._held and not self._waiters:
                 self._held = True
+                self.holder = holder
                 return True
             if not blocking:
                 return False
-            turn = threading.Lock()
-            turn.acquire()
+            turn = _Turn(holder)
             self._waiters.append(turn)
         try:
-            woken = turn.acquire(timeout=timeout)  # released by release() (ownership handed over) or by abandon()
+            woken = turn.gate.acquire(timeout=timeout)  # released by release() (ownership handed over) or by abandon()
         except BaseException:  # interrupted (Ctrl-C in the main thread): leave the queue, or pass on what came
             with self._mutex:
                 if turn in self._waiters:
@@ -122,14 +160,21 @@ class _FairLock:
         so the holder's ``notify`` would fail where its ``release`` works."""
         return self._held
 
-    def _acquire_restore(self, _state: Any) -> None:
+    def _release_save(self) -> Optional[str]:
+        """``threading.Condition.wait``'s release of the lock: the holder's name, which
+        ``_acquire_restore`` takes the lock back under."""
+        holder = self.holder
+        self.release()
+        return holder
+
+    def _acquire_restore(self, holder: Optional[str]) -> None:
         """``threading.Condition.wait``'s re-take of the lock once woken. Should that ``acquire``
         raise (the lock was abandoned meanwhile: the idle step thread woken by an abort), the wait
         raises without the lock, but its caller's ``with`` block still releases it on the way out,
         which raised "release of an unheld _FairLock" or, were another thread holding the lock,
         cleared that thread's hold. So this thread's next ``release`` is made a no-op."""
         try:
-            self.acquire()
+            self.acquire(holder=holder or UNNAMED_HOLDER)
         except BaseException:
             with self._mutex:
                 self._unheld.add(threading.get_ident())
@@ -145,9 +190,12 @@ class _FairLock:
             if not self._held:
                 raise RuntimeError("release of an unheld _FairLock")
             if self._waiters:
-                self._waiters.popleft().release()  # stays held: now by that waiter
+                turn = self._waiters.popleft()
+                self.holder = turn.holder
+                turn.gate.release()  # stays held: now by that waiter
             else:
                 self._held = False
+                self.holder = None
 
     def __enter__(self) -> bool:
         return self.acquire()
@@ -243,6 +291,7 @@ class AsyncLLMEngine:
         self._accepting = True
         self.dead_error: Optional[str] = None
         self._step_abandoned = False  # read through ``step_abandoned``
+        self._abandoned_holder: Optional[str] = None  # read through ``abandoned_holder``
         self._adapter_infos: tuple[AdapterInfo, ...] = ()  # replaced (not mutated) under the lock
         self.engine: LLMEngine  # assigned by the step thread once built
         self._thread = threading.Thread(target=self._run, args=(config, backend, engine), name="lorafleet-engine-step", daemon=True)
@@ -252,7 +301,7 @@ class AsyncLLMEngine:
         except BaseException:
             self._files.shutdown(wait=False)
             raise
-        with self._lock:  # a prebuilt LLMEngine may come with adapters
+        with self._lock.held_by("the engine's start"):  # a prebuilt LLMEngine may come with adapters
             self._adapter_infos = tuple(self.engine.adapters())
 
     # ---- passthroughs -----------------------------------------------------------------------
@@ -288,9 +337,16 @@ class AsyncLLMEngine:
 
     @property
     def step_abandoned(self) -> bool:
-        """True once ``shutdown`` gave up on a step still running after the drain (see there): that
-        step's engine was neither drained nor closed, and its lock refuses everyone. Lock-free."""
+        """True once ``shutdown`` gave up on the engine lock's holder (see there; a step still running
+        after the drain, or another call: ``abandoned_holder`` says which): the engine was neither
+        drained nor closed, and its lock refuses everyone. Lock-free."""
         return self._step_abandoned
+
+    @property
+    def abandoned_holder(self) -> Optional[str]:
+        """What held the engine lock when ``shutdown`` gave up on it ("a step", "a snapshot", ...);
+        None unless ``step_abandoned``. Lock-free."""
+        return self._abandoned_holder
 
     def shutdown_in_background(self, timeout: float, step_grace_s: float = STEP_GRACE_S) -> threading.Thread:
         """``shutdown(timeout, step_grace_s)`` in a daemon thread, started; join it to wait (a server's
@@ -303,13 +359,14 @@ class AsyncLLMEngine:
         """Stop accepting requests, let in-flight ones finish for up to ``timeout`` s, fail the rest.
 
         The rest are failed under the engine lock, which a step holds: a step still running
-        when ``timeout`` is up is waited for ``step_grace_s`` s more. One still running then is
-        taken to be stuck (a hung device, a deadlock), which would otherwise hold the drain (and a
-        server's exit) for ever: an ERROR log line says so, every stream in flight ends at once
-        with a "shutdown" error, every thread waiting for the engine lock (an admission, an abort,
-        a snapshot for /metrics) gets an ``EngineDeadError`` instead, and the engine is not closed
-        (the step thread still uses it; that thread is a daemon, so the process can exit).
-        ``step_abandoned`` is True then.
+        when ``timeout`` is up is waited for ``step_grace_s`` s more. Whatever holds the lock then
+        (a step, or another call such as a hung snapshot) is taken to be stuck (a hung device, a
+        deadlock), which would otherwise hold the drain (and a server's exit) for ever: an ERROR
+        log line says so and names it, every stream in flight ends at once with a "shutdown"
+        error, every thread waiting for the engine lock (an admission, an abort, a snapshot for
+        /metrics) gets an ``EngineDeadError`` instead, and the engine is not closed (the step
+        thread may still use it; that thread is a daemon, so the process can exit).
+        ``step_abandoned`` is True then, and ``abandoned_holder`` names what held the lock.
 
         One call does this: a call made while another runs waits for that one to end, and a later
         call returns at once (after one that raised, the next tries again). A call made from the
@@ -334,7 +391,7 @@ class AsyncLLMEngine:
         started = time.monotonic()
         deadline = started + timeout
         while self.running and time.monotonic() < deadline:
-            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()), holder="shutdown"):
                 break  # a step outlasted the drain
             try:
                 if not self.engine.has_unfinished():
@@ -342,8 +399,8 @@ class AsyncLLMEngine:
             finally:
                 self._lock.release()
             time.sleep(0.01)
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) + step_grace_s):
-            self._abandon_step(time.monotonic() - started, timeout, step_grace_s)
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) + step_grace_s, holder="shutdown"):
+            self._abandon_holder(time.monotonic() - started, timeout, step_grace_s)
             return
         try:
             self._stopping = True
@@ -359,17 +416,19 @@ class AsyncLLMEngine:
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
 
-    def _abandon_step(self, waited: float, timeout: float, step_grace_s: float) -> None:
-        """``shutdown``'s end when a step still holds the lock after ``timeout + step_grace_s`` (see there)."""
-        logger.error("engine step still running %.1f s after shutdown began (the drain's %g s, then %g s for the step); not waiting "
-                     "for it: the requests in flight end with an error now, and the engine is not closed", waited, timeout, step_grace_s)
+    def _abandon_holder(self, waited: float, timeout: float, step_grace_s: float) -> None:
+        """``shutdown``'s end when something still holds the lock after ``timeout + step_grace_s`` (see there)."""
+        holder = self._lock.holder or UNNAMED_HOLDER  # what held it as the wait for it ended
+        logger.error("%s still held the engine lock %.1f s after shutdown began (the drain's %.3g s, then %.3g s more for it); not waiting "
+                     "for it: the requests in flight end with an error now, and the engine is not closed", holder, waited, timeout, step_grace_s)
         self._stopping = True  # the step thread stops, should the step ever return
+        self._abandoned_holder = holder
         self._step_abandoned = True
         if self.dead_error is None:
-            self.dead_error = "engine was shut down while a step was still running"
+            self.dead_error = f"engine was shut down while {holder} was still running"
         dead = self.dead_error
         self._lock.abandon(lambda: EngineDeadError(dead))
-        self._end_streams(f"engine shut down before the request finished (a step was still running {waited:.1f} s after shutdown began)", "shutdown")
+        self._end_streams(f"engine shut down before the request finished ({holder} was still running {waited:.1f} s after shutdown began)", "shutdown")
         self._refuse_queued(dead)
         self._files.shutdown(wait=False)
         self._submit.shutdown(wait=False)
@@ -482,7 +541,7 @@ class AsyncLLMEngine:
         if not self._admissions:
             return
         try:
-            self._lock.acquire()
+            self._lock.acquire(holder="an admission")
         except EngineDeadError as err:  # shutdown gave up on a stuck step: nobody admits any more
             self._refuse_queued(str(err))
             return
@@ -561,7 +620,7 @@ class AsyncLLMEngine:
         """Abort for a consumer that has gone, and drop its pending outputs (left waiting, they
         would reach a new request that reuses the id)."""
         try:
-            self._lock.acquire()
+            self._lock.acquire(holder="an abort")
         except EngineDeadError:  # shutdown gave up on a stuck step and ended every stream: nothing to abort
             with self._queues_lock:
                 self._queues.pop(request_id, None)
@@ -576,7 +635,7 @@ class AsyncLLMEngine:
             self._lock.release()
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
+        with self._lock.held_by("an abort"):
             found = self.engine.abort(request_id)
             self._wake.notify_all()
             return found
@@ -600,7 +659,7 @@ class AsyncLLMEngine:
 
     def install_adapter(self, adapter: Any, path: str) -> AdapterRef:
         """Make an adapter already read and checked current (``LLMEngine.install_adapter``), under the lock."""
-        with self._lock:
+        with self._lock.held_by("an adapter load"):
             self._check_not_shut_down()
             ref = self.engine.install_adapter(adapter, str(path))
             self._adapter_infos = tuple(self.engine.adapters())
@@ -616,7 +675,7 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self._off_loop(self.install_adapter, adapter, path))
 
     def unregister_adapter(self, name: str) -> None:
-        with self._lock:
+        with self._lock.held_by("an adapter unload"):
             self._check_not_shut_down()
             self.engine.unregister_adapter(name)
             self._adapter_infos = tuple(self.engine.adapters())
@@ -633,7 +692,7 @@ class AsyncLLMEngine:
         return list(self._adapter_infos)
 
     def snapshot(self) -> dict[str, Any]:
-        with self._lock:
+        with self._lock.held_by("a snapshot"):
             return self.engine.snapshot()
 
     def fold_adapter_counters(self, names: Any) -> None:
@@ -641,12 +700,12 @@ class AsyncLLMEngine:
         registered = {info.name for info in self._adapter_infos}
         unregistered = [name for name in names if name not in registered]
         if unregistered:
-            with self._lock:
+            with self._lock.held_by("a fold of adapter counters"):
                 self.engine.fold_adapter_counters(unregistered)
 
     def add_observer(self, callback: Any) -> None:
         """``callback(RequestMetrics)`` runs on the step thread; keep it short and thread-safe."""
-        with self._lock:
+        with self._lock.held_by("an observer registration"):
             self.engine.add_observer(callback)
 
     # ---- the step thread ----------------------------------------------------------------------
@@ -680,10 +739,11 @@ class AsyncLLMEngine:
         """Wait for work, run one step and hand its outputs out; False once stopping."""
         if self._stopping:  # also after shutdown abandoned a stuck step, whose lock then refuses everyone
             return False
-        with self._lock:
+        self._lock.acquire(holder=STEP_HOLDER)
+        try:
             self._drain_admissions()
             while not self._stopping and not self.engine.has_unfinished():
-                self._wake.wait()
+                self._wake.wait()  # keeps the holder's name (_FairLock._release_save)
                 self._drain_admissions()
             if self._stopping:
                 return False
@@ -691,6 +751,8 @@ class AsyncLLMEngine:
             self._dispatch(self.engine.step(wait_for_loads=False))
             stalled = self.engine.stalled_load_futures()
             idle = self.engine.steps == ran_before and self.engine.has_unfinished() and not stalled
+        finally:
+            self._lock.release()
         # Nothing can run until an adapter load finishes: wait for it without the lock, so
         # requests, aborts and snapshots go through meanwhile; in short slices, so runnable work
         # admitted meanwhile (e.g. a base-model request) waits at most ~5 ms.
@@ -704,7 +766,7 @@ class AsyncLLMEngine:
         """The step loop failed: refuse new requests and end every stream with the error. Outputs
         the failed step had already made (requests it finished) are handed out first."""
         logger.error("engine step failed: %s: %s", type(err).__name__, err, exc_info=err)
-        with self._lock:
+        with self._lock.held_by("the failed step's clean-up"):
             self.dead_error = f"engine step failed: {type(err).__name__}: {err}"
             self._accepting = False
             try:

@@ -557,14 +557,14 @@ def test_a_shutdown_called_while_another_gives_up_on_a_stuck_step_returns(tiny_l
 
     consumer = threading.Thread(target=asyncio.run, args=(consume(),))
     abandoning, go = threading.Event(), threading.Event()
-    abandon_step = engine._abandon_step
+    abandon_step = engine._abandon_holder
 
     def gated_abandon_step(*args) -> None:  # type: ignore[no-untyped-def]
         abandoning.set()
         go.wait(30)  # until the second call is under way
         abandon_step(*args)
 
-    monkeypatch.setattr(engine, "_abandon_step", gated_abandon_step)
+    monkeypatch.setattr(engine, "_abandon_holder", gated_abandon_step)
     errors: list[BaseException] = []
 
     def call_shutdown(called: threading.Event, timeout: float) -> None:
@@ -621,6 +621,40 @@ def test_a_shutdown_called_again_from_the_thread_running_one_returns(tiny_llama_
     assert not outer.is_alive(), "the nested shutdown() waited for the call it interrupted"
     assert nested == ["returned"] and not engine.running and engine.dead_error == "engine was shut down"
     engine.shutdown()  # later: returns at once
+
+
+def test_shutdown_names_a_hung_snapshot_as_what_it_gave_up_on(tiny_llama_dir: Path, caplog) -> None:
+    """Whatever held the engine lock at the grace's end, the ERROR line, the engine's dead error and
+    the streams said "a step" was still running; a hung snapshot (a /metrics read) is named now."""
+    import logging
+
+    inner = LLMEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    holding, go = threading.Event(), threading.Event()
+    real_snapshot = inner.snapshot
+
+    def hung_snapshot() -> dict:
+        holding.set()
+        go.wait(30)
+        engine._wake.notify_all()  # the holder may still notify: the idle step thread wakes and stops
+        return real_snapshot()
+
+    inner.snapshot = hung_snapshot
+    snapshot = threading.Thread(target=engine.snapshot)
+    try:
+        snapshot.start()
+        assert holding.wait(30)
+        with caplog.at_level(logging.ERROR, logger="runtime.async_engine"):
+            engine.shutdown(0.05, 0.05)
+        assert any(r.getMessage().startswith("a snapshot still held the engine lock") for r in caplog.records), caplog.text
+        assert engine.dead_error == "engine was shut down while a snapshot was still running"
+        assert engine.step_abandoned and engine.abandoned_holder == "a snapshot"
+    finally:
+        go.set()
+        snapshot.join(30)
+        engine._thread.join(30)
+    assert not snapshot.is_alive() and not engine.running
+    inner.close()
 
 
 @pytest.mark.parametrize("window", ["after the lock is taken", "before the lock is let go"])
@@ -733,7 +767,7 @@ def test_a_stuck_step_does_not_hold_shutdown_for_ever(tiny_llama_dir: Path, capl
         (end,) = outputs
         assert end.request_id == "stuck" and end.finish_reason == "error" and end.error_kind == "shutdown", end
         assert "a step was still running" in (end.error or "")
-        assert any("engine step still running" in r.getMessage() and "not waiting for it" in r.getMessage() for r in caplog.records), caplog.text
+        assert any("a step still held the engine lock" in r.getMessage() and "not waiting for it" in r.getMessage() for r in caplog.records), caplog.text
         with pytest.raises(EngineDeadError):
             engine.abort("stuck")
         engine.shutdown(0.05, 0.05)  # again (a second signal, a caller's cleanup): nothing left to do

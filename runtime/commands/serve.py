@@ -243,10 +243,11 @@ def run(args: argparse.Namespace) -> int:
 
 def stopped_line(engine: Any) -> tuple[int, str]:
     """``lorafleet serve``'s last log line (level, text), once the engine's shutdown returned: both
-    stopped, or the engine's step was still running and shutdown abandoned it
-    (``AsyncLLMEngine.step_abandoned``; the engine was not closed, and the process exits without it)."""
+    stopped, or something still held the engine's lock (a step, or another call: ``abandoned_holder``)
+    and shutdown abandoned the engine (``AsyncLLMEngine.step_abandoned``; the engine was not closed,
+    and the process exits without it)."""
     if engine.step_abandoned:
-        return logging.WARNING, "lorafleet serve: HTTP server stopped; the engine's step was still running and was abandoned (not closed)"
+        return logging.WARNING, f"lorafleet serve: HTTP server stopped; the engine was abandoned, not closed: {engine.abandoned_holder} was still running"
     return logging.INFO, "lorafleet serve: HTTP server and engine stopped"
 
 
