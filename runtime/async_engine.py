@@ -49,6 +49,7 @@ from runtime.torch_threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
 STEP_GRACE_S = 3.0  # shutdown(): how long a step still running when the drain ends is waited for before it counts as stuck
+SHUTDOWN_POLL_S = 0.05  # shutdown(): how often its wait for the engine lock looks again at its deadline, which a later call may bring forward
 UNNAMED_HOLDER = "a caller"  # what holds a _FairLock taken without naming itself
 STEP_HOLDER = "a step"  # the step thread's name as the engine lock's holder
 
@@ -285,8 +286,10 @@ class AsyncLLMEngine:
         self._parked: set[AdmissionGroup] = set()
         self._parked_lock = threading.Lock()
         self._stopping = False
-        self._shutdown_once = threading.Lock()  # held by the shutdown() under way: a concurrent call waits for it
+        self._shutdown_once = threading.Lock()  # held by the shutdown() doing the work: a concurrent call waits for it
         self._shut_down = False  # a shutdown() returned: later calls return at once
+        self._shutdown_ends: list[tuple[float, float]] = []  # each shutdown() call under way: when its drain ends, when its grace ends
+        self._shutdown_ends_lock = threading.Lock()
         self._in_shutdown = threading.local()  # ``.active``: this thread is inside shutdown() (a signal handler's call returns at once)
         self._accepting = True
         self.dead_error: Optional[str] = None
@@ -368,30 +371,63 @@ class AsyncLLMEngine:
         thread may still use it; that thread is a daemon, so the process can exit).
         ``step_abandoned`` is True then, and ``abandoned_holder`` names what held the lock.
 
-        One call does this: a call made while another runs waits for that one to end, and a later
-        call returns at once (after one that raised, the next tries again). A call made from the
-        thread already in one (a signal handler that interrupted it) returns at once: the interrupted
-        call finishes the work once the handler returns (waiting for it there would wait for ever)."""
+        One call does this. A call made while another does it holds that one to its own deadlines
+        where they come sooner (the drain ends ``timeout`` s, and the lock is given up on
+        ``timeout + step_grace_s`` s, after it was made, at the latest) and returns when that
+        one ends; a later call returns at once (after one that raised, the next tries again). A
+        call made from the thread already in one (a signal handler that interrupted it) returns at
+        once: the interrupted call finishes the work once the handler returns (waiting for it there
+        would wait for ever)."""
         if getattr(self._in_shutdown, "active", False):
             return
         self._in_shutdown.active = True  # before the lock below is taken: a handler run once it is held must see it
         try:
-            with self._shutdown_once:
-                if self._shut_down:
-                    return
-                self._shut_down_now(timeout, step_grace_s)
-                self._shut_down = True
+            self._shutdown_call(timeout, step_grace_s)
         finally:
             self._in_shutdown.active = False
 
-    def _shut_down_now(self, timeout: float, step_grace_s: float) -> None:
-        """``shutdown``'s work, done once."""
+    def _shutdown_call(self, timeout: float, step_grace_s: float) -> None:
+        """``shutdown``, in a thread not already in it: its deadlines count while it runs or waits."""
+        called = time.monotonic()
+        ends = (called + timeout, called + timeout + step_grace_s)
+        with self._shutdown_ends_lock:
+            self._shutdown_ends.append(ends)
+        try:
+            with self._shutdown_once:
+                if self._shut_down:
+                    return
+                self._shut_down_now(called)
+                self._shut_down = True
+        finally:
+            with self._shutdown_ends_lock:
+                self._shutdown_ends.remove(ends)
+
+    def _drain_ends(self) -> float:
+        """When the drain ends: the soonest of the shutdown() calls under way."""
+        with self._shutdown_ends_lock:
+            return min(drain for drain, _ in self._shutdown_ends)
+
+    def _grace_ends(self) -> float:
+        """When the lock's holder is given up on: the soonest of the shutdown() calls under way."""
+        with self._shutdown_ends_lock:
+            return min(grace for _, grace in self._shutdown_ends)
+
+    def _acquire_before(self, ends: Callable[[], float]) -> bool:
+        """Take the engine lock (as shutdown) unless ``ends()`` passes first; ``ends()`` is read
+        again every ``SHUTDOWN_POLL_S``, as a later shutdown() call may bring it forward."""
+        while True:
+            left = ends() - time.monotonic()
+            if self._lock.acquire(timeout=max(0.0, min(left, SHUTDOWN_POLL_S)), holder="shutdown"):
+                return True
+            if ends() <= time.monotonic():
+                return False
+
+    def _shut_down_now(self, started: float) -> None:
+        """``shutdown``'s work, done once, by the call made at ``started``."""
         self._accepting = False  # without the lock: refused at once even while a step holds it (admission re-checks under it)
         self._fail_parked("engine is shutting down; no new requests are accepted")
-        started = time.monotonic()
-        deadline = started + timeout
-        while self.running and time.monotonic() < deadline:
-            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()), holder="shutdown"):
+        while self.running and time.monotonic() < self._drain_ends():
+            if not self._acquire_before(self._drain_ends):
                 break  # a step outlasted the drain
             try:
                 if not self.engine.has_unfinished():
@@ -399,28 +435,32 @@ class AsyncLLMEngine:
             finally:
                 self._lock.release()
             time.sleep(0.01)
-        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()) + step_grace_s, holder="shutdown"):
-            self._abandon_holder(time.monotonic() - started, timeout, step_grace_s)
+        if not self._acquire_before(self._grace_ends):
+            self._abandon_holder(started)
             return
+        drain_s = self._drain_ends() - started
         try:
             self._stopping = True
-            self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {timeout}s)", "shutdown"))
+            self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {drain_s:.3g}s)", "shutdown"))
             self._wake.notify_all()
         finally:
             self._lock.release()
         if self._thread is not None:
-            self._thread.join(timeout=max(1.0, timeout))
+            self._thread.join(timeout=max(1.0, drain_s))
         self._files.shutdown(wait=True)
         self._submit.shutdown(wait=True)
         self.engine.close()
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
 
-    def _abandon_holder(self, waited: float, timeout: float, step_grace_s: float) -> None:
-        """``shutdown``'s end when something still holds the lock after ``timeout + step_grace_s`` (see there)."""
+    def _abandon_holder(self, started: float) -> None:
+        """``shutdown``'s end when something still holds the lock at the grace's end (see there)."""
+        waited = time.monotonic() - started
+        drain_ends = self._drain_ends()
         holder = self._lock.holder or UNNAMED_HOLDER  # what held it as the wait for it ended
         logger.error("%s still held the engine lock %.1f s after shutdown began (the drain's %.3g s, then %.3g s more for it); not waiting "
-                     "for it: the requests in flight end with an error now, and the engine is not closed", holder, waited, timeout, step_grace_s)
+                     "for it: the requests in flight end with an error now, and the engine is not closed",
+                     holder, waited, drain_ends - started, self._grace_ends() - drain_ends)
         self._stopping = True  # the step thread stops, should the step ever return
         self._abandoned_holder = holder
         self._step_abandoned = True

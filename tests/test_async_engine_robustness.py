@@ -623,6 +623,78 @@ def test_a_shutdown_called_again_from_the_thread_running_one_returns(tiny_llama_
     engine.shutdown()  # later: returns at once
 
 
+def test_a_concurrent_shutdown_gives_up_on_a_stuck_step_by_its_own_deadline(tiny_llama_dir: Path) -> None:
+    """A second shutdown() made while another was waiting for a stuck step waited for that one's
+    (far longer) timeout, ignoring its own. Now it holds the running call to its own deadlines:
+    the stuck step is given up on ``timeout + step_grace_s`` after the second call, and both return."""
+    inner = StuckStepEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    outputs: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate("stuck", [5, 6, 7], greedy(4)):
+            outputs.append(out)
+
+    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    first = threading.Thread(target=engine.shutdown, args=(600.0, 600.0), daemon=True)
+    second = threading.Thread(target=engine.shutdown, args=(0.05, 0.05), daemon=True)
+    try:
+        consumer.start()
+        assert inner.entered.wait(30)
+        first.start()
+        second.start()
+        second.join(30)
+        assert not second.is_alive(), "the second shutdown() waited for the first one's timeout"
+        first.join(30)
+        assert not first.is_alive()
+        assert engine.step_abandoned and engine.abandoned_holder == "a step"
+        consumer.join(30)
+        (end,) = outputs
+        assert end.finish_reason == "error" and end.error_kind == "shutdown" and "a step was still running" in (end.error or ""), end
+    finally:
+        inner.unstuck.set()
+        engine._thread.join(30)
+        consumer.join(30)
+    inner.close()
+
+
+def test_a_concurrent_shutdown_ends_the_drain_by_its_own_timeout(tiny_llama_dir: Path) -> None:
+    """The same for the drain: a second shutdown(timeout=0) made while the first let the requests
+    in flight run for up to 600 s ended nothing; now the drain ends then, the request in flight
+    gets the "shutdown" error once its step returns, and the engine is closed as usual."""
+    inner = StuckStepEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    outputs: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate("long", [5, 6, 7], greedy(80)):
+            outputs.append(out)
+
+    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    first = threading.Thread(target=engine.shutdown, args=(600.0, 600.0), daemon=True)
+    second = threading.Thread(target=engine.shutdown, args=(0.0, 600.0), daemon=True)
+    try:
+        consumer.start()
+        assert inner.entered.wait(30)
+        first.start()
+        second.start()
+        waited_until = time.monotonic() + 30
+        while len(getattr(engine, "_shutdown_ends", ())) < 2 and time.monotonic() < waited_until:
+            time.sleep(0.01)  # until both calls are under way (the second's deadline counts), waiting for the step
+        inner.unstuck.set()  # the step returns (and the next ones at once): 80 tokens take a while longer
+        second.join(30)
+        first.join(30)
+        assert not second.is_alive() and not first.is_alive(), "a shutdown() still waits for the first one's drain"
+        consumer.join(30)
+        end = outputs[-1]
+        assert end.finish_reason == "error" and end.error_kind == "shutdown", end
+        assert not engine.step_abandoned and not engine.running and engine.dead_error == "engine was shut down"
+    finally:
+        inner.unstuck.set()
+        engine._thread.join(30)
+        consumer.join(30)
+
+
 def test_shutdown_names_a_hung_snapshot_as_what_it_gave_up_on(tiny_llama_dir: Path, caplog) -> None:
     """Whatever held the engine lock at the grace's end, the ERROR line, the engine's dead error and
     the streams said "a step" was still running; a hung snapshot (a /metrics read) is named now."""
