@@ -1908,6 +1908,46 @@ def test_the_ingress_takes_the_registry_view_after_an_admin_call_that_failed_to_
     assert ingress._view["revision"] == service.manifest.revision == 1
 
 
+class GoneRegistry:
+    """A registry actor handle whose actor is gone for good: every call raises Ray's RayActorError."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def remote(*args: Any, **kwargs: Any) -> Any:
+            import ray
+
+            raise ray.exceptions.RayActorError()
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_an_admin_call_s_own_answer_wins_over_the_view_refresh_after_it(tiny_llama_dir, monkeypatch, caplog) -> None:
+    """The ingress takes the registry's view after every admin call, in the call's ``finally``: with
+    the registry gone, that fetch's RayActorError replaced the call's own answer (a 400 for files that
+    do not validate became a 500), and failed a change that was made. Now the call's answer stands,
+    and the failed fetch is logged."""
+    from runtime.distributed import replica_set
+    from runtime.distributed.replica_set import ReplicaSetEngine
+    from runtime.request import UnknownAdapterError
+
+    monkeypatch.setattr(replica_set, "ray", SimpleNamespace(get=asyncio.run))
+    ingress = ReplicaSetEngine(None, GoneRegistry(), str(tiny_llama_dir), "tiny", 64)
+    refused = SimpleNamespace(result=lambda: {"error": "/adapters/a: adapter_config.json: r must be positive"})
+    ingress.client.replicas = SimpleNamespace(validate_adapter=SimpleNamespace(remote=lambda name, path: refused))
+    with caplog.at_level("WARNING", logger="lorafleet"), pytest.raises(ValueError, match="r must be positive"):
+        ingress.register_adapter("A", "/adapters/a")
+
+    def not_registered(name: str) -> None:
+        raise UnknownAdapterError(f"adapter {name!r} is not registered")
+
+    monkeypatch.setattr(ingress.client, "unregister", not_registered)
+    with pytest.raises(UnknownAdapterError):
+        ingress.unregister_adapter("B")
+    monkeypatch.setattr(ingress.client, "register", lambda name, path: AdapterRef(name, "0" * 64))
+    assert ingress.register_adapter("C", "/adapters/c") == AdapterRef("C", "0" * 64)  # made, then the registry went
+    lines = [r.getMessage() for r in caplog.records if r.name == "lorafleet.replica_set"]
+    assert len(lines) == 3 and all("could not take the registry's view" in line and "RayActorError" in line for line in lines), lines
+
+
 def test_a_replica_that_died_without_a_goodbye_is_forgotten_after_a_while(service: AdapterRegistryService, monkeypatch) -> None:
     """Its entry stays while it might come back, is dropped long after it stopped being live, and
     a replica that does come back is recorded again."""

@@ -302,13 +302,25 @@ class ReplicaSetEngine:
         try:
             return self.client.register(name, path, within=within)
         finally:  # also after a 503 (the change is recorded; some replica failed to apply it): requests carry its revision now
-            self._take(ray.get(self.registry.view.remote(self._known())))
+            self._take_view_after(f"load {name!r}")
 
     def unregister_adapter(self, name: str) -> None:
         try:
             self.client.unregister(name)
         finally:
+            self._take_view_after(f"unload {name!r}")
+
+    def _take_view_after(self, what: str) -> None:
+        """Take the registry's view right after an admin call (``what``), whatever it answered, so
+        requests carry the revision of a change it recorded. A failure here is logged, never
+        raised: raised from the call's ``finally``, it replaced the call's own answer (a 400 for
+        files that do not validate became a 500 once the registry was gone), or failed a change
+        that was made. The refresh loop takes the view once the registry answers again."""
+        try:
             self._take(ray.get(self.registry.view.remote(self._known())))
+        except Exception as err:  # noqa: BLE001 - the admin call's own answer stands
+            logger.warning("%s: could not take the registry's view after the call (%s: %s); requests carry the revision this ingress "
+                           "held until a refresh succeeds", what, type(err).__name__, err)  # fmt: skip
 
     def add_observer(self, callback: Callable[[Any], None]) -> None:
         self._observers.append(callback)
