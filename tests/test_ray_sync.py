@@ -30,7 +30,7 @@ from runtime.distributed.registry_client import RegistryClient, ReplicasFailedTo
 from runtime.distributed.registry_service import AdapterRegistryService  # noqa: E402
 from runtime.distributed.replica import LoraReplica, on_the_wire, replica_seed  # noqa: E402
 from runtime.distributed.replica_set import replica_error  # noqa: E402
-from runtime.request import AdapterRef, SamplingParams  # noqa: E402
+from runtime.request import AdapterRef, SamplingParams, UnknownAdapterError  # noqa: E402
 from runtime.server.errors import APIError  # noqa: E402
 from tests.engine_helpers import clone_adapter  # noqa: E402
 
@@ -325,6 +325,65 @@ def test_an_admin_call_whose_registry_restarted_without_the_change_answers_503_n
     # An unload: a registry that does not hold the name holds the change.
     client.registry = RestartsAfter(kept, AdapterRegistryService(str(tmp_path / "lost-again")), "unregister")
     client.unregister("A")
+
+
+class GoneRegistry:
+    """A registry actor handle whose actor is gone for good: every call raises Ray's RayActorError."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def remote(*args: Any, **kwargs: Any) -> Any:
+            import ray
+
+            raise ray.exceptions.RayActorError()
+
+        return SimpleNamespace(remote=remote)
+
+
+class GoesAwayAt(RestartsAfter):
+    """A registry actor handle whose actor is gone for good from its call of ``method`` on (that call
+    raises Ray's RayActorError, as every later one does)."""
+
+    def __init__(self, service: AdapterRegistryService, method: str) -> None:
+        super().__init__(service, service, method)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self.method or self.restarted:
+            self.restarted = True
+            return GoneRegistry().__getattr__(name)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("method, recorded", [("register", None), ("wait_applied", True)])
+def test_a_load_whose_registry_is_gone_answers_503_saying_whether_it_was_recorded(service, monkeypatch, method, recorded) -> None:
+    """A registry actor gone for good (stopped, or unable to restart) came out of the admin route as
+    Ray's RayActorError, a 500 internal_error, as if lorafleet had a bug. Now it is a 503
+    registry_unavailable whose message says whether the change was recorded."""
+    client = admin_client(service, {"version": "1" * 64, "max_rank": 4}, monkeypatch)
+    client.registry = GoesAwayAt(service, method)
+    with pytest.raises(APIError) as refused:
+        client.register("A", "/adapters/a")
+    assert (refused.value.status, refused.value.code) == (503, "registry_unavailable"), refused.value.message
+    message = refused.value.message
+    assert message.startswith("register A@111") and "registry actor is unavailable (RayActorError" in message, message
+    if recorded:
+        assert "the change is recorded" in message and "not known" not in message, message
+    else:
+        assert "whether the change was recorded is not known" in message and "GET /v1/models" in message, message
+
+
+def test_an_unload_whose_registry_is_gone_answers_503_and_a_404_stands_without_the_list(service, monkeypatch) -> None:
+    """The same 503 for an unload; and an unload the registry refused (the name is not registered)
+    stays a 404 when the registry goes before it lists the registered names."""
+    client = admin_client(service, {}, monkeypatch)
+    service.register("A", "/adapters/a", "1" * 64, 4)
+    client.registry = GoesAwayAt(service, "unregister")
+    with pytest.raises(APIError) as refused:
+        client.unregister("A")
+    assert (refused.value.status, refused.value.code) == (503, "registry_unavailable"), refused.value.message
+    assert refused.value.message.startswith("unregister A: "), refused.value.message
+    client.registry = GoesAwayAt(service, "state")
+    with pytest.raises(UnknownAdapterError, match=r"^adapter 'B' is not registered$"):
+        client.unregister("B")
 
 
 def test_initial_adapters_are_all_validated_before_any_is_recorded(replica, service, folders, monkeypatch, tmp_path) -> None:
@@ -1908,18 +1967,6 @@ def test_the_ingress_takes_the_registry_view_after_an_admin_call_that_failed_to_
     assert ingress._view["revision"] == service.manifest.revision == 1
 
 
-class GoneRegistry:
-    """A registry actor handle whose actor is gone for good: every call raises Ray's RayActorError."""
-
-    def __getattr__(self, name: str) -> Any:
-        async def remote(*args: Any, **kwargs: Any) -> Any:
-            import ray
-
-            raise ray.exceptions.RayActorError()
-
-        return SimpleNamespace(remote=remote)
-
-
 def test_an_admin_call_s_own_answer_wins_over_the_view_refresh_after_it(tiny_llama_dir, monkeypatch, caplog) -> None:
     """The ingress takes the registry's view after every admin call, in the call's ``finally``: with
     the registry gone, that fetch's RayActorError replaced the call's own answer (a 400 for files that
@@ -1927,7 +1974,6 @@ def test_an_admin_call_s_own_answer_wins_over_the_view_refresh_after_it(tiny_lla
     and the failed fetch is logged."""
     from runtime.distributed import replica_set
     from runtime.distributed.replica_set import ReplicaSetEngine
-    from runtime.request import UnknownAdapterError
 
     monkeypatch.setattr(replica_set, "ray", SimpleNamespace(get=asyncio.run))
     ingress = ReplicaSetEngine(None, GoneRegistry(), str(tiny_llama_dir), "tiny", 64)

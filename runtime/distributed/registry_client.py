@@ -8,7 +8,9 @@ that reports it could not apply it makes the call end with ``ReplicasFailedToApp
 and the change stays recorded. A registry actor that restarted between recording the change and
 the wait is followed when it holds the change (it reloaded its manifest); one that does not (its
 manifest was lost) makes the call end with ``RegistryRestarted`` (HTTP 503: retry), not a 200 for a
-change that is gone. Blocking; call it from a worker thread (the admin routes already do).
+change that is gone. A registry actor that is gone (Ray raises ``RayActorError``: it was stopped,
+or could not restart) makes the call end with ``RegistryUnavailable`` (HTTP 503), which says
+whether the change was recorded. Blocking; call it from a worker thread (the admin routes already do).
 """
 from __future__ import annotations
 
@@ -65,6 +67,24 @@ class RegistryRestarted(APIError):
         super().__init__(503, f"{what}: {why}", code="registry_restarted")
 
 
+class RegistryUnavailable(APIError):
+    """HTTP 503: the registry actor did not answer a call of the admin call: Ray raised
+    ``RayActorError`` (it was stopped, or could not be restarted; a restart from its manifest is
+    waited for, the calls are retried meanwhile). ``recorded``: True when the registry had already
+    recorded the change (it went while the call waited for the replicas); None when it went during
+    the call that records it, so whether it did is not known."""
+
+    def __init__(self, what: str, err: BaseException, recorded: Optional[bool]) -> None:
+        gone = f"the adapter registry actor is unavailable ({type(err).__name__}: stopped, or it could not restart)"
+        if recorded:
+            why = (f"the change is recorded in the registry's manifest, but {gone} before every replica applied it; the replicas keep "
+                   "serving the adapters they hold until a registry runs again from that manifest")
+        else:
+            why = (f"{gone}, so whether the change was recorded is not known (a registry started again from its manifest holds it "
+                   "if it was); check GET /v1/models once the registry is back before sending it again")
+        super().__init__(503, f"{what}: {why}", code="registry_unavailable")
+
+
 class RegistryClient:
     # How many registry restarts one admin call follows (each one a restart from its manifest that
     # still holds the change) before it gives up with ``RegistryRestarted``.
@@ -107,18 +127,31 @@ class RegistryClient:
             raise ValueError(checked["error"])
         return checked
 
+    def _ask(self, call: Any, what: str, recorded: Optional[bool]) -> Any:
+        """``ray.get(call)``, a call to the registry actor made for ``what``; ``RegistryUnavailable``
+        (``recorded`` says what it knows of the change) when that actor is gone: Ray's RayActorError
+        came out of the admin route as a 500 ``internal_error``, as if lorafleet had a bug."""
+        try:
+            return ray.get(call)
+        except RayActorError as err:
+            raise RegistryUnavailable(what, err, recorded) from err
+
     def _record(self, name: str, path: str, checked: dict[str, Any]) -> AdapterRef:
-        result = ray.get(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"]))
-        self._wait(result, f"register {name}@{checked['version']}", name,
-                   lambda entry: entry is not None and (entry["version"], entry["path"]) == (checked["version"], str(path)))
+        what = f"register {name}@{checked['version']}"
+        result = self._ask(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"]), what, recorded=None)
+        self._wait(result, what, name, lambda entry: entry is not None and (entry["version"], entry["path"]) == (checked["version"], str(path)))
         return AdapterRef(name, checked["version"])
 
     def unregister(self, name: str) -> None:
-        result = ray.get(self.registry.unregister.remote(name))
+        what = f"unregister {name}"
+        result = self._ask(self.registry.unregister.remote(name), what, recorded=None)
         if result is None:
-            registered = some_names(e["name"] for e in ray.get(self.registry.state.remote())["entries"])
-            raise UnknownAdapterError(f"adapter {name!r} is not registered; registered: {registered}")
-        self._wait(result, f"unregister {name}", name, lambda entry: entry is None)
+            try:
+                registered = "; registered: " + some_names(e["name"] for e in ray.get(self.registry.state.remote())["entries"])
+            except RayActorError:  # it answered that the name is not registered: that answer stands
+                registered = ""
+            raise UnknownAdapterError(f"adapter {name!r} is not registered{registered}")
+        self._wait(result, what, name, lambda entry: entry is None)
 
     def _wait(self, recorded: dict[str, Any], what: str, name: str, holds: Callable[[Optional[dict[str, Any]]], bool]) -> None:
         """Wait for the live replicas to apply ``recorded`` ({revision, registry}: what the change
@@ -132,10 +165,10 @@ class RegistryClient:
         for the old revision number would wait for another set)."""
         revision, registry = recorded["revision"], recorded["registry"]
         for _ in range(self.MAX_RESTARTS_FOLLOWED + 1):
-            report = ray.get(self.registry.wait_applied.remote(revision, self.apply_timeout_s, registry=registry))
+            report = self._ask(self.registry.wait_applied.remote(revision, self.apply_timeout_s, registry=registry), what, recorded=True)
             if report["registry"] == registry:
                 break
-            state = ray.get(self.registry.state.remote())
+            state = self._ask(self.registry.state.remote(), what, recorded=True)
             if not holds(next((e for e in state["entries"] if e["name"] == name), None)):
                 raise RegistryRestarted(what)
             revision, registry = state["revision"], state["registry"]
