@@ -543,6 +543,31 @@ def test_ray_start_whose_registry_restarted_while_the_initial_adapters_were_appl
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("kind", ["replica_unavailable", "registry_unavailable", "busy"])
+def test_ray_start_whose_initial_adapters_hit_another_admin_error_ends_with_one_line(kind: str, tmp_path: Path, tiny_llama_dir, tiny_adapters,
+                                                                                   monkeypatch, capsys) -> None:
+    """RegistryClient also raises an APIError 503 (the replica validating an adapter died, the
+    registry is gone) or AdminBusy (too many validations on a replica) while deploy records
+    --lora-modules; the launcher caught neither, so start-up ended with a traceback, not the one
+    line and exit status 2 of every other start-up error."""
+    pytest.importorskip("ray")
+    from runtime.distributed.registry_client import RegistryUnavailable
+    from runtime.server.admin_workers import AdminBusy
+    from runtime.server.errors import APIError
+
+    error = {
+        "replica_unavailable": APIError(503, "load 'a': the replica validating the files stopped before it answered (RayActorError); "
+                                             "nothing was recorded; retry the request", code="replica_unavailable"),
+        "registry_unavailable": RegistryUnavailable("register a@0123", RuntimeError("gone"), recorded=None),
+        "busy": AdminBusy("replica r1: 32 adapter loads and unloads are already in progress"),
+    }[kind]
+    rc, err = ray_start_whose_deploy_raises(error, tmp_path, tiny_llama_dir, tiny_adapters, monkeypatch, capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lorafleet serve: registering the initial adapters failed: "), err
+    assert (error.message if isinstance(error, APIError) else str(error)) in lines[0], err
+
+
 def test_ray_name_check_is_skipped_when_the_model_is_not_readable_here(tmp_path: Path, tiny_adapters, monkeypatch) -> None:
     """With a remote cluster the model path may exist only on the workers: without a declared
     base_model_name the adapter-name check cannot run here, and start-up goes on to deploy."""

@@ -79,6 +79,8 @@ def run_ray(settings: Any) -> int:
     from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
     from runtime.distributed.manifest import ManifestError, check_folder
     from runtime.distributed.registry_client import RegistryRestarted, ReplicasFailedToApply
+    from runtime.server.admin_workers import AdminBusy
+    from runtime.server.errors import APIError
     from runtime.commands.serve import one_line_error
     from runtime.models.hf_config import load_model_config
     from runtime.lora.adapter import check_adapter_folder
@@ -175,6 +177,10 @@ def run_ray(settings: Any) -> int:
             return 2
         except RegistryRestarted as err:  # the registry actor restarted while an initial --lora-modules entry was applied
             print(f"lorafleet serve: the initial adapters are not recorded ({err.message}); start again", file=sys.stderr)
+            return 2
+        except (APIError, AdminBusy) as err:  # e.g. the replica validating one died (replica_unavailable), the registry is gone
+            print(f"lorafleet serve: registering the initial adapters failed: {err.message if isinstance(err, APIError) else err}",
+                  file=sys.stderr)  # fmt: skip
             return 2
         signals.starting = False
         if signals.event.is_set():
