@@ -635,6 +635,33 @@ def test_a_replica_whose_engine_is_gone_refuses_a_name_it_does_not_hold_as_engin
     assert "registry" not in got[0][2] and "shut down" in got[0][2], got
 
 
+@pytest.mark.parametrize("how", ["shut down", "step failed"])
+def test_a_replica_whose_engine_is_gone_refuses_requests_without_asking_the_registry(replica, service, folders, how) -> None:
+    """A request behind the ingress's revision, or for a name the replica does not hold, made a
+    replica whose engine was gone sync first: one or two registry round trips per request (a
+    shut-down engine never completes an apply, so every request stayed behind), and then, for a
+    version it did not hold, an adapter_unavailable "has not caught up (its sync failed:
+    EngineDeadError ...)" instead of the engine_dead every other request there got (after a failed
+    step: a 404 for a name not registered). Now every adapter request there is refused at once with
+    engine_dead and the engine's own message, the registry untouched."""
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    v1 = version_of(folders.v1, replica)
+    revision = record(replica, service, "B", folders.v1)["revision"]  # the ingress knows it; the replica has not applied it
+    if how == "shut down":
+        replica.engine.shutdown()
+    else:
+        replica.engine.dead_error = "engine step failed: RuntimeError: boom"  # what AsyncLLMEngine._die sets
+    asked = RecordingHandle(service)
+    replica.registry = asked
+    cases = [("A", {}), ("A", {"expected_version": v1}), ("A", {"expected_version": "f" * 64}), ("B", {}),
+             ("B", {"expected_version": v1}), ("not-registered", {})]
+    answers = [items(replica, name, min_revision=revision, **kwargs) for name, kwargs in cases]
+    assert asked.made == 0, [name for name, _ in asked.replies]
+    message = replica.engine.dead_error
+    assert all(a == [("error", "engine_dead", message)] for a in answers), list(zip(cases, answers))
+
+
 def test_a_failing_sync_before_requests_is_logged_once_per_kind_and_its_end_once(replica, service, folders, caplog) -> None:
     """While the registry is away, every request behind the ingress's revision logged a WARNING of
     its own; now one line per kind of failure, and one INFO line once such a sync works again."""

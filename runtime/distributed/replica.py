@@ -479,8 +479,10 @@ class LoraReplica:
         and its request's, never mix two versions.
         """
         if adapter is not None:
-            behind = await self._catch_up(min_revision, min_registry)
-            refusal = self._stale_refusal(adapter, behind, expected_version) or await self._refusal(adapter, pinned_version)
+            refusal = self._dead_refusal()
+            if refusal is None:
+                behind = await self._catch_up(min_revision, min_registry)
+                refusal = self._stale_refusal(adapter, behind, expected_version) or await self._refusal(adapter, pinned_version)
             if refusal is not None:
                 yield refusal
                 return
@@ -509,6 +511,20 @@ class LoraReplica:
                 if self._streaming[request_id] <= 0:
                     del self._streaming[request_id]
                     self._finished.pop(request_id, None)
+
+    def _dead_refusal(self) -> Optional[tuple]:
+        """The ``engine_dead`` error item (the engine's ``dead_error``, the message its own refusal
+        gives) for a request on a replica whose engine is gone (shut down, or its step failed), else
+        None. Checked before the syncs a request may need (``_catch_up``, Serve's loader ``_lease``):
+        they cannot help, the engine refuses the request anyway, and on an engine that was shut down
+        no apply ever completes, so every request was behind and cost a registry round trip or two
+        before it was refused. Logged once (``_catch_up_failed``)."""
+        dead = self.engine.dead_error
+        if dead is None:
+            return None
+        err = EngineDeadError(dead)
+        self._catch_up_failed(err)
+        return error_item(err)
 
     async def _catch_up(self, revision: int, registry: Optional[str] = None) -> Optional[str]:
         """Sync now if this replica has not tried ``revision`` of ``registry`` yet. Returns why it is
