@@ -2015,7 +2015,7 @@ def test_an_admin_call_s_own_answer_wins_over_the_view_refresh_after_it(tiny_lla
     monkeypatch.setattr(ingress.client, "unregister", not_registered)
     with pytest.raises(UnknownAdapterError):
         ingress.unregister_adapter("B")
-    monkeypatch.setattr(ingress.client, "register", lambda name, path: AdapterRef(name, "0" * 64))
+    monkeypatch.setattr(ingress.client, "register", lambda name, path, within=None: AdapterRef(name, "0" * 64))
     assert ingress.register_adapter("C", "/adapters/c") == AdapterRef("C", "0" * 64)  # made, then the registry went
     lines = [r.getMessage() for r in caplog.records if r.name == "lorafleet.replica_set"]
     assert len(lines) == 3 and all("could not take the registry's view" in line and "RayActorError" in line for line in lines), lines
