@@ -245,6 +245,17 @@ def test_rank_above_max_lora_rank(tiny_adapters, targets):
     expect(tiny_adapters["c"], targets, "(lorafleet serve --max-lora-rank 16, or LLM(..., max_lora_rank=16), takes it)", max_lora_rank=8)
 
 
+def test_a_rank_far_above_max_lora_rank_is_named_as_the_rank_not_as_file_size(tiny_adapters, targets):
+    """Adapter "c" (r=16) under max_lora_rank=2 holds more tensor data than the size bound allows
+    (every target at rank 2 in float64), so the file is refused before any module's rank is read.
+    That refusal used to speak only of bytes ("933888 bytes of tensor data, more than an adapter of
+    this model can hold"): the demo's rank-16 adapter under --max-lora-rank 4, or an r=256 float32
+    adapter under the default 64, got no word on the rank or on --max-lora-rank."""
+    err = expect(tiny_adapters["c"], targets, "adapter_config.json r is 16, above max_lora_rank=2",
+                 "(lorafleet serve --max-lora-rank 16, or LLM(..., max_lora_rank=16), takes it)", max_lora_rank=2)
+    assert "bytes of tensor data" in str(err)  # it is still the size bound that refused it, unread
+
+
 def test_a_rank_pattern_key_for_no_targeted_module_is_ignored_as_peft_ignores_it(copy_of, targets):
     """Adapter "a" targets q_proj and v_proj at rank 4: a rank_pattern entry for gate_proj changes
     no module's rank, whatever its value (it was refused when above max_lora_rank)."""

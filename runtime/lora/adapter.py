@@ -208,7 +208,8 @@ def load_adapter(
         approve_files(root, files)
     raw = _read_config(config_path, files[1])
     cfg = _parse_config(raw, config_path)
-    header, data_start, blob = _read_safetensors(weights_path, files[2], max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank)
+    header, data_start, blob = _read_safetensors(weights_path, files[2], max_weights_bytes(targets, num_layers, max_lora_rank), max_lora_rank,
+                                                 _declared_rank_note(cfg, config_path, max_lora_rank))
     header = _without_default_infix(header, weights_path)
     decoder_root = _decoder_root(header, weights_path)
     modules = _resolve_modules(cfg, config_path, targets, num_layers, decoder_root)
@@ -539,12 +540,28 @@ def max_weights_bytes(targets: Mapping[str, tuple[int, int]], num_layers: int, m
     return widest * max_lora_rank * num_layers * sum(d_in + d_out for d_in, d_out in targets.values())
 
 
-def _read_safetensors(path: Path, resolved: str, max_data_bytes: int, max_lora_rank: int) -> tuple[dict[str, Any], int, bytes]:
+def _declared_rank_note(cfg: _Config, config_path: Path, max_lora_rank: int) -> str:
+    """The largest rank ``adapter_config.json`` declares (``r`` or a ``rank_pattern`` value), worded as
+    ``_check_tensors`` words a module's rank above ``max_lora_rank``, or "" when none is above it.
+
+    The size bound (``max_weights_bytes``) refuses a file with more tensor data than every target at
+    ``max_lora_rank`` could hold before any module's rank is read; its usual cause is such a rank,
+    and this note names it and the flag that takes it instead of bytes alone."""
+    declared = [("r", cfg.r)] + [(f"rank_pattern[{k!r}]", v) for k, v in cfg.rank_pattern.items()]
+    source, rank = max(declared, key=lambda item: item[1])
+    if rank <= max_lora_rank:
+        return ""
+    return (f"{config_path.name} {source} is {rank}, above max_lora_rank={max_lora_rank}, the largest rank the engine was started for "
+            f"(lorafleet serve --max-lora-rank {rank}, or LLM(..., max_lora_rank={rank}), takes it)")
+
+
+def _read_safetensors(path: Path, resolved: str, max_data_bytes: int, max_lora_rank: int, rank_note: str = "") -> tuple[dict[str, Any], int, bytes]:
     """Parse and check the header (size, JSON, byte ranges); returns (tensor entries, data offset, file bytes).
     The file is read once, along ``resolved`` (``_open_checked``); everything after parses those bytes.
 
     Sizes are checked before the bytes are read: a header over ``MAX_HEADER_BYTES``, or more
-    tensor data than ``max_data_bytes`` (``max_weights_bytes``), is refused unread."""
+    tensor data than ``max_data_bytes`` (``max_weights_bytes``), is refused unread; that refusal
+    leads with ``rank_note`` (``_declared_rank_note``) when the config declares a rank above the limit."""
     with _open_checked(path, resolved) as f:
         size = os.fstat(f.fileno()).st_size
         blob = f.read(8)
@@ -554,7 +571,8 @@ def _read_safetensors(path: Path, resolved: str, max_data_bytes: int, max_lora_r
         if header_len > MAX_HEADER_BYTES:
             raise AdapterError(f"{path}: safetensors header of {header_len} bytes, larger than the {MAX_HEADER_BYTES} bytes safetensors allows")
         if size - 8 - header_len > max_data_bytes:
-            raise AdapterError(f"{path}: {size - 8 - header_len} bytes of tensor data, more than an adapter of this model can hold "
+            lead = f"{rank_note}; its " if rank_note else ""
+            raise AdapterError(f"{path}: {lead}{size - 8 - header_len} bytes of tensor data, more than an adapter of this model can hold "
                                f"({max_data_bytes} bytes: every LoRA target in every layer at max_lora_rank={max_lora_rank}, in float64)")
         blob += f.read(header_len + max_data_bytes)  # a file grown since fstat is cut short at the limit
     if 8 + header_len > len(blob):
