@@ -807,6 +807,27 @@ def test_summary_states_the_kv_pool_and_where_admin_loads_from(tiny_llama_dir: P
     assert serve._admin_line(no_root.server).startswith("on, unload only")
 
 
+def test_summary_says_an_int8_checkpoint_runs_its_projections_int8(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """An int8 checkpoint (`lorafleet quantize`) was summarised as "dtype float32, float32 GEMM oneDNN
+    on packed weights": nothing said the projections run int8, and the GEMM choice, which applies to
+    the untied LM head only there, read as the kernel of the whole model."""
+    from runtime.commands.quantize import quantize_checkpoint
+    from runtime.models.dense import float32_packed
+
+    quantize_checkpoint(str(tiny_llama_dir), str(tmp_path / "q8"), progress=False)
+    settings = serve.load_settings(parse("--model", str(tmp_path / "q8"), "--num-kv-blocks", "4"))
+    engine = serve.build_engine(settings)
+    try:
+        text = serve.summary(settings, engine)
+        tied = serve._gemm_note("auto", engine.engine.config, quantized=True, tied_head=True)
+    finally:
+        engine.shutdown()
+    auto_kernel = "oneDNN on packed weights" if float32_packed("auto") else "MKL (F.linear)"
+    assert (f"dtype float32, projections int8 (weight-only checkpoint), untied LM head float32 GEMM {auto_kernel} "
+            "(auto for this CPU; --cpu-gemm to choose)") in text
+    assert tied == ""  # with the head tied to the embedding no float32 GEMM is left to name
+
+
 class FakeRay:
     """``lorafleet serve --ray`` without a cluster: ray.init/shutdown and the application's
     deploy/drain/stop replaced, every call recorded in ``calls``."""

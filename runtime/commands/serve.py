@@ -158,12 +158,26 @@ def _adapters_line(adapters: Any, shown: int = 10) -> str:
     return listed if len(adapters) <= shown else f"{len(adapters)}: {listed}"
 
 
-def _gemm_note(asked: str, config: Any) -> str:
-    """The cpu backend's float32 GEMM (and whether auto chose it); nothing elsewhere."""
+def _gemm_note(asked: str, config: Any, *, quantized: bool = False, tied_head: bool = False) -> str:
+    """The cpu backend's float32 GEMM (and whether auto chose it); nothing elsewhere. An int8
+    checkpoint (``quantized``) runs its projections int8 whatever the choice: the GEMM is then its
+    untied LM head's only, and with the head tied to the embedding there is none to name."""
     if config.cpu_gemm == "auto" or config.dtype != "float32":  # not the cpu backend, or a dtype the choice does not touch
         return ""
+    if quantized and tied_head:
+        return ""
     kernel = {"onednn": "oneDNN on packed weights", "mkl": "MKL (F.linear)"}[config.cpu_gemm]
-    return f", float32 GEMM {kernel}" + (" (auto for this CPU; --cpu-gemm to choose)" if asked == "auto" else "")
+    return f", {'untied LM head ' if quantized else ''}float32 GEMM {kernel}" + (" (auto for this CPU; --cpu-gemm to choose)" if asked == "auto" else "")
+
+
+def _dtype_note(settings: Any, core: Any) -> str:
+    """``dtype X`` and, for an int8 checkpoint (``lorafleet quantize``), that its projections run int8,
+    then the float32 GEMM in effect (``_gemm_note``)."""
+    from runtime.models.loader import checkpoint_quantization
+
+    quantized = checkpoint_quantization(settings.engine.model) is not None
+    note = f"dtype {settings.engine.dtype}" + (", projections int8 (weight-only checkpoint)" if quantized else "")
+    return note + _gemm_note(settings.engine.cpu_gemm, core.config, quantized=quantized, tied_head=core.runner.model_config.tie_word_embeddings)
 
 
 def summary(settings: Any, engine: Any) -> str:
@@ -174,7 +188,7 @@ def summary(settings: Any, engine: Any) -> str:
         f"model      {settings.engine.model}{'  (bundled demo)' if settings.uses_demo else ''}; requests name it "
         f"{settings.server.served_model_name or engine.model_name!r} (\"model\" field, GET /v1/models)",
         f"device     {core.runner.device} (backend {core.backend_name}{', chosen by --device auto' if settings.engine.device == 'auto' else ''}), "
-        f"dtype {settings.engine.dtype}" + _gemm_note(settings.engine.cpu_gemm, core.config),
+        + _dtype_note(settings, core),
         f"adapters   {_adapters_line(engine.adapters())}",
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
         f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} "
