@@ -174,6 +174,18 @@ def test_malformed_adapter_names(capsys: pytest.CaptureFixture[str], argv: list[
     assert rc == 2 and want in err
 
 
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
+def test_a_url_ending_in_v1_is_refused_with_the_root_to_give(stub: StubServer, capsys: pytest.CaptureFixture[str], suffix: str) -> None:
+    """The OpenAI client's base_url ends in /v1 (README's example: base_url="http://127.0.0.1:8000/v1"),
+    and so does a copy of it into --url. bench adds /v1/models itself, so it asked for /v1/v1/models:
+    lorafleet's 404 came back as "is this a lorafleet/OpenAI-compatible server?", and a server that
+    answers any path would have been benchmarked at /v1/v1/completions."""
+    rc, err = bench_cli(capsys, "--url", url(stub) + suffix, *SMALL, "--base-fraction", "1")
+    assert rc == 2 and one_error_line(err) == (f"lorafleet bench: --url {url(stub)}{suffix}: give the server's root, without /v1 "
+                                               f"(bench adds /v1/models, /v1/completions and /tokenize itself): --url {url(stub)}")
+    assert stub.paths == []  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("argv", [["--adapter-names", "upper"], ["--no-length-check"]])
 def test_url_only_flags_are_refused_without_url(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     work = tmp_path / "w"

@@ -124,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", metavar="FILE",
                    help="replay this JSONL workload (python -m runtime.bench.workload --out FILE) instead of generating one; "
                         "the workload flags above are then refused (default: generate from them)")  # fmt: skip
-    p.add_argument("--url", help="benchmark a running `lorafleet serve` (or another OpenAI-compatible server) at this URL instead of an "
+    p.add_argument("--url", help="benchmark a running `lorafleet serve` (or another OpenAI-compatible server) at this URL, its root "
+                                 "(http://HOST:PORT, without the /v1 an OpenAI client's base_url ends in), instead of an "
                                  "in-process engine. Before any request is sent, GET URL/v1/models must list every model the workload "
                                  "uses: the base, and its adapters lora-0000, lora-0001, ... (or the --adapter-names they map onto); "
                                  "and each request's prompt + output must fit the card's max_model_len. Otherwise exit 2 "
@@ -343,7 +344,7 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
 
 def _check_url(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     """The base model's name and the server's model cards, once the server answered its model list."""
-    from urllib.parse import urlsplit
+    from urllib.parse import urlsplit, urlunsplit
 
     try:
         parts = urlsplit(args.url)
@@ -351,6 +352,10 @@ def _check_url(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
         raise SetupError(f"--url {args.url}", str(err)) from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise SetupError(f"--url {args.url}", "expected http://HOST:PORT or https://HOST:PORT")
+    if parts.path.rstrip("/").endswith("/v1"):  # an OpenAI client's base_url: every route would get a second /v1
+        root = urlunsplit(parts._replace(path=parts.path.rstrip("/").removesuffix("/v1")))
+        raise SetupError(f"--url {args.url}", f"give the server's root, without /v1 (bench adds /v1/models, /v1/completions and "
+                                              f"/tokenize itself): --url {root}")
     try:
         import httpx
     except ImportError as err:
