@@ -609,6 +609,23 @@ def test_busy_port_or_bad_host_is_one_line_before_the_model_loads(tiny_llama_dir
     assert built == []
 
 
+def test_a_line_says_the_model_is_loading_before_it_loads(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], caplog, monkeypatch) -> None:
+    """Nothing was logged from the start until "serving on", after the weights had loaded (and, on the
+    cpu, been packed) and every adapter was read: minutes of silence for a large checkpoint, with no
+    sign that anything was happening or what."""
+    import logging
+
+    def fail(settings):  # type: ignore[no-untyped-def]
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(serve, "build_engine", fail)
+    caplog.set_level(logging.INFO, logger="lorafleet.serve")
+    assert serve.run(parse("--model", str(tiny_llama_dir), "--lora-modules", f"a={tiny_adapters['a']}", "--port", "0")) == 2
+    size = sum(p.stat().st_size for p in tiny_llama_dir.glob("*.safetensors")) / 2**20
+    assert (f"lorafleet serve: loading {tiny_llama_dir} ({size:.1f} MiB of weights) and 1 adapter on --device auto, dtype float32; "
+            "'serving on' follows once they are ready") in caplog.messages
+
+
 def test_engine_errors_after_binding_release_the_port(tiny_llama_dir: Path, capsys, monkeypatch) -> None:
     import socket
 

@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"lorafleet serve: cannot listen on {settings.server.host}:{settings.server.port}: {err.strerror or err}", file=sys.stderr)
         return 2
+    log.info("%s", loading_line(settings))
     try:
         engine = build_engine(settings)
     except (ConfigError, ValueError, RuntimeError, OSError) as err:
@@ -253,6 +254,21 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def loading_line(settings: Any) -> str:
+    """The line logged before the engine is built, which can take minutes (the weights read, cast and
+    on the cpu packed, every adapter read): what loads, with the size of the checkpoint's safetensors
+    files (only stat'ed; left out when there are none, an error build_engine reports), and where."""
+    try:
+        files = list(Path(settings.engine.model).glob("*.safetensors"))
+        size = f" ({sum(f.stat().st_size for f in files) / 2**20:.1f} MiB of weights)" if files else ""
+    except OSError:  # a dangling shard link, a folder it may not read: build_engine says what is wrong
+        size = ""
+    count = len(settings.lora_modules)
+    adapters = f" and {count} adapter{'s' if count != 1 else ''}" if count else ""
+    return (f"lorafleet serve: loading {settings.engine.model}{size}{adapters} on --device {settings.engine.device}, dtype {settings.engine.dtype}; "
+            "'serving on' follows once they are ready")
 
 
 def stopped_line(engine: Any) -> tuple[int, str]:
