@@ -285,6 +285,20 @@ def test_missing_tensor(copy_of, targets):
     expect(path, targets, "adapter_model.safetensors", "missing tensor", KEY)
 
 
+def test_an_adapter_of_a_shallower_model_says_so(copy_of, targets):
+    """An adapter whose tensors stop short of the base's last layer (trained on a model with fewer
+    layers: a 16-layer model's on a 32-layer one) got only "missing tensor ...layers.1... and 1 more",
+    which reads as a damaged file; the deeper case already said "trained on another model"."""
+    path = copy_of()  # "a": q_proj and v_proj in both layers of the tiny llama
+    edit_tensors(path, lambda t: [t.pop(k) for k in [k for k in t if ".layers.1." in k]])
+    expect(path, targets, "missing tensor base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight and 3 more",
+           "it has tensors for layer 0 only and the base has 2 layers: the adapter was trained on a model with fewer layers "
+           "(or with a layers_to_transform that adapter_config.json does not give)")
+    lone = copy_of("b")  # one tensor missing among the others: no such claim
+    edit_tensors(lone, lambda t: t.pop(KEY))
+    assert "fewer layers" not in str(expect(lone, targets, "missing tensor", KEY))
+
+
 def test_extra_tensor(copy_of, targets):
     path = copy_of()
     extra = "base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"

@@ -649,7 +649,8 @@ def _check_tensors(
         raise AdapterError(f"{path}: unexpected tensor {extra[0]}{hint}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else ""))
     missing = [n for n in expected if n not in header]
     if missing:
-        raise AdapterError(f"{path}: missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise AdapterError(f"{path}: missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                           + _shallower_note(header, [expected[n][0] for n in missing], num_layers))
     plan = {}
     for layer, name in modules:
         mp = _module_path(layer, name, root)
@@ -675,6 +676,18 @@ def _check_tensors(
         scale = alpha / math.sqrt(rank) if cfg.use_rslora else alpha / rank
         plan[(layer, name)] = (rank, scale, a_name, b_name)
     return plan
+
+
+def _shallower_note(header: Mapping[str, Any], missing_layers: list[int], num_layers: int) -> str:
+    """For missing tensors that are exactly those past the header's last layer (an adapter trained on
+    a model with fewer layers), a note saying so; "" for any other gap, a damaged or partial file."""
+    present = [int(m.group(1)) for name in header if (m := _TENSOR_KEY.match(name))]
+    if not present or min(missing_layers) <= max(present):
+        return ""
+    top = max(present)
+    held = "layer 0" if top == 0 else f"layers 0-{top}"
+    return (f": it has tensors for {held} only and the base has {num_layers} layers: the adapter was trained on a model with fewer "
+            "layers (or with a layers_to_transform that adapter_config.json does not give)")
 
 
 def _decode_tensors(header: Mapping[str, Any], data_start: int, blob: bytes, path: Path) -> dict[str, Tensor]:
