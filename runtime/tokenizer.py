@@ -35,9 +35,10 @@ like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continu
 ``continue_final_message`` ends the text inside the last message as transformers does, and
 ``template_kwargs`` adds variables (not over these). Unlike transformers, a render is bounded:
 one ``*`` may repeat a string, list or tuple into at most ``MAX_TEMPLATE_REPETITION`` items, and
-the rendered text may have at most ``MAX_RENDERED_CHARS`` characters (ChatTemplateTooLarge);
-real templates come nowhere near either. The template is compiled when the tokenizer
-loads; one that does not compile leaves the tokenizer usable for text and sets
+the rendered text may have at most ``MAX_RENDERED_CHARS`` characters, and the render may take
+at most ``MAX_TEMPLATE_STEPS`` steps (loop items, range items, calls) and ``MAX_RENDER_SECONDS``
+(``runtime/chat_template_budget.py``) (ChatTemplateTooLarge); real templates come nowhere near
+any of these. The template is compiled when the tokenizer loads; one that does not compile leaves the tokenizer usable for text and sets
 ``chat_template_problem``, which every ``apply_chat_template`` raises. Without one it uses ``DEFAULT_CHAT_TEMPLATE``:
 
     {bos}<|role|>\\ncontent{eos}\\n ... then "<|assistant|>\\n" when add_generation_prompt
@@ -53,6 +54,7 @@ from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from runtime import chat_template_budget
 from runtime.tokenizer_class import REBUILT_POST_PROCESSORS, auto_tokenizer_class
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -127,10 +129,11 @@ MAX_RENDERED_CHARS = 1 << 24  # characters of the rendered prompt: 16 Mi, 16x wh
 
 
 class ChatTemplateTooLarge(TokenizerError):
-    """A render would build more than lorafleet allows: a ``*`` that repeats a string, list or
-    tuple into more than ``MAX_TEMPLATE_REPETITION`` items, or a prompt text longer than
-    ``MAX_RENDERED_CHARS``. The template is fixed for the server's lifetime, so the inputs of the
-    render (messages, ``chat_template_kwargs``) are what ask for it: the request's error."""
+    """A render would build or do more than lorafleet allows: a ``*`` that repeats a string, list
+    or tuple into more than ``MAX_TEMPLATE_REPETITION`` items, a prompt text longer than
+    ``MAX_RENDERED_CHARS``, or more than ``MAX_TEMPLATE_STEPS`` steps or ``MAX_RENDER_SECONDS``
+    of work (``runtime/chat_template_budget.py``). The template is fixed for the server's
+    lifetime, so the inputs of the render (messages, ``chat_template_kwargs``) are what ask for it: the request's error."""
 
 
 # Texts this long (characters) are encoded without holding the GIL (``Tokenizer._encoding``);
@@ -339,7 +342,8 @@ class Tokenizer:
         (``raise_exception``) or jinja fails (sandbox, an undefined value used), and its subclass
         ChatTemplateError when the template's own code fails on these values with one of
         ``TEMPLATE_DATA_ERRORS``, and ChatTemplateTooLarge when the render would build more than
-        ``MAX_TEMPLATE_REPETITION`` items with one ``*`` or ``MAX_RENDERED_CHARS`` of text."""
+        ``MAX_TEMPLATE_REPETITION`` items with one ``*`` or ``MAX_RENDERED_CHARS`` of text, or
+        takes more than its budget of steps or time (``runtime/chat_template_budget.py``)."""
         if self.chat_template_problem is not None:
             raise self.chat_template_problem
         for i, m in enumerate(messages):
@@ -389,6 +393,8 @@ class Tokenizer:
             return _joined_within(pieces, MAX_RENDERED_CHARS)
         except TokenizerError:  # the template's raise_exception, ChatTemplateTooLarge
             raise
+        except chat_template_budget.TemplateStepsExhausted as err:
+            raise ChatTemplateTooLarge(str(err)) from None
         except jinja2.TemplateError as err:
             raise TokenizerError(f"chat_template: cannot render: {err}") from err
         except TEMPLATE_DATA_ERRORS as err:
@@ -475,8 +481,9 @@ def _compile_chat_template(text: str, source: str) -> Any:
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
     env.globals.update(dict=_TemplateDict(), namespace=_template_namespace())  # transformers' narrower versions of jinja's
+    chat_template_budget.install(env)  # a counted range, and the filter every loop's items pass through
     try:
-        return env.from_string(text)
+        return env.from_string(chat_template_budget.count_loop_items(env, env.parse(text)))
     except jinja2.TemplateSyntaxError as err:
         raise ChatTemplateUnusable(source, f"does not compile: line {err.lineno}: {err.message}") from err
 
@@ -485,16 +492,22 @@ def _bounded_sandbox() -> type:
     """jinja's ``ImmutableSandboxedEnvironment`` with its ``*`` bounded (``_check_repetition``):
     jinja's sandbox bounds ``range()`` (100000 items) but builds whatever ``'x' * n`` asks for.
     Products of numbers are Python's. An intercepted operator is also never evaluated at compile
-    time, so a constant ``'x' * 10**10`` in a template is the render's error, not the load's."""
+    time, so a constant ``'x' * 10**10`` in a template is the render's error, not the load's.
+    Each render's context holds its ``RenderBudget`` of steps, and every call the template makes
+    spends one (``runtime/chat_template_budget.py``)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*"})
+        context_class = chat_template_budget.budgeted_context_class()
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "*":
                 _check_repetition(left, right)
             return super().call_binop(context, operator, left, right)
+
+        def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return super().call(context, obj, *chat_template_budget.spend_on_call(context, obj, args), **kwargs)
 
     return BoundedSandbox
 

@@ -4,6 +4,7 @@ refusing. Also the template environment's own refusals (transformers' ``namespac
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -277,3 +278,84 @@ def test_a_rendered_prompt_past_the_limit_is_refused_as_it_grows(with_template):
     assert ours.apply_chat_template(messages, template_kwargs={"times": fits}) == "x" * (200 * fits)
     with pytest.raises(ChatTemplateTooLarge, match=rf"^chat_template: the prompt these messages render to passes the limit of {MAX_RENDERED_CHARS} "):
         ours.apply_chat_template(messages, template_kwargs={"times": fits + 1})
+
+
+# range() every way a template may use it, and loops with a filter, an else, loop.length and recursion.
+RANGES = ("{{ range(3) }}|{{ range(3) | list }}|{{ range(5) | reverse | list }}|{{ range(10)[2:5] | list }}|{{ range(3) | length }}|"
+          "{% for i in range(4) %}{{ loop.length }}{{ loop.last }}{% endfor %}|{{ range(2, 10, 3) | last }}|{{ 2 in range(3) }}|"
+          "{{ range(3).stop }}|{{ range(n) | sum }}|{% for x in range(n) if x > 1 %}{{ x }}{{ loop.last }}{% else %}none{% endfor %}|"
+          "{% for x in [] %}x{% else %}empty{% endfor %}|{% for m in messages %}{{ loop.revindex }}{{ m['content'] }}{% endfor %}|"
+          "{% for t in tree recursive %}[{{ t.v }}{% if t.c %}{{ loop(t.c) }}{% endif %}]{% endfor %}")
+
+
+def test_range_and_loops_render_as_in_transformers(with_template):
+    """lorafleet's range is lazy and counts its items against the render's budget of steps, and
+    every loop's items pass through a counting filter; the text is transformers'."""
+    ours, ref = with_template(RANGES)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]
+    tree = [{"v": 1, "c": [{"v": 2, "c": []}, {"v": 3}]}]
+    for n in (0, 3, 7):
+        mine, want = _render_both(ours, ref, messages, False, n=n, tree=tree)
+        assert mine == want and isinstance(mine, str), n
+    with pytest.raises(TokenizerError, match="OverflowError: Range too big"):  # jinja's sandbox's MAX_RANGE, as in transformers
+        ours.apply_chat_template(messages, template_kwargs={"n": 100_001})
+
+
+@pytest.mark.parametrize("template, kwargs", [
+    ("{% for i in range(n) %}{% for j in range(n) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}", "n"),
+    ("{% for a in xs %}{% for b in xs %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}", "xs"),
+    ("{% for i in range(n) %}{% set _ = range(n) | list %}{% endfor %}{{ messages[0]['content'] }}", "n"),
+], ids=["nested_ranges", "nested_loops_over_a_kwarg_list", "ranges_listed_in_a_loop"])
+def test_a_render_past_its_budget_of_steps_is_refused(with_template, template, kwargs):
+    """Loops that write nothing never met the size limits: nested loops over a client's
+    ``range(n)`` (or over a list it sent) ran n**2 times, 10**10 for n = 100000, holding a thread
+    for hours. Past MAX_TEMPLATE_STEPS loop items, range items and calls, the render stops with
+    ChatTemplateTooLarge naming the limit; just below it, it renders as before."""
+    from runtime.chat_template_budget import MAX_TEMPLATE_STEPS
+    from runtime.tokenizer import ChatTemplateTooLarge
+
+    ours, _ = with_template(template)
+    messages = [{"role": "user", "content": "hi"}]
+    side = math.isqrt(MAX_TEMPLATE_STEPS)  # side**2 + side (the outer items) + 1 (the call) is just past the limit
+    value = (lambda n: n) if kwargs == "n" else (lambda n: list(range(n)))
+    assert ours.apply_chat_template(messages, template_kwargs={kwargs: value(side // 2)}) == "hi"
+    with pytest.raises(ChatTemplateTooLarge, match=rf"^chat_template: the render took more than {MAX_TEMPLATE_STEPS} steps \(loop items, "
+                                                   r"range items and calls\), the limit; these messages or chat_template_kwargs ask"):
+        ours.apply_chat_template(messages, template_kwargs={kwargs: value(side)})
+
+
+@pytest.mark.parametrize("template", [
+    "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(depth) }}",
+    "{% for x in xs recursive %}{% if depth > loop.depth %}{{ loop(xs) }}{% endif %}{% endfor %}",
+], ids=["macro_calling_itself_twice", "recursive_loop"])
+def test_calls_and_recursive_loops_spend_steps(with_template, monkeypatch, template):
+    """Without a loop of its own a template can still work exponentially long: a macro calling
+    itself twice per level (2**depth calls), a recursive loop over the same items again. Every call
+    is a step, and so is every item of a recursive ``loop(...)``. (The budget is made small here,
+    so the test is quick.)"""
+    import runtime.chat_template_budget as budget
+    from runtime.tokenizer import ChatTemplateTooLarge
+
+    monkeypatch.setattr(budget, "MAX_TEMPLATE_STEPS", 5000)
+    ours, _ = with_template(template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, template_kwargs={"depth": 4, "xs": [1, 2]}) == ""
+    with pytest.raises(ChatTemplateTooLarge, match="^chat_template: the render took more than 5000 steps"):
+        ours.apply_chat_template(messages, template_kwargs={"depth": 13, "xs": [1, 2]})
+
+
+def test_a_render_past_its_time_is_refused(with_template, monkeypatch):
+    """Steps are not all alike (a macro call costs tens of loop items; a step may work on a 1 MiB
+    value): a render also stops once MAX_RENDER_SECONDS have passed, looking at the clock every
+    CLOCK_EVERY steps. The clock is the test's: each look advances it by a second."""
+    import runtime.chat_template_budget as budget
+    from runtime.tokenizer import ChatTemplateTooLarge
+
+    ours, _ = with_template("{% for i in range(n) %}{% endfor %}{{ messages[0]['content'] }}")
+    messages = [{"role": "user", "content": "hi"}]
+    looks = iter(range(10**6))
+    monkeypatch.setattr(budget, "monotonic", lambda: float(next(looks)))
+    looks_allowed = int(budget.MAX_RENDER_SECONDS)  # the look at the start, then one every CLOCK_EVERY steps
+    assert ours.apply_chat_template(messages, template_kwargs={"n": budget.CLOCK_EVERY * (looks_allowed - 1)}) == "hi"
+    with pytest.raises(ChatTemplateTooLarge, match=rf"^chat_template: the render took more than {budget.MAX_RENDER_SECONDS:g} s, the limit"):
+        ours.apply_chat_template(messages, template_kwargs={"n": budget.CLOCK_EVERY * (looks_allowed + 2)})

@@ -386,11 +386,11 @@ def test_the_chat_template_is_compiled_once(model_copy, monkeypatch):
     original = ImmutableSandboxedEnvironment.from_string
     monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", lambda env, source, *a, **k: compiled.append(source) or original(env, source, *a, **k))
     tok = Tokenizer(model_copy)
-    assert compiled == [tok.chat_template]  # at load, before any request
+    assert len(compiled) == 1 and tok.chat_template  # at load, before any request (its parsed tree: loops' items counted)
     first = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == first
     assert tok.apply_chat_template([{"role": "user", "content": "ho"}]) != first
-    assert compiled == [tok.chat_template]
+    assert len(compiled) == 1
 
 
 # A training template (TRL's assistant_only_loss needs the assistant's text marked); the set inside the

@@ -235,6 +235,28 @@ async def test_a_template_asked_to_build_too_much_is_a_400(tiny_llama_dir, tmp_p
     assert fine.status_code == 200 and fine.json()["count"] == 5  # "---hi", a byte each
 
 
+async def test_a_template_asked_for_too_many_steps_is_a_400(tiny_llama_dir, tmp_path):
+    """Nested ``range(n)`` loops that write nothing, with a client's n: the size limits never fired
+    and the render ran n**2 loop items (for n = 100000, hours of a thread); past MAX_TEMPLATE_STEPS
+    it is a 400 on messages naming the limit, on both routes."""
+    import math
+
+    from runtime.chat_template_budget import MAX_TEMPLATE_STEPS
+
+    template = "{% for i in range(n) %}{% for j in range(n) %}{% endfor %}{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    async with served(tiny_llama_dir, tmp_path, template) as c:
+        messages = [{"role": "user", "content": "hi"}]
+        fine = await c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"n": 30}})
+        for route, body in (("/v1/chat/completions", chat_body(c, messages)), ("/tokenize", {"messages": messages})):
+            r = await c.post(route, json={**body, "chat_template_kwargs": {"n": math.isqrt(MAX_TEMPLATE_STEPS) + 1}})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == {"message": f"messages: chat_template: the render took more than {MAX_TEMPLATE_STEPS} steps (loop items, "
+                                                    "range items and calls), the limit; these messages or chat_template_kwargs ask the "
+                                                    "template for more work than a prompt needs",
+                                         "type": "invalid_request_error", "param": "messages", "code": "invalid_parameter"}
+    assert fine.status_code == 200 and fine.json()["count"] == 2
+
+
 BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}"  # line 2 closes {{ with a single }
 
 
