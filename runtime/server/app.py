@@ -6,16 +6,18 @@ engine, so tests run it in-process and the Ray deployment reuses the same routes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from runtime.async_engine import EngineDeadError
 from runtime.server import admin, chat, completions, tokenize
+from runtime.server.chat_render_workers import CHAT_RENDER_MAX_IN_PROGRESS, CHAT_RENDER_THREADS, ChatRenderWorkers
 from runtime.server.errors import error_response, install_error_handlers, install_openapi_errors
 from runtime.server.metrics import ServerMetrics
 from runtime.server.options import ServerOptions
@@ -56,6 +58,8 @@ class AppState:
 
     max_seq_tokens: ``sequence_token_limit``; a request without max_tokens gets its default
     capped to what its prompt leaves of it.
+    chat_renders: the threads chat templates render in (chat completions, ``/tokenize`` of
+    messages), shut down with the app (its lifespan's end).
     """
 
     engine: Any
@@ -66,6 +70,7 @@ class AppState:
     max_seq_tokens: int
     metrics: ServerMetrics
     started: int
+    chat_renders: ChatRenderWorkers
 
 
 def create_app(
@@ -96,8 +101,17 @@ def create_app(
         max_seq_tokens=sequence_token_limit(engine),
         metrics=metrics,
         started=int(time.time()),
+        chat_renders=ChatRenderWorkers(CHAT_RENDER_THREADS, CHAT_RENDER_MAX_IN_PROGRESS),
     )
-    app = FastAPI(title="lorafleet", version="0.1.0", description="OpenAI-compatible multi-LoRA serving.")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            state.chat_renders.shutdown()
+
+    app = FastAPI(title="lorafleet", version="0.1.0", description="OpenAI-compatible multi-LoRA serving.", lifespan=lifespan)
     app.state.lorafleet = state
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=options.api_key, max_request_bytes=options.max_request_bytes)

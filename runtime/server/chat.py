@@ -33,7 +33,7 @@ def build_router(state: Any) -> APIRouter:
         if body.max_tokens == 0:
             raise APIError(400, "max_tokens: must be >= 1 (0, scoring a prompt, is for completions with echo)", param="max_tokens",
                            code="invalid_parameter")  # fmt: skip
-        prompt = await gen.render_chat_off_loop(state.tokenizer, body)
+        prompt = await gen.render_chat_off_loop(state.chat_renders, state.tokenizer, body)
         # The template writes the special tokens it wants (e.g. ``{{ bos_token }}``) as text; encoding
         # with special tokens added would put a second BOS in front (as HF and vLLM, encode without).
         prompt_ids = await gen.encode_text(state.tokenizer, prompt, add_special_tokens=False)

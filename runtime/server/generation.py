@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 from runtime.async_engine import EngineDeadError, GroupRefused, admits_groups
 from runtime.request import PromptTooLongError, RequestRejected, SamplingParams, UnknownAdapterError
+from runtime.server.chat_render_workers import ChatRenderBusy, ChatRenderWorkers
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import CHAT_TEMPLATE_FIELDS, _SamplingFields
 from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError, ChatTemplateUnusable
@@ -58,11 +59,14 @@ async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True
     return await off_loop_if_long(len(text), lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-async def render_chat_off_loop(tokenizer: Any, request: Any) -> str:
-    """``render_chat(tokenizer, request)`` in a worker thread, whatever the request's size; its
-    errors are ``render_chat``'s, raised here. On the event loop, a template that takes long (a
-    long conversation, loops over ``chat_template_kwargs``' values, a template that never ends)
-    held up every other request, ``/health`` and ``/metrics`` included, for as long as it ran.
+async def render_chat_off_loop(workers: ChatRenderWorkers, tokenizer: Any, request: Any) -> str:
+    """``render_chat(tokenizer, request)`` in one of ``workers``' threads (the app's
+    ``ChatRenderWorkers``), whatever the request's size; its errors are ``render_chat``'s, raised
+    here, and a 429 ``too_many_chat_renders`` when ``workers`` has as many renders in progress as
+    it takes. On the event loop, a template that takes long (a long conversation, loops over
+    ``chat_template_kwargs``' values) held up every other request, ``/health`` and ``/metrics``
+    included, for as long as it ran; on the loop's default executor, a few of them took the
+    threads ``/metrics`` and long prompts' tokenizing wait for.
 
     Unlike tokenizing (``off_loop_if_long``), there is no size below which a render stays on the
     loop: its cost follows from the checkpoint's template, not from the input's size alone (a few
@@ -70,10 +74,14 @@ async def render_chat_off_loop(tokenizer: Any, request: Any) -> str:
     the hop: 20-70 us for 4 short messages with Llama 3.1-, Qwen 2.5/3- and Mistral-style
     templates, 0.2-1.9 ms for 200 messages of 1 KB, and 55 us for a round trip through
     ``asyncio.to_thread`` (2-core AMD EPYC, a ``/tmp`` script, not kept), which is nothing next
-    to the request's prefill. A render cannot be stopped once started (not by a client that
-    goes away either); it holds one of the loop's worker threads until it ends. What it builds
-    is bounded (``tokenizer.MAX_TEMPLATE_REPETITION``, ``MAX_RENDERED_CHARS``), its time is not."""
-    return await asyncio.to_thread(render_chat, tokenizer, request)
+    to the request's prefill. A render cannot be stopped from outside once started (not by a
+    client that goes away either); it holds its thread until it ends. What it builds is bounded
+    (``tokenizer.MAX_TEMPLATE_REPETITION``, ``MAX_RENDERED_CHARS``), and so is what it does
+    (``chat_template_budget.MAX_TEMPLATE_STEPS``, ``MAX_RENDER_SECONDS``)."""
+    try:
+        return await workers.run(render_chat, tokenizer, request)
+    except ChatRenderBusy as err:
+        raise APIError(429, str(err), code="too_many_chat_renders") from err
 
 
 def render_chat(tokenizer: Any, request: Any) -> str:

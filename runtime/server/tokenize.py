@@ -33,7 +33,7 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(400, f"{given[0]}: only with messages (it is how the chat template renders them)", param=given[0],
                            code="invalid_parameter")  # fmt: skip
         if body.messages is not None:
-            text = await gen.render_chat_off_loop(tokenizer, body)
+            text = await gen.render_chat_off_loop(state.chat_renders, tokenizer, body)
             ids = await gen.encode_text(tokenizer, text, add_special_tokens=bool(body.add_special_tokens))
         else:
             ids = await gen.encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens is not False)

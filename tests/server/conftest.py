@@ -1,9 +1,12 @@
 """Server fixtures: one real engine on the tiny llama with three adapters, shared per module."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import AsyncIterator
 
 import httpx
 import pytest
@@ -16,6 +19,20 @@ from runtime.config import EngineConfig
 def anyio_backend() -> str:
     """The async tests (``pytest.mark.anyio``) run on asyncio."""
     return "asyncio"
+
+
+@pytest.fixture
+async def small_default_executor() -> AsyncIterator[int]:
+    """The event loop's default executor (``asyncio.to_thread``'s) with 2 threads, as on a small
+    machine, whatever this one's core count."""
+    loop = asyncio.get_running_loop()
+    small = ThreadPoolExecutor(max_workers=2)
+    loop.set_default_executor(small)
+    try:
+        yield 2
+    finally:
+        loop.set_default_executor(ThreadPoolExecutor())
+        small.shutdown(wait=False)
 
 
 def client_for(app, raise_app_exceptions: bool = True) -> httpx.AsyncClient:

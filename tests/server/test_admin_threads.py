@@ -14,7 +14,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import pytest
 
@@ -62,20 +62,6 @@ class BlockedAdminCalls:
 
     def unregister(self, name: str) -> None:
         self._enter()
-
-
-@pytest.fixture
-async def small_default_executor() -> AsyncIterator[int]:
-    """The event loop's default executor (``asyncio.to_thread``'s) with 2 threads, as on a small
-    machine, whatever this one's core count."""
-    loop = asyncio.get_running_loop()
-    small = ThreadPoolExecutor(max_workers=2)
-    loop.set_default_executor(small)
-    try:
-        yield 2
-    finally:
-        loop.set_default_executor(ThreadPoolExecutor())
-        small.shutdown(wait=False)
 
 
 def admin_app(engine: Any, adapter_root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, BlockedAdminCalls]:
