@@ -139,3 +139,15 @@ async def test_the_render_threads_end_with_the_app(engine) -> None:
         assert await renders.run(lambda: "rendered") == "rendered"
     with pytest.raises(RuntimeError, match="after shutdown"):
         await renders.run(lambda: "too late")
+
+
+def test_the_docs_give_the_render_bounds() -> None:
+    from pathlib import Path
+
+    from runtime.chat_template_budget import MAX_RENDER_SECONDS, MAX_TEMPLATE_STEPS
+    from runtime.server.chat_render_workers import CHAT_RENDER_MAX_IN_PROGRESS, CHAT_RENDER_THREADS
+
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text(encoding="utf-8").split())
+    assert f"rendered on {CHAT_RENDER_THREADS} threads kept for chat template renders" in text
+    assert f"At most {CHAT_RENDER_MAX_IN_PROGRESS} renders are in progress" in text
+    assert f"at most 1 Mi ({MAX_TEMPLATE_STEPS}) steps" in text and f"and at most {MAX_RENDER_SECONDS:g} s;" in text
