@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 
 from runtime.async_engine import EngineDeadError
 from runtime.request import UnknownAdapterError
-from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminBusy, AdminWorkers
+from runtime.server.admin_workers import AdminBusy
 from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from runtime.lora.adapter import CONFIG_FILE, PICKLE_FILES, WEIGHTS_FILE, AdapterPathError
@@ -31,7 +31,7 @@ from runtime.server.security import confine_adapter_folder
 
 def build_router(state: Any) -> APIRouter:
     router = APIRouter(route_class=UTF8Route)
-    workers = AdminWorkers(ADMIN_THREADS, ADMIN_MAX_IN_PROGRESS)
+    workers = state.admin_workers  # the app's: they end with its lifespan
 
     async def off_loop(fn: Any, *args: Any) -> Any:
         try:

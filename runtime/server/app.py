@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from runtime.async_engine import EngineDeadError
 from runtime.server import admin, chat, completions, tokenize
+from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminWorkers
 from runtime.server.chat_render_workers import CHAT_RENDER_MAX_IN_PROGRESS, CHAT_RENDER_THREADS, ChatRenderWorkers
 from runtime.server.errors import error_response, install_error_handlers, install_openapi_errors
 from runtime.server.metrics import ServerMetrics
@@ -60,6 +61,7 @@ class AppState:
     capped to what its prompt leaves of it.
     chat_renders: the threads chat templates render in (chat completions, ``/tokenize`` of
     messages), shut down with the app (its lifespan's end).
+    admin_workers: the threads the admin routes read and install adapters in, shut down likewise.
     """
 
     engine: Any
@@ -71,6 +73,7 @@ class AppState:
     metrics: ServerMetrics
     started: int
     chat_renders: ChatRenderWorkers
+    admin_workers: AdminWorkers
 
 
 def create_app(
@@ -102,6 +105,7 @@ def create_app(
         metrics=metrics,
         started=int(time.time()),
         chat_renders=ChatRenderWorkers(CHAT_RENDER_THREADS, CHAT_RENDER_MAX_IN_PROGRESS),
+        admin_workers=AdminWorkers(ADMIN_THREADS, ADMIN_MAX_IN_PROGRESS),
     )
 
     @contextlib.asynccontextmanager
@@ -110,6 +114,7 @@ def create_app(
             yield
         finally:
             state.chat_renders.shutdown()
+            state.admin_workers.shutdown()
 
     app = FastAPI(title="lorafleet", version="0.1.0", description="OpenAI-compatible multi-LoRA serving.", lifespan=lifespan)
     app.state.lorafleet = state

@@ -20,6 +20,7 @@ import pytest
 
 from runtime.server import admin, generation
 from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminBusy, AdminWorkers
+from runtime.server import app as app_module
 from runtime.server.app import create_app
 from runtime.server.options import ServerOptions
 from tests.server.conftest import client_for
@@ -110,8 +111,8 @@ async def test_slow_adapter_loads_do_not_stall_long_prompts_or_metrics(engine, a
 async def test_admin_calls_past_the_bound_are_429s(engine, adapter_root: Path, monkeypatch) -> None:
     """One admin thread, at most two calls in progress: of a load that runs, a load that waits for
     the thread and an unload, the one that comes last is refused at once; the others then end."""
-    monkeypatch.setattr(admin, "ADMIN_THREADS", 1, raising=False)
-    monkeypatch.setattr(admin, "ADMIN_MAX_IN_PROGRESS", 2, raising=False)
+    monkeypatch.setattr(app_module, "ADMIN_THREADS", 1)
+    monkeypatch.setattr(app_module, "ADMIN_MAX_IN_PROGRESS", 2)
     app, calls = admin_app(engine, adapter_root, monkeypatch)
     async with client_for(app) as c:
         running = asyncio.create_task(c.post("/v1/load_lora_adapter", json={"lora_name": "bound0", "lora_path": str(adapter_root / "a")}))

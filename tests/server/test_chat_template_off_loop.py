@@ -130,15 +130,16 @@ async def test_renders_past_the_bound_are_429s(engine, monkeypatch) -> None:
     assert len(renders.threads) == 2  # the refused render never ran
 
 
-async def test_the_render_threads_end_with_the_app(engine) -> None:
-    """The app's lifespan ends (the server's shutdown): its render threads take no more work and
-    end once their renders have."""
-    app = create_app(engine, ServerOptions())
-    renders = app.state.lorafleet.chat_renders
+@pytest.mark.parametrize("workers", ["chat_renders", "admin_workers"])
+async def test_the_render_threads_end_with_the_app(engine, workers: str) -> None:
+    """The app's lifespan ends (the server's shutdown): its render threads, and its admin threads
+    (which used to outlive every app), take no more work and end once their work has."""
+    app = create_app(engine, ServerOptions(enable_adapter_admin=True))
+    pool = getattr(app.state.lorafleet, workers)
     async with app.router.lifespan_context(app):
-        assert await renders.run(lambda: "rendered") == "rendered"
+        assert await pool.run(lambda: "done") == "done"
     with pytest.raises(RuntimeError, match="after shutdown"):
-        await renders.run(lambda: "too late")
+        await pool.run(lambda: "too late")
 
 
 def test_the_docs_give_the_render_bounds() -> None:
