@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pytest
 
-from runtime.server import admin, generation
+from runtime.server import generation
 from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminBusy, AdminWorkers
 from runtime.server import app as app_module
 from runtime.server.app import create_app
