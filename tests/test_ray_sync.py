@@ -415,6 +415,58 @@ def test_an_admin_load_confines_the_validating_replicas_read(replica, service, f
     assert client.validate("A", str(folders.v1), within=[str(folders.v1)])["version"]
 
 
+def test_a_path_refusal_on_ray_answers_the_single_server_s_403(replica, service, folders, monkeypatch, tmp_path, tiny_llama_dir) -> None:
+    """A weights file swapped for a symlink out of --adapter-root after the admin route's check is
+    refused by the loader. A single server answers 403 path_not_allowed; on Ray the validating
+    replica's refusal came back as a plain message, a ValueError, so the ingress answered 400
+    invalid_adapter. Now its kind crosses the wire: the same status, code and message."""
+    import runtime.server.admin as admin_module
+    from runtime.distributed.replica_set import ReplicaSetEngine
+    from runtime.lora.adapter import WEIGHTS_FILE
+    from runtime.server.app import create_app
+    from runtime.server.options import ServerOptions
+    from tests.server.conftest import client_for
+
+    root = tmp_path / "root"
+    folder = Path(shutil.copytree(folders.v1, root / "swapped"))
+    outside = folders.v2
+    options = ServerOptions(enable_adapter_admin=True, adapter_roots=(root,))
+    confine = admin_module.confine_adapter_folder
+
+    def confine_then_swap(*args: Any) -> Any:
+        path = confine(*args)
+        (folder / WEIGHTS_FILE).unlink()
+        (folder / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)
+        return path
+
+    monkeypatch.setattr(admin_module, "confine_adapter_folder", confine_then_swap)
+    for module in (registry_client, replica_set_module()):
+        monkeypatch.setattr(module, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
+    ingress = ReplicaSetEngine(replicas, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, apply_timeout_s=0.0)
+
+    def load(app: Any) -> Any:
+        async def run() -> Any:
+            async with client_for(app) as c:
+                return await c.post("/v1/load_lora_adapter", json={"lora_name": "swapped", "lora_path": str(folder)})
+
+        (folder / WEIGHTS_FILE).unlink()
+        shutil.copy2(folders.v1 / WEIGHTS_FILE, folder / WEIGHTS_FILE)  # a regular file inside the root again
+        return asyncio.run(run())
+
+    single, on_ray = load(create_app(replica.engine, options)), load(create_app(ingress, options))
+    assert single.status_code == 403 and single.json()["error"]["code"] == "path_not_allowed", single.text
+    assert (on_ray.status_code, on_ray.json()) == (single.status_code, single.json()), (on_ray.text, single.text)
+    assert service.manifest.by_name() == {} and "swapped" not in {a.name for a in replica.engine.adapters()}
+
+
+def replica_set_module() -> Any:
+    from runtime.distributed import replica_set
+
+    return replica_set
+
+
 # ---- 2: files are checked against the registered version before they are installed ----------------
 def spy_installs(rep: LoraReplica, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Versions the engine makes current (install_adapter calls), in order."""

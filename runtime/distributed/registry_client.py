@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from runtime.engine import check_adapter_name
+from runtime.lora.adapter import AdapterPathError
 from runtime.lora.registry import some_names
 from runtime.request import AdapterRef, UnknownAdapterError
 from runtime.server.admin_workers import AdminBusy
@@ -107,7 +108,8 @@ class RegistryClient:
 
     def validate(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
-        ValueError; the name is checked here first as a single server checks it (``check_adapter_name``:
+        ValueError (``AdapterPathError`` when the read was refused for where the files resolve, the
+        admin route's 403 ``path_not_allowed`` as on a single server); the name is checked here first as a single server checks it (``check_adapter_name``:
         TypeError for a non-str, ValueError for an empty, padded or reserved one). ``within``: the
         folders that read must stay in (``LLMEngine.load_adapter_files``); the replicas' own reads
         when they apply the change later are not confined (docs/security.md). ``AdminBusy`` (the
@@ -124,7 +126,7 @@ class RegistryClient:
         if "busy" in checked:
             raise AdminBusy(checked["busy"])
         if "error" in checked:
-            raise ValueError(checked["error"])
+            raise (AdapterPathError if checked.get("kind") == "path" else ValueError)(checked["error"])
         return checked
 
     def _ask(self, call: Any, what: str, recorded: Optional[bool]) -> Any:

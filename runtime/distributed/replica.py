@@ -59,6 +59,7 @@ from runtime.config import EngineConfig
 from runtime.distributed.apply_backoff import ApplyBackoff
 from runtime.distributed.log_level import apply_log_level
 from runtime.distributed.report_delta import ReportSender
+from runtime.lora.adapter import AdapterPathError
 from runtime.lora.registry import AdapterInfo
 from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, SamplingParams, UnknownAdapterError
 from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, AdminBusy, AdminWorkers
@@ -584,8 +585,10 @@ class LoraReplica:
     async def validate_adapter(self, name: str, path: str, within: Optional[list[str]] = None) -> dict[str, Any]:
         """Read and validate adapter files against this replica's model; engine state is untouched.
         ``within``: as ``LLMEngine.load_adapter_files``'s. {"version", "max_rank"}, {"error"} for
-        files that do not validate, or {"busy"} (the admin call's 429, ``RegistryClient.validate``)
-        when ``ADMIN_MAX_IN_PROGRESS`` validations are already in progress here.
+        files that do not validate (with {"kind": "path"} when the read was refused for where the
+        files resolve, ``AdapterPathError``: the admin route's 403, as on a single server), or
+        {"busy"} (the admin call's 429, ``RegistryClient.validate``) when ``ADMIN_MAX_IN_PROGRESS``
+        validations are already in progress here.
 
         The wait for the engine's file reader runs on ``_validations``' one thread: on the event
         loop's default executor (``min(32, cores + 4)`` threads), each validation in progress held a
@@ -595,6 +598,8 @@ class LoraReplica:
             adapter = await self._validations.run(functools.partial(self.engine.load_adapter_files, name, path, within=within))
         except AdminBusy as err:
             return {"busy": f"replica {self.replica_id}: {err}"}
+        except AdapterPathError as err:  # its class does not cross the wire: its kind does
+            return {"error": str(err), "kind": "path"}
         except (ValueError, OSError) as err:
             return {"error": str(err)}
         return {"version": adapter.version, "max_rank": adapter.max_rank}
