@@ -155,10 +155,10 @@ def test_a_name_whose_update_failed_is_unavailable_while_the_rest_of_the_revisio
     during: list[list[tuple]] = []
     real = replica.engine.load_adapter_files
 
-    def load(name: str, path: str) -> Any:
+    def load(name: str, path: str, **kw: Any) -> Any:
         if name == "B":
             during.append(items(replica, "A"))
-        return real(name, path)
+        return real(name, path, **kw)
 
     monkeypatch.setattr(replica.engine, "load_adapter_files", load)
     sync(replica)
@@ -461,6 +461,48 @@ def test_a_path_refusal_on_ray_answers_the_single_server_s_403(replica, service,
     assert service.manifest.by_name() == {} and "swapped" not in {a.name for a in replica.engine.adapters()}
 
 
+def test_every_replica_s_read_of_an_admin_load_stays_in_the_adapter_root(replica, service, folders, monkeypatch, tmp_path) -> None:
+    """Only the replica validating an admin load confined its read to --adapter-root: the registry
+    recorded name, path and version, and each replica applying the change read the recorded path
+    unconfined, so a weights file swapped for a symlink out of the root after the validation was
+    read (its content hashing to the validated version is all that was checked). The roots are
+    now recorded with the entry, and survive a registry restart from its manifest; each replica's
+    read is confined to them. A manifest written before (no "within") still loads, unconfined."""
+    import json
+
+    from runtime.lora.adapter import WEIGHTS_FILE
+
+    monkeypatch.setattr(registry_client, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
+    client = RegistryClient(LocalHandle(service), replicas, apply_timeout_s=0.0)
+    root, outside = tmp_path / "root", Path(shutil.copytree(folders.v1, tmp_path / "outside"))
+    folder = Path(shutil.copytree(folders.v1, root / "a"))
+    version = client.register("A", str(folder), within=[str(root)]).version
+    assert service.manifest.by_name()["A"].within == (str(root),)
+    assert AdapterRegistryService(service.folder()).manifest.by_name()["A"].within == (str(root),)  # a restarted registry keeps them
+    (folder / WEIGHTS_FILE).unlink()
+    (folder / WEIGHTS_FILE).symlink_to(outside / WEIGHTS_FILE)  # the same bytes, outside the root
+    sync(replica)
+    assert "A" not in held(replica), "a replica read the registered path out of --adapter-root"
+    assert any(e.startswith("A: ") and "resolves outside every --adapter-root" in e for e in replica.apply_errors), replica.apply_errors
+    (folder / WEIGHTS_FILE).unlink()
+    shutil.copy2(outside / WEIGHTS_FILE, folder / WEIGHTS_FILE)  # back inside the root: applied
+    sync(replica)
+    assert held(replica) == {"A": (version, str(folder))} and replica.apply_errors == ()
+    # An entry of a manifest written before the field: no confinement recorded, read as before.
+    manifest = Path(service.folder()) / "adapters.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["adapters"]["A"]["within"] == [str(root)]
+    del doc["adapters"]["A"]["within"]
+    manifest.write_text(json.dumps(doc))
+    assert AdapterRegistryService(service.folder()).state()["entries"][0]["within"] is None
+    doc["adapters"]["A"]["within"] = str(root)
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"adapters\.A\.within: expected a list of folders"):
+        AdapterRegistryService(service.folder())
+
+
 def replica_set_module() -> Any:
     from runtime.distributed import replica_set
 
@@ -522,9 +564,9 @@ def test_a_broken_entry_is_read_again_only_once_its_folder_changed_or_a_backoff_
     reads: list[str] = []
     real = replica.engine.load_adapter_files
 
-    def load(name: str, path: str) -> Any:
+    def load(name: str, path: str, **kw: Any) -> Any:
         reads.append(name)
-        return real(name, path)
+        return real(name, path, **kw)
 
     monkeypatch.setattr(replica.engine, "load_adapter_files", load)
     for _ in range(5):

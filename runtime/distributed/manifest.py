@@ -1,7 +1,11 @@
 """The persisted adapter registry manifest: ``<folder>/adapters.json``.
 
 One JSON document ``{"format": 1, "revision": R, "adapters": {name: {path, version,
-max_rank, registered_at}}}``. Writes are atomic (temp file in the same folder, fsync,
+max_rank, registered_at[, within]}}}``. ``within`` (a list of folders) is there only for an
+adapter the admin route loaded under ``--adapter-root``: every replica's read of its files is
+confined to those folders (``LLMEngine.load_adapter_files(within=...)``). An entry without it
+(registered by ``--lora-modules``, or in a manifest written before the field existed) has no
+confinement recorded, and is read as before. Writes are atomic (temp file in the same folder, fsync,
 ``os.replace``, fsync of the folder), so a crash leaves either the old or the new
 manifest, never a torn one. The manifest outlives replicas, the registry actor and the
 whole application; the registry reloads it at start.
@@ -13,7 +17,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 MANIFEST_FILE = "adapters.json"
 MANIFEST_FORMAT = 1
@@ -25,13 +29,15 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One registered adapter: ``version`` is the content hash the replicas must reproduce."""
+    """One registered adapter: ``version`` is the content hash the replicas must reproduce;
+    ``within``: the folders every replica's read of ``path`` must stay in (None: not confined)."""
 
     name: str
     path: str
     version: str
     max_rank: int
     registered_at: float
+    within: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,7 @@ class ManifestStore:
         doc = {
             "format": MANIFEST_FORMAT,
             "revision": manifest.revision,
-            "adapters": {
-                e.name: {"path": e.path, "version": e.version, "max_rank": e.max_rank, "registered_at": e.registered_at}
-                for e in sorted(manifest.entries, key=lambda e: e.name)
-            },
+            "adapters": {e.name: _entry_doc(e) for e in sorted(manifest.entries, key=lambda e: e.name)},
         }
         fd, tmp = tempfile.mkstemp(prefix=".adapters.", suffix=".tmp", dir=self.folder)
         try:
@@ -122,4 +125,15 @@ def _entry(path: Path, name: str, value: Any) -> ManifestEntry:
     for key, kind in (("path", str), ("version", str), ("max_rank", int), ("registered_at", (int, float))):
         if not isinstance(value.get(key), kind) or isinstance(value.get(key), bool):
             raise ManifestError(f"{where}.{key}: missing or of the wrong type ({value.get(key)!r})")
-    return ManifestEntry(name, value["path"], value["version"], int(value["max_rank"]), float(value["registered_at"]))
+    within = value.get("within")
+    if within is not None and (not isinstance(within, list) or not all(isinstance(r, str) for r in within)):
+        raise ManifestError(f"{where}.within: expected a list of folders, got {within!r}")
+    return ManifestEntry(name, value["path"], value["version"], int(value["max_rank"]), float(value["registered_at"]),
+                         tuple(within) if within is not None else None)
+
+
+def _entry_doc(entry: ManifestEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"path": entry.path, "version": entry.version, "max_rank": entry.max_rank, "registered_at": entry.registered_at}
+    if entry.within is not None:  # absent, not null: what a manifest written before the field looks like
+        doc["within"] = list(entry.within)
+    return doc

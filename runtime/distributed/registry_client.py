@@ -97,8 +97,9 @@ class RegistryClient:
         self.apply_timeout_s = apply_timeout_s
 
     def register(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> AdapterRef:
-        """``validate`` (``within`` as there), then record the adapter for every replica to apply."""
-        return self._record(name, path, self.validate(name, path, within=within))
+        """``validate`` (``within`` as there), then record the adapter for every replica to apply,
+        with ``within``: each replica's own read of the files is confined to it as well."""
+        return self._record(name, path, self.validate(name, path, within=within), within)
 
     def register_all(self, adapters: Sequence[tuple[str, str]]) -> list[AdapterRef]:
         """``register`` each (name, path), all or nothing as far as validation goes: every adapter
@@ -111,8 +112,8 @@ class RegistryClient:
         ValueError (``AdapterPathError`` when the read was refused for where the files resolve, the
         admin route's 403 ``path_not_allowed`` as on a single server); the name is checked here first as a single server checks it (``check_adapter_name``:
         TypeError for a non-str, ValueError for an empty, padded or reserved one). ``within``: the
-        folders that read must stay in (``LLMEngine.load_adapter_files``); the replicas' own reads
-        when they apply the change later are not confined (docs/security.md). ``AdminBusy`` (the
+        folders that read must stay in (``LLMEngine.load_adapter_files``); ``register`` records
+        them, so the replicas' own reads when they apply the change stay in them too. ``AdminBusy`` (the
         admin route's 429) when the replica has too many validations in progress. An ``APIError`` 503
         ``replica_unavailable`` when that replica dies before it answers (Serve replaces it; a retry
         goes to a live one): nothing was recorded."""
@@ -138,9 +139,11 @@ class RegistryClient:
         except RayActorError as err:
             raise RegistryUnavailable(what, err, recorded) from err
 
-    def _record(self, name: str, path: str, checked: dict[str, Any]) -> AdapterRef:
+    def _record(self, name: str, path: str, checked: dict[str, Any], within: Optional[Sequence[str]] = None) -> AdapterRef:
         what = f"register {name}@{checked['version']}"
-        result = self._ask(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"]), what, recorded=None)
+        confined = {"within": [str(r) for r in within]} if within is not None else {}
+        result = self._ask(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"], **confined), what,
+                           recorded=None)
         self._wait(result, what, name, lambda entry: entry is not None and (entry["version"], entry["path"]) == (checked["version"], str(path)))
         return AdapterRef(name, checked["version"])
 

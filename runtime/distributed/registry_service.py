@@ -42,7 +42,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from runtime.distributed.manifest import Manifest, ManifestEntry, ManifestStore
 from runtime.distributed.report_delta import apply_report
@@ -94,14 +94,18 @@ class AdapterRegistryService:
         revision sequence "revision" belongs to (a replica reports it back: ``heartbeat``)}."""
         return {"revision": self.manifest.revision, "entries": [vars_of(e) for e in self.manifest.entries], "registry": self.incarnation}
 
-    def register(self, name: str, path: str, version: str, max_rank: int) -> dict[str, Any]:
+    def register(self, name: str, path: str, version: str, max_rank: int, within: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """Record ``name`` at ``version``; returns {revision, previous_version, changed, registry}
-        (``registry``: this actor's incarnation, whose sequence ``revision`` is of: ``wait_applied``)."""
+        (``registry``: this actor's incarnation, whose sequence ``revision`` is of: ``wait_applied``).
+        ``within``: the folders the validating read was confined to (the admin route's
+        ``--adapter-root``), recorded so that every replica's read of ``path`` is confined to them
+        too (``LoraReplica._apply_entry``); None: not confined."""
+        confined = tuple(str(r) for r in within) if within is not None else None
         current = self.manifest.by_name()
         previous = current.get(name)
-        if previous is not None and previous.version == version and previous.path == path:
+        if previous is not None and (previous.version, previous.path, previous.within) == (version, path, confined):
             return {"revision": self.manifest.revision, "previous_version": version, "changed": False, "registry": self.incarnation}
-        current[name] = ManifestEntry(name, path, version, max_rank, time.time())
+        current[name] = ManifestEntry(name, path, version, max_rank, time.time(), confined)
         self._commit(current)
         return {"revision": self.manifest.revision, "previous_version": previous.version if previous else None, "changed": True,
                 "registry": self.incarnation}
@@ -276,4 +280,6 @@ class AdapterRegistryService:
 
 
 def vars_of(entry: ManifestEntry) -> dict[str, Any]:
-    return {"name": entry.name, "path": entry.path, "version": entry.version, "max_rank": entry.max_rank, "registered_at": entry.registered_at}
+    """An entry as replicas and the ingress get it; "within" is None when no confinement is recorded."""
+    return {"name": entry.name, "path": entry.path, "version": entry.version, "max_rank": entry.max_rank, "registered_at": entry.registered_at,
+            "within": list(entry.within) if entry.within is not None else None}

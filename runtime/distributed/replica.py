@@ -236,11 +236,15 @@ class LoraReplica:
 
         The files are read and hashed first, and installed only if they are the version the
         registry validated: otherwise nothing is installed (requests never bind to unchecked
-        content), and the version held so far stays only if the registry still names it.
+        content), and the version held so far stays only if the registry still names it. The read
+        is confined to the entry's ``within`` (the admin route's ``--adapter-root``, recorded with
+        it; absent or None: not confined), as the validating replica's was: files that resolve
+        outside it when opened are refused, nothing of them read. The engine's later re-reads of
+        the version (host-tier misses) must find the files at the paths this read approved.
         """
         name, path, version = entry["name"], entry["path"], entry["version"]
-        try:
-            adapter = self.engine.load_adapter_files(name, path)  # outside the engine lock; touches no engine state
+        try:  # outside the engine lock; touches no engine state
+            adapter = self.engine.load_adapter_files(name, path, within=entry.get("within"))
         except (ValueError, OSError) as err:
             problem = str(err)
         else:
