@@ -568,6 +568,55 @@ def test_ray_start_whose_initial_adapters_hit_another_admin_error_ends_with_one_
     assert (error.message if isinstance(error, APIError) else str(error)) in lines[0], err
 
 
+@pytest.mark.parametrize("step", ["begin_deploy", "set_ready", "ingress_died", "ingress_raised"])
+def test_ray_start_whose_registry_or_ingress_dies_while_deploying_ends_with_one_line(step: str, tmp_path: Path, tiny_llama_dir, monkeypatch,
+                                                                                   capsys) -> None:
+    """deploy resets the registry actor, deploys, marks the registry ready and has the ingress take
+    its view: a registry actor or an ingress that died there (Ray's RayActorError, or the ingress's
+    RayTaskError when its call to the registry failed) ended start-up with a traceback, as the
+    launcher catches only lorafleet's own errors. Now it is one line naming the step, exit 2, and
+    what was deployed is stopped."""
+    from types import SimpleNamespace
+
+    ray = pytest.importorskip("ray")
+    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+    from runtime.distributed import application
+    from runtime.distributed.launcher import run_ray
+
+    def fails() -> Any:
+        if step == "ingress_raised":  # the ingress's own call to the registry raised there
+            raise RayTaskError("sync_registry", "Traceback (most recent call last):\n  ...\nray.exceptions.RayActorError: gone", RayActorError())
+        raise ActorDiedError()
+
+    def get(ref: Any) -> Any:
+        return fails() if ref == step else None
+
+    handle = SimpleNamespace(sync_registry=SimpleNamespace(remote=lambda: SimpleNamespace(
+        result=fails if step.startswith("ingress") else lambda: None)))
+    registry = SimpleNamespace(begin_deploy=SimpleNamespace(remote=lambda: "begin_deploy"), set_ready=SimpleNamespace(remote=lambda ready: "set_ready"))
+    stopped: list[Any] = []
+    monkeypatch.setattr(application, "start_serve", lambda cfg: None)
+    monkeypatch.setattr(application, "start_registry", lambda cfg: registry)
+    monkeypatch.setattr(application, "build", lambda cfg: None)
+    monkeypatch.setattr(application.serve, "run", lambda app, **kw: handle)
+    monkeypatch.setattr(application, "stop", stopped.append)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--ray", "--port", str(free_port()),
+                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
+    assert run_ray(settings) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    what = {"begin_deploy": "resetting the adapter registry actor", "set_ready": "marking the adapter registry ready"}.get(
+        step, "the ingress taking the registry's adapter set")
+    cause = "RayActorError: The actor experienced an error" if step == "ingress_raised" else "ActorDiedError: The actor died unexpectedly"
+    assert lines[0].startswith(f"lorafleet serve: {what} failed during start-up ({cause}"), err
+    assert len(stopped) == 1  # the application and the registry actor are deleted
+
+
 def test_ray_name_check_is_skipped_when_the_model_is_not_readable_here(tmp_path: Path, tiny_adapters, monkeypatch) -> None:
     """With a remote cluster the model path may exist only on the workers: without a declared
     base_model_name the adapter-name check cannot run here, and start-up goes on to deploy."""

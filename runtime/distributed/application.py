@@ -70,6 +70,31 @@ class StartError(Exception):
     """The application cannot start as configured (the message is one line, for the CLI)."""
 
 
+class DeployError(Exception):
+    """A step of ``deploy`` after the registry actor was created failed in Ray: the registry actor
+    or the ingress died (or raised) while the application was being made ready. The message is one
+    line, for the CLI; ``stop`` deletes what was deployed."""
+
+
+def ray_failure(err: BaseException) -> str:
+    """``err``, a Ray error, in one line: the type and first line of what the remote call raised
+    (a ``RayTaskError`` carries it as ``cause``; its own text is the remote traceback), else of
+    ``err`` itself (``RayActorError``: "The actor died unexpectedly ...")."""
+    cause = getattr(err, "cause", None)
+    shown = cause if isinstance(cause, BaseException) else err
+    first = next((line.strip() for line in str(shown).splitlines() if line.strip()), "")
+    return f"{type(shown).__name__}: {first}" if first else type(shown).__name__
+
+
+def _start_step(what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, one of ``deploy``'s calls to the registry actor or the ingress; ``DeployError``
+    naming ``what`` when Ray raises (the actor died, or the call raised there)."""
+    try:
+        return call()
+    except ray.exceptions.RayError as err:
+        raise DeployError(f"{what} failed during start-up ({ray_failure(err)}); nothing is served: start again") from err
+
+
 @dataclass(frozen=True)
 class ScaleOutConfig:
     """
@@ -255,16 +280,20 @@ def deploy(cfg: ScaleOutConfig) -> Any:
     Returns the ingress handle. Blocks until every replica is up and the ingress serves
     the initial adapters; until then it answers /health and requests with a 503
     ``engine_unavailable`` (the registry is not ready), never a 404 for an initial adapter.
+    ``DeployError`` when the registry actor or the ingress fails a call of the start-up
+    (``_start_step``).
     """
     start_serve(cfg)
     registry = start_registry(cfg)
-    ray.get(registry.begin_deploy.remote())  # not ready, no drain: whatever an earlier deployment left in the detached actor
+    # Not ready, no drain: whatever an earlier deployment left in the detached actor.
+    _start_step("resetting the adapter registry actor", lambda: ray.get(registry.begin_deploy.remote()))
     handle = serve.run(build(cfg), name=cfg.app_name, route_prefix="/")
     if cfg.initial_adapters:
         client = RegistryClient(registry, serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), cfg.apply_timeout_s)
         client.register_all(cfg.initial_adapters)  # every one validated before any is recorded
-    ray.get(registry.set_ready.remote(True))
-    handle.sync_registry.remote().result()  # the ingress refreshes every 0.5 s; do not wait for that
+    _start_step("marking the adapter registry ready", lambda: ray.get(registry.set_ready.remote(True)))
+    # The ingress refreshes every 0.5 s; do not wait for that.
+    _start_step("the ingress taking the registry's adapter set", lambda: handle.sync_registry.remote().result())
     return handle
 
 

@@ -76,7 +76,7 @@ def run_ray(settings: Any) -> int:
               "nobody is told; give the port to serve on", file=sys.stderr)  # fmt: skip
         return 2
     from runtime.config import ConfigError
-    from runtime.distributed.application import DRAIN_S, ScaleOutConfig, StartError, deploy, drain, stop
+    from runtime.distributed.application import DRAIN_S, DeployError, ScaleOutConfig, StartError, deploy, drain, stop
     from runtime.distributed.manifest import ManifestError, check_folder
     from runtime.distributed.registry_client import RegistryRestarted, ReplicasFailedToApply
     from runtime.server.admin_workers import AdminBusy
@@ -167,7 +167,7 @@ def run_ray(settings: Any) -> int:
             deployed = False
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
-        except (ManifestError, ValueError) as err:
+        except (ManifestError, ValueError, DeployError) as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
         except ReplicasFailedToApply as err:  # an initial --lora-modules entry no replica could load
