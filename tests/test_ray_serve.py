@@ -323,6 +323,8 @@ def test_admin_load_reaches_both_replicas(app, adapter_root: Path, tiny_adapters
     resp = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": str(adapter_root / "e")}, timeout=60)
     assert resp.status_code == 200, resp.text
     version = resp.json()["version"]
+    entry = next(e for e in ray.get(registry(cfg).state.remote())["entries"] if e["name"] == "e")
+    assert entry["within"] == [str(r) for r in cfg.server.adapter_roots]  # every replica's read is confined as the validating one's
     live = ray.get(registry(cfg).live_replicas.remote())
     assert len(live) == 2
     for rid, status in live.items():  # the admin call returned only after every live replica applied it
