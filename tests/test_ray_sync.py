@@ -252,6 +252,25 @@ def test_a_load_whose_validating_replica_dies_answers_503_to_retry_not_500(servi
     assert service.manifest.by_name() == {}
 
 
+def test_a_load_validated_on_a_replica_whose_engine_is_gone_answers_503_to_retry(replica, service, folders, monkeypatch) -> None:
+    """A replica whose engine is gone (its step failed; Serve replaces it after its health checks)
+    raised EngineDeadError from validate_adapter: Ray carried it to the admin route as its wrapped
+    error (RayTaskError, whose text is the remote traceback), not one the admin path answers as
+    such, and at start-up (--lora-modules) it was a traceback. Now the replica says so and the
+    call is a 503 replica_unavailable to retry (another replica validates it)."""
+    monkeypatch.setattr(registry_client, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
+    client = RegistryClient(LocalHandle(service), replicas, apply_timeout_s=0.0)
+    replica.engine.shutdown()
+    with pytest.raises(APIError) as refused:
+        client.register("A", str(folders.v1))
+    assert (refused.value.status, refused.value.code) == (503, "replica_unavailable"), refused.value.message
+    message = refused.value.message
+    assert message.startswith("load 'A': ") and "replica-1" in message and "retry the request" in message and "\n" not in message, message
+    assert service.manifest.by_name() == {}
+
+
 @pytest.mark.parametrize("name", ["__other__", "__base__", " A", "", 7])
 def test_the_admin_path_refuses_a_name_as_a_single_server_does(service, monkeypatch, name) -> None:
     """RegistryClient had its own copy of the name check: a reserved name (a label of its own in

@@ -116,7 +116,7 @@ class RegistryClient:
         them, so the replicas' own reads when they apply the change stay in them too. ``AdminBusy`` (the
         admin route's 429) when the replica has too many validations in progress. An ``APIError`` 503
         ``replica_unavailable`` when that replica dies before it answers (Serve replaces it; a retry
-        goes to a live one): nothing was recorded."""
+        goes to a live one), or whose engine is gone (it answers so; Serve replaces it): nothing was recorded."""
         check_adapter_name(name)
         confined = {"within": [str(r) for r in within]} if within is not None else {}
         try:
@@ -126,6 +126,9 @@ class RegistryClient:
                                 "nothing was recorded; retry the request", code="replica_unavailable") from err  # fmt: skip
         if "busy" in checked:
             raise AdminBusy(checked["busy"])
+        if checked.get("kind") == "engine_dead":
+            raise APIError(503, f"load {name!r}: the replica validating the files cannot read them, its engine is gone ({checked['error']}); "
+                                "nothing was recorded; retry the request", code="replica_unavailable")  # fmt: skip
         if "error" in checked:
             raise (AdapterPathError if checked.get("kind") == "path" else ValueError)(checked["error"])
         return checked

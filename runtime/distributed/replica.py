@@ -590,9 +590,11 @@ class LoraReplica:
         """Read and validate adapter files against this replica's model; engine state is untouched.
         ``within``: as ``LLMEngine.load_adapter_files``'s. {"version", "max_rank"}, {"error"} for
         files that do not validate (with {"kind": "path"} when the read was refused for where the
-        files resolve, ``AdapterPathError``: the admin route's 403, as on a single server), or
-        {"busy"} (the admin call's 429, ``RegistryClient.validate``) when ``ADMIN_MAX_IN_PROGRESS``
-        validations are already in progress here.
+        files resolve, ``AdapterPathError``: the admin route's 403, as on a single server; with
+        {"kind": "engine_dead"} when this replica's engine is gone, so nothing could be read: a 503
+        to retry, another replica validates it), or {"busy"} (the admin call's 429,
+        ``RegistryClient.validate``) when ``ADMIN_MAX_IN_PROGRESS`` validations are already in
+        progress here.
 
         The wait for the engine's file reader runs on ``_validations``' one thread: on the event
         loop's default executor (``min(32, cores + 4)`` threads), each validation in progress held a
@@ -604,6 +606,8 @@ class LoraReplica:
             return {"busy": f"replica {self.replica_id}: {err}"}
         except AdapterPathError as err:  # its class does not cross the wire: its kind does
             return {"error": str(err), "kind": "path"}
+        except EngineDeadError as err:  # raised, it reached the admin route as Ray's error: the remote traceback as the message
+            return {"error": f"replica {self.replica_id}: {err}", "kind": "engine_dead"}
         except (ValueError, OSError) as err:
             return {"error": str(err)}
         return {"version": adapter.version, "max_rank": adapter.max_rank}
