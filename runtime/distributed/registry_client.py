@@ -110,8 +110,9 @@ class RegistryClient:
     def validate(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
         ValueError (``AdapterPathError`` when the read was refused for where the files resolve, the
-        admin route's 403 ``path_not_allowed`` as on a single server); the name is checked here first as a single server checks it (``check_adapter_name``:
-        TypeError for a non-str, ValueError for an empty, padded or reserved one). ``within``: the
+        admin route's 403 ``path_not_allowed`` as on a single server); the name is checked here
+        first as a single server checks it (``check_adapter_name``: TypeError for a non-str,
+        ValueError for an empty, padded or reserved one). ``within``: the
         folders that read must stay in (``LLMEngine.load_adapter_files``); ``register`` records
         them, so the replicas' own reads when they apply the change stay in them too. ``AdminBusy`` (the
         admin route's 429) when the replica has too many validations in progress. An ``APIError`` 503
