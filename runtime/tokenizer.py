@@ -23,7 +23,10 @@ MistralConfig's 2, never stops ``generate``, so it is no eos here either).
 (none without one), whatever ``add_bos_token`` / ``add_eos_token`` say, except for the classes
 that build a post-processor of their own (``CodeLlamaTokenizer``: bos first; ``GPTNeoXTokenizer``:
 nothing), which lorafleet builds likewise, with the tokenizer's own named bos/eos
-(tokenizer_config.json or special_tokens_map.json; never config.json's ``bos_token_id``).
+(tokenizer_config.json or special_tokens_map.json; never config.json's ``bos_token_id``). The text
+is tokenized, and ids decoded, with the normaliser, pre-tokenizer, decoder and BPE options of that
+class where it builds its own in place of tokenizer.json's (``runtime.tokenizer_pipeline``:
+``LlamaTokenizer`` with ``legacy`` / ``add_prefix_space``, ``Qwen2Tokenizer``, ...).
 
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``,
@@ -56,6 +59,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from runtime import chat_template_budget
 from runtime.tokenizer_class import REBUILT_POST_PROCESSORS, auto_tokenizer_class
+from runtime.tokenizer_pipeline import PipelineError, rebuild_pipeline
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token or '' }}\n"
@@ -148,7 +152,8 @@ class Tokenizer:
         if not path.is_file():
             raise TokenizerError(f"{path}: missing (lorafleet reads HF fast tokenizers: tokenizer.json)")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            json_text = path.read_text(encoding="utf-8")
+            self._tok = HFTokenizer.from_str(json_text)
         except Exception as err:  # the tokenizers library raises plain Exception subclasses; name the file
             raise TokenizerError(f"{path}: cannot be parsed by the tokenizers library: {err}") from err
         cfg = _read_json(root / "tokenizer_config.json")
@@ -184,7 +189,12 @@ class Tokenizer:
         self.eos_token_id = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
         # The class transformers' AutoTokenizer loads; a class that builds its own post-processor gets it
         # here too, in place of tokenizer.json's (tokenizer_config's add_bos_token / add_eos_token count for no class).
-        self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"))
+        self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"), byte_level='"ByteLevel"' in json_text)
+        # So does one that builds its own normaliser, pre-tokenizer, decoder and BPE options (runtime.tokenizer_pipeline).
+        try:
+            rebuild_pipeline(self._tok, self.tokenizer_class, cfg, str(path))
+        except PipelineError as err:
+            raise TokenizerError(str(err)) from None
         rebuilt = REBUILT_POST_PROCESSORS.get(self.tokenizer_class)
         if rebuilt is not None:
             self._tok.post_processor = self._template_post_processor(*rebuilt)

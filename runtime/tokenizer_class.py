@@ -15,16 +15,20 @@ post-processor of their own in its place, from their defaults, the config's flag
 ``CodeLlamaTokenizer`` always puts bos first and never appends eos, ``GPTNeoXTokenizer`` adds
 nothing. The bos is the tokenizer's named one; with none named lorafleet adds none, where
 CodeLlamaTokenizer would take its class default ``<s>`` (not reproduced; real checkpoints name it).
+These classes, and others, also build their own normaliser, pre-tokenizer and decoder:
+``runtime.tokenizer_pipeline``.
 
-``auto_tokenizer_class(tokenizer_config, model_config)``: the class, as ``AutoTokenizer`` picks it for
+``auto_tokenizer_class(tokenizer_config, model_config, byte_level)``: the class, as ``AutoTokenizer`` picks it for
 the model types lorafleet serves: ``qwen2`` always loads ``Qwen2Tokenizer`` and ``mistral``
 ``TokenizersBackend`` (without mistral-common), whatever class the configs name; otherwise
 (``llama``, or no ``model_type``) tokenizer_config.json's ``tokenizer_class``, else
 config.json's, with ``Fast`` taken off, as transformers looks it up; none named (or
-``PreTrainedTokenizerFast``) is ``TokenizersBackend``. Any other name is returned as named: where
-transformers loads ``TokenizersBackend`` instead (a name it does not know; ``LlamaTokenizer`` over
-a ByteLevel tokenizer.json) the special tokens are the same, since neither class is in
-``REBUILT_POST_PROCESSORS``: a name not listed there keeps the post-processor. Not reproduced:
+``PreTrainedTokenizerFast``) is ``TokenizersBackend``, and so is ``LlamaTokenizer`` over a tokenizer.json whose text names
+``"ByteLevel"`` (transformers' ``_tokenizer_json_has_byte_level``: Llama-3-style checkpoints that
+name LlamaTokenizer). Any other name is returned as named: where transformers loads
+``TokenizersBackend`` instead (a name it does not know) the tokens are the same, since such a name
+is neither in ``REBUILT_POST_PROCESSORS`` nor in ``runtime.tokenizer_pipeline``'s
+``REBUILT_PIPELINES``: it keeps tokenizer.json's steps and post-processor. Not reproduced:
 transformers' encoder and seq2seq classes (``BertTokenizer``, ``T5Tokenizer``, ...), which add
 special tokens of their own (decoder-only checkpoints do not name them), and ``auto_map`` (remote
 code, which lorafleet never runs).
@@ -45,8 +49,9 @@ REBUILT_POST_PROCESSORS: Mapping[str, tuple[bool, bool]] = MappingProxyType({
 })
 
 
-def auto_tokenizer_class(tokenizer_config: Mapping[str, Any], model_config: Mapping[str, Any]) -> str:
-    """The class ``AutoTokenizer.from_pretrained`` loads (name without ``Fast``); see the module docstring."""
+def auto_tokenizer_class(tokenizer_config: Mapping[str, Any], model_config: Mapping[str, Any], byte_level: bool = False) -> str:
+    """The class ``AutoTokenizer.from_pretrained`` loads (name without ``Fast``); see the module docstring.
+    ``byte_level``: tokenizer.json's text holds ``"ByteLevel"`` (a ByteLevel step anywhere in it)."""
     model_type = model_config.get("model_type")
     if model_type in MODEL_TYPE_CLASSES:
         return MODEL_TYPE_CLASSES[model_type]
@@ -54,4 +59,6 @@ def auto_tokenizer_class(tokenizer_config: Mapping[str, Any], model_config: Mapp
     if not isinstance(named, str) or not named:
         return GENERIC_CLASS
     name = named.removesuffix("Fast")
+    if name == "LlamaTokenizer" and byte_level:  # a Llama-3-style file: LlamaTokenizer would rebuild it as SentencePiece's
+        return GENERIC_CLASS
     return GENERIC_CLASS if name in ("PreTrainedTokenizer", "PythonBackend") else name
