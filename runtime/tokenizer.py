@@ -11,7 +11,10 @@ Sources, in the checkpoint folder:
   present it is used instead of tokenizer_config's ``chat_template``, as transformers does.
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
 
-``eos_token_ids``: tokenizer_config's eos, then the generation config's, in that order without
+Named special tokens the configs lack (no key) are the tokenizer class's defaults, and each named
+special token is a special added token (``runtime.tokenizer_class.CLASS_SPECIAL_TOKENS``).
+
+``eos_token_ids``: tokenizer_config's eos (or the class's), then the generation config's, in that order without
 duplicates. The generation config is what transformers' ``generate`` reads (checked with 5.24):
 ``generation_config.json`` when the checkpoint has one, even one without ``eos_token_id`` (then
 it has no eos: config.json's does not stop generation, nor in vLLM), else config.json's own
@@ -58,7 +61,7 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from runtime import chat_template_budget
-from runtime.tokenizer_class import REBUILT_POST_PROCESSORS, auto_tokenizer_class
+from runtime.tokenizer_class import CLASS_SPECIAL_TOKENS, REBUILT_POST_PROCESSORS, auto_tokenizer_class
 from runtime.tokenizer_pipeline import PipelineError, rebuild_pipeline
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -179,6 +182,19 @@ class Tokenizer:
                 if name in token_map:
                     cfg[name] = token_map[name]
                     token_file[name] = root / "special_tokens_map.json"
+        # The class transformers' AutoTokenizer loads; a class that builds its own normaliser, pre-tokenizer,
+        # decoder and BPE options gets them here too, in place of tokenizer.json's (runtime.tokenizer_pipeline).
+        self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"), byte_level='"ByteLevel"' in json_text)
+        try:
+            rebuild_pipeline(self._tok, self.tokenizer_class, cfg, str(path))
+        except PipelineError as err:
+            raise TokenizerError(str(err)) from None
+        # A named special token that neither file names (no key; null is named) is the class's default.
+        for name, default in CLASS_SPECIAL_TOKENS.get(self.tokenizer_class, {}).items():
+            if name not in cfg:
+                cfg[name] = default
+                token_file[name] = (f"{root / 'tokenizer_config.json'} (no {name}: {self.tokenizer_class}'s default, as "
+                                    "transformers' AutoTokenizer loads it; name one, or null for none)")
         # The named special tokens that are set, as transformers passes them to a chat template.
         self._template_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
         self.bos_token = self._template_tokens.get("bos_token")
@@ -187,14 +203,9 @@ class Tokenizer:
         # reads config.json's bos_token_id or eos_token_id for the tokenizer.
         self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
         self.eos_token_id = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
-        # The class transformers' AutoTokenizer loads; a class that builds its own post-processor gets it
-        # here too, in place of tokenizer.json's (tokenizer_config's add_bos_token / add_eos_token count for no class).
-        self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"), byte_level='"ByteLevel"' in json_text)
-        # So does one that builds its own normaliser, pre-tokenizer, decoder and BPE options (runtime.tokenizer_pipeline).
-        try:
-            rebuild_pipeline(self._tok, self.tokenizer_class, cfg, str(path))
-        except PipelineError as err:
-            raise TokenizerError(str(err)) from None
+        self._add_named_special_tokens(cfg)
+        # A class that builds its own post-processor gets it here, in place of tokenizer.json's
+        # (tokenizer_config's add_bos_token / add_eos_token count for no class).
         rebuilt = REBUILT_POST_PROCESSORS.get(self.tokenizer_class)
         if rebuilt is not None:
             self._tok.post_processor = self._template_post_processor(*rebuilt)
@@ -410,13 +421,30 @@ class Tokenizer:
         except TEMPLATE_DATA_ERRORS as err:
             raise ChatTemplateError(f"chat_template: failed on these inputs with {type(err).__name__}: {err}") from err
 
-    def _id_of(self, token: str | None, path: Path, key: str) -> int | None:
+    def _id_of(self, token: str | None, source: Path | str, key: str) -> int | None:
         if token is None:
             return None
         tid = self._tok.token_to_id(token)
         if tid is None:
-            raise TokenizerError(f"{path}: {key} {token!r} is not in tokenizer.json's vocabulary")
+            raise TokenizerError(f"{source}: {key} {token!r} is not in tokenizer.json's vocabulary")
         return tid
+
+    def _add_named_special_tokens(self, cfg: Mapping[str, Any]) -> None:
+        """Make each named special token (``SPECIAL_TOKEN_NAMES``, set in ``cfg``) a special added
+        token, as transformers' ``TokenizersBackend.__init__`` does with those tokenizer.json does not
+        list among its added tokens: spelled in a text it is then that one token, and decoding with
+        ``skip_special_tokens`` drops it. The flags are the config's (an ``{"content": ...}`` object),
+        else a special token's (not normalised); one not in the vocabulary gets the next id, as there."""
+        from tokenizers import AddedToken
+
+        added = {token.content for token in self._tok.get_added_tokens_decoder().values()}
+        for name in SPECIAL_TOKEN_NAMES:
+            value, text = cfg.get(name), _token_text(cfg.get(name))
+            if text is None or text in added:
+                continue
+            flags = {k: v for k, v in value.items() if k in ("single_word", "lstrip", "rstrip", "normalized")} if isinstance(value, dict) else {}
+            self._tok.add_tokens([AddedToken(text, **flags, special=True)])
+            added.add(text)
 
 
 def _generation_block() -> Any:

@@ -13,8 +13,17 @@ tokenizer.json whose post-processor puts bos first, with or without ``add_eos_to
 ``REBUILT_POST_PROCESSORS``: the classes (for decoder-only checkpoints) whose ``__init__`` puts a
 post-processor of their own in its place, from their defaults, the config's flags being gone:
 ``CodeLlamaTokenizer`` always puts bos first and never appends eos, ``GPTNeoXTokenizer`` adds
-nothing. The bos is the tokenizer's named one; with none named lorafleet adds none, where
-CodeLlamaTokenizer would take its class default ``<s>`` (not reproduced; real checkpoints name it).
+nothing. The bos is the tokenizer's named one.
+
+``CLASS_SPECIAL_TOKENS``: the named special tokens (bos, eos, unk, pad, ...) a class defaults to
+when neither tokenizer_config.json nor special_tokens_map.json has the key (``"bos_token": null``
+names none): ``LlamaTokenizer`` and ``CodeLlamaTokenizer`` ``<s>`` / ``</s>`` / ``<unk>``,
+``GPTNeoXTokenizer`` ``<|endoftext|>``, ... (``TokenizersBackend`` has none). They are the
+tokenizer's as if named: CodeLlamaTokenizer's bos first, the eos among the stop tokens, the chat
+template's variables. As in transformers (``TokenizersBackend.__init__``), each named special token
+that tokenizer.json does not list among its added tokens becomes a special added token (a new id
+when the vocabulary lacks it), except that a bos or eos the vocabulary lacks is refused
+(``TokenizerError``), as every prompt or stop would then hold an id the model does not have.
 These classes, and others, also build their own normaliser, pre-tokenizer and decoder:
 ``runtime.tokenizer_pipeline``.
 
@@ -46,6 +55,20 @@ MODEL_TYPE_CLASSES: Mapping[str, str] = MappingProxyType({"qwen2": "Qwen2Tokeniz
 REBUILT_POST_PROCESSORS: Mapping[str, tuple[bool, bool]] = MappingProxyType({
     "CodeLlamaTokenizer": (True, False),  # its __init__'s add_bos_token=True, passed on explicitly
     "GPTNeoXTokenizer": (False, False),  # its __init__ calls update_post_processor() with both flags gone
+})
+
+# class -> the named special tokens its __init__ defaults to (its signature's), which count where
+# neither tokenizer_config.json nor special_tokens_map.json has the key (a null there names none).
+_ENDOFTEXT = "<|endoftext|>"
+CLASS_SPECIAL_TOKENS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    "CodeLlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    "GemmaTokenizer": {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>"},
+    "Qwen2Tokenizer": {"unk_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "pad_token": _ENDOFTEXT},
+    "GPT2Tokenizer": {"unk_token": _ENDOFTEXT, "bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT},
+    "GPTNeoXTokenizer": {"unk_token": _ENDOFTEXT, "bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "pad_token": "<|padding|>"},
+    "CohereTokenizer": {"unk_token": "<UNK>", "bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "pad_token": "<PAD>",
+                        "cls_token": "<CLS>", "sep_token": "<SEP>", "mask_token": "<MASK_TOKEN>"},
 })
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerError
 from runtime.tokenizer_class import auto_tokenizer_class
 
 TEXTS = ["hello world", "<s>hi</s>", "", " x"]
@@ -18,10 +18,11 @@ FLAGS = [(None, None), (True, False), (False, True), (True, True), (False, False
 POST_PROCESSORS = ["bos", "eos", "none"]
 
 
-def write_tokenizer(folder: Path, kind: str, post_processor: str) -> None:
+def write_tokenizer(folder: Path, kind: str, post_processor: str, added: bool = True) -> None:
     """tokenizer.json: ``kind`` "metaspace" (Llama-2 style pieces, one per character, <unk> 0, <s> 1,
     </s> 2) or "byte_level" (GPT-2 style, <s> 256, </s> 257); ``post_processor`` "bos" (bos first),
-    "eos" (eos last) or "none" (no post-processor)."""
+    "eos" (eos last) or "none" (no post-processor); <s> and </s> listed as added special tokens
+    when ``added``, else only in the vocabulary."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
     if kind == "metaspace":
@@ -35,7 +36,8 @@ def write_tokenizer(folder: Path, kind: str, post_processor: str) -> None:
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
+    if added:
+        tok.add_special_tokens(["<s>", "</s>"])
     if post_processor == "bos":
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
     elif post_processor == "eos":
@@ -96,3 +98,40 @@ def test_the_class_named_in_config_json_counts_without_one_in_tokenizer_config()
     assert auto_tokenizer_class({}, {"tokenizer_class": "CodeLlamaTokenizerFast"}) == "CodeLlamaTokenizer"
     assert auto_tokenizer_class({"tokenizer_class": "GPTNeoXTokenizer"}, {"tokenizer_class": "CodeLlamaTokenizerFast"}) == "GPTNeoXTokenizer"
     assert auto_tokenizer_class({"tokenizer_class": "PreTrainedTokenizerFast"}, {}) == "TokenizersBackend"
+
+
+NO_INFILL_TOKENS = dict.fromkeys(["prefix_token", "middle_token", "suffix_token", "eot_token", "fill_token"])  # CodeLlama's, not in the vocabulary
+
+
+@pytest.mark.parametrize("added", [True, False])
+@pytest.mark.parametrize("tokenizer_config", [
+    {"tokenizer_class": "LlamaTokenizerFast"},  # names none: the class's <s> / </s> / <unk>
+    {"tokenizer_class": "CodeLlamaTokenizerFast", **NO_INFILL_TOKENS},  # likewise, and its bos goes first
+    {"tokenizer_class": "LlamaTokenizerFast", "bos_token": None},  # null names none: no default
+    {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"},  # the generic class: no defaults
+])
+def test_named_special_tokens_as_transformers_names_and_adds_them(tmp_path, tokenizer_config, added):
+    """A class's default bos / eos where the configs name none (LlamaTokenizer's ``<s>`` / ``</s>``:
+    lorafleet had none); a named special token that tokenizer.json does not list among its added
+    tokens is one (lorafleet split ``<s>`` spelled in a text into characters, and decoding kept it)."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "none", added=added)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (ours.bos_token, ours.eos_token, ours.bos_token_id, ours.eos_token_id) == (ref.bos_token, ref.eos_token, ref.bos_token_id, ref.eos_token_id)
+    assert ours.eos_token_ids == (() if ref.eos_token_id is None else (ref.eos_token_id,))
+    for text in ["<s>hi</s>", "hi", "a<unk>b"]:
+        ids = ref(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}]) == ref.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True, chat_template=DEFAULT_CHAT_TEMPLATE)
+
+
+def test_a_class_default_bos_the_vocabulary_lacks_is_refused(tmp_path):
+    write_tokenizer(tmp_path, "byte_level", "none")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPTNeoXTokenizerFast", "eos_token": "</s>"}))
+    with pytest.raises(TokenizerError, match=r"no bos_token: GPTNeoXTokenizer's default.*bos_token '<\|endoftext\|>' is not in tokenizer.json's vocabulary"):
+        Tokenizer(tmp_path)
