@@ -6,13 +6,16 @@ Sources, in the checkpoint folder:
   ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects. ``add_bos_token`` and
   ``add_eos_token`` are not read: transformers drops them when there is a tokenizer.json (below).
 - ``special_tokens_map.json`` (optional): read, as transformers does, only when tokenizer_config
-  has no ``added_tokens_decoder`` (older saves); then its named special tokens replace tokenizer_config's.
+  has no ``added_tokens_decoder`` (older saves); then its entries replace tokenizer_config's
+  (``runtime.tokenizer_class.with_special_tokens_map``).
 - ``chat_template.jinja`` (optional): the chat template as transformers >= 4.50 saves it; when
   present it is used instead of tokenizer_config's ``chat_template``, as transformers does.
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
 
-Named special tokens the configs lack (no key) are the tokenizer class's defaults, and each named
-special token is a special added token (``runtime.tokenizer_class.CLASS_SPECIAL_TOKENS``).
+Named special tokens the configs lack (no key) are the tokenizer class's defaults
+(``runtime.tokenizer_class.CLASS_SPECIAL_TOKENS``), and each special token the configs name (bos,
+eos, ..., ``extra_special_tokens``, model-specific ``*_token`` keys) is an added token
+(``special_token_values``), as in transformers 5.
 
 ``eos_token_ids``: tokenizer_config's eos (or the class's), then the generation config's, in that order without
 duplicates. The generation config is what transformers' ``generate`` reads (checked with 5.24):
@@ -61,7 +64,14 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 
 from runtime import chat_template_budget
-from runtime.tokenizer_class import CLASS_SPECIAL_TOKENS, REBUILT_POST_PROCESSORS, auto_tokenizer_class
+from runtime.tokenizer_class import (
+    CLASS_SPECIAL_TOKENS,
+    REBUILT_POST_PROCESSORS,
+    SPECIAL_TOKEN_NAMES,
+    auto_tokenizer_class,
+    special_token_values,
+    with_special_tokens_map,
+)
 from runtime.tokenizer_pipeline import PipelineError, rebuild_pipeline
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -81,8 +91,6 @@ def _byte_level_alphabet() -> Mapping[str, int]:
 BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 METASPACE = "\u2581"  # SentencePiece's visible space, "▁"
 REPLACEMENT_CHAR = "\ufffd"
-# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens a chat template sees.
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' continue_final_message_tag: appended to the message to continue, to find where its content ends.
 CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
 # The variables a render sets -> what to; ``template_kwargs`` may not set them (nor the template
@@ -176,12 +184,9 @@ class Tokenizer:
         # tokenizer_config's when the latter has no added_tokens_decoder (transformers' legacy
         # loading, v4 and v5 alike); with one, special_tokens_map.json is not read.
         token_file = dict.fromkeys(SPECIAL_TOKEN_NAMES, root / "tokenizer_config.json")
-        if "added_tokens_decoder" not in cfg:
-            token_map = _read_json(root / "special_tokens_map.json")
-            for name in SPECIAL_TOKEN_NAMES:
-                if name in token_map:
-                    cfg[name] = token_map[name]
-                    token_file[name] = root / "special_tokens_map.json"
+        token_map = _read_json(root / "special_tokens_map.json") if "added_tokens_decoder" not in cfg else {}
+        cfg = with_special_tokens_map(cfg, token_map)
+        token_file.update({name: root / "special_tokens_map.json" for name in SPECIAL_TOKEN_NAMES if name in token_map})
         # The class transformers' AutoTokenizer loads; a class that builds its own normaliser, pre-tokenizer,
         # decoder and BPE options gets them here too, in place of tokenizer.json's (runtime.tokenizer_pipeline).
         self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"), byte_level='"ByteLevel"' in json_text)
@@ -430,21 +435,18 @@ class Tokenizer:
         return tid
 
     def _add_named_special_tokens(self, cfg: Mapping[str, Any]) -> None:
-        """Make each named special token (``SPECIAL_TOKEN_NAMES``, set in ``cfg``) a special added
-        token, as transformers' ``TokenizersBackend.__init__`` does with those tokenizer.json does not
-        list among its added tokens: spelled in a text it is then that one token, and decoding with
-        ``skip_special_tokens`` drops it. The flags are the config's (an ``{"content": ...}`` object),
-        else a special token's (not normalised); one not in the vocabulary gets the next id, as there."""
+        """Make each special token the config names (``runtime.tokenizer_class.special_token_values``:
+        bos, eos, ..., ``extra_special_tokens``) an added token, as transformers'
+        ``TokenizersBackend.__init__`` does with those tokenizer.json does not list among its added
+        tokens: spelled in a text it is then that one token, and decoding with ``skip_special_tokens``
+        drops it (when special). One not in the vocabulary gets the next id, as there."""
         from tokenizers import AddedToken
 
         added = {token.content for token in self._tok.get_added_tokens_decoder().values()}
-        for name in SPECIAL_TOKEN_NAMES:
-            value, text = cfg.get(name), _token_text(cfg.get(name))
-            if text is None or text in added:
-                continue
-            flags = {k: v for k, v in value.items() if k in ("single_word", "lstrip", "rstrip", "normalized")} if isinstance(value, dict) else {}
-            self._tok.add_tokens([AddedToken(text, **flags, special=True)])
-            added.add(text)
+        for text, flags in special_token_values(cfg):
+            if text not in added:
+                self._tok.add_tokens([AddedToken(text, **flags)])
+                added.add(text)
 
 
 def _generation_block() -> Any:

@@ -20,10 +20,14 @@ when neither tokenizer_config.json nor special_tokens_map.json has the key (``"b
 names none): ``LlamaTokenizer`` and ``CodeLlamaTokenizer`` ``<s>`` / ``</s>`` / ``<unk>``,
 ``GPTNeoXTokenizer`` ``<|endoftext|>``, ... (``TokenizersBackend`` has none). They are the
 tokenizer's as if named: CodeLlamaTokenizer's bos first, the eos among the stop tokens, the chat
-template's variables. As in transformers (``TokenizersBackend.__init__``), each named special token
-that tokenizer.json does not list among its added tokens becomes a special added token (a new id
-when the vocabulary lacks it), except that a bos or eos the vocabulary lacks is refused
-(``TokenizerError``), as every prompt or stop would then hold an id the model does not have.
+template's variables. As in transformers (``TokenizersBackend.__init__``), each special token the
+configs name (``special_token_values``: the named ones, model-specific ``*_token`` keys such as
+``image_token``, ``extra_special_tokens`` / ``additional_special_tokens``) that tokenizer.json does
+not list among its added tokens becomes an added token (a new id when the vocabulary lacks it),
+except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
+stop would then hold an id the model does not have. Not reproduced: transformers also passes the
+model-specific tokens to a chat template as variables (lorafleet passes the named ones); and a
+token listed twice, as a string and as an object with other flags, keeps the first one's flags.
 These classes, and others, also build their own normaliser, pre-tokenizer and decoder:
 ``runtime.tokenizer_pipeline``.
 
@@ -85,3 +89,72 @@ def auto_tokenizer_class(tokenizer_config: Mapping[str, Any], model_config: Mapp
     if name == "LlamaTokenizer" and byte_level:  # a Llama-3-style file: LlamaTokenizer would rebuild it as SentencePiece's
         return GENERIC_CLASS
     return GENERIC_CLASS if name in ("PreTrainedTokenizer", "PythonBackend") else name
+
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens (a chat template sees them).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")  # an AddedToken's, as a config object spells them
+
+
+def with_special_tokens_map(tokenizer_config: Mapping[str, Any], special_tokens_map: Mapping[str, Any]) -> dict[str, Any]:
+    """tokenizer_config.json as transformers 5's ``_from_pretrained`` hands it to the class, read
+    with special_tokens_map.json: ``additional_special_tokens`` becomes ``extra_special_tokens`` when
+    that is empty; model-specific tokens given as strings (any key ending in ``_token`` but the
+    named ones, e.g. ``"image_token": "<img>"``) and an ``extra_special_tokens`` object move to
+    ``model_specific_special_tokens``; then, without ``added_tokens_decoder`` only, each entry of the
+    map replaces the config's (an object as a special token; an ``extra_special_tokens`` list adds to
+    the config's), and ``additional_special_tokens`` becomes ``extra_special_tokens`` when there is
+    no such key."""
+    cfg = dict(tokenizer_config)
+    if "additional_special_tokens" in cfg and not cfg.get("extra_special_tokens"):
+        cfg["extra_special_tokens"] = cfg.pop("additional_special_tokens")
+    specific = {key: cfg.pop(key) for key in list(cfg) if key.endswith("_token") and key not in SPECIAL_TOKEN_NAMES and isinstance(cfg[key], str)}
+    if isinstance(cfg.get("extra_special_tokens"), dict):
+        specific.update(cfg.pop("extra_special_tokens"))
+    if "added_tokens_decoder" not in cfg:
+        for key, value in special_tokens_map.items():
+            if isinstance(value, dict) and key != "extra_special_tokens":
+                value = {**value, "special": True}
+            elif key == "extra_special_tokens" and isinstance(value, list):
+                merged = list(cfg.get("extra_special_tokens") or [])
+                for token in value:
+                    token = {**token, "special": True} if isinstance(token, dict) else token
+                    if token not in merged:
+                        merged.append(token)
+                value = merged
+            cfg[key] = value
+        if isinstance(cfg.get("extra_special_tokens"), dict):
+            specific.update(cfg.pop("extra_special_tokens"))
+    if "additional_special_tokens" in cfg and "extra_special_tokens" not in cfg:
+        cfg["extra_special_tokens"] = cfg.pop("additional_special_tokens")
+    cfg["model_specific_special_tokens"] = specific
+    return cfg
+
+
+def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The special tokens transformers 5 makes of ``tokenizer_config`` (as ``with_special_tokens_map``
+    returns it; ``SpecialTokensMixin.__init__``), in its order, each as ``(content, AddedToken
+    flags)``: the named ones (``SPECIAL_TOKEN_NAMES``), the model-specific ones (any other key
+    ending in ``_token`` whose value is a token, then ``model_specific_special_tokens``, which wins
+    for a key in both), then the ``extra_special_tokens`` list. A token is a string or an
+    ``{"__type": "AddedToken", "content": ...}`` object (whose flags count; a named or model-specific
+    one is special whatever its ``special`` says, an extra one only when it says so); the named ones
+    may also be plain ``{"content": ...}`` objects."""
+    def is_token(value: Any) -> bool:
+        return isinstance(value, str) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
+
+    def entry(value: Any, special: bool) -> tuple[str, dict[str, Any]] | None:
+        if isinstance(value, str):
+            return value, {"special": True}
+        if isinstance(value, dict) and isinstance(value.get("content"), str):
+            flags = {k: value[k] for k in TOKEN_FLAGS if k in value}
+            return value["content"], {**flags, "special": True} if special else {"special": False, **flags}
+        return None
+
+    specific = {key: value for key, value in tokenizer_config.items() if key.endswith("_token") and key not in SPECIAL_TOKEN_NAMES and is_token(value)}
+    specific.update(tokenizer_config.get("model_specific_special_tokens") or {})
+    extra = tokenizer_config.get("extra_special_tokens")
+    entries = [entry(tokenizer_config.get(name), True) for name in SPECIAL_TOKEN_NAMES]
+    entries += [entry(value, True) for value in specific.values() if is_token(value)]
+    entries += [entry(value, False) for value in (extra if isinstance(extra, list) else []) if is_token(value)]
+    return [e for e in entries if e is not None]

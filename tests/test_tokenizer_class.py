@@ -135,3 +135,41 @@ def test_a_class_default_bos_the_vocabulary_lacks_is_refused(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPTNeoXTokenizerFast", "eos_token": "</s>"}))
     with pytest.raises(TokenizerError, match=r"no bos_token: GPTNeoXTokenizer's default.*bos_token '<\|endoftext\|>' is not in tokenizer.json's vocabulary"):
         Tokenizer(tmp_path)
+
+
+def added_token(content: str) -> dict:
+    """A token as transformers saves one in tokenizer_config.json (not special unless it says so)."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+
+
+@pytest.mark.parametrize("tokenizer_config, special_tokens_map", [
+    ({"additional_special_tokens": ["<x>"]}, None),
+    ({"extra_special_tokens": ["<x>", "<y>"]}, None),  # <y> is not in the vocabulary: a new id
+    ({"extra_special_tokens": [], "additional_special_tokens": ["<x>"]}, None),
+    ({"additional_special_tokens": [added_token("<x>")]}, None),  # an object without "special": added, not special
+    ({"image_token": "<img>", "image_id_token": added_token("<x>")}, None),  # model-specific: special
+    ({"extra_special_tokens": {"image_token": "<img>"}}, None),
+    ({}, {"additional_special_tokens": ["<x>"], "image_token": "<img>"}),  # special_tokens_map.json's count too
+    ({"image_token": "<y>"}, {"image_token": "<img>", "extra_special_tokens": ["<x>"]}),  # the config's string wins
+    ({"added_tokens_decoder": {}}, {"additional_special_tokens": ["<x>"]}),  # with added_tokens_decoder the map is not read
+])
+def test_extra_and_model_specific_special_tokens_as_transformers_adds_them(tmp_path, tokenizer_config, special_tokens_map):
+    """``additional_special_tokens`` / ``extra_special_tokens`` and model-specific ``*_token`` keys
+    that tokenizer.json does not list among its added tokens are added tokens in transformers 5
+    (lorafleet read ``<x>`` spelled in a prompt as characters, and kept it in decoded text)."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "none")
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab.update({"<x>": len(vocab), "<img>": len(vocab) + 1})  # in the vocabulary, not among the added tokens
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", **tokenizer_config}))
+    if special_tokens_map is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.vocab_size == len(ref)
+    for text in ["a<x>b<img>c<y>d", "<x>"]:
+        ids = ref(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
