@@ -69,6 +69,7 @@ from runtime.tokenizer_class import (
     REBUILT_POST_PROCESSORS,
     SPECIAL_TOKEN_NAMES,
     auto_tokenizer_class,
+    infilling_token,
     special_token_values,
     with_special_tokens_map,
 )
@@ -209,6 +210,7 @@ class Tokenizer:
         self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
         self.eos_token_id = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
         self._add_named_special_tokens(cfg)
+        self._infilling_token = infilling_token(self.tokenizer_class, cfg)
         # A class that builds its own post-processor gets it here, in place of tokenizer.json's
         # (tokenizer_config's add_bos_token / add_eos_token count for no class).
         rebuilt = REBUILT_POST_PROCESSORS.get(self.tokenizer_class)
@@ -254,7 +256,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; a ValueError for a string that is not Unicode text (a lone
-        surrogate, which JSON's ``"\\ud800"`` can carry)."""
+        surrogate, which JSON's ``"\\ud800"`` can carry), or that holds CodeLlamaTokenizer's fill
+        token (``runtime.tokenizer_class.infilling_token``: transformers encodes it otherwise)."""
         return list(self._encoding(text, add_special_tokens).ids)
 
     def encode_with_spans(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
@@ -271,6 +274,11 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ValueError(f"not valid Unicode text: a lone surrogate {text[err.start]!r} at character {err.start}") from None
+        if self._infilling_token is not None and self._infilling_token in text:
+            raise ValueError(
+                f"the text holds {self._infilling_token!r}, from which transformers' CodeLlamaTokenizer builds an infilling prompt "
+                "(prefix and suffix around the ▁<PRE> / ▁<SUF> / ▁<MID> tokens), which lorafleet does not reproduce; "
+                "write that prompt out instead")
         if len(text) >= LONG_TEXT_CHARS:
             # The same encoding; ``encode_batch`` lets go of the GIL while it works, ``encode`` does
             # not: a ~1 MiB prompt (~1 s) would stop every other Python thread, the step loop's too.

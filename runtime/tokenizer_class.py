@@ -158,3 +158,22 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
     entries += [entry(value, True) for value in specific.values() if is_token(value)]
     entries += [entry(value, False) for value in (extra if isinstance(extra, list) else []) if is_token(value)]
     return [e for e in entries if e is not None]
+
+
+CODE_LLAMA_FILL_TOKEN = "<FILL_ME>"
+
+
+def infilling_token(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """The text that makes transformers' ``CodeLlamaTokenizer`` encode a prompt for infilling
+    (``_encode_plus``: it cuts the text there and encodes ``▁<PRE> prefix ▁<SUF>suffix ▁<MID>``, or only
+    the prefix when the suffix is empty, and changes its own normaliser afterwards), which lorafleet
+    does not reproduce; None for another class. ``fill_token`` in ``tokenizer_config`` (as
+    ``with_special_tokens_map`` returns it): a string there has gone to the model-specific tokens,
+    so the class keeps its default ``<FILL_ME>``; null turns infilling off."""
+    if tokenizer_class != "CodeLlamaTokenizer":
+        return None
+    if "fill_token" not in tokenizer_config:
+        return CODE_LLAMA_FILL_TOKEN
+    value = tokenizer_config["fill_token"]
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) and value else None

@@ -173,3 +173,26 @@ def test_extra_and_model_specific_special_tokens_as_transformers_adds_them(tmp_p
         ids = ref(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
+
+
+@pytest.mark.parametrize("fill_token", ["<FILL_ME>", "<FILL>", None, "absent"])
+def test_code_llama_infilling_prompts_are_refused_not_encoded_otherwise(tmp_path, fill_token):
+    """transformers' CodeLlamaTokenizer encodes a text holding its fill token (``<FILL_ME>``, whatever
+    string the config names, which goes to the model-specific tokens; null turns it off) as an
+    infilling prompt, ▁<PRE> prefix ▁<SUF>suffix ▁<MID>; lorafleet refuses it rather than encode it another way."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "bos")
+    infill = {"prefix_token": "<s>", "middle_token": "</s>", "suffix_token": "<unk>", "eot_token": None}
+    cfg = {"tokenizer_class": "CodeLlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", **infill}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg if fill_token == "absent" else {**cfg, "fill_token": fill_token}))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "ab<FILL_ME>cd"
+    if fill_token is None:
+        assert ours.encode(text) == ref(text)["input_ids"]
+    else:
+        assert ref(text)["input_ids"] != ref(text.replace("<FILL_ME>", ""))["input_ids"]  # infilling
+        with pytest.raises(ValueError, match="holds '<FILL_ME>', from which transformers' CodeLlamaTokenizer builds an infilling prompt"):
+            ours.encode(text)
+        with pytest.raises(ValueError, match="infilling"):
+            ours.encode_with_spans(text)
