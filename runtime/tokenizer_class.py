@@ -26,8 +26,13 @@ configs name (``special_token_values``: the named ones, model-specific ``*_token
 not list among its added tokens becomes an added token (a new id when the vocabulary lacks it),
 except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
 stop would then hold an id the model does not have. Not reproduced: transformers also passes the
-model-specific tokens to a chat template as variables (lorafleet passes the named ones); and a
-token listed twice, as a string and as an object with other flags, keeps the first one's flags.
+model-specific tokens to a chat template as variables (lorafleet passes the named ones); a
+token listed twice, as a string and as an object with other flags, keeps the first one's flags;
+CodeLlamaTokenizer's own infilling tokens (``▁<PRE>``, ..., ``<FILL_ME>``), which it adds only when
+the configs list no ``additional_special_tokens`` / ``extra_special_tokens`` (real ones do).
+``with_special_tokens_map`` reads the two config files as transformers does. ``infilling_token``:
+the text (``<FILL_ME>``) for which CodeLlamaTokenizer encodes an infilling prompt, which lorafleet
+refuses rather than reproduce.
 These classes, and others, also build their own normaliser, pre-tokenizer and decoder:
 ``runtime.tokenizer_pipeline``.
 
