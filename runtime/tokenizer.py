@@ -71,6 +71,7 @@ from runtime.tokenizer_class import (
     auto_tokenizer_class,
     infilling_token,
     special_token_values,
+    with_class_defaults,
     with_special_tokens_map,
 )
 from runtime.tokenizer_pipeline import PipelineError, rebuild_pipeline
@@ -195,12 +196,12 @@ class Tokenizer:
             rebuild_pipeline(self._tok, self.tokenizer_class, cfg, str(path))
         except PipelineError as err:
             raise TokenizerError(str(err)) from None
-        # A named special token that neither file names (no key; null is named) is the class's default.
-        for name, default in CLASS_SPECIAL_TOKENS.get(self.tokenizer_class, {}).items():
-            if name not in cfg:
-                cfg[name] = default
+        # A special token that neither file names (no key; null names none) is the class's default.
+        for name in SPECIAL_TOKEN_NAMES:
+            if name not in cfg and name in CLASS_SPECIAL_TOKENS.get(self.tokenizer_class, {}):
                 token_file[name] = (f"{root / 'tokenizer_config.json'} (no {name}: {self.tokenizer_class}'s default, as "
                                     "transformers' AutoTokenizer loads it; name one, or null for none)")
+        cfg = with_class_defaults(self.tokenizer_class, cfg)
         # The named special tokens that are set, as transformers passes them to a chat template.
         self._template_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
         self.bos_token = self._template_tokens.get("bos_token")

@@ -15,7 +15,7 @@ post-processor of their own in its place, from their defaults, the config's flag
 ``CodeLlamaTokenizer`` always puts bos first and never appends eos, ``GPTNeoXTokenizer`` adds
 nothing. The bos is the tokenizer's named one.
 
-``CLASS_SPECIAL_TOKENS``: the named special tokens (bos, eos, unk, pad, ...) a class defaults to
+``CLASS_SPECIAL_TOKENS``: the special tokens (bos, eos, unk, pad, ...) a class defaults to
 when neither tokenizer_config.json nor special_tokens_map.json has the key (``"bos_token": null``
 names none): ``LlamaTokenizer`` and ``CodeLlamaTokenizer`` ``<s>`` / ``</s>`` / ``<unk>``,
 ``GPTNeoXTokenizer`` ``<|endoftext|>``, ... (``TokenizersBackend`` has none). They are the
@@ -26,10 +26,11 @@ configs name (``special_token_values``: the named ones, model-specific ``*_token
 not list among its added tokens becomes an added token (a new id when the vocabulary lacks it),
 except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
 stop would then hold an id the model does not have. Not reproduced: transformers also passes the
-model-specific tokens to a chat template as variables (lorafleet passes the named ones); a
-token listed twice, as a string and as an object with other flags, keeps the first one's flags;
-CodeLlamaTokenizer's own infilling tokens (``▁<PRE>``, ..., ``<FILL_ME>``), which it adds only when
-the configs list no ``additional_special_tokens`` / ``extra_special_tokens`` (real ones do).
+model-specific tokens to a chat template as variables (lorafleet passes the named ones); and a
+token listed twice, as a string and as an object with other flags, keeps the first one's flags.
+CodeLlamaTokenizer's defaults include its infilling tokens (``prefix_token`` ``▁<PRE>``, ...,
+``fill_token`` ``<FILL_ME>``: model-specific tokens, so a string the config gives is one too;
+null: none), which are its extra special tokens as well (``with_class_defaults``).
 ``with_special_tokens_map`` reads the two config files as transformers does. ``infilling_token``:
 the text (``<FILL_ME>``) for which CodeLlamaTokenizer encodes an infilling prompt, which lorafleet
 refuses rather than reproduce.
@@ -69,9 +70,14 @@ REBUILT_POST_PROCESSORS: Mapping[str, tuple[bool, bool]] = MappingProxyType({
 # class -> the named special tokens its __init__ defaults to (its signature's), which count where
 # neither tokenizer_config.json nor special_tokens_map.json has the key (a null there names none).
 _ENDOFTEXT = "<|endoftext|>"
+CODE_LLAMA_FILL_TOKEN = "<FILL_ME>"
+# CodeLlamaTokenizer's infilling tokens: model-specific special tokens, and its extra ones too.
+CODE_LLAMA_INFILLING_TOKENS: Mapping[str, str] = MappingProxyType({
+    "prefix_token": "▁<PRE>", "middle_token": "▁<MID>", "suffix_token": "▁<SUF>", "eot_token": "▁<EOT>", "fill_token": CODE_LLAMA_FILL_TOKEN,
+})
 CLASS_SPECIAL_TOKENS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
-    "CodeLlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    "CodeLlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **CODE_LLAMA_INFILLING_TOKENS},
     "GemmaTokenizer": {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>"},
     "Qwen2Tokenizer": {"unk_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "pad_token": _ENDOFTEXT},
     "GPT2Tokenizer": {"unk_token": _ENDOFTEXT, "bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT},
@@ -136,6 +142,19 @@ def with_special_tokens_map(tokenizer_config: Mapping[str, Any], special_tokens_
     return cfg
 
 
+def with_class_defaults(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``tokenizer_config`` (as ``with_special_tokens_map`` returns it) with ``tokenizer_class``'s
+    defaults (``CLASS_SPECIAL_TOKENS``) for the keys it lacks; CodeLlamaTokenizer also makes its
+    infilling tokens (those not null) its ``extra_special_tokens`` when the config has no such key
+    (it passes them as ``additional_special_tokens``, which count only then)."""
+    cfg = dict(tokenizer_config)
+    for name, default in CLASS_SPECIAL_TOKENS.get(tokenizer_class, {}).items():
+        cfg.setdefault(name, default)
+    if tokenizer_class == "CodeLlamaTokenizer" and "extra_special_tokens" not in cfg:
+        cfg["extra_special_tokens"] = [cfg[name] for name in CODE_LLAMA_INFILLING_TOKENS if cfg[name] is not None]
+    return cfg
+
+
 def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The special tokens transformers 5 makes of ``tokenizer_config`` (as ``with_special_tokens_map``
     returns it; ``SpecialTokensMixin.__init__``), in its order, each as ``(content, AddedToken
@@ -164,8 +183,6 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
     entries += [entry(value, False) for value in (extra if isinstance(extra, list) else []) if is_token(value)]
     return [e for e in entries if e is not None]
 
-
-CODE_LLAMA_FILL_TOKEN = "<FILL_ME>"
 
 
 def infilling_token(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> str | None:

@@ -107,6 +107,7 @@ NO_INFILL_TOKENS = dict.fromkeys(["prefix_token", "middle_token", "suffix_token"
 @pytest.mark.parametrize("tokenizer_config", [
     {"tokenizer_class": "LlamaTokenizerFast"},  # names none: the class's <s> / </s> / <unk>
     {"tokenizer_class": "CodeLlamaTokenizerFast", **NO_INFILL_TOKENS},  # likewise, and its bos goes first
+    {"tokenizer_class": "CodeLlamaTokenizerFast", "middle_token": "<mid>"},  # and its infilling tokens: ▁<PRE>, <mid>, ... (new ids)
     {"tokenizer_class": "LlamaTokenizerFast", "bos_token": None},  # null names none: no default
     {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"},  # the generic class: no defaults
 ])
@@ -122,7 +123,8 @@ def test_named_special_tokens_as_transformers_names_and_adds_them(tmp_path, toke
     ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     assert (ours.bos_token, ours.eos_token, ours.bos_token_id, ours.eos_token_id) == (ref.bos_token, ref.eos_token, ref.bos_token_id, ref.eos_token_id)
     assert ours.eos_token_ids == (() if ref.eos_token_id is None else (ref.eos_token_id,))
-    for text in ["<s>hi</s>", "hi", "a<unk>b"]:
+    assert ours.vocab_size == len(ref)
+    for text in ["<s>hi</s>", "hi", "a<unk>b", "▁<PRE>x<mid>y▁<EOT>"]:
         ids = ref(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
