@@ -28,10 +28,13 @@ its ``__init__`` builds (``models/<name>/tokenization_<name>.py``):
   ``Digits(individual_digits=True)`` then ``ByteLevel(add_prefix_space, trim_offsets=True)``, decoder
   ``ByteLevel(add_prefix_space, trim_offsets=True)``. ``add_prefix_space`` is false unless set.
 
-On the real checkpoints of these classes (Llama 2 with ``legacy: true``, Gemma, Qwen2, GPT-2) the
-rebuilt steps are tokenizer.json's own, so the ids do not change; they differ where tokenizer.json
-and the class disagree (the Llama-2 case above, ``add_prefix_space: false``, a qwen2 checkpoint
-with another pre-tokenizer). A class not listed keeps tokenizer.json's steps, as
+On real checkpoints: Llama 2 and TinyLlama (legacy-converted tokenizer.json) change, whatever
+``legacy`` says, where the text or a part of it after a special token starts with a space
+(``" hi"``: ``▁hi``, not ``▁``, ``▁hi``), and with ``legacy`` false or absent (their configs) for
+every part after a special token, so for every prompt their chat templates render; Gemma, Qwen2
+and GPT-2 files are built as their classes build them, so their ids stay; a qwen2 checkpoint with
+another pre-tokenizer (DeepSeek-R1-Distill-Qwen's: digits in threes, no NFC) gets Qwen2's, and
+``add_prefix_space: false`` now counts. A class not listed keeps tokenizer.json's steps, as
 ``TokenizersBackend`` does; transformers' encoder and seq2seq classes (``BertTokenizer``,
 ``T5Tokenizer``, ...) also rebuild theirs, which is not reproduced (decoder-only checkpoints do not
 name them). The rebuilt model is a BPE: a rebuilding class over another model (a Unigram
