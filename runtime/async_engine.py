@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence
 
 from runtime.config import EngineConfig
 from runtime.engine import CheckedRequest, LLMEngine
@@ -64,6 +64,15 @@ class _Turn:
         self.gate = threading.Lock()
         self.gate.acquire()
         self.holder = holder
+
+
+class _Acquisition(NamedTuple):
+    """One hold of a ``_FairLock``: its ``number`` (the lock counts every time it is taken, so a
+    hold let go of and taken again, even under the same name, is another acquisition) and the
+    ``holder`` name it was taken under."""
+
+    number: int
+    holder: str
 
 
 class _Hold:
@@ -93,7 +102,9 @@ class _FairLock:
     every later ``acquire``, raises ``error()`` instead of waiting for ever; the holder's own
     ``release`` (and its ``Condition``'s ``notify``) still works. A ``Condition.wait`` that cannot
     re-take the lock raises too, and the ``release`` its caller's ``with`` block then makes is a
-    no-op (``_acquire_restore``).
+    no-op (``_acquire_restore``). ``abandon(error, only=acquisition)`` does so only if that
+    acquisition (see ``acquire_or_holder``) still holds the lock, checked under the lock's own
+    mutex: a holder that let go meanwhile is not given up on (False, nothing changed).
 
     ``holder``: the name its holder took it under (``acquire(holder=...)``, ``held_by``; None while
     free), so that ``shutdown`` can say what it gave up on. It is set with the hold itself (also
@@ -104,8 +115,10 @@ class _FairLock:
         self._mutex = threading.Lock()
         self._held = False
         self.holder: Optional[str] = None
+        self._taken = 0  # how many times the lock was taken: the number of the acquisition holding it
         self._waiters: deque[_Turn] = deque()
         self._abandoned: Optional[Callable[[], BaseException]] = None
+        self.abandoned_holder: Optional[str] = None  # the name the hold given up on was taken under (set by abandon())
         self._dismissed: set[_Turn] = set()  # waiters abandon() woke without handing them the lock
         self._unheld: set[int] = set()  # threads whose Condition.wait raised without re-taking the lock: their next release is a no-op
 
@@ -113,24 +126,41 @@ class _FairLock:
         """A context manager that takes the lock as ``holder`` (see the class docstring)."""
         return _Hold(self, holder)
 
-    def abandon(self, error: Callable[[], BaseException]) -> None:
+    @property
+    def abandoned(self) -> bool:
+        """``abandon`` gave up on the lock (set before any waiter is woken by it)."""
+        return self._abandoned is not None
+
+    def abandon(self, error: Callable[[], BaseException], only: Optional[_Acquisition] = None) -> bool:
+        """Give up on the lock (see the class docstring); with ``only``, just if that acquisition
+        still holds it. True if the lock is abandoned now."""
         with self._mutex:
+            if only is not None and (not self._held or self._taken != only.number):
+                return False  # let go of (and perhaps taken again) since: not stuck
             self._abandoned = error
+            self.abandoned_holder = only.holder if only is not None else self.holder
             dismissed, self._waiters = list(self._waiters), deque()
             self._dismissed.update(dismissed)
         for turn in dismissed:
             turn.gate.release()
+        return True
 
     def acquire(self, blocking: bool = True, timeout: float = -1, holder: str = UNNAMED_HOLDER) -> bool:
+        return self.acquire_or_holder(blocking, timeout, holder)[0]
+
+    def acquire_or_holder(self, blocking: bool = True, timeout: float = -1, holder: str = UNNAMED_HOLDER) -> tuple[bool, Optional[_Acquisition]]:
+        """``acquire``: (True, None) once taken; else (False, the acquisition that held the lock as
+        the wait ended, read under the lock's mutex), which ``abandon(error, only=...)`` takes."""
         with self._mutex:
             if self._abandoned is not None:
                 raise self._abandoned()
             if not self._held and not self._waiters:
                 self._held = True
+                self._taken += 1
                 self.holder = holder
-                return True
+                return True, None
             if not blocking:
-                return False
+                return False, self._acquisition()
             turn = _Turn(holder)
             self._waiters.append(turn)
         try:
@@ -152,8 +182,12 @@ class _FairLock:
                 raise self._abandoned()
             if not woken and turn in self._waiters:
                 self._waiters.remove(turn)
-                return False
-        return True  # handed over (perhaps just as the timeout expired)
+                return False, self._acquisition()
+        return True, None  # handed over (perhaps just as the timeout expired)
+
+    def _acquisition(self) -> Optional[_Acquisition]:
+        """The acquisition holding the lock (None while free); the mutex is held."""
+        return _Acquisition(self._taken, self.holder or UNNAMED_HOLDER) if self._held else None
 
     def _is_owned(self) -> bool:
         """``threading.Condition``'s check that its lock is held before ``wait``/``notify``. Its
@@ -192,6 +226,7 @@ class _FairLock:
                 raise RuntimeError("release of an unheld _FairLock")
             if self._waiters:
                 turn = self._waiters.popleft()
+                self._taken += 1
                 self.holder = turn.holder
                 turn.gate.release()  # stays held: now by that waiter
             else:
@@ -293,8 +328,6 @@ class AsyncLLMEngine:
         self._in_shutdown = threading.local()  # ``.active``: this thread is inside shutdown() (a signal handler's call returns at once)
         self._accepting = True
         self.dead_error: Optional[str] = None
-        self._step_abandoned = False  # read through ``step_abandoned``
-        self._abandoned_holder: Optional[str] = None  # read through ``abandoned_holder``
         self._adapter_infos: tuple[AdapterInfo, ...] = ()  # replaced (not mutated) under the lock
         self.engine: LLMEngine  # assigned by the step thread once built
         self._thread = threading.Thread(target=self._run, args=(config, backend, engine), name="lorafleet-engine-step", daemon=True)
@@ -343,13 +376,13 @@ class AsyncLLMEngine:
         """True once ``shutdown`` gave up on the engine lock's holder (see there; a step still running
         after the drain, or another call: ``abandoned_holder`` says which): the engine was neither
         drained nor closed, and its lock refuses everyone. Lock-free."""
-        return self._step_abandoned
+        return self._lock.abandoned
 
     @property
     def abandoned_holder(self) -> Optional[str]:
         """What held the engine lock when ``shutdown`` gave up on it ("a step", "a snapshot", ...);
         None unless ``step_abandoned``. Lock-free."""
-        return self._abandoned_holder
+        return self._lock.abandoned_holder
 
     def shutdown_in_background(self, timeout: float, step_grace_s: float = STEP_GRACE_S) -> threading.Thread:
         """``shutdown(timeout, step_grace_s)`` in a daemon thread, started; join it to wait (a server's
@@ -369,7 +402,10 @@ class AsyncLLMEngine:
         error, every thread waiting for the engine lock (an admission, an abort, a snapshot for
         /metrics) gets an ``EngineDeadError`` instead, and the engine is not closed (the step
         thread may still use it; that thread is a daemon, so the process can exit).
-        ``step_abandoned`` is True then, and ``abandoned_holder`` names what held the lock.
+        ``step_abandoned`` is True then, and ``abandoned_holder`` names what held the lock. Only the
+        very hold seen as the wait ended is given up on: one let go of just then is not stuck, and
+        the shutdown goes on as usual (a waiter the lock was handed to gets ``SHUTDOWN_POLL_S``
+        more, then is given up on the same way).
 
         One call does this. A call made while another does it holds that one to its own deadlines
         where they come sooner (the drain ends ``timeout`` s, and the lock is given up on
@@ -412,22 +448,24 @@ class AsyncLLMEngine:
         with self._shutdown_ends_lock:
             return min(grace for _, grace in self._shutdown_ends)
 
-    def _acquire_before(self, ends: Callable[[], float]) -> bool:
+    def _acquire_before(self, ends: Callable[[], float]) -> tuple[bool, Optional[_Acquisition]]:
         """Take the engine lock (as shutdown) unless ``ends()`` passes first; ``ends()`` is read
-        again every ``SHUTDOWN_POLL_S``, as a later shutdown() call may bring it forward."""
+        again every ``SHUTDOWN_POLL_S``, as a later shutdown() call may bring it forward.
+        (True, None) once taken, else (False, the acquisition that held it as the wait ended)."""
         while True:
             left = ends() - time.monotonic()
-            if self._lock.acquire(timeout=max(0.0, min(left, SHUTDOWN_POLL_S)), holder="shutdown"):
-                return True
+            taken, holding = self._lock.acquire_or_holder(timeout=max(0.0, min(left, SHUTDOWN_POLL_S)), holder="shutdown")
+            if taken:
+                return True, None
             if ends() <= time.monotonic():
-                return False
+                return False, holding
 
     def _shut_down_now(self, started: float) -> None:
         """``shutdown``'s work, done once, by the call made at ``started``."""
         self._accepting = False  # without the lock: refused at once even while a step holds it (admission re-checks under it)
         self._fail_parked("engine is shutting down; no new requests are accepted")
         while self.running and time.monotonic() < self._drain_ends():
-            if not self._acquire_before(self._drain_ends):
+            if not self._acquire_before(self._drain_ends)[0]:
                 break  # a step outlasted the drain
             try:
                 if not self.engine.has_unfinished():
@@ -435,9 +473,15 @@ class AsyncLLMEngine:
             finally:
                 self._lock.release()
             time.sleep(0.01)
-        if not self._acquire_before(self._grace_ends):
-            self._abandon_holder(started)
-            return
+        taken, holding = self._acquire_before(self._grace_ends)
+        while not taken:
+            self._abandon_holder(started, holding)
+            if self.step_abandoned:
+                return
+            # It let go just as it was given up on: the lock is free, or was handed to a waiter,
+            # which gets SHUTDOWN_POLL_S (then is given up on the same way).
+            handed_over_ends = time.monotonic() + SHUTDOWN_POLL_S
+            taken, holding = self._acquire_before(lambda: handed_over_ends)
         drain_s = self._drain_ends() - started
         try:
             self._stopping = True
@@ -453,21 +497,25 @@ class AsyncLLMEngine:
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
 
-    def _abandon_holder(self, started: float) -> None:
-        """``shutdown``'s end when something still holds the lock at the grace's end (see there)."""
+    def _abandon_holder(self, started: float, holding: Optional[_Acquisition]) -> None:
+        """``shutdown``'s end when ``holding`` (the acquisition that held the lock as the grace
+        ended) still holds it (see there). The lock is abandoned only if that same acquisition
+        still holds it (``_FairLock.abandon(only=...)``, under the lock's mutex); if it let go
+        meanwhile nothing changes (``step_abandoned`` stays False) and shutdown goes on as usual."""
+        if holding is None:  # not held as the wait ended: nothing to give up on
+            return
+        holder = holding.holder
+        dead = self.dead_error or f"engine was shut down while {holder} was still running"
+        self._stopping = True  # the step thread stops, should the step ever return (if the holder let go, the usual shutdown stops it too)
+        if not self._lock.abandon(lambda: EngineDeadError(dead), only=holding):
+            return
         waited = time.monotonic() - started
         drain_ends = self._drain_ends()
-        holder = self._lock.holder or UNNAMED_HOLDER  # what held it as the wait for it ended
         logger.error("%s still held the engine lock %.1f s after shutdown began (the drain's %.3g s, then %.3g s more for it); not waiting "
                      "for it: the requests in flight end with an error now, and the engine is not closed",
                      holder, waited, drain_ends - started, self._grace_ends() - drain_ends)
-        self._stopping = True  # the step thread stops, should the step ever return
-        self._abandoned_holder = holder
-        self._step_abandoned = True
         if self.dead_error is None:
-            self.dead_error = f"engine was shut down while {holder} was still running"
-        dead = self.dead_error
-        self._lock.abandon(lambda: EngineDeadError(dead))
+            self.dead_error = dead
         self._end_streams(f"engine shut down before the request finished ({holder} was still running {waited:.1f} s after shutdown began)", "shutdown")
         self._refuse_queued(dead)
         self._files.shutdown(wait=False)
@@ -768,7 +816,7 @@ class AsyncLLMEngine:
             while self._one_iteration():
                 pass
         except BaseException as err:  # noqa: BLE001 - reported to every consumer, then the loop stops
-            if self._step_abandoned:  # shutdown gave up on this step and ended the streams; the lock is abandoned
+            if self.step_abandoned:  # shutdown gave up on this step and ended the streams; the lock is abandoned
                 if isinstance(err, EngineDeadError):  # this thread waited for the lock, which another thread held: no step ran
                     return
                 logger.error("engine step abandoned at shutdown ended with %s: %s", type(err).__name__, err)
