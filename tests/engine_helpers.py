@@ -38,6 +38,20 @@ class StuckStepEngine(LLMEngine):
         return super().step(wait_for_loads)
 
 
+class HeldReadEngine(LLMEngine):
+    """An LLMEngine whose adapter file reads wait for ``read_gate`` (a stuck network mount) before
+    they read; ``reading``: a read began."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.reading, self.read_gate = threading.Event(), threading.Event()
+        super().__init__(config)
+
+    def load_adapter_files(self, name: str, path: str, *, within=None):  # type: ignore[no-untyped-def]
+        self.reading.set()
+        self.read_gate.wait(60)
+        return super().load_adapter_files(name, path, within=within)
+
+
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
     finals: dict[str, RequestOutput] = {}
     for _ in range(max_steps):

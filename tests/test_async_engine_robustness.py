@@ -15,7 +15,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.output_mailbox import OutputMailbox
 from runtime.request import RequestOutput, SamplingParams
-from tests.engine_helpers import StuckStepEngine, run_to_completion
+from tests.engine_helpers import HeldReadEngine, StuckStepEngine, run_to_completion
 
 
 def config(model: Path, **overrides) -> EngineConfig:
@@ -232,6 +232,67 @@ def test_register_adapter_async_leaves_the_event_loop_s_default_executor_alone(t
     finally:
         engine.shutdown()
         default.shutdown()
+
+
+@pytest.mark.parametrize("calls", ["one call", "a later call with a shorter timeout"])
+def test_shutdown_does_not_wait_past_its_deadline_for_a_stuck_adapter_file_read(tiny_llama_dir: Path, tiny_adapters, caplog, calls: str) -> None:
+    """After the drain, shutdown waited for the adapter file read in progress without a bound
+    (``_files.shutdown(wait=True)``): a read stuck on a network mount held it, and a second
+    shutdown() with a shorter timeout waited for it too. Now the read is waited for until the
+    deadline of the calls under way, then left to its thread (it cannot be interrupted), with one
+    WARNING naming what was left; a read queued behind it is an EngineDeadError once it starts."""
+    import logging
+
+    inner = HeldReadEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    outcomes: dict[str, object] = {}
+
+    def read(key: str) -> None:
+        try:
+            outcomes[key] = engine.load_adapter_files("a", str(tiny_adapters["a"]))
+        except BaseException as err:  # noqa: BLE001 - checked below
+            outcomes[key] = err
+
+    submitted = threading.Semaphore(0)
+    submit = engine._files.submit
+
+    def counted_submit(*args, **kwargs):  # type: ignore[no-untyped-def]
+        read = submit(*args, **kwargs)
+        submitted.release()
+        return read
+
+    engine._files.submit = counted_submit
+    running, queued = threading.Thread(target=read, args=("running",)), threading.Thread(target=read, args=("queued",))
+    shutdowns = [threading.Thread(target=engine.shutdown, args=(0.05, 0.05) if calls == "one call" else (600.0, 600.0), daemon=True)]
+    try:
+        running.start()
+        assert inner.reading.wait(30)
+        queued.start()
+        assert submitted.acquire(timeout=30) and submitted.acquire(timeout=30)  # the second read is queued behind the first
+        with caplog.at_level(logging.WARNING, logger="runtime.async_engine"):
+            shutdowns[0].start()
+            if calls != "one call":
+                for _ in range(3000):  # until the first call's teardown waits for the read (the step thread has ended)
+                    if not engine.running:
+                        break
+                    time.sleep(0.01)
+                shutdowns.append(threading.Thread(target=engine.shutdown, args=(0.0, 0.0), daemon=True))
+                shutdowns[1].start()
+            for call in shutdowns:
+                call.join(30)
+            assert not any(call.is_alive() for call in shutdowns), "shutdown() waited for the stuck file read"
+        left = [r.getMessage() for r in caplog.records if "adapter file read" in r.getMessage()]
+        assert len(left) == 1 and "adapter 'a' from" in left[0] and "(running)" in left[0] and "(queued)" in left[0], left
+        assert not engine.step_abandoned and not engine.running and engine.dead_error == "engine was shut down"
+        assert running.is_alive() and queued.is_alive()  # their callers still wait for the read
+    finally:
+        inner.read_gate.set()
+        running.join(30)
+        queued.join(30)
+    assert isinstance(outcomes["running"], EngineDeadError), outcomes  # closed while it waited
+    assert isinstance(outcomes["queued"], EngineDeadError), outcomes
+    with pytest.raises(EngineDeadError):
+        engine.load_adapter_files("a", str(tiny_adapters["a"]))
 
 
 def test_llm_close_from_another_thread_waits_for_generate(tiny_llama_dir: Path) -> None:
