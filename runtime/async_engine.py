@@ -41,6 +41,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence
 
 from runtime.config import EngineConfig
 from runtime.engine import CheckedRequest, LLMEngine
+from runtime.file_reader import FileReader
 from runtime.lora.registry import AdapterInfo
 from runtime.output_mailbox import OutputMailbox
 from runtime.request import AdapterRef, ErrorKind, RequestOutput, SamplingParams
@@ -305,10 +306,7 @@ class AsyncLLMEngine:
         self._torch_threads = torch.get_num_threads()
         # The creator's current GPU, where it chose one: the step thread starts on GPU 0 whatever the creator set.
         self._creator_cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        self._files = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-files", initializer=single_threaded_torch)
-        self._reads: dict["Future[Any]", str] = {}  # the file reads queued or running in _files, and what each reads
-        self._reads_lock = threading.Lock()
-        self._closing = False  # shutdown is closing the LLMEngine: a file read that starts now is refused (EngineDeadError)
+        self._files = FileReader("lorafleet-adapter-files", initializer=single_threaded_torch)
         self._built: "Future[LLMEngine]" = Future()
         self._lock = _FairLock()
         self._wake = threading.Condition(self._lock)
@@ -338,7 +336,7 @@ class AsyncLLMEngine:
         try:
             self._built.result()  # waits for the step thread to build the engine; re-raises its error
         except BaseException:
-            self._files.shutdown(wait=False)
+            self._files.shutdown()
             raise
         with self._lock.held_by("the engine's start"):  # a prebuilt LLMEngine may come with adapters
             self._adapter_infos = tuple(self.engine.adapters())
@@ -411,8 +409,10 @@ class AsyncLLMEngine:
         more, then is given up on the same way). Adapter file reads still queued or running
         (``load_adapter_files``, ``register_adapter``) are waited for until the same deadline; a read
         cannot be interrupted, so one still going then (a stuck network mount) is left to its
-        thread, a WARNING names what was left, and the engine is closed without it (a read that
-        starts after that is an ``EngineDeadError``).
+        daemon thread (``runtime.file_reader``), which cannot hold the process's exit: a WARNING
+        names what was left, its caller and those of the reads queued behind it get an
+        ``EngineDeadError`` at once, and the engine is closed without it. When the lock is given
+        up on, so are the reads, at once.
 
         One call does this. A call made while another does it holds that one to its own deadlines
         where they come sooner (the drain ends ``timeout`` s, and the lock is given up on
@@ -498,10 +498,9 @@ class AsyncLLMEngine:
             self._lock.release()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, drain_s))
-        self._files.shutdown(wait=False)
+        self._files.shutdown()
         self._wait_for_file_reads(started)
         self._submit.shutdown(wait=True)
-        self._closing = True
         self.engine.close()
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
@@ -509,24 +508,26 @@ class AsyncLLMEngine:
     def _wait_for_file_reads(self, started: float) -> None:
         """Wait for the adapter file reads queued or running (``_read_adapter_files``) until the
         lock's holder would be given up on (``_grace_ends``: the soonest deadline of the shutdown()
-        calls under way, looked at again every ``SHUTDOWN_POLL_S``). A read cannot be interrupted:
-        one still going then (a stuck network mount) is left to its thread, and a WARNING names
-        what was left, once; its caller gets its outcome whenever it ends (an ``EngineDeadError``
-        for a read that starts after the engine is closed)."""
+        calls under way, looked at again every ``SHUTDOWN_POLL_S``); then give up on the rest."""
         while True:
-            with self._reads_lock:
-                reads = [read for read in self._reads if not read.done()]
-            left = self._grace_ends() - time.monotonic()
+            reads = self._files.pending()
             if not reads:
                 return
+            left = self._grace_ends() - time.monotonic()
             if left <= 0:
                 break
             wait(reads, timeout=min(left, SHUTDOWN_POLL_S))
-        with self._reads_lock:
-            what = [f"{self._reads[read]} ({'running' if read.running() else 'queued'})" for read in reads if read in self._reads and not read.done()]
-        if what:
-            logger.warning("shutdown: not waiting for %d adapter file read(s) still going %.1f s after shutdown began, which cannot be interrupted: %s; "
-                           "the engine is closed without them", len(what), time.monotonic() - started, ", ".join(what))
+        self._give_up_on_file_reads(started)
+
+    def _give_up_on_file_reads(self, started: float) -> None:
+        """A read cannot be interrupted: one still going (a stuck network mount) is left to its
+        daemon thread, which cannot hold the process's exit; its caller, and the callers of those
+        queued behind it (which will not run), get an ``EngineDeadError`` now, and one WARNING
+        names what was left."""
+        left = self._files.give_up(lambda what: EngineDeadError(f"engine was shut down before the read of {what} ended"))
+        if left:
+            logger.warning("shutdown: not waiting for %d adapter file read(s) still going %.1f s after shutdown began, which cannot be "
+                           "interrupted: %s; their callers get an error now", len(left), time.monotonic() - started, ", ".join(left))
 
     def _abandon_holder(self, started: float, holding: Optional[_Acquisition]) -> None:
         """``shutdown``'s end when ``holding`` (the acquisition that held the lock as the grace
@@ -549,7 +550,8 @@ class AsyncLLMEngine:
             self.dead_error = dead
         self._end_streams(f"engine shut down before the request finished ({holder} was still running {waited:.1f} s after shutdown began)", "shutdown")
         self._refuse_queued(dead)
-        self._files.shutdown(wait=False)
+        self._files.shutdown()
+        self._give_up_on_file_reads(started)
         self._submit.shutdown(wait=False)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -772,31 +774,10 @@ class AsyncLLMEngine:
     def _read_adapter_files(self, name: str, path: str, *, within: Optional[Sequence[str | Path]] = None) -> "Future[Any]":
         """``LLMEngine.load_adapter_files`` queued in the engine's file reader thread; shutdown
         waits for it until its deadline (``_wait_for_file_reads``)."""
-        with self._reads_lock:  # submitted and listed in one hold: shutdown never sees one without the other
-            try:
-                read = self._files.submit(self._read_files, name, path, within)
-            except RuntimeError as err:  # the file reader is shut down with the engine
-                raise EngineDeadError(self.dead_error or "engine was shut down") from err
-            self._reads[read] = f"adapter {name!r} from {path}"
-        read.add_done_callback(self._forget_read)  # runs at once if it is done already
-        return read
-
-    def _read_files(self, name: str, path: str, within: Optional[Sequence[str | Path]]) -> Any:
-        """The file reader thread's work. A read that starts once shutdown closes the engine (one
-        queued behind a read shutdown did not wait for) is an ``EngineDeadError``, as a read asked
-        for after shutdown is, not the closed LLMEngine's RuntimeError."""
-        if self._closing:
-            raise EngineDeadError(self.dead_error or "engine was shut down")
         try:
-            return self.engine.load_adapter_files(name, path, within=within)
-        except RuntimeError as err:
-            if self._closing and not isinstance(err, EngineDeadError):  # closed while it ran
-                raise EngineDeadError(self.dead_error or "engine was shut down") from err
-            raise
-
-    def _forget_read(self, read: "Future[Any]") -> None:
-        with self._reads_lock:
-            self._reads.pop(read, None)
+            return self._files.submit(f"adapter {name!r} from {path}", self.engine.load_adapter_files, name, path, within=within)
+        except RuntimeError as err:  # the file reader is shut down with the engine
+            raise EngineDeadError(self.dead_error or "engine was shut down") from err
 
     def install_adapter(self, adapter: Any, path: str) -> AdapterRef:
         """Make an adapter already read and checked current (``LLMEngine.install_adapter``), under the lock."""

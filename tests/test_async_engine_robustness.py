@@ -240,7 +240,8 @@ def test_shutdown_does_not_wait_past_its_deadline_for_a_stuck_adapter_file_read(
     (``_files.shutdown(wait=True)``): a read stuck on a network mount held it, and a second
     shutdown() with a shorter timeout waited for it too. Now the read is waited for until the
     deadline of the calls under way, then left to its thread (it cannot be interrupted), with one
-    WARNING naming what was left; a read queued behind it is an EngineDeadError once it starts."""
+    WARNING naming what was left; its caller, and that of a read queued behind it, get an
+    EngineDeadError at once instead of waiting for it."""
     import logging
 
     inner = HeldReadEngine(config(tiny_llama_dir))
@@ -284,15 +285,61 @@ def test_shutdown_does_not_wait_past_its_deadline_for_a_stuck_adapter_file_read(
         left = [r.getMessage() for r in caplog.records if "adapter file read" in r.getMessage()]
         assert len(left) == 1 and "adapter 'a' from" in left[0] and "(running)" in left[0] and "(queued)" in left[0], left
         assert not engine.step_abandoned and not engine.running and engine.dead_error == "engine was shut down"
-        assert running.is_alive() and queued.is_alive()  # their callers still wait for the read
+        running.join(30)  # the read is still stuck: its caller no longer waits for it
+        queued.join(30)
+        assert not running.is_alive() and not queued.is_alive(), "a caller still waits for the stuck read"
+        for key in ("running", "queued"):
+            assert isinstance(outcomes[key], EngineDeadError) and "before the read of adapter 'a' from" in str(outcomes[key]), outcomes
     finally:
         inner.read_gate.set()
         running.join(30)
         queued.join(30)
-    assert isinstance(outcomes["running"], EngineDeadError), outcomes  # closed while it waited
-    assert isinstance(outcomes["queued"], EngineDeadError), outcomes
     with pytest.raises(EngineDeadError):
         engine.load_adapter_files("a", str(tiny_adapters["a"]))
+
+
+STUCK_READ_SCRIPT = """
+import sys, threading
+from concurrent.futures import ThreadPoolExecutor
+from runtime.async_engine import AsyncLLMEngine
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+
+class StuckReadEngine(LLMEngine):
+    reading = threading.Event()
+
+    def load_adapter_files(self, *args, **kwargs):
+        self.reading.set()
+        threading.Event().wait()  # a read stuck on a hung network mount, for good
+
+model, adapter = sys.argv[1], sys.argv[2]
+inner = StuckReadEngine(EngineConfig(model=model, device="cpu", dtype="float32", max_loras=2, max_lora_rank=16, max_cpu_loras=4,
+                                     max_num_seqs=4, max_model_len=96, block_size=8, num_kv_blocks=64, max_num_batched_tokens=64))
+engine = AsyncLLMEngine(None, engine=inner)
+admin = ThreadPoolExecutor(max_workers=1)  # as the admin route's worker, which waits for the read
+load = admin.submit(engine.register_adapter, "a", adapter)
+inner.reading.wait(60)
+engine.shutdown(0.05, 0.05)
+print("shut down:", type(load.exception(timeout=60)).__name__, flush=True)
+"""
+
+
+def test_a_process_whose_adapter_file_read_is_stuck_exits_after_shutdown(tiny_llama_dir: Path, tiny_adapters) -> None:
+    """The file reader was a ThreadPoolExecutor's thread, which the interpreter joins at exit, as it
+    does the admin route's worker waiting for the read: a process (`lorafleet serve`) whose adapter
+    read was stuck on a network mount never exited, even once shutdown() had returned. The reader
+    is a daemon thread now, and shutdown gives up on the read, so the waiting caller gets an error."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        done = subprocess.run([sys.executable, "-c", STUCK_READ_SCRIPT, str(tiny_llama_dir), str(tiny_adapters["a"])],
+                              cwd=repo, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the process did not exit: {err.stdout!r}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shut down: EngineDeadError" in done.stdout, (done.stdout, done.stderr[-2000:])
 
 
 def test_llm_close_from_another_thread_waits_for_generate(tiny_llama_dir: Path) -> None:
