@@ -28,8 +28,11 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     if all(isinstance(x, str) for x in p):
         return list(p)
     for i, ids in enumerate(p):
-        if not ids:
-            raise APIError(400, gen.which_prompt(i, len(p), "token-id prompts must not be empty"), param=f"prompt.{i}", code="invalid_parameter")
+        if not ids:  # named as the engine's refusals are (open_streams): by its index only among several prompts
+            message, param = "prompt: token-id prompts must not be empty", "prompt"
+            if len(p) > 1:
+                message, param = gen.which_prompt(i, len(p), message), f"prompt.{i}"
+            raise APIError(400, message, param=param, code="invalid_parameter")
     return [list(ids) for ids in p]
 
 

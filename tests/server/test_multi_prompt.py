@@ -154,3 +154,18 @@ def test_number_of_prompts_is_capped(engine) -> None:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "prompt" and f"at most {MAX_PROMPTS} prompts" in err["message"]
+
+
+@pytest.mark.parametrize("prompt, param, start", [([[]], "prompt", "prompt: "), ([[5], []], "prompt.1", "prompt 1 (of 2): ")])
+def test_an_empty_token_id_prompt_is_named_as_the_engine_names_a_refused_prompt(engine, prompt, param: str, start: str) -> None:
+    """An empty token-id list is refused as any other prompt the engine refuses (docs/api.md):
+    ``prompt N (of M):`` and ``prompt.N`` among several prompts, plain ``prompt`` for a single one
+    (it was ``prompt 0 (of 1)`` / ``prompt.0`` there, unlike a single bad token id)."""
+    app = create_app(engine, ServerOptions())
+    with running_server(app) as url:
+        empty = httpx.post(f"{url}/v1/completions", json=body(engine, prompt), timeout=30)
+        bad_id = httpx.post(f"{url}/v1/completions", json=body(engine, [ids or [999999] for ids in prompt]), timeout=30)
+    for r in (empty, bad_id):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(start), r.text
+    assert "must not be empty" in empty.json()["error"]["message"]
