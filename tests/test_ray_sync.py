@@ -405,6 +405,53 @@ def test_an_unload_whose_registry_is_gone_answers_503_and_a_404_stands_without_t
         client.unregister("B")
 
 
+class RaisesInRay(LocalHandle):
+    """A registry actor handle whose calls raise as Ray raises an exception of the actor's method:
+    a ``RayTaskError`` that is also an instance of the method's exception class (so an OSError there
+    is an OSError here, a ValueError a ValueError), its text the remote traceback."""
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name).remote
+
+        async def remote(*args: Any, **kwargs: Any) -> Any:
+            import ray
+
+            try:
+                return await call(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - what Ray hands the caller instead
+                raise ray.exceptions.RayTaskError(f"AdapterRegistryService.{name}", f"Traceback (most recent call last):\n  ...\n"
+                                                  f"{type(err).__name__}: {err}", err).as_instanceof_cause() from None
+
+        return SimpleNamespace(remote=remote)
+
+
+@pytest.mark.parametrize("call", ["register", "unregister"])
+def test_a_registry_that_fails_to_record_an_admin_call_answers_500_naming_why_not_a_400_on_the_files(service, monkeypatch, call) -> None:
+    """The registry actor's own call raised (it could not write adapters.json under --registry-dir:
+    disk full, no permission). Ray raises that as an exception of the cause's class, so an OSError
+    reached the admin route's handler for unreadable adapter files: a 400 invalid_adapter "cannot
+    read <the registry's temp file>" (a ValueError: a 400 whose message was the remote traceback),
+    blaming the client's files for the server's disk. Now it is a 500 registry_error naming the
+    error in one line; nothing was recorded."""
+    client = admin_client(service, {"version": "1" * 64, "max_rank": 4}, monkeypatch)
+    service.register("A", "/adapters/a", "2" * 64, 4)
+    before = service.manifest
+
+    def disk_full(manifest: Any) -> None:
+        raise OSError(28, "No space left on device", str(Path(service.folder()) / ".adapters.tmp"))
+
+    monkeypatch.setattr(service.store, "save", disk_full)
+    client.registry = RaisesInRay(service)
+    with pytest.raises(APIError) as refused:
+        client.register("A", "/adapters/a") if call == "register" else client.unregister("A")
+    message = refused.value.message
+    assert (refused.value.status, refused.value.code) == (500, "registry_error"), message
+    what = f"register A@{'1' * 64}" if call == "register" else "unregister A"
+    assert message.startswith(f"{what}: the adapter registry failed (OSError: [Errno 28] No space left on device"), message
+    assert "Traceback" not in message and "\n" not in message, message
+    assert service.manifest == before
+
+
 def test_initial_adapters_are_all_validated_before_any_is_recorded(replica, service, folders, monkeypatch, tmp_path) -> None:
     """A start whose --lora-modules hold one adapter that does not load recorded the ones before it,
     and the next start (no --lora-modules) served them from the registry; now none is recorded."""

@@ -36,6 +36,7 @@ from runtime.config import EngineConfig, check_every_decode_fits
 from runtime.distributed.ingress import LoraIngress
 from runtime.distributed.log_level import LOG_LEVELS
 from runtime.distributed.manifest import ManifestError
+from runtime.distributed.ray_failure import ray_failure
 from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.registry_service import AdapterRegistryService
 from runtime.distributed.replica import LoraReplica
@@ -74,16 +75,6 @@ class DeployError(Exception):
     """A step of ``deploy`` after the registry actor was created failed in Ray: the registry actor
     or the ingress died (or raised) while the application was being made ready. The message is one
     line, for the CLI; ``stop`` deletes what was deployed."""
-
-
-def ray_failure(err: BaseException) -> str:
-    """``err``, a Ray error, in one line: the type and first line of what the remote call raised
-    (a ``RayTaskError`` carries it as ``cause``; its own text is the remote traceback), else of
-    ``err`` itself (``RayActorError``: "The actor died unexpectedly ...")."""
-    cause = getattr(err, "cause", None)
-    shown = cause if isinstance(cause, BaseException) else err
-    first = next((line.strip() for line in str(shown).splitlines() if line.strip()), "")
-    return f"{type(shown).__name__}: {first}" if first else type(shown).__name__
 
 
 def _start_step(what: str, call: Callable[[], Any]) -> Any:

@@ -10,7 +10,8 @@ the wait is followed when it holds the change (it reloaded its manifest); one th
 manifest was lost) makes the call end with ``RegistryRestarted`` (HTTP 503: retry), not a 200 for a
 change that is gone. A registry actor that is gone (Ray raises ``RayActorError``: it was stopped,
 or could not restart) makes the call end with ``RegistryUnavailable`` (HTTP 503), which says
-whether the change was recorded. Blocking; call it from a worker thread (the admin routes already do).
+whether the change was recorded; one whose call raised there (Ray raises ``RayTaskError``: e.g. it
+could not write its manifest) with ``RegistryFailed`` (HTTP 500), which says so too. Blocking; call it from a worker thread (the admin routes already do).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
+from runtime.distributed.ray_failure import ray_failure
 from runtime.engine import check_adapter_name
 from runtime.lora.adapter import AdapterPathError
 from runtime.lora.registry import some_names
@@ -86,6 +88,26 @@ class RegistryUnavailable(APIError):
         super().__init__(503, f"{what}: {why}", code="registry_unavailable")
 
 
+class RegistryFailed(APIError):
+    """HTTP 500 ``registry_error``: the registry actor's own call of the admin call raised there
+    (Ray's ``RayTaskError``), e.g. an OSError writing adapters.json under ``--registry-dir`` (disk
+    full, no permission). Ray raises it as an instance of the cause's class too, so it reached the
+    admin route's handlers for the client's files: a 400 ``invalid_adapter`` whose message was the
+    remote traceback. The message names the error in one line (the log has the traceback);
+    ``recorded`` as for ``RegistryUnavailable``: True when the registry had recorded the change
+    (it failed while the call waited for the replicas); None when the call that records it failed
+    (the registry records a change once its manifest is written, so the running one did not)."""
+
+    def __init__(self, what: str, err: BaseException, recorded: Optional[bool]) -> None:
+        failed = f"the adapter registry failed ({ray_failure(err)})"
+        if recorded:
+            why = f"{failed} while the call waited for the replicas; the change is recorded in its manifest"
+        else:
+            why = (f"{failed}, and the running registry did not record the change; fix the cause (e.g. the --registry-dir "
+                   "folder's disk or permissions), check GET /v1/models, then send it again")
+        super().__init__(500, f"{what}: {why}", code="registry_error")
+
+
 class RegistryClient:
     # How many registry restarts one admin call follows (each one a restart from its manifest that
     # still holds the change) before it gives up with ``RegistryRestarted``.
@@ -137,11 +159,15 @@ class RegistryClient:
     def _ask(self, call: Any, what: str, recorded: Optional[bool]) -> Any:
         """``ray.get(call)``, a call to the registry actor made for ``what``; ``RegistryUnavailable``
         (``recorded`` says what it knows of the change) when that actor is gone: Ray's RayActorError
-        came out of the admin route as a 500 ``internal_error``, as if lorafleet had a bug."""
+        came out of the admin route as a 500 ``internal_error``, as if lorafleet had a bug;
+        ``RegistryFailed`` when the call raised in the actor (logged with the remote traceback)."""
         try:
             return ray.get(call)
         except RayActorError as err:
             raise RegistryUnavailable(what, err, recorded) from err
+        except RayTaskError as err:  # before any handler of the cause's class (an OSError's: "cannot read" the client's files)
+            logger.error("%s: the adapter registry's call failed: %s", what, err)
+            raise RegistryFailed(what, err, recorded) from err
 
     def _record(self, name: str, path: str, checked: dict[str, Any], within: Optional[Sequence[str]] = None) -> AdapterRef:
         what = f"register {name}@{checked['version']}"
