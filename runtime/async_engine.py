@@ -803,9 +803,11 @@ class AsyncLLMEngine:
             self._adapter_infos = tuple(self.engine.adapters())
 
     def _check_not_shut_down(self) -> None:
-        """Adapter changes need a live engine (during a drain they still apply); after ``shutdown``
-        they are an EngineDeadError, as requests are, and change nothing."""
-        if self._stopping:
+        """Adapter changes need a live engine (during a drain they still apply); after ``shutdown``,
+        or once a step failed (``dead_error``), they are an EngineDeadError, as requests are, and
+        change nothing. (After a failed step a load used to be installed into the dead engine: a
+        200 on the admin route for an adapter no request could use.)"""
+        if self._stopping or self.dead_error is not None:
             raise EngineDeadError(self.dead_error or "engine was shut down")
 
     def adapters(self) -> list[AdapterInfo]:

@@ -822,6 +822,22 @@ def test_a_replica_whose_engine_is_gone_refuses_requests_without_asking_the_regi
     assert all(a == [("error", "engine_dead", message)] for a in answers), list(zip(cases, answers))
 
 
+def test_a_replica_whose_step_failed_applies_no_adapter_change(replica, service, folders) -> None:
+    """A replica whose step failed (Serve about to replace it) applied the registry's changes into
+    its dead engine, as a single server's admin route installed a load there with a 200; the engine
+    now refuses adapter changes once dead, so its sync ends with EngineDeadError (the sync loop then
+    stops with one WARNING, as for a shut-down engine) and its set stays as it was."""
+    from runtime.async_engine import EngineDeadError
+
+    record(replica, service, "A", folders.v1)
+    sync(replica)
+    record(replica, service, "B", folders.v1)
+    replica.engine.dead_error = "engine step failed: RuntimeError: boom"  # what AsyncLLMEngine._die sets
+    with pytest.raises(EngineDeadError, match="boom"):
+        sync(replica)
+    assert [a.name for a in replica.engine.adapters()] == ["A"]
+
+
 def test_a_failing_sync_before_requests_is_logged_once_per_kind_and_its_end_once(replica, service, folders, caplog) -> None:
     """While the registry is away, every request behind the ingress's revision logged a WARNING of
     its own; now one line per kind of failure, and one INFO line once such a sync works again."""

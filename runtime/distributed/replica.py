@@ -371,7 +371,8 @@ class LoraReplica:
 
         Ends, with one WARNING line, once the engine refuses with ``EngineDeadError``: it is gone
         (shut down, e.g. after a drain that gave up on a stuck step, whose lock refuses every
-        snapshot), so there is nothing to apply or report; Serve deletes the replica next."""
+        snapshot; or its step failed, and it refuses adapter changes), so there is nothing to apply
+        or report; Serve deletes the replica next."""
         while True:
             try:
                 await self._sync_once()

@@ -57,6 +57,28 @@ async def test_dead_engine_fails_health_and_new_requests_with_503(fresh_engine) 
         assert_unavailable(await c.post("/v1/chat/completions", json=chat), "simulated device fault")
 
 
+async def test_dead_engine_refuses_adapter_loads_and_unloads_with_503(fresh_engine, adapter_root: Path) -> None:
+    """Once a step failed, the admin routes answered as if the engine were alive: a load read the
+    files and installed them into the dead engine, a 200 "loaded" for an adapter no request can
+    use, and an unload a 200 too, where the generation routes (and admin.py's docstring, and the
+    error table) say 503 engine_unavailable. Now both are that 503, and nothing changes."""
+    fresh_engine.register_adapter("kept", str(adapter_root / "a"))
+
+    def broken_step(**_: Any) -> list:
+        raise RuntimeError("simulated device fault")
+
+    fresh_engine.engine.step = broken_step
+    app = create_app(fresh_engine, ServerOptions(enable_adapter_admin=True, adapter_roots=(adapter_root,)))
+    async with client_for(app) as c:
+        failed = await c.post("/v1/completions", json=completion(fresh_engine.model_name))  # the request that kills the step
+        assert failed.status_code == 500 and fresh_engine.dead_error is not None
+        load = await c.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapter_root / "b")})
+        unload = await c.post("/v1/unload_lora_adapter", json={"lora_name": "kept"})
+    assert_unavailable(load, "simulated device fault")
+    assert_unavailable(unload, "simulated device fault")
+    assert [a.name for a in fresh_engine.adapters()] == ["kept"]
+
+
 async def test_shutting_down_engine_fails_health_and_new_requests_with_503(fresh_engine) -> None:
     """While shutdown() waits for the requests in flight, the engine refuses new ones: so does /health."""
     step, gate = fresh_engine.engine.step, threading.Event()
