@@ -253,8 +253,8 @@ def test_a_load_whose_validating_replica_dies_answers_503_to_retry_not_500(servi
 
 
 def test_a_load_validated_on_a_replica_whose_engine_is_gone_answers_503_to_retry(replica, service, folders, monkeypatch) -> None:
-    """A replica whose engine is gone (its step failed; Serve replaces it after its health checks)
-    raised EngineDeadError from validate_adapter: Ray carried it to the admin route as its wrapped
+    """A replica whose engine is gone (shut down here; a replica whose step failed still validates,
+    and Serve replaces it after its health checks) raised EngineDeadError from validate_adapter: Ray carried it to the admin route as its wrapped
     error (RayTaskError, whose text is the remote traceback), not one the admin path answers as
     such, and at start-up (--lora-modules) it was a traceback. Now the replica says so and the
     call is a 503 replica_unavailable to retry (another replica validates it)."""

@@ -24,6 +24,10 @@ replaced by a symlink) while the walk holds it is still walked: the walk makes s
 followed, not where real folders were moved to; moving one in from outside the checked root, or
 out of it, takes write access outside the root.
 
+Without Linux's ``O_PATH`` (macOS, the BSDs) each folder on the way is opened ``O_RDONLY``, which
+needs read permission on it where a plain open needs only search permission: there, a path through
+a search-only (``--x``) folder fails with "permission denied".
+
 Where ``os.open`` has no ``O_NOFOLLOW`` or no ``dir_fd`` (Windows), the path is opened plainly
 (``SYMLINK_FREE``: False) and the race stays open there; docs/security.md says so.
 """
