@@ -617,6 +617,76 @@ def test_ray_start_whose_registry_or_ingress_dies_while_deploying_ends_with_one_
     assert len(stopped) == 1  # the application and the registry actor are deleted
 
 
+# A deployment's status once Serve gave up starting its replicas (ray 2.60, a constructor raising):
+# serve.run's own RuntimeError says only "Failed to update the deployments ['LoraReplica']."
+REPLICA_START_FAILURE = (
+    "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or initial health check "
+    "failing. See controller logs for details. Error:\n\x1b[36mray::ServeReplica:lorafleet:LoraReplica.initialize_and_get_metadata()"
+    "\x1b[39m (pid=15713, ip=192.0.2.2, actor_id=17d1, repr=<ray.serve._private.replica.ServeReplica:lorafleet:LoraReplica object>)\n"
+    '  File "/venv/ray/serve/_private/replica.py", line 1928, in initialize\n'
+    "    raise RuntimeError(traceback.format_exc()) from None\n"
+    "RuntimeError: Traceback (most recent call last):\n"
+    '  File "/venv/ray/serve/_private/replica.py", line 4008, in _call_func_or_gen\n'
+    "    result = callable(*args, **kwargs)\n"
+    "             ^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    '  File "/srv/lorafleet/runtime/distributed/replica.py", line 160, in __init__\n'
+    "    engine = AsyncLLMEngine(engine_config)\n"
+    "runtime.config.ConfigError: num_kv_blocks: 2 blocks of 8 tokens cannot hold one sequence of 64\n"
+    "second line of the message"
+)
+
+
+def test_ray_start_whose_replicas_fail_to_start_ends_with_one_line_naming_their_error(tmp_path: Path, tiny_llama_dir, monkeypatch,
+                                                                                   capsys) -> None:
+    """A replica whose constructor raised made Serve give up on the deployment: serve.run raised
+    its RuntimeError ("Deploying application lorafleet failed: Failed to update the deployments
+    ['LoraReplica'].") and `serve --ray` ended with a traceback that did not say why. Now it is one
+    line naming the deployment and the replica's own error, exit 2, and what was deployed is
+    stopped."""
+    from types import SimpleNamespace
+
+    ray = pytest.importorskip("ray")
+    from runtime.distributed import application
+    from runtime.distributed.launcher import run_ray
+
+    def run(app: Any, **kw: Any) -> Any:
+        raise RuntimeError(f"Deploying application {kw['name']} failed: Failed to update the deployments ['LoraReplica'].")
+
+    status = SimpleNamespace(applications={"lorafleet": SimpleNamespace(deployments={
+        "LoraIngress": SimpleNamespace(status="UPDATING", message=""),
+        "LoraReplica": SimpleNamespace(status="DEPLOY_FAILED", message=REPLICA_START_FAILURE)})})
+    registry = SimpleNamespace(begin_deploy=SimpleNamespace(remote=lambda: None))
+    stopped: list[Any] = []
+    monkeypatch.setattr(application, "start_serve", lambda cfg: None)
+    monkeypatch.setattr(application, "start_registry", lambda cfg: registry)
+    monkeypatch.setattr(application, "build", lambda cfg: None)
+    monkeypatch.setattr(application.serve, "run", run)
+    monkeypatch.setattr(application.serve, "status", lambda: status)
+    monkeypatch.setattr(application, "stop", stopped.append)
+    monkeypatch.setattr(ray, "get", lambda ref: None)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--ray", "--port", str(free_port()),
+                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
+    assert run_ray(settings) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0] == ("lorafleet serve: Ray Serve could not start the application's replicas (the LoraReplica deployment: ConfigError: "
+                        "num_kv_blocks: 2 blocks of 8 tokens cannot hold one sequence of 64); nothing is served (Ray's logs have the "
+                        "whole error)"), err  # fmt: skip
+    assert len(stopped) == 1  # the failed application and the registry actor are deleted
+
+
+def test_a_replica_start_error_without_a_traceback_is_its_first_line() -> None:
+    pytest.importorskip("ray")
+    from runtime.distributed.application import replica_start_error
+
+    died = ("The deployment failed to start 3 times in a row. See controller logs for details. Error:\n"
+            "The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:lorafleet:LoraReplica")
+    assert replica_start_error(died) == "The actor died unexpectedly before finishing this task."
+
+
 def test_ray_name_check_is_skipped_when_the_model_is_not_readable_here(tmp_path: Path, tiny_adapters, monkeypatch) -> None:
     """With a remote cluster the model path may exist only on the workers: without a declared
     base_model_name the adapter-name check cannot run here, and start-up goes on to deploy."""

@@ -73,8 +73,48 @@ class StartError(Exception):
 
 class DeployError(Exception):
     """A step of ``deploy`` after the registry actor was created failed in Ray: the registry actor
-    or the ingress died (or raised) while the application was being made ready. The message is one
+    or the ingress died (or raised) while the application was being made ready, or Serve could not
+    start a deployment's replicas (their constructor raised: ``deploy_failure``). The message is one
     line, for the CLI; ``stop`` deletes what was deployed."""
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def replica_start_error(message: str) -> str:
+    """The first useful line of a Serve deployment's status message after its replicas failed to
+    start ("The deployment failed to start 3 times in a row. ... Error:\n<the replica's error>",
+    that error often a remote traceback): the line after the traceback's last frame, i.e. the
+    ``Kind: message`` the constructor raised (the kind without its module), else the error's
+    first line (e.g. "The actor died unexpectedly ...")."""
+    _, sep, detail = message.partition("Error:\n")
+    lines = _ANSI_ESCAPE.sub("", detail if sep else message).splitlines()
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    after = lines[frames[-1] + 1:] if frames else lines
+    # After the last frame: its source line (indented), then the exception's line (not indented).
+    first = next((line.strip() for line in after if line.strip() and not line[:1].isspace()), None)
+    if first is None:
+        first = next((line.strip() for line in lines if line.strip()), message.strip())
+    kind, sep, text = first.partition(": ")
+    if sep and re.fullmatch(r"[A-Za-z_][\w.]*", kind):
+        first = f"{kind.rsplit('.', 1)[-1]}: {text}"
+    return first
+
+
+def deploy_failure(app_name: str, err: BaseException) -> str:
+    """One line for ``serve.run``'s failure (``err``: "Deploying application <app> failed: Failed to
+    update the deployments ['LoraReplica']."; the replicas' own error is only in each deployment's
+    status, ``serve.status()``): which deployment could not start, and ``replica_start_error`` of it."""
+    try:
+        deployments = serve.status().applications[app_name].deployments
+        failed = [(name, d.message) for name, d in sorted(deployments.items()) if d.status == "DEPLOY_FAILED"]  # a str Enum
+    except Exception:  # noqa: BLE001 - Serve's status is unreadable: say what serve.run said
+        failed = []
+    if not failed:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        return f"Ray Serve could not deploy the application ({first}); nothing is served (Ray's logs have the details)"
+    what = "; ".join(f"the {name} deployment: {replica_start_error(message)}" for name, message in failed)
+    return f"Ray Serve could not start the application's replicas ({what}); nothing is served (Ray's logs have the whole error)"
 
 
 def _start_step(what: str, call: Callable[[], Any]) -> Any:
@@ -272,13 +312,18 @@ def deploy(cfg: ScaleOutConfig) -> Any:
     the initial adapters; until then it answers /health and requests with a 503
     ``engine_unavailable`` (the registry is not ready), never a 404 for an initial adapter.
     ``DeployError`` when the registry actor or the ingress fails a call of the start-up
-    (``_start_step``).
+    (``_start_step``), or when Serve gives up starting a deployment's replicas (``deploy_failure``).
     """
     start_serve(cfg)
     registry = start_registry(cfg)
     # Not ready, no drain: whatever an earlier deployment left in the detached actor.
     _start_step("resetting the adapter registry actor", lambda: ray.get(registry.begin_deploy.remote()))
-    handle = serve.run(build(cfg), name=cfg.app_name, route_prefix="/")
+    try:
+        handle = serve.run(build(cfg), name=cfg.app_name, route_prefix="/")
+    except RuntimeError as err:  # Serve's "Deploying application <app> failed: Failed to update the deployments [...]."
+        if not str(err).startswith(f"Deploying application {cfg.app_name} failed"):
+            raise
+        raise DeployError(deploy_failure(cfg.app_name, err)) from err
     if cfg.initial_adapters:
         client = RegistryClient(registry, serve.get_deployment_handle(REPLICA_DEPLOYMENT, cfg.app_name), cfg.apply_timeout_s)
         client.register_all(cfg.initial_adapters)  # every one validated before any is recorded
