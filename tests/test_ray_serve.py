@@ -411,6 +411,46 @@ def test_serve_running_elsewhere_or_a_bad_manifest_refuse_to_start_in_one_line(a
     assert token_ids(complete(url, "a", PROMPTS[0], 2))  # the app was left alone
 
 
+def test_a_registry_actor_of_an_earlier_version_left_running_is_refused_at_start_up(ray_session, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The registry actor is detached and ``start_registry`` takes a running one (get_if_exists):
+    one started by an earlier lorafleet was reused, and every admin load then failed there with a
+    TypeError (``register(..., within=...)``), a 500. Now start-up refuses it, naming the call that
+    removes it."""
+    class RegistryOfAnEarlierVersion:  # here, not at module level: pickled by value (a worker cannot import this test module)
+        """The registry actor as lorafleet ran it before ``protocol()`` (and ``register``'s ``within``)."""
+
+        def __init__(self, registry_dir: str) -> None:
+            self.registry_dir = registry_dir
+
+        def state(self) -> dict[str, Any]:
+            return {"revision": 0, "entries": [], "registry": "old"}
+
+        def folder(self) -> str:
+            return str(Path(self.registry_dir).resolve())
+
+        def register(self, name: str, path: str, version: str, max_rank: int) -> dict[str, Any]:
+            return {"revision": 1, "previous_version": None, "changed": True, "registry": "old"}
+
+    cfg = ScaleOutConfig(engine=engine_config(tiny_llama_dir), server=ServerOptions(port=free_port()), num_replicas=1,
+                         registry_dir=str(tmp_path), app_name="lorafleet-earlier")  # fmt: skip
+    earlier = ray.remote(RegistryOfAnEarlierVersion).options(name=cfg.registry_name, namespace=NAMESPACE, lifetime="detached",
+                                                            num_cpus=0).remote(cfg.registry_dir)  # fmt: skip
+    try:
+        ray.get(earlier.state.remote())
+        with pytest.raises(application.StartError) as refused:
+            application.start_registry(cfg)
+        message = str(refused.value)
+        assert "runs another lorafleet version (registry protocol 1, this one needs" in message, message
+        assert f"ray.kill(ray.get_actor('lorafleet-registry-lorafleet-earlier', namespace='{NAMESPACE}'))" in message and "\n" not in message
+    finally:
+        ray.kill(earlier)
+    current = application.start_registry(cfg)  # once it is gone, this version's actor starts
+    try:
+        assert application.registry_protocol(current) == application.REGISTRY_PROTOCOL
+    finally:
+        ray.kill(current)
+
+
 def test_drain_ends_requests_with_503_and_shuts_every_replica_engine_down(app) -> None:
     """SIGTERM's first step (``application.drain``): requests in flight finish or get a JSON 503
     engine_unavailable (never a plain-text 500 or a cut stream), new ones and /health get that

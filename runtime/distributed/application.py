@@ -38,7 +38,7 @@ from runtime.distributed.log_level import LOG_LEVELS
 from runtime.distributed.manifest import ManifestError
 from runtime.distributed.ray_failure import ray_failure
 from runtime.distributed.registry_client import RegistryClient
-from runtime.distributed.registry_service import AdapterRegistryService
+from runtime.distributed.registry_service import REGISTRY_PROTOCOL, AdapterRegistryService
 from runtime.distributed.replica import LoraReplica
 from runtime.distributed.replica_set import ROUTINGS
 from runtime.distributed.shutdown_timeouts import (  # noqa: F401 - DRAIN_MARGIN_S and the check are this module's API too
@@ -234,7 +234,9 @@ def start_registry(cfg: ScaleOutConfig) -> Any:
     folder cannot be created: the actor's constructor failed with it. Raises StartError when the
     running actor (from a start that was never stopped: the actor is detached, and Ray hands back
     an existing one without its arguments) keeps another folder than ``cfg.registry_dir``: it
-    would serve and persist that folder's adapters."""
+    would serve and persist that folder's adapters, and when it runs another lorafleet version's
+    code (``registry_protocol``): its calls are not this version's (an admin load's ``within`` was
+    a TypeError there, a 500)."""
     node = ray.get_runtime_context().get_node_id()
     actor = (
         ray.remote(AdapterRegistryService)
@@ -256,12 +258,40 @@ def start_registry(cfg: ScaleOutConfig) -> Any:
         if not err.actor_init_failed:
             raise
         raise ManifestError(creation_error(err)) from err
+    running = registry_protocol(actor)
+    if running != REGISTRY_PROTOCOL:
+        raise StartError(f"the registry actor {cfg.registry_name!r} (namespace {NAMESPACE!r}) of an earlier start that was not stopped "
+                         f"runs another lorafleet version (registry protocol {running}, this one needs {REGISTRY_PROTOCOL}), whose calls "
+                         f"differ: remove that actor first ({registry_stop_call(cfg)}; its manifest stays), then start again")  # fmt: skip
     held, wanted = ray.get(actor.folder.remote()), str(Path(cfg.registry_dir).expanduser().resolve())
     if held != wanted:
         raise StartError(f"the registry actor {cfg.registry_name!r} (namespace {NAMESPACE!r}) of an earlier start that was not stopped "
                          f"still runs on registry_dir {held}, not {wanted}: pass --registry-dir {held}, or remove that actor first "
-                         f"(ray.kill(ray.get_actor({cfg.registry_name!r}, namespace={NAMESPACE!r})))")  # fmt: skip
+                         f"({registry_stop_call(cfg)})")  # fmt: skip
     return actor
+
+
+def registry_stop_call(cfg: ScaleOutConfig) -> str:
+    """The Ray call that removes the application's registry actor for good (as ``stop`` does),
+    for a driver connected to its cluster."""
+    return f"ray.kill(ray.get_actor({cfg.registry_name!r}, namespace={NAMESPACE!r}))"
+
+
+def registry_protocol(actor: Any) -> int:
+    """The running registry actor's ``REGISTRY_PROTOCOL``; 1 for an actor from before its
+    ``protocol()`` existed. Ray's handle to an existing actor carries that actor's methods, so
+    the call is not there (AttributeError); a handle built from this class reaches an actor
+    without it (its AttributeError, raised there)."""
+    try:
+        call = actor.protocol
+    except AttributeError:
+        return 1
+    try:
+        return int(ray.get(call.remote()))
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(getattr(err, "cause", None), AttributeError) or isinstance(err, AttributeError):
+            return 1
+        raise
 
 
 def creation_error(err: Exception) -> str:

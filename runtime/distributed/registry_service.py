@@ -67,6 +67,15 @@ class ReplicaStatus:
         return self.applied_revision >= revision or (self.attempted_revision >= revision and bool(self.errors))
 
 
+# The registry actor's calls as this lorafleet makes them (their names, arguments and answers).
+# The actor is detached: one started by an earlier lorafleet can still run when a newer one
+# deploys, and ``start_registry`` refuses it unless its ``protocol()`` is this number. Bump it
+# with any change that a caller of the previous version's actor would trip over (e.g. a new
+# argument: ``register(..., within=...)`` was a TypeError, an admin load's 500, on an actor
+# from before it). Actors from before ``protocol()`` existed count as 1.
+REGISTRY_PROTOCOL = 2
+
+
 class AdapterRegistryService:
     # A replica silent this many times ``live_after_s`` (at least a minute) is dropped from
     # ``replicas``: one that died without its goodbye (``forget``) would otherwise stay there, and
@@ -85,6 +94,10 @@ class AdapterRegistryService:
         self.drain_deadline: Optional[float] = None  # time.monotonic() when the drain ends; None: not shutting down
 
     # ---- the registered set --------------------------------------------------------------------
+    def protocol(self) -> int:
+        """``REGISTRY_PROTOCOL`` of the lorafleet this actor runs (``start_registry`` compares it)."""
+        return REGISTRY_PROTOCOL
+
     def folder(self) -> str:
         """The manifest's folder (resolved): the ``registry_dir`` this actor was created with."""
         return str(self.store.folder)
