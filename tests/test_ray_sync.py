@@ -527,6 +527,51 @@ def test_a_path_refusal_on_ray_answers_the_single_server_s_403(replica, service,
     assert service.manifest.by_name() == {} and "swapped" not in {a.name for a in replica.engine.adapters()}
 
 
+def test_an_unreadable_adapter_file_on_ray_answers_the_single_server_s_400(replica, service, folders, monkeypatch, tmp_path,
+                                                                          tiny_llama_dir) -> None:
+    """A weights file the server may not read (permission denied). A single server answers 400
+    invalid_adapter "lora_path '...': cannot read FILE: Permission denied"; on Ray the validating
+    replica's OSError came back as its bare text, a ValueError: 400 "[Errno 13] Permission denied:
+    'FILE'". Now its parts cross the wire: the same status, code and message. (The denial is stood
+    in for: as root, a chmod would not deny the read.)"""
+    import runtime.lora.adapter as adapter_module
+    from runtime.distributed.replica_set import ReplicaSetEngine
+    from runtime.lora.adapter import WEIGHTS_FILE
+    from runtime.server.app import create_app
+    from runtime.server.options import ServerOptions
+    from tests.server.conftest import client_for
+
+    root = tmp_path / "root"
+    folder = Path(shutil.copytree(folders.v1, root / "locked"))
+    options = ServerOptions(enable_adapter_admin=True, adapter_roots=(root,))
+    real_open = adapter_module.open_symlink_free
+
+    def open_denied(resolved: str) -> Any:
+        if resolved.endswith(WEIGHTS_FILE):
+            raise PermissionError(13, "Permission denied", resolved)
+        return real_open(resolved)
+
+    monkeypatch.setattr(adapter_module, "open_symlink_free", open_denied)
+    for module in (registry_client, replica_set_module()):
+        monkeypatch.setattr(module, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
+    ingress = ReplicaSetEngine(replicas, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, apply_timeout_s=0.0)
+
+    def load(app: Any) -> Any:
+        async def run() -> Any:
+            async with client_for(app) as c:
+                return await c.post("/v1/load_lora_adapter", json={"lora_name": "locked", "lora_path": str(folder)})
+
+        return asyncio.run(run())
+
+    single, on_ray = load(create_app(replica.engine, options)), load(create_app(ingress, options))
+    assert single.status_code == 400 and single.json()["error"]["code"] == "invalid_adapter", single.text
+    assert single.json()["error"]["message"].endswith(f"cannot read {folder / WEIGHTS_FILE}: Permission denied"), single.text
+    assert (on_ray.status_code, on_ray.json()) == (single.status_code, single.json()), (on_ray.text, single.text)
+    assert service.manifest.by_name() == {} and "locked" not in {a.name for a in replica.engine.adapters()}
+
+
 def test_every_replica_s_read_of_an_admin_load_stays_in_the_adapter_root(replica, service, folders, monkeypatch, tmp_path) -> None:
     """Only the replica validating an admin load confined its read to --adapter-root: the registry
     recorded name, path and version, and each replica applying the change read the recorded path

@@ -543,6 +543,16 @@ def test_ray_start_whose_registry_restarted_while_the_initial_adapters_were_appl
     assert "Traceback" not in err
 
 
+def test_ray_start_whose_initial_adapter_cannot_be_read_says_so_as_a_single_server(tmp_path: Path, tiny_llama_dir, tiny_adapters,
+                                                                                monkeypatch, capsys) -> None:
+    """RegistryClient.validate raises the validating replica's OSError again (the admin route words it
+    as a single server does): at start-up it is one line, "FILE: reason", as a single server's."""
+    pytest.importorskip("ray")
+    error = PermissionError(13, "Permission denied", "/adapters/a/adapter_model.safetensors")
+    rc, err = ray_start_whose_deploy_raises(error, tmp_path, tiny_llama_dir, tiny_adapters, monkeypatch, capsys)
+    assert (rc, err) == (2, "lorafleet serve: /adapters/a/adapter_model.safetensors: Permission denied\n"), err
+
+
 @pytest.mark.parametrize("kind", ["replica_unavailable", "registry_unavailable", "busy"])
 def test_ray_start_whose_initial_adapters_hit_another_admin_error_ends_with_one_line(kind: str, tmp_path: Path, tiny_llama_dir, tiny_adapters,
                                                                                    monkeypatch, capsys) -> None:

@@ -170,6 +170,9 @@ def run_ray(settings: Any) -> int:
         except (ManifestError, ValueError, DeployError) as err:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
+        except OSError as err:  # e.g. an initial adapter's file the validating replica may not read: as a single server says it
+            print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
+            return 2
         except ReplicasFailedToApply as err:  # an initial --lora-modules entry no replica could load
             detail = "; ".join(f"replica {rid}: {' | '.join(errs)}" for rid, errs in sorted(err.failed.items()))
             print(f"lorafleet serve: the initial adapters could not be applied ({detail}). They stay recorded in the "

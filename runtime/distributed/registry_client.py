@@ -132,7 +132,9 @@ class RegistryClient:
     def validate(self, name: str, path: str, *, within: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """A replica reads and validates the adapter (nothing recorded): {version, max_rank}, or
         ValueError (``AdapterPathError`` when the read was refused for where the files resolve, the
-        admin route's 403 ``path_not_allowed`` as on a single server); the name is checked here
+        admin route's 403 ``path_not_allowed`` as on a single server), or the OSError the read failed
+        with (errno, strerror and filename as the replica had them: the admin route's 400 "cannot
+        read FILE: Permission denied", as on a single server); the name is checked here
         first as a single server checks it (``check_adapter_name``: TypeError for a non-str,
         ValueError for an empty, padded or reserved one). ``within``: the
         folders that read must stay in (``LLMEngine.load_adapter_files``); ``register`` records
@@ -152,6 +154,8 @@ class RegistryClient:
         if checked.get("kind") == "engine_dead":
             raise APIError(503, f"load {name!r}: the replica validating the files cannot read them, its engine is gone ({checked['error']}); "
                                 "nothing was recorded; retry the request", code="replica_unavailable")  # fmt: skip
+        if checked.get("kind") == "os" and checked.get("strerror") is not None:  # e.g. PermissionError, as OSError builds it from errno
+            raise OSError(checked.get("errno"), checked["strerror"], checked.get("filename"))
         if "error" in checked:
             raise (AdapterPathError if checked.get("kind") == "path" else ValueError)(checked["error"])
         return checked

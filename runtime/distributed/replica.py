@@ -592,6 +592,8 @@ class LoraReplica:
         ``within``: as ``LLMEngine.load_adapter_files``'s. {"version", "max_rank"}, {"error"} for
         files that do not validate (with {"kind": "path"} when the read was refused for where the
         files resolve, ``AdapterPathError``: the admin route's 403, as on a single server; with
+        {"kind": "os", "errno", "strerror", "filename"} for files that could not be read, an
+        OSError, which ``RegistryClient.validate`` raises again for the admin route's message; with
         {"kind": "engine_dead"} when this replica's engine is gone, so nothing could be read: a 503
         to retry, another replica validates it), or {"busy"} (the admin call's 429,
         ``RegistryClient.validate``) when ``ADMIN_MAX_IN_PROGRESS`` validations are already in
@@ -609,7 +611,9 @@ class LoraReplica:
             return {"error": str(err), "kind": "path"}
         except EngineDeadError as err:  # raised, it reached the admin route as Ray's error: the remote traceback as the message
             return {"error": f"replica {self.replica_id}: {err}", "kind": "engine_dead"}
-        except (ValueError, OSError) as err:
+        except OSError as err:  # its class does not cross the wire: its parts do, for the single server's message
+            return {"error": str(err), "kind": "os", "errno": err.errno, "strerror": err.strerror, "filename": err.filename}
+        except ValueError as err:
             return {"error": str(err)}
         return {"version": adapter.version, "max_rank": adapter.max_rank}
 
