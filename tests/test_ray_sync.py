@@ -701,6 +701,31 @@ def test_a_broken_entry_is_read_again_only_once_its_folder_changed_or_a_backoff_
     assert held(replica) == {"A": (v2, str(folders.v2))} and replica.applied_revision == revision and replica.apply_errors == ()
 
 
+def test_an_entry_loaded_again_under_other_adapter_roots_is_read_at_once(replica, service, folders, tmp_path) -> None:
+    """A failed entry was held back (its last error reported, its files not read) until its folder
+    changed or the backoff passed, keyed on (path, version) only: loading the same files again with
+    other --adapter-root folders recorded the new roots, but the replicas kept the old refusal for
+    up to 30 s, and the admin call answered 503 replicas_failed_to_apply with it. The roots are part
+    of the key now."""
+    from runtime.lora.adapter import WEIGHTS_FILE
+
+    now = [1000.0]
+    replica._clock = lambda: now[0]
+    first, second = tmp_path / "root1", tmp_path / "root2"
+    folder = Path(shutil.copytree(folders.v1, first / "a"))
+    second.mkdir()
+    (folder / WEIGHTS_FILE).replace(second / WEIGHTS_FILE)
+    (folder / WEIGHTS_FILE).symlink_to(second / WEIGHTS_FILE)  # the weights live under the second root
+    version = version_of(folder, replica)
+    service.register("A", str(folder), version, 8, within=[str(first)])
+    sync(replica)
+    assert "A" not in held(replica) and any("resolves outside every --adapter-root" in e for e in replica.apply_errors), replica.apply_errors
+    revision = service.register("A", str(folder), version, 8, within=[str(first), str(second)])["revision"]  # the same files, both roots
+    sync(replica)  # the same instant: only the key can say that this entry is another one
+    assert held(replica) == {"A": (version, str(folder))} and replica.apply_errors == (), replica.apply_errors
+    assert replica.applied_revision == revision
+
+
 # ---- 4: the same content registered at a new path moves the replica to that path ------------------
 def test_same_content_at_a_new_path_is_installed_from_the_new_path(replica, service, folders) -> None:
     record(replica, service, "A", folders.v1)

@@ -15,7 +15,9 @@ which of those retries really read the files:
   ``CAP_S``).
 
 Between reads the entry keeps its last error, so the replica reports (and logs) the same failure.
-A failure is keyed by (name, path, version): an entry the registry changes is read at once.
+A failure is keyed by (name, path, version, within): an entry the registry changes is read at
+once, also when only the folders its read is confined to changed (an admin load of the same files
+under another ``--adapter-root``).
 """
 from __future__ import annotations
 
@@ -43,9 +45,16 @@ def folder_signature(folder: str) -> tuple[Hashable, ...]:
     return tuple(signature)
 
 
+def entry_key(entry: dict[str, Any]) -> tuple[Hashable, ...]:
+    """What a read of ``entry`` depends on besides its folder's content: its path, its version, and
+    the folders the read is confined to (``within``; None: not confined)."""
+    within = entry.get("within")
+    return entry["path"], entry["version"], tuple(within) if within is not None else None
+
+
 @dataclass
 class _Failure:
-    key: tuple[str, str]  # (path, version) the registry named when the entry failed
+    key: tuple[Hashable, ...]  # ``entry_key``: what the registry named when the entry failed
     error: str
     signature: tuple[Hashable, ...]
     retry_at: float
@@ -62,11 +71,11 @@ class ApplyBackoff:
         self._failures: dict[str, _Failure] = {}
 
     def held_error(self, entry: dict[str, Any]) -> Optional[str]:
-        """The error ``entry`` (a registry entry: name, path, version) failed with, when reading it
-        again is not due yet; None when it should be read now (it never failed as it is named now,
-        its folder changed, or the backoff has passed)."""
+        """The error ``entry`` (a registry entry: name, path, version, within) failed with, when
+        reading it again is not due yet; None when it should be read now (it never failed as it is
+        named now, ``entry_key``; its folder changed, or the backoff has passed)."""
         failure = self._failures.get(entry["name"])
-        if failure is None or failure.key != (entry["path"], entry["version"]):
+        if failure is None or failure.key != entry_key(entry):
             return None
         if self._clock() >= failure.retry_at or self._signature(entry["path"]) != failure.signature:
             return None
@@ -81,7 +90,7 @@ class ApplyBackoff:
         """Reading ``entry`` failed with ``error``; ``signature``: its folder's, taken before the
         read. Back off: twice the last delay (at most ``CAP_S``) when it failed before as named now
         and with the folder as it is, else ``FIRST_S``."""
-        name, key = entry["name"], (entry["path"], entry["version"])
+        name, key = entry["name"], entry_key(entry)
         previous = self._failures.get(name)
         again = previous is not None and previous.key == key and previous.signature == signature
         delay = min(self.CAP_S, previous.delay_s * 2) if again else self.FIRST_S
