@@ -45,6 +45,7 @@ from runtime.file_reader import FileReader
 from runtime.lora.registry import AdapterInfo
 from runtime.output_mailbox import OutputMailbox
 from runtime.request import AdapterRef, ErrorKind, RequestOutput, SamplingParams
+from runtime.shutdown_seconds import check_shutdown_seconds
 from runtime.tokenizer import LONG_TEXT_CHARS
 from runtime.torch_threads import single_threaded_torch
 
@@ -387,7 +388,9 @@ class AsyncLLMEngine:
 
     def shutdown_in_background(self, timeout: float, step_grace_s: float = STEP_GRACE_S) -> threading.Thread:
         """``shutdown(timeout, step_grace_s)`` in a daemon thread, started; join it to wait (a server's
-        drain: its event loop keeps relaying the last outputs and the 503s meanwhile)."""
+        drain: its event loop keeps relaying the last outputs and the 503s meanwhile). Lengths that
+        ``shutdown`` refuses are refused here, before the thread starts."""
+        check_shutdown_seconds(timeout=timeout, step_grace_s=step_grace_s)
         drain = threading.Thread(target=self.shutdown, kwargs={"timeout": timeout, "step_grace_s": step_grace_s}, name="lorafleet-drain", daemon=True)
         drain.start()
         return drain
@@ -420,7 +423,12 @@ class AsyncLLMEngine:
         one ends; a later call returns at once (after one that raised, the next tries again). A
         call made from the thread already in one (a signal handler that interrupted it) returns at
         once: the interrupted call finishes the work once the handler returns (waiting for it there
-        would wait for ever)."""
+        would wait for ever).
+
+        ``timeout`` and ``step_grace_s`` must be numbers of seconds >= 0 (``math.inf``: no end), else
+        ValueError and nothing begins (``check_shutdown_seconds``): NaN never passes, so a stuck
+        step would be waited for for ever."""
+        check_shutdown_seconds(timeout=timeout, step_grace_s=step_grace_s)
         if getattr(self._in_shutdown, "active", False):
             return
         self._in_shutdown.active = True  # before the lock below is taken: a handler run once it is held must see it

@@ -200,6 +200,25 @@ def test_use_after_shutdown_is_an_engine_dead_error(tiny_llama_dir: Path, tiny_a
         asyncio.run(late())
 
 
+def test_shutdown_refuses_a_negative_or_nan_length_before_it_begins(tiny_llama_dir: Path) -> None:
+    """shutdown() took any timeout and step_grace_s: NaN never passes a deadline, so the wait for a
+    step still running after the drain, meant to end step_grace_s later, never ended; a negative
+    one was no drain at all. Both are a ValueError now, before anything begins: the engine still
+    takes requests, and a shutdown with proper lengths then works."""
+    engine = AsyncLLMEngine(config(tiny_llama_dir))
+    try:
+        for kwargs in ({"timeout": float("nan")}, {"timeout": -5.0}, {"timeout": 1.0, "step_grace_s": float("nan")}):
+            name = "step_grace_s" if "step_grace_s" in kwargs else "timeout"
+            with pytest.raises(ValueError, match=f"{name} must be a number of seconds >= 0"):
+                engine.shutdown(**kwargs)
+            with pytest.raises(ValueError, match=f"{name} must be a number of seconds >= 0"):
+                engine.shutdown_in_background(**kwargs)
+            assert engine.accepting and engine.dead_error is None
+    finally:
+        engine.shutdown(5.0)
+    assert engine.dead_error == "engine was shut down"
+
+
 def test_register_adapter_async_leaves_the_event_loop_s_default_executor_alone(tiny_llama_dir: Path, tiny_adapters) -> None:
     """register_adapter_async ran the whole load in the loop's default executor (asyncio.to_thread),
     whose threads a server's other work waits for; it now reads the files in the engine's file

@@ -18,6 +18,7 @@ which the registry actor does not load).
 from __future__ import annotations
 
 from runtime.async_engine import STEP_GRACE_S
+from runtime.shutdown_seconds import check_shutdown_seconds
 
 DRAIN_S = 25.0
 DRAIN_MARGIN_S = 5.0
@@ -31,7 +32,10 @@ def check_shutdown_timeouts(drain_s: float, step_grace_s: float = STEP_GRACE_S) 
     ``drain_s + step_grace_s < REPLICA_GRACEFUL_SHUTDOWN_S`` (a replica's engine fails what is left,
     a stuck step's requests included, before Serve kills the replica), ``step_grace_s <
     DRAIN_MARGIN_S`` (``drain`` waits for those 503s to pass the ingress) and
-    ``REPLICA_GRACEFUL_SHUTDOWN_S < INGRESS_GRACEFUL_SHUTDOWN_S`` (the ingress relays them)."""
+    ``REPLICA_GRACEFUL_SHUTDOWN_S < INGRESS_GRACEFUL_SHUTDOWN_S`` (the ingress relays them).
+    Each length must be a number of seconds >= 0 (``check_shutdown_seconds``): a negative or NaN
+    ``drain_s`` is refused too, not handed to the replicas' engines."""
+    check_shutdown_seconds(drain_s=drain_s, step_grace_s=step_grace_s)
     if not drain_s + step_grace_s < REPLICA_GRACEFUL_SHUTDOWN_S:
         raise ValueError(f"drain_s + step_grace_s ({drain_s} + {step_grace_s} s) must end inside the replicas' graceful shutdown timeout "
                          f"({REPLICA_GRACEFUL_SHUTDOWN_S} s): their engines fail the requests still in flight at that end, before Serve kills them")

@@ -8,6 +8,7 @@ from typing import Any
 import uvicorn
 
 from runtime.async_engine import STEP_GRACE_S
+from runtime.shutdown_seconds import check_shutdown_seconds
 
 
 class DrainingServer(uvicorn.Server):
@@ -21,9 +22,10 @@ class DrainingServer(uvicorn.Server):
     stream: an error event, then [DONE]). A step still running when ``drain_s`` ends gets
     ``step_grace_s`` more before the engine gives up on it (``AsyncLLMEngine.shutdown``), so
     ``drain_s + step_grace_s`` must end inside uvicorn's window (``timeout_graceful_shutdown``;
-    None: no window)."""
+    None: no window). Both must be numbers of seconds >= 0 (``check_shutdown_seconds``)."""
 
     def __init__(self, config: uvicorn.Config, engine: Any, drain_s: float, step_grace_s: float = STEP_GRACE_S) -> None:
+        check_shutdown_seconds(drain_s=drain_s, step_grace_s=step_grace_s)
         window = config.timeout_graceful_shutdown
         if window is not None and drain_s + step_grace_s >= window:
             raise ValueError(f"drain_s + step_grace_s ({drain_s} + {step_grace_s} s) must end inside uvicorn's graceful shutdown "

@@ -124,3 +124,27 @@ def test_the_drain_and_a_stuck_step_s_grace_must_both_end_inside_uvicorn_s_windo
     with pytest.raises(_Stop):
         asyncio.run(DrainingServer(config(30), engine, drain_s=5.0, step_grace_s=2.0).shutdown())
     assert engine.asked == (5.0, 2.0)  # the grace checked is the grace the engine gets
+
+
+def test_a_negative_or_nan_drain_or_grace_is_refused_before_anything_begins() -> None:
+    """check_shutdown_timeouts (the Ray application's ``drain``, the ingress's ``begin_shutdown``)
+    took a negative drain_s (``begin_shutdown(-5)`` told the replicas to drain for -5 s: no drain at
+    all, said nowhere), and DrainingServer took a negative or NaN drain_s or grace (NaN passes every
+    comparison with the window; the engine's shutdown then never gave up on a stuck step). Each now
+    refuses it with a ValueError that names it, before the engine is told anything."""
+    from runtime.distributed.shutdown_timeouts import check_shutdown_timeouts
+
+    window = uvicorn.Config("app:app", timeout_graceful_shutdown=30)
+    for bad in (-5.0, float("nan")):
+        with pytest.raises(ValueError, match=r"drain_s must be a number of seconds >= 0, got (-5\.0|nan)"):
+            check_shutdown_timeouts(bad)
+        with pytest.raises(ValueError, match=r"step_grace_s must be a number of seconds >= 0"):
+            check_shutdown_timeouts(1.0, step_grace_s=bad)
+        engine = _RecordingEngine()
+        with pytest.raises(ValueError, match=r"drain_s must be a number of seconds >= 0"):
+            DrainingServer(window, engine, drain_s=bad)
+        with pytest.raises(ValueError, match=r"step_grace_s must be a number of seconds >= 0"):
+            DrainingServer(window, engine, drain_s=1.0, step_grace_s=bad)
+        assert not hasattr(engine, "asked")
+    check_shutdown_timeouts(0.0)  # no drain at all, said so
+    DrainingServer(window, _RecordingEngine(), drain_s=0.0, step_grace_s=0.0)
