@@ -410,12 +410,14 @@ class AsyncLLMEngine:
         very hold seen as the wait ended is given up on: one let go of just then is not stuck, and
         the shutdown goes on as usual (a waiter the lock was handed to gets ``SHUTDOWN_POLL_S``
         more, then is given up on the same way). Adapter file reads still queued or running
-        (``load_adapter_files``, ``register_adapter``) are waited for until the same deadline; a read
-        cannot be interrupted, so one still going then (a stuck network mount) is left to its
-        daemon thread (``runtime.file_reader``), which cannot hold the process's exit: a WARNING
-        names what was left, its caller and those of the reads queued behind it get an
-        ``EngineDeadError`` at once, and the engine is closed without it. When the lock is given
-        up on, so are the reads, at once.
+        (``load_adapter_files``, ``register_adapter``) are waited for until the same deadline, as is
+        the adapter pool's disk read still running (a request's adapter that had left the host
+        tier; those queued behind it are cancelled: their requests have ended); a read cannot be
+        interrupted, so one still going then (a stuck network mount) is left to its daemon thread
+        (``runtime.file_reader``), which cannot hold the process's exit: a WARNING names what was
+        left, its caller and those of the reads queued behind it get an ``EngineDeadError`` at
+        once, and the engine is closed without it (``LLMEngine.close``). When the lock is given
+        up on, so are the file reads, at once.
 
         One call does this. A call made while another does it holds that one to its own deadlines
         where they come sooner (the drain ends ``timeout`` s, and the lock is given up on
@@ -501,24 +503,27 @@ class AsyncLLMEngine:
         try:
             self._stopping = True
             self._dispatch(self.engine.fail_all(f"engine shut down before the request finished (shutdown timeout {drain_s:.3g}s)", "shutdown"))
+            adapter_loads = self.engine.stop_adapter_loads()  # the pool's disk reads (a host-tier miss): those queued will not run
             self._wake.notify_all()
         finally:
             self._lock.release()
         if self._thread is not None:
             self._thread.join(timeout=max(1.0, drain_s))
         self._files.shutdown()
-        self._wait_for_file_reads(started)
+        self._wait_for_file_reads(started, adapter_loads)
         self._submit.shutdown(wait=True)
-        self.engine.close()
+        self.engine.close(timeout=max(0.0, self._grace_ends() - time.monotonic()))  # gives up on a pool read still going (a WARNING)
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
 
-    def _wait_for_file_reads(self, started: float) -> None:
-        """Wait for the adapter file reads queued or running (``_read_adapter_files``) until the
-        lock's holder would be given up on (``_grace_ends``: the soonest deadline of the shutdown()
-        calls under way, looked at again every ``SHUTDOWN_POLL_S``); then give up on the rest."""
+    def _wait_for_file_reads(self, started: float, adapter_loads: Sequence["Future[Any]"] = ()) -> None:
+        """Wait for the adapter file reads queued or running (``_read_adapter_files``), and for the
+        pool's ``adapter_loads`` (``LLMEngine.stop_adapter_loads``), until the lock's holder would be
+        given up on (``_grace_ends``: the soonest deadline of the shutdown() calls under way, looked
+        at again every ``SHUTDOWN_POLL_S``); then give up on the file reader's rest (the engine's
+        ``close`` gives up on the pool's)."""
         while True:
-            reads = self._files.pending()
+            reads = self._files.pending() + [load for load in adapter_loads if not load.done()]
             if not reads:
                 return
             left = self._grace_ends() - time.monotonic()

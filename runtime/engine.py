@@ -469,6 +469,13 @@ class LLMEngine:
             outputs.append(self._output(live, [], finished=True))
         return outputs
 
+    def stop_adapter_loads(self) -> list[Any]:
+        """No new disk reads of adapters; those queued are cancelled (``AdapterPool.stop_loads``).
+        Returns the futures of those still going, for a caller to wait on (``close`` gives up on
+        them). For a caller about to ``close``: nothing that needs a read can run any more."""
+        self.pool.stop_loads()
+        return [future for future in self.pool.load_futures() if not future.done()]
+
     def stalled_load_futures(self) -> list[Any]:
         """The in-flight adapter loads the last step was stalled on ([] if it ran something)."""
         return self.pool.load_futures() if self._stalled else []
@@ -706,7 +713,7 @@ class LLMEngine:
                     for f in fields(entry):
                         setattr(total, f.name, getattr(total, f.name) + getattr(entry, f.name))
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> None:
         """Stop the pool's loader and free the model, KV cache and LoRA buffers now. Idempotent.
 
         The engine, its pool and their callbacks form reference cycles, so without the
@@ -715,14 +722,25 @@ class LLMEngine:
         step or an adapter change is a RuntimeError (as for a closed ``LLM``); ``abort``,
         ``drop_pending``, ``fail_all`` and the reports still answer.
 
+        The loader's queued disk reads are cancelled and the one running is waited for, up to
+        ``timeout`` s (None: until it ends; ``AsyncLLMEngine.shutdown`` passes what is left of its
+        deadline). A read cannot be interrupted: one still going then (an adapter file on a hung
+        network mount) is left to the loader's daemon thread, which cannot hold the process's
+        exit, its outcome dropped; a WARNING names it. The model, KV cache and LoRA buffers are
+        released either way (the engine object itself, with its host tier of adapters, stays
+        referenced by that read until it ends).
+
         Thread-safe: one call tears down; a call made meanwhile from another thread waits for it,
         so either returns only once the memory is released (or the teardown raised)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-            self.pool.close()
+            left = self.pool.close(timeout)
             self.runner.release()
+        if left:
+            logger.warning("engine closed without waiting for %d adapter read(s) from disk still going after %s s, which cannot be "
+                           "interrupted: %s", len(left), timeout, ", ".join(left))
 
     def _check_open(self) -> None:
         if self._closed:

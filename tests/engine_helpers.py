@@ -52,6 +52,20 @@ class HeldReadEngine(LLMEngine):
         return super().load_adapter_files(name, path, within=within)
 
 
+class HeldLoadEngine(LLMEngine):
+    """An LLMEngine whose adapter pool's disk reads (a request whose adapter is not on the host
+    tier) wait for ``load_gate`` (a stuck network mount) before they read; ``loading``: one began."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.loading, self.load_gate = threading.Event(), threading.Event()
+        super().__init__(config)
+
+    def _load_registered(self, ref):  # type: ignore[no-untyped-def]
+        self.loading.set()
+        self.load_gate.wait(60)
+        return super()._load_registered(ref)
+
+
 def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
     finals: dict[str, RequestOutput] = {}
     for _ in range(max_steps):

@@ -15,7 +15,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.output_mailbox import OutputMailbox
 from runtime.request import RequestOutput, SamplingParams
-from tests.engine_helpers import HeldReadEngine, StuckStepEngine, run_to_completion
+from tests.engine_helpers import HeldLoadEngine, HeldReadEngine, StuckStepEngine, run_to_completion
 
 
 def config(model: Path, **overrides) -> EngineConfig:
@@ -317,24 +317,81 @@ def test_shutdown_does_not_wait_past_its_deadline_for_a_stuck_adapter_file_read(
         engine.load_adapter_files("a", str(tiny_adapters["a"]))
 
 
+def test_shutdown_does_not_wait_past_its_deadline_for_a_stuck_adapter_pool_read(tiny_llama_dir: Path, tiny_adapters, caplog) -> None:
+    """The adapter pool re-reads from disk an adapter that left the host tier when a request needs
+    it. Shutdown's last act, ``engine.close()``, shut the pool's loader down with
+    ``ThreadPoolExecutor.shutdown(wait=True)``: a read stuck on a network mount held shutdown (and
+    a server's exit) for ever. Now it is waited for until shutdown's deadline, then left to its
+    daemon thread with a WARNING naming it; the engine is closed (its model released) all the same."""
+    import logging
+
+    inner = HeldLoadEngine(config(tiny_llama_dir, max_cpu_loras=2))
+    engine = AsyncLLMEngine(None, engine=inner)
+    outputs: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate("needs-a", [5, 6], greedy(2), "a"):
+            outputs.append(out)
+
+    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    shutdown = threading.Thread(target=engine.shutdown, args=(0.05, 0.05), daemon=True)
+    try:
+        for name in ("a", "b", "c"):  # a host tier of 2: "a" leaves it, so its request reads it from disk again
+            engine.register_adapter(name, str(tiny_adapters["a"]))
+        assert "a" not in [ref.name for ref in inner.pool.host_refs()]
+        consumer.start()
+        assert inner.loading.wait(30)
+        with caplog.at_level(logging.WARNING, logger="runtime.engine"):
+            shutdown.start()
+            shutdown.join(30)
+            assert not shutdown.is_alive(), "shutdown() waited for the stuck adapter pool read"
+        consumer.join(30)
+        assert not consumer.is_alive() and outputs[-1].finish_reason == "error" and outputs[-1].error_kind == "shutdown", outputs
+        left = [r.getMessage() for r in caplog.records if "adapter read(s) from disk" in r.getMessage()]
+        assert len(left) == 1 and "adapter 'a' (version" in left[0] and "(running)" in left[0], left
+        assert engine.dead_error == "engine was shut down" and not engine.step_abandoned
+        assert inner.runner.model is None  # closed: the model is released although the read goes on
+    finally:
+        inner.load_gate.set()
+        consumer.join(30)
+        shutdown.join(30)
+
+
 STUCK_READ_SCRIPT = """
-import sys, threading
+import asyncio, sys, threading
 from concurrent.futures import ThreadPoolExecutor
 from runtime.async_engine import AsyncLLMEngine
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
+from runtime.request import SamplingParams
 
 class StuckReadEngine(LLMEngine):
-    reading = threading.Event()
+    reading, loading = threading.Event(), threading.Event()
 
-    def load_adapter_files(self, *args, **kwargs):
+    def load_adapter_files(self, name, *args, **kwargs):
+        if name != "a":
+            return super().load_adapter_files(name, *args, **kwargs)
         self.reading.set()
         threading.Event().wait()  # a read stuck on a hung network mount, for good
 
+    def _load_registered(self, ref):  # the adapter pool's read of an adapter that left the host tier
+        self.loading.set()
+        threading.Event().wait()
+
+async def consume(engine):
+    async for out in engine.generate("r", [5, 6], SamplingParams(max_tokens=2), "b"):
+        pass
+    print("request:", out.error_kind, flush=True)
+
 model, adapter = sys.argv[1], sys.argv[2]
-inner = StuckReadEngine(EngineConfig(model=model, device="cpu", dtype="float32", max_loras=2, max_lora_rank=16, max_cpu_loras=4,
+inner = StuckReadEngine(EngineConfig(model=model, device="cpu", dtype="float32", max_loras=2, max_lora_rank=16, max_cpu_loras=2,
                                      max_num_seqs=4, max_model_len=96, block_size=8, num_kv_blocks=64, max_num_batched_tokens=64))
 engine = AsyncLLMEngine(None, engine=inner)
+for name in ("b", "c", "d"):  # a host tier of 2: "b" leaves it
+    engine.register_adapter(name, adapter)
+request = threading.Thread(target=asyncio.run, args=(consume(engine),))
+request.start()
+inner.loading.wait(60)
 admin = ThreadPoolExecutor(max_workers=1)  # as the admin route's worker, which waits for the read
 load = admin.submit(engine.register_adapter, "a", adapter)
 inner.reading.wait(60)
@@ -347,7 +404,9 @@ def test_a_process_whose_adapter_file_read_is_stuck_exits_after_shutdown(tiny_ll
     """The file reader was a ThreadPoolExecutor's thread, which the interpreter joins at exit, as it
     does the admin route's worker waiting for the read: a process (`lorafleet serve`) whose adapter
     read was stuck on a network mount never exited, even once shutdown() had returned. The reader
-    is a daemon thread now, and shutdown gives up on the read, so the waiting caller gets an error."""
+    is a daemon thread now, and shutdown gives up on the read, so the waiting caller gets an error.
+    So was the adapter pool's loader (a request's adapter read again from disk), whose stuck read
+    held shutdown itself (``engine.close()``); it is a daemon thread too, given up on the same way."""
     import subprocess
     import sys
 
@@ -358,7 +417,7 @@ def test_a_process_whose_adapter_file_read_is_stuck_exits_after_shutdown(tiny_ll
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"the process did not exit: {err.stdout!r}")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "shut down: EngineDeadError" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "shut down: EngineDeadError" in done.stdout and "request: shutdown" in done.stdout, (done.stdout, done.stderr[-2000:])
 
 
 def test_llm_close_from_another_thread_waits_for_generate(tiny_llama_dir: Path) -> None:
@@ -401,11 +460,11 @@ def test_close_from_two_threads_tears_down_once_and_both_return_after_the_teardo
     events: list[str] = []
     pool_close, runner_release = engine.pool.close, engine.runner.release
 
-    def blocking_pool_close() -> None:
+    def blocking_pool_close(timeout: float | None = None) -> list[str]:
         events.append("teardown began")
         tearing_down.set()
         go.wait(30)
-        pool_close()
+        return pool_close(timeout)
 
     def recorded_release() -> None:
         runner_release()

@@ -1,6 +1,7 @@
 """Two-tier adapter pool: host LRU (``max_cpu_loras``) + device slots (``max_loras``).
 
-Stages: disk -> host (``loader``: read + validate, in a background thread) -> device
+Stages: disk -> host (``loader``: read + validate, one at a time in a daemon thread of its own,
+``runtime.file_reader``) -> device
 (``writer.write_adapter(slot, adapter, row_start)`` on a copy stream, fenced by an
 event before any kernel reads the slot).
 
@@ -59,12 +60,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+from concurrent.futures import Future, wait, FIRST_COMPLETED
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from runtime.file_reader import FileReader
 from runtime.request import AdapterRef
 from runtime.torch_threads import single_threaded_torch
 
@@ -173,11 +175,9 @@ class AdapterPool:
         self.max_lora_rank = max_lora_rank
         self.row_bytes = row_bytes
         self._fence = CopyFence(torch.device(device))
-        self._executor: Optional[ThreadPoolExecutor] = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-adapter-load", initializer=single_threaded_torch)
-            if async_loads
-            else None
-        )
+        # Not a ThreadPoolExecutor: the interpreter joins those threads at exit, so a read stuck on a
+        # hung mount held the process (and close()) for ever. See close().
+        self._reader: Optional[FileReader] = FileReader("lorafleet-adapter-load", initializer=single_threaded_torch) if async_loads else None
         self._host: "OrderedDict[AdapterRef, Any]" = OrderedDict()  # LRU: oldest first
         self._loading: dict[AdapterRef, _Load] = {}
         self._load_queue: deque[AdapterRef] = deque()
@@ -420,9 +420,27 @@ class AdapterPool:
     def device_residents(self) -> dict[int, tuple[AdapterRef, int, int]]:
         return {i: (e.ref, e.row_start, e.rows) for i, e in enumerate(self._slots) if e is not None}
 
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+    def stop_loads(self) -> None:
+        """No new disk reads; those queued are cancelled (they will not run), the one running goes
+        on (``load_futures`` still lists it). Idempotent. For a pool about to close: a read that
+        would start afterwards is a RuntimeError, as a shut-down executor's submit."""
+        if self._reader is None:
+            return
+        for load in self._loading.values():
+            load.future.cancel()  # a queued read; the running one cannot be cancelled
+        self._reader.shutdown()
+
+    def close(self, timeout: Optional[float] = None) -> list[str]:
+        """``stop_loads``, then wait for the read still running up to ``timeout`` s (None: until it
+        ends). A read cannot be interrupted: one still going then (an adapter file on a hung network
+        mount) is given up on: it goes on in the loader's daemon thread, which cannot hold the
+        process's exit, and its outcome is dropped. Returns what was given up on, each as
+        "adapter 'name' (version 0123456789ab) (running)"; [] when nothing was."""
+        if self._reader is None:
+            return []
+        self.stop_loads()
+        wait(self._reader.pending(), timeout=timeout)
+        return self._reader.give_up(lambda what: RuntimeError(f"the adapter pool was closed before the read of {what} ended"))
 
     # ---- internals ----------------------------------------------------------------------
     def _counters(self, ref: AdapterRef) -> AdapterCounters:
@@ -478,16 +496,16 @@ class AdapterPool:
     def _start_loads(self) -> None:
         while self._load_queue and self._make_host_room(evict_drained=True):
             ref = self._load_queue.popleft()
-            if self._executor is None:
+            if self._reader is None:
                 future: Future = Future()
                 try:
                     future.set_result(self._timed_load(ref))
                 except Exception as err:  # recorded and reported to the requests bound to ref
                     future.set_exception(err)
             else:
-                future = self._executor.submit(self._timed_load, ref)
+                future = self._reader.submit(f"adapter {ref.name!r} (version {ref.version[:12]})", self._timed_load, ref)
             self._loading[ref] = _Load(future)
-            if self._executor is None:
+            if self._reader is None:
                 self._finish_load(ref, self._loading[ref])
 
     def _timed_load(self, ref: AdapterRef) -> tuple[Any, float]:
