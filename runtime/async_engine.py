@@ -316,6 +316,8 @@ class AsyncLLMEngine:
         # The engine lock can be held for a whole step, so the event loop never takes it:
         # admissions and aborts run in these helper threads (one OpenMP team: see torch_threads).
         self._submit = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorafleet-submit", initializer=single_threaded_torch)
+        self._helper_tasks: set["Future[Any]"] = set()  # _submit's tasks not finished yet (shutdown waits for them until its deadline)
+        self._helper_tasks_lock = threading.Lock()
         # Requests waiting to be admitted: whoever holds the lock next (a helper or the step thread)
         # admits all of them, so a burst is in the next step, not 4 per step (one per helper).
         self._admissions: deque[tuple[_Admission, ...]] = deque()  # one item per group (a lone request: a group of one)
@@ -409,7 +411,11 @@ class AsyncLLMEngine:
         ``step_abandoned`` is True then, and ``abandoned_holder`` names what held the lock. Only the
         very hold seen as the wait ended is given up on: one let go of just then is not stuck, and
         the shutdown goes on as usual (a waiter the lock was handed to gets ``SHUTDOWN_POLL_S``
-        more, then is given up on the same way). Adapter file reads still queued or running
+        more, then is given up on the same way). Once the rest are failed, the step thread and the
+        helper threads' tasks (admissions, aborts, adapter installs: each only waits for the lock or
+        holds it briefly) are waited for until the same deadline; one still going then waits
+        behind a holder that took the lock after the requests were failed and did not let go (a
+        hung snapshot), which is given up on the same way. Adapter file reads still queued or running
         (``load_adapter_files``, ``register_adapter``) are waited for until the same deadline, as is
         the adapter pool's disk read still running (a request's adapter that had left the host
         tier; those queued behind it are cancelled: their requests have ended); a read cannot be
@@ -507,14 +513,59 @@ class AsyncLLMEngine:
             self._wake.notify_all()
         finally:
             self._lock.release()
-        if self._thread is not None:
-            self._thread.join(timeout=max(1.0, drain_s))
+        with self._helper_tasks_lock:
+            self._submit.shutdown(wait=False)  # no new helper tasks: _off_loop runs them in its caller's thread from now on
+        if not self._wait_for_lock_users(started):
+            return  # what held the engine lock was given up on: the engine is not closed
         self._files.shutdown()
         self._wait_for_file_reads(started, adapter_loads)
-        self._submit.shutdown(wait=True)
         self.engine.close(timeout=max(0.0, self._grace_ends() - time.monotonic()))  # gives up on a pool read still going (a WARNING)
         if self.dead_error is None:
             self.dead_error = "engine was shut down"
+
+    def _lock_users(self) -> list[Any]:
+        """The step thread, while it runs, and the helper tasks not finished (``_off_loop``)."""
+        with self._helper_tasks_lock:
+            users: list[Any] = [task for task in self._helper_tasks if not task.done()]
+        if self._thread.is_alive():
+            users.append(self._thread)
+        return users
+
+    def _wait_for_lock_users(self, started: float) -> bool:
+        """After the requests were failed: wait for the step thread to end and the helper tasks
+        (admissions, aborts, adapter installs) to finish until the lock's holder would be given up
+        on (``_grace_ends``, looked at again every ``SHUTDOWN_POLL_S``). True once they have.
+
+        Each of them only waits for the engine lock or holds it for a moment, so one still going
+        then waits behind (or is) a holder that took the lock after the requests were failed and
+        did not let go (a hung snapshot): that holder is given up on as in ``shutdown`` (False;
+        ``step_abandoned``). A lock shutdown can take within ``SHUTDOWN_POLL_S`` is not stuck:
+        everyone queued for it before has had a turn, and the wait goes on."""
+        while True:
+            users = self._lock_users()
+            if not users:
+                return True
+            left = self._grace_ends() - time.monotonic()
+            if left > 0:
+                self._wait_for(users, min(left, SHUTDOWN_POLL_S))
+                continue
+            poll_ends = time.monotonic() + SHUTDOWN_POLL_S
+            taken, holding = self._acquire_before(lambda: poll_ends)
+            if taken:
+                self._lock.release()
+                self._wait_for(self._lock_users(), SHUTDOWN_POLL_S)
+                continue
+            self._abandon_holder(started, holding)
+            if self.step_abandoned:
+                return False
+
+    def _wait_for(self, users: list[Any], timeout: float) -> None:
+        """Wait up to ``timeout`` s for the step thread to end if it is among ``users``, else for
+        one of the helper tasks among them to finish."""
+        if self._thread in users:
+            self._thread.join(timeout)
+        elif users:
+            wait(users, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def _wait_for_file_reads(self, started: float, adapter_loads: Sequence["Future[Any]"] = ()) -> None:
         """Wait for the adapter file reads queued or running (``_read_adapter_files``), and for the
@@ -741,7 +792,9 @@ class AsyncLLMEngine:
     def _off_loop(self, fn: Any, *args: Any) -> "Future[Any]":
         """Run ``fn`` in a submit thread; inline once the engine is shut down (no step holds the lock then)."""
         try:
-            return self._submit.submit(fn, *args)
+            with self._helper_tasks_lock:  # against shutdown's _submit.shutdown: a task it lets in is one it waits for
+                task = self._submit.submit(fn, *args)
+                self._helper_tasks.add(task)
         except RuntimeError:  # the executor is shut down
             done: "Future[Any]" = Future()
             try:
@@ -749,6 +802,12 @@ class AsyncLLMEngine:
             except BaseException as err:  # noqa: BLE001 - handed to the awaiting caller
                 done.set_exception(err)
             return done
+        task.add_done_callback(self._helper_task_done)  # at once if it is done already
+        return task
+
+    def _helper_task_done(self, task: "Future[Any]") -> None:
+        with self._helper_tasks_lock:
+            self._helper_tasks.discard(task)
 
     def _abort_and_forget(self, request_id: str) -> None:
         """Abort for a consumer that has gone, and drop its pending outputs (left waiting, they

@@ -357,6 +357,80 @@ def test_shutdown_does_not_wait_past_its_deadline_for_a_stuck_adapter_pool_read(
         shutdown.join(30)
 
 
+class _SnapshotHungAfterFailAll(LLMEngine):
+    """Shutdown's ``fail_all`` waits for ``proceed`` (``failing``: it began); a snapshot taken once
+    it began hangs until ``snapshot_gate`` (a hung device), ``snapshotting``: it did."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.failing, self.proceed = threading.Event(), threading.Event()
+        self.snapshotting, self.snapshot_gate = threading.Event(), threading.Event()
+        super().__init__(config)
+
+    def fail_all(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.failing.set()
+        self.proceed.wait(30)
+        return super().fail_all(*args, **kwargs)
+
+    def snapshot(self):  # type: ignore[no-untyped-def]
+        if self.failing.is_set():
+            self.snapshotting.set()
+            self.snapshot_gate.wait(60)
+        return super().snapshot()
+
+
+def test_shutdown_gives_up_on_a_lock_holder_that_took_the_lock_after_the_requests_were_failed(tiny_llama_dir: Path, caplog) -> None:
+    """After failing the requests, shutdown joined the step thread for max(1, drain) s, not until
+    its own deadline (nor a later call's), then waited for the helper threads' tasks without any
+    bound (``_submit.shutdown(wait=True)``): a snapshot that took the engine lock just after the
+    requests were failed and hung (a hung device) held the step thread and an abort queued behind
+    it, so shutdown, even a second call with no time at all, waited for it (here: 600 s). Now both
+    are waited for until the deadline of the calls under way; then the holder is given up on, as
+    one found holding the lock when the grace ends: an ERROR names it, those waiting behind it get
+    an EngineDeadError, and the engine is not closed."""
+    import logging
+
+    inner = _SnapshotHungAfterFailAll(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+
+    def queued_for_the_lock(count: int) -> bool:
+        for _ in range(3000):
+            with engine._lock._mutex:
+                if len(engine._lock._waiters) >= count:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    first = threading.Thread(target=engine.shutdown, args=(600.0, 600.0), daemon=True)
+    snapshot = threading.Thread(target=engine.snapshot, daemon=True)
+    second = threading.Thread(target=engine.shutdown, args=(0.0, 0.0), daemon=True)
+    try:
+        with caplog.at_level(logging.ERROR, logger="runtime.async_engine"):
+            first.start()
+            assert inner.failing.wait(30)  # shutdown holds the lock to fail the requests
+            snapshot.start()
+            assert queued_for_the_lock(1)
+            abort = engine._off_loop(engine.abort, "no-such-request")  # a helper task, queued behind the snapshot
+            assert queued_for_the_lock(2)
+            inner.proceed.set()
+            assert inner.snapshotting.wait(30)  # the snapshot took the lock after the requests were failed, and hangs
+            second.start()
+            second.join(30)
+            first.join(30)
+            assert not second.is_alive() and not first.is_alive(), "shutdown waited for the hung snapshot"
+        assert engine.step_abandoned and engine.abandoned_holder == "a snapshot"
+        assert any("a snapshot still held the engine lock" in r.getMessage() for r in caplog.records), caplog.records
+        with pytest.raises(EngineDeadError):
+            abort.result(30)
+        engine._thread.join(30)
+        assert not engine.running
+        assert inner.runner.model is not None  # not closed: the snapshot may still use it
+    finally:
+        inner.proceed.set()
+        inner.snapshot_gate.set()
+        for thread in (first, snapshot, second):
+            thread.join(30)
+
+
 STUCK_READ_SCRIPT = """
 import asyncio, sys, threading
 from concurrent.futures import ThreadPoolExecutor
