@@ -1027,6 +1027,31 @@ def test_ray_sigterm_during_start_up_stops_once_deployed(tiny_llama_dir: Path, t
     assert signal.getsignal(signal.SIGTERM) is sigterm_guard  # the launcher's handlers are gone again
 
 
+def test_ray_stop_that_fails_is_one_line_and_the_teardown_still_runs(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch, sigterm_guard) -> None:
+    """Deleting the app failed (the Serve controller already gone, e.g. after a SIGTERM to the whole
+    process group): the exception escaped run_ray's finally as a traceback, skipping ray.shutdown
+    and the restore of the signal handlers. Now it is one line on stderr and both still run."""
+    import os
+    import signal
+
+    from runtime.distributed import application
+    from runtime.distributed.launcher import run_ray
+
+    fake = FakeRay(monkeypatch, deploy=lambda cfg: os.kill(os.getpid(), signal.SIGTERM))
+
+    def stop(cfg: Any) -> None:
+        fake.calls.append("stop")
+        raise RuntimeError("Failed to connect to the Serve controller\n(more lines)")
+
+    monkeypatch.setattr(application, "stop", stop)
+    assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
+    assert fake.calls == ["init", "deploy", "stop", "shutdown"]
+    err = capsys.readouterr().err
+    assert "deleting the Serve app and its registry actor failed (RuntimeError: Failed to connect to the Serve controller)" in err, err
+    assert "Traceback" not in err and "(more lines)" not in err
+    assert signal.getsignal(signal.SIGTERM) is sigterm_guard
+
+
 def test_ray_second_signal_during_start_up_interrupts_the_deployment(tiny_llama_dir: Path, tmp_path: Path, monkeypatch, sigterm_guard) -> None:
     import os
     import signal

@@ -207,8 +207,24 @@ def run_ray(settings: Any) -> int:
         return 0
     finally:
         signals.starting = False
-        if deployed:
-            stop(cfg)
-        if started_here:
-            ray.shutdown()
-        signals.restore()
+        try:
+            if deployed:
+                _stop_reporting_failure(stop, cfg)
+            if started_here:
+                ray.shutdown()
+        finally:
+            signals.restore()
+
+
+def _stop_reporting_failure(stop: Any, cfg: Any) -> None:
+    """``stop(cfg)`` (delete the Serve app and the registry actor); a failure there (the Serve
+    controller already gone, e.g. after a SIGTERM to the whole process group) is one line on
+    stderr, not a traceback that would also skip ``ray.shutdown`` and the signal handlers' restore."""
+    from runtime.distributed.ray_failure import ray_failure
+
+    try:
+        stop(cfg)
+    except Exception as err:  # noqa: BLE001 - reported, and the rest of the teardown still runs
+        print(f"lorafleet serve: deleting the Serve app and its registry actor failed ({ray_failure(err)}); "
+              "on a cluster joined with --ray-address they may be left running (docs/scale-out.md says how to remove them)",
+              file=sys.stderr, flush=True)
