@@ -452,10 +452,8 @@ class Tokenizer:
         from tokenizers import AddedToken
 
         added = {token.content for token in self._tok.get_added_tokens_decoder().values()}
-        for text, flags in special_token_values(cfg):
-            if text not in added:
-                self._tok.add_tokens([AddedToken(text, **flags)])
-                added.add(text)
+        # One call, as there: a token listed twice keeps its first id and takes its last flags.
+        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in special_token_values(cfg) if text not in added])
 
 
 def _generation_block() -> Any:

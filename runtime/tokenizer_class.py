@@ -25,9 +25,10 @@ configs name (``special_token_values``: the named ones, model-specific ``*_token
 ``image_token``, ``extra_special_tokens`` / ``additional_special_tokens``) that tokenizer.json does
 not list among its added tokens becomes an added token (a new id when the vocabulary lacks it),
 except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
-stop would then hold an id the model does not have. Not reproduced: transformers also passes the
-model-specific tokens to a chat template as variables (lorafleet passes the named ones); and a
-token listed twice, as a string and as an object with other flags, keeps the first one's flags.
+stop would then hold an id the model does not have. A token listed twice (as a string and as an
+object with other flags) gets its first listing's id and its last listing's flags, as in
+transformers. Not reproduced: transformers also passes the model-specific tokens to a chat
+template as variables (lorafleet passes the named ones).
 CodeLlamaTokenizer's defaults include its infilling tokens (``prefix_token`` ``▁<PRE>``, ...,
 ``fill_token`` ``<FILL_ME>``: model-specific tokens, so a string the config gives is one too;
 null: none), which are its extra special tokens as well (``with_class_defaults``).
@@ -162,8 +163,11 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
     ending in ``_token`` whose value is a token, then ``model_specific_special_tokens``, which wins
     for a key in both), then the ``extra_special_tokens`` list. A token is a string or an
     ``{"__type": "AddedToken", "content": ...}`` object (whose flags count; a named or model-specific
-    one is special whatever its ``special`` says, an extra one only when it says so); the named ones
-    may also be plain ``{"content": ...}`` objects."""
+    one is special whatever its ``special`` says, an extra one only when it says so, or when it is
+    also a named or model-specific one); the named ones may also be plain ``{"content": ...}``
+    objects. A token listed again with other flags is listed again (an equal listing is not):
+    transformers hands them all to ``add_tokens`` in one call, which keeps the first one's id and
+    the last one's flags, and skips it in decoding when any listing was special."""
     def is_token(value: Any) -> bool:
         return isinstance(value, str) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
 
@@ -181,7 +185,14 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
     entries = [entry(tokenizer_config.get(name), True) for name in SPECIAL_TOKEN_NAMES]
     entries += [entry(value, True) for value in specific.values() if is_token(value)]
     entries += [entry(value, False) for value in (extra if isinstance(extra, list) else []) if is_token(value)]
-    return [e for e in entries if e is not None]
+    named = {e[0] for e in entries[:len(SPECIAL_TOKEN_NAMES) + len(specific)] if e is not None}
+    listed: list[tuple[str, dict[str, Any]]] = []
+    for e in entries:
+        if e is not None:
+            e = (e[0], {**e[1], "special": True}) if e[0] in named else e
+            if e not in listed:  # transformers skips only a listing equal in content and flags
+                listed.append(e)
+    return listed
 
 
 

@@ -177,6 +177,33 @@ def test_extra_and_model_specific_special_tokens_as_transformers_adds_them(tmp_p
         assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
 
 
+def flagged(content: str, **flags) -> dict:
+    return {**added_token(content), **flags}
+
+
+@pytest.mark.parametrize("tokenizer_config", [
+    {"pad_token": "<x>", "extra_special_tokens": [flagged("<x>", lstrip=True, rstrip=True)]},
+    {"pad_token": flagged("<x>", lstrip=True), "extra_special_tokens": ["<x>"]},
+    {"pad_token": flagged("<x>", lstrip=True), "image_token": flagged("<x>", rstrip=True)},
+    {"image_token": "<x>", "extra_special_tokens": [flagged("<x>", rstrip=True, special=False)]},  # still special: it is named
+    {"extra_special_tokens": ["<y>", "<x>", flagged("<y>", lstrip=True, special=False), flagged("<x>", rstrip=True)]},
+])
+def test_a_special_token_listed_twice_takes_its_last_flags_as_in_transformers(tmp_path, tokenizer_config):
+    """transformers adds a token listed twice with the flags of its last listing (and its first id);
+    lorafleet kept the first: ``a <x> b`` lost or kept the spaces around ``<x>`` otherwise, and decoding
+    kept a token transformers skips (listed special once)."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "none")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", **tokenizer_config}))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert {i: repr(t) for i, t in ours._tok.get_added_tokens_decoder().items()} == {i: repr(t) for i, t in ref.added_tokens_decoder.items()}
+    for text in ["a <x> b", "a <y> b <x>"]:
+        ids = ref(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
+
+
 @pytest.mark.parametrize("fill_token", ["<FILL_ME>", "<FILL>", None, "absent"])
 def test_code_llama_infilling_prompts_are_refused_not_encoded_otherwise(tmp_path, fill_token):
     """transformers' CodeLlamaTokenizer encodes a text holding its fill token (``<FILL_ME>``, whatever
