@@ -114,7 +114,8 @@ def with_special_tokens_map(tokenizer_config: Mapping[str, Any], special_tokens_
     that is empty; model-specific tokens given as strings (any key ending in ``_token`` but the
     named ones, e.g. ``"image_token": "<img>"``) and an ``extra_special_tokens`` object move to
     ``model_specific_special_tokens``; then, without ``added_tokens_decoder`` only, each entry of the
-    map replaces the config's (an object as a special token; an ``extra_special_tokens`` list adds to
+    map replaces the config's (an object as a special ``AddedToken``, as transformers reads it: a
+    model-specific or extra one counts too; an ``extra_special_tokens`` list adds to
     the config's), and ``additional_special_tokens`` becomes ``extra_special_tokens`` when there is
     no such key."""
     cfg = dict(tokenizer_config)
@@ -126,11 +127,11 @@ def with_special_tokens_map(tokenizer_config: Mapping[str, Any], special_tokens_
     if "added_tokens_decoder" not in cfg:
         for key, value in special_tokens_map.items():
             if isinstance(value, dict) and key != "extra_special_tokens":
-                value = {**value, "special": True}
+                value = {**value, "__type": "AddedToken", "special": True}  # transformers makes it an AddedToken
             elif key == "extra_special_tokens" and isinstance(value, list):
                 merged = list(cfg.get("extra_special_tokens") or [])
                 for token in value:
-                    token = {**token, "special": True} if isinstance(token, dict) else token
+                    token = {**token, "__type": "AddedToken", "special": True} if isinstance(token, dict) else token
                     if token not in merged:
                         merged.append(token)
                 value = merged

@@ -153,6 +153,7 @@ def added_token(content: str) -> dict:
     ({"extra_special_tokens": {"image_token": "<img>"}}, None),
     ({}, {"additional_special_tokens": ["<x>"], "image_token": "<img>"}),  # special_tokens_map.json's count too
     ({"image_token": "<y>"}, {"image_token": "<img>", "extra_special_tokens": ["<x>"]}),  # the config's string wins
+    ({}, {"video_token": {"content": "<img>"}, "extra_special_tokens": [{"content": "<x>", "lstrip": True}]}),  # the map's objects: tokens too
     ({"added_tokens_decoder": {}}, {"additional_special_tokens": ["<x>"]}),  # with added_tokens_decoder the map is not read
 ])
 def test_extra_and_model_specific_special_tokens_as_transformers_adds_them(tmp_path, tokenizer_config, special_tokens_map):
