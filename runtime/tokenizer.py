@@ -39,10 +39,14 @@ like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continu
 ``{% generation %}...{% endgeneration %}`` rendered as its body, a
 ``tojson`` filter that keeps key order and does not HTML-escape, ``strftime_now``,
 ``raise_exception``, and transformers' ``dict`` (a call or ``dict.fromkeys`` only) and
-``namespace`` (no attribute named ``_...``) in place of jinja's; the named special tokens that are set, ``bos_token`` to ``mask_token``, as variables;
+``namespace`` (no attribute named ``_...``) in place of jinja's; the special tokens as variables, as
+transformers' ``special_tokens_map`` holds them: the named ones that are set (``bos_token`` to
+``mask_token``) and the model-specific ones (``image_token``, CodeLlama's ``prefix_token``, ...:
+``runtime.tokenizer_class.template_tokens``);
 ``tools`` and ``documents`` as None, since chat takes neither), so a template renders the same prompt text as under transformers;
 ``continue_final_message`` ends the text inside the last message as transformers does, and
-``template_kwargs`` adds variables (not over these). Unlike transformers, a render is bounded:
+``template_kwargs`` adds variables, and overrides the special tokens' as transformers' kwargs do
+(not the others). Unlike transformers, a render is bounded:
 one ``*`` may repeat a string, list or tuple into at most ``MAX_TEMPLATE_REPETITION`` items, and
 the rendered text may have at most ``MAX_RENDERED_CHARS`` characters, and the render may take
 at most ``MAX_TEMPLATE_STEPS`` steps (loop items, range items, calls) and ``MAX_RENDER_SECONDS``
@@ -71,6 +75,7 @@ from runtime.tokenizer_class import (
     auto_tokenizer_class,
     infilling_token,
     special_token_values,
+    template_tokens,
     with_class_defaults,
     with_special_tokens_map,
 )
@@ -97,13 +102,13 @@ REPLACEMENT_CHAR = "\ufffd"
 CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
 # The variables a render sets -> what to; ``template_kwargs`` may not set them (nor the template
 # environment's functions: jinja's ``range``, ``namespace``, ..., and ``TEMPLATE_FUNCTIONS``).
+# The special tokens are not among them: as in transformers, ``template_kwargs`` overrides them.
 RENDER_VARIABLES = MappingProxyType({
     "messages": "the request's messages",
     "add_generation_prompt": "the request's add_generation_prompt field",
     "continue_final_message": "the request's continue_final_message field (not a template variable; transformers reads it)",
     "tools": "none (lorafleet has no tool calling)",
     "documents": "none (lorafleet takes no documents)",
-    **{name: "the tokenizer's special token" for name in SPECIAL_TOKEN_NAMES},
     "self": "jinja's reference to the template (the render's own argument)",
 })
 TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")  # transformers' globals, which lorafleet's templates get too
@@ -202,8 +207,8 @@ class Tokenizer:
                 token_file[name] = (f"{root / 'tokenizer_config.json'} (no {name}: {self.tokenizer_class}'s default, as "
                                     "transformers' AutoTokenizer loads it; name one, or null for none)")
         cfg = with_class_defaults(self.tokenizer_class, cfg)
-        # The named special tokens that are set, as transformers passes them to a chat template.
-        self._template_tokens = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(cfg.get(name))) is not None}
+        # The special tokens transformers passes to a chat template: the named ones that are set, and the model-specific ones.
+        self._template_tokens = template_tokens(self.tokenizer_class, cfg)
         self.bos_token = self._template_tokens.get("bos_token")
         self.eos_token = self._template_tokens.get("eos_token")
         # The ids of the tokenizer's own bos and eos, None when its files name none: transformers never
@@ -358,8 +363,10 @@ class Tokenizer:
 
         ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g.
         ``enable_thinking``), as transformers passes its extra keyword arguments; one that the
-        template does not read changes nothing. A name the render sets itself (``RENDER_VARIABLES``)
-        or a function of the template's environment is refused (TokenizerError), never overridden.
+        template does not read changes nothing. A special token's variable (``bos_token``,
+        ``image_token``, ...) is overridden, as transformers' ``{**special_tokens_map, **kwargs}``
+        does; a name the render sets otherwise (``RENDER_VARIABLES``) or a function of the
+        template's environment is refused (TokenizerError), never overridden.
 
         ``continue_final_message``: the text ends inside the last message, right after its content
         (no end-of-turn after it), so a model continues that message; not with
@@ -422,8 +429,7 @@ class Tokenizer:
                 tools=None,  # transformers passes both, None without tools or documents; a template may test ``is none``
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self._template_tokens,
-                **extra,
+                **{**self._template_tokens, **extra},  # transformers' {**special_tokens_map, **kwargs}
             )
             return _joined_within(pieces, MAX_RENDERED_CHARS)
         except TokenizerError:  # the template's raise_exception, ChatTemplateTooLarge
@@ -614,12 +620,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return data
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 def _eos_ids(value: Any, path: Path) -> list[int]:

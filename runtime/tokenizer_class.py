@@ -27,8 +27,8 @@ not list among its added tokens becomes an added token (a new id when the vocabu
 except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
 stop would then hold an id the model does not have. A token listed twice (as a string and as an
 object with other flags) gets its first listing's id and its last listing's flags, as in
-transformers. Not reproduced: transformers also passes the model-specific tokens to a chat
-template as variables (lorafleet passes the named ones).
+transformers. ``template_tokens``: those a chat template sees as variables (the named and the
+model-specific ones, as transformers' ``special_tokens_map``).
 CodeLlamaTokenizer's defaults include its infilling tokens (``prefix_token`` ``▁<PRE>``, ...,
 ``fill_token`` ``<FILL_ME>``: model-specific tokens, so a string the config gives is one too;
 null: none), which are its extra special tokens as well (``with_class_defaults``).
@@ -157,6 +157,40 @@ def with_class_defaults(tokenizer_class: str, tokenizer_config: Mapping[str, Any
     return cfg
 
 
+def _is_token(value: Any) -> bool:
+    """A string, or a token object as transformers reads one (``{"__type": "AddedToken", ...}``)."""
+    return isinstance(value, str) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
+
+
+def _model_specific_tokens(tokenizer_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The model-specific special tokens of ``tokenizer_config`` (as ``with_special_tokens_map`` returns
+    it): every key ending in ``_token`` but the named ones whose value is a token, then
+    ``model_specific_special_tokens``, which wins for a key in both (transformers' auto-detected
+    and explicit ones, ``{**auto, **explicit}``)."""
+    specific = {key: value for key, value in tokenizer_config.items() if key.endswith("_token") and key not in SPECIAL_TOKEN_NAMES and _is_token(value)}
+    specific.update(tokenizer_config.get("model_specific_special_tokens") or {})
+    return {key: value for key, value in specific.items() if _is_token(value)}
+
+
+def template_tokens(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The special tokens transformers 5 passes to a chat template as variables, name -> text: its
+    ``special_tokens_map``, the named ones that are set and the model-specific ones
+    (``_model_specific_tokens``: ``image_token``, CodeLlamaTokenizer's ``prefix_token``, ..., and
+    the keys of an ``extra_special_tokens`` object), not the ``extra_special_tokens`` list.
+    ``tokenizer_config`` as ``with_class_defaults`` returns it. CodeLlamaTokenizer sets its
+    ``fill_token`` after the others, from its own argument: the config's string has gone to the
+    model-specific tokens, so the template sees ``<FILL_ME>`` (``infilling_token``; none when null)."""
+    def text(value: Any) -> str | None:
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else None
+
+    tokens = {name: text(tokenizer_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    tokens.update({name: text(value) for name, value in _model_specific_tokens(tokenizer_config).items()})
+    if tokenizer_class == "CodeLlamaTokenizer":
+        tokens["fill_token"] = infilling_token(tokenizer_class, tokenizer_config)
+    return {name: value for name, value in tokens.items() if value is not None}
+
+
 def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The special tokens transformers 5 makes of ``tokenizer_config`` (as ``with_special_tokens_map``
     returns it; ``SpecialTokensMixin.__init__``), in its order, each as ``(content, AddedToken
@@ -169,9 +203,6 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
     objects. A token listed again with other flags is listed again (an equal listing is not):
     transformers hands them all to ``add_tokens`` in one call, which keeps the first one's id and
     the last one's flags, and skips it in decoding when any listing was special."""
-    def is_token(value: Any) -> bool:
-        return isinstance(value, str) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
-
     def entry(value: Any, special: bool) -> tuple[str, dict[str, Any]] | None:
         if isinstance(value, str):
             return value, {"special": True}
@@ -180,12 +211,11 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
             return value["content"], {**flags, "special": True} if special else {"special": False, **flags}
         return None
 
-    specific = {key: value for key, value in tokenizer_config.items() if key.endswith("_token") and key not in SPECIAL_TOKEN_NAMES and is_token(value)}
-    specific.update(tokenizer_config.get("model_specific_special_tokens") or {})
+    specific = _model_specific_tokens(tokenizer_config)
     extra = tokenizer_config.get("extra_special_tokens")
     entries = [entry(tokenizer_config.get(name), True) for name in SPECIAL_TOKEN_NAMES]
-    entries += [entry(value, True) for value in specific.values() if is_token(value)]
-    entries += [entry(value, False) for value in (extra if isinstance(extra, list) else []) if is_token(value)]
+    entries += [entry(value, True) for value in specific.values()]
+    entries += [entry(value, False) for value in (extra if isinstance(extra, list) else []) if _is_token(value)]
     named = {e[0] for e in entries[:len(SPECIAL_TOKEN_NAMES) + len(specific)] if e is not None}
     listed: list[tuple[str, dict[str, Any]]] = []
     for e in entries:

@@ -514,7 +514,8 @@ def test_continue_final_message_with_a_template_that_never_names_content(model_c
 
 def test_template_kwargs_render_as_transformers_extra_arguments(model_copy):
     """vLLM's chat_template_kwargs: more variables for the template, as transformers' apply_chat_template
-    passes its extra keyword arguments; names the render sets itself are refused, not overridden."""
+    passes its extra keyword arguments, over the special tokens too; the other names the render sets
+    itself are refused, not overridden."""
     from transformers import AutoTokenizer
 
     _set_config(model_copy, chat_template="{% if enable_thinking is false %}<no_think>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -524,7 +525,10 @@ def test_template_kwargs_render_as_transformers_extra_arguments(model_copy):
     ours = Tokenizer(model_copy).apply_chat_template(messages, template_kwargs=kwargs)
     assert ours == AutoTokenizer.from_pretrained(str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     assert ours == "<no_think>hi[Ada|terse,exact]</s>"
-    for key in ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents", "eos_token", "mask_token",
+    overridden = {**kwargs, "eos_token": "[E]", "mask_token": "[M]"}  # lorafleet refused these, transformers overrides them
+    assert Tokenizer(model_copy).apply_chat_template(messages, template_kwargs=overridden) == AutoTokenizer.from_pretrained(
+        str(model_copy)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **overridden) == "<no_think>hi[Ada|terse,exact][E]"
+    for key in ("messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
                 "raise_exception", "strftime_now", "namespace", "range", "self"):  # self: was "failed on these inputs with TypeError"
         with pytest.raises(TokenizerError, match=f"^chat_template_kwargs: '{key}' cannot be set: lorafleet sets it to "):
             Tokenizer(model_copy).apply_chat_template(messages, template_kwargs={key: 1})

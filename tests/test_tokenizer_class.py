@@ -205,6 +205,40 @@ def test_a_special_token_listed_twice_takes_its_last_flags_as_in_transformers(tm
         assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
 
 
+TOKEN_VARIABLES = ["bos_token", "unk_token", "pad_token", "image_token", "image_id_token", "video_token", "audio_token", "prefix_token",
+                   "eot_token", "fill_token"]
+TOKEN_TEMPLATE = "".join(f"{{{{ {name} | default('-') }}}}|" for name in TOKEN_VARIABLES) + "{{ messages[0]['content'] }}"
+
+
+@pytest.mark.parametrize("tokenizer_config, special_tokens_map", [
+    ({"image_token": "<img>", "image_id_token": added_token("<x>"), "extra_special_tokens": ["<y>"]}, None),
+    ({"extra_special_tokens": {"image_token": "<img>", "audio_token": "<x>"}}, None),
+    ({"image_token": None}, {"image_token": "<img>", "video_token": {"content": "<v>"}}),  # the map's object is a token too
+    ({"tokenizer_class": "CodeLlamaTokenizerFast"}, None),  # its infilling tokens: ▁<PRE>, ..., <FILL_ME>
+    ({"tokenizer_class": "CodeLlamaTokenizerFast", "prefix_token": "<P>", "fill_token": "<F>", "eot_token": None}, None),  # fill_token stays <FILL_ME>
+    ({"tokenizer_class": "CodeLlamaTokenizerFast", "prefix_token": added_token("<P>"), "fill_token": None}, None),
+])
+def test_a_chat_template_sees_the_model_specific_special_tokens_as_in_transformers(tmp_path, tokenizer_config, special_tokens_map):
+    """transformers passes its whole ``special_tokens_map`` to a chat template, the model-specific
+    tokens (``image_token``, CodeLlama's ``prefix_token``, ...) too, and lets the template's kwargs
+    override any of them; lorafleet passed the named ones only (``image_token`` was undefined) and
+    refused ``bos_token`` among chat_template_kwargs."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "none")
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TOKEN_TEMPLATE, **tokenizer_config}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if special_tokens_map is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs in ({}, {"bos_token": "[B]", "image_token": "[I]", "fill_token": "[F]", "sep_token": "[S]"}):
+        rendered = ours.apply_chat_template(messages, template_kwargs=kwargs)
+        assert rendered == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs), kwargs
+    assert ours.vocab_size == len(ref)
+    assert ours.encode("a<v>b<x>") == ref("a<v>b<x>")["input_ids"]
+
+
 @pytest.mark.parametrize("fill_token", ["<FILL_ME>", "<FILL>", None, "absent"])
 def test_code_llama_infilling_prompts_are_refused_not_encoded_otherwise(tmp_path, fill_token):
     """transformers' CodeLlamaTokenizer encodes a text holding its fill token (``<FILL_ME>``, whatever

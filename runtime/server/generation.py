@@ -90,7 +90,7 @@ def render_chat(tokenizer: Any, request: Any) -> str:
     ``add_generation_prompt`` false (vLLM's rule), else a 400 on it; it continues the last message
     whatever its role (as vLLM and transformers do); a template that does not write that message's
     content as given is a 400 on it too. A ``chat_template_kwargs`` key the render sets itself is a
-    400 on that field.
+    400 on that field (a special token's overrides it, as in transformers).
     A refusal by the template (its ``raise_exception``, a sandbox violation) is a 400 on
     ``messages`` whose text starts with the field's name, as every field's error does. So is a
     Python error the template's code raises on the request's values (ChatTemplateError: e.g. a

@@ -294,8 +294,9 @@ class _ChatTemplateFields(BaseModel):
                                                "holds the continuation only. Needs add_generation_prompt: false.")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="vLLM's extension: more variables for the chat template "
                                                             "(e.g. {\"enable_thinking\": false}); one the template does not read changes "
-                                                            "nothing. Names the server sets (messages, add_generation_prompt, the special "
-                                                            "tokens, tools, documents, the template's functions) are a 400.")
+                                                            "nothing. A special token's name (bos_token, ...) overrides it, as in transformers; "
+                                                            "other names the server sets (messages, add_generation_prompt, tools, "
+                                                            "documents, the template's functions) are a 400.")
 
     @field_validator("chat_template_kwargs")
     @classmethod
