@@ -76,6 +76,7 @@ from runtime.tokenizer_class import (
     infilling_token,
     special_token_values,
     template_tokens,
+    unreproduced_class,
     with_class_defaults,
     with_special_tokens_map,
 )
@@ -196,7 +197,14 @@ class Tokenizer:
         token_file.update({name: root / "special_tokens_map.json" for name in SPECIAL_TOKEN_NAMES if name in token_map})
         # The class transformers' AutoTokenizer loads; a class that builds its own normaliser, pre-tokenizer,
         # decoder and BPE options gets them here too, in place of tokenizer.json's (runtime.tokenizer_pipeline).
-        self.tokenizer_class = auto_tokenizer_class(cfg, _read_json(root / "config.json"), byte_level='"ByteLevel"' in json_text)
+        model_cfg = _read_json(root / "config.json")
+        self.tokenizer_class = auto_tokenizer_class(cfg, model_cfg, byte_level='"ByteLevel"' in json_text)
+        refused = unreproduced_class(self.tokenizer_class)
+        if refused is not None:
+            named = root / ("tokenizer_config.json" if cfg.get("tokenizer_class") else "config.json")
+            raise TokenizerError(f"{named}: tokenizer_class {cfg.get('tokenizer_class') or model_cfg.get('tokenizer_class')!r}: {refused}, "
+                                 "whose prompt ids differ from tokenizer.json's; name the class that fits the file "
+                                 "(PreTrainedTokenizerFast, or none, to follow tokenizer.json)")
         try:
             rebuild_pipeline(self._tok, self.tokenizer_class, cfg, str(path))
         except PipelineError as err:

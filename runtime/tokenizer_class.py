@@ -45,13 +45,16 @@ the model types lorafleet serves: ``qwen2`` always loads ``Qwen2Tokenizer`` and 
 config.json's, with ``Fast`` taken off, as transformers looks it up; none named (or
 ``PreTrainedTokenizerFast``) is ``TokenizersBackend``, and so is ``LlamaTokenizer`` over a tokenizer.json whose text names
 ``"ByteLevel"`` (transformers' ``_tokenizer_json_has_byte_level``: Llama-3-style checkpoints that
-name LlamaTokenizer). Any other name is returned as named: where transformers loads
-``TokenizersBackend`` instead (a name it does not know) the tokens are the same, since such a name
-is neither in ``REBUILT_POST_PROCESSORS`` nor in ``runtime.tokenizer_pipeline``'s
-``REBUILT_PIPELINES``: it keeps tokenizer.json's steps and post-processor. Not reproduced:
-transformers' encoder and seq2seq classes (``BertTokenizer``, ``T5Tokenizer``, ...), which add
-special tokens of their own (decoder-only checkpoints do not name them), and ``auto_map`` (remote
-code, which lorafleet never runs).
+name LlamaTokenizer), and a name in ``CLASS_ALIASES`` is the class transformers loads for it
+(``Phi3Tokenizer``: ``LlamaTokenizer``). Any other name is returned as named: where transformers
+loads ``TokenizersBackend`` instead (a name it does not know) the tokens are the same, since such a
+name is neither in ``REBUILT_POST_PROCESSORS`` nor in ``runtime.tokenizer_pipeline``'s
+``REBUILT_PIPELINES``: it keeps tokenizer.json's steps and post-processor. Not reproduced, and
+refused when the tokenizer loads (``unreproduced_class``): the other classes that build their own
+steps or post-processor (``REBUILDING_CLASSES_NOT_REPRODUCED``: transformers' encoder and seq2seq
+classes, ``BertTokenizer``, ``T5Tokenizer``, ...) and the Python tokenizers that never read
+tokenizer.json (``PYTHON_CLASSES``: ``ByT5Tokenizer``, ...); and ``auto_map`` (remote code, which
+lorafleet never runs).
 """
 from __future__ import annotations
 
@@ -62,6 +65,37 @@ GENERIC_CLASS = "TokenizersBackend"  # transformers 5's PreTrainedTokenizerFast
 # model_type -> the class AutoTokenizer loads for it whatever the configs name (qwen2 is in
 # transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS; mistral's registered class is the generic one).
 MODEL_TYPE_CLASSES: Mapping[str, str] = MappingProxyType({"qwen2": "Qwen2Tokenizer", "mistral": GENERIC_CLASS})
+# Names transformers' AutoTokenizer resolves to another class than the one they name (its
+# ``tokenizer_class_from_name``, through ``convert_slow_tokenizer``'s aliases): the class it loads.
+CLASS_ALIASES: Mapping[str, str] = MappingProxyType({"Phi3Tokenizer": "LlamaTokenizer"})
+# The classes (names as a config gives them, without ``Fast``) whose ``__init__`` builds its own
+# normaliser, pre-tokenizer, decoder or post-processor in place of tokenizer.json's, and which
+# lorafleet does not rebuild likewise (``runtime.tokenizer_pipeline.REBUILT_PIPELINES`` holds those
+# it does): transformers' encoder, seq2seq and other models' classes (checked with 5.24).
+REBUILDING_CLASSES_NOT_REPRODUCED = frozenset({
+    "AlbertTokenizer", "BartTokenizer", "BarthezTokenizer", "BertTokenizer", "BigBirdTokenizer",
+    "BlenderbotTokenizer", "CLIPTokenizer", "CamembertTokenizer", "CodeGenTokenizer", "ConvBertTokenizer",
+    "DPRContextEncoderTokenizer", "DPRQuestionEncoderTokenizer", "DPRReaderTokenizer", "DebertaTokenizer",
+    "DebertaV2Tokenizer", "DistilBertTokenizer", "ElectraTokenizer", "EsmcTokenizer", "FNetTokenizer",
+    "FunnelTokenizer", "HerbertTokenizer", "LEDTokenizer", "LasrTokenizer", "LayoutLMTokenizer",
+    "LayoutLMv2Tokenizer", "LayoutLMv3Tokenizer", "LayoutXLMTokenizer", "LongformerTokenizer", "LukeTokenizer",
+    "LxmertTokenizer", "MBart50Tokenizer", "MBartTokenizer", "MLukeTokenizer", "MPNetTokenizer",
+    "MarkupLMTokenizer", "MobileBertTokenizer", "MvpTokenizer", "NllbTokenizer", "NougatTokenizer",
+    "OpenAIGPTTokenizer", "PegasusTokenizer", "Qwen3_5Tokenizer", "ReformerTokenizer", "RemBertTokenizer",
+    "RoFormerTokenizer", "RobertaTokenizer", "SeamlessM4TTokenizer", "Siglip2Tokenizer", "SplinterTokenizer",
+    "SqueezeBertTokenizer", "T5Tokenizer", "Tipsv2Tokenizer", "UdopTokenizer", "VideoPrismTokenizer",
+    "WhisperTokenizer", "XGLMTokenizer", "XLMRobertaTokenizer", "XLNetTokenizer",
+})
+# The classes transformers loads as Python tokenizers, which do not read tokenizer.json at all
+# (bytes, characters, their own vocabulary files).
+PYTHON_CLASSES = frozenset({
+    "BertJapaneseTokenizer", "BertweetTokenizer", "BioGptTokenizer", "BlenderbotSmallTokenizer",
+    "ByT5Tokenizer", "CTRLTokenizer", "CanineTokenizer", "ClvpTokenizer", "CpmAntTokenizer", "DiaTokenizer",
+    "EsmTokenizer", "FSMTTokenizer", "FastSpeech2ConformerTokenizer", "FlaubertTokenizer",
+    "GPTNeoXJapaneseTokenizer", "MgpstrTokenizer", "MyT5Tokenizer", "PerceiverTokenizer", "PhobertTokenizer",
+    "ProphetNetTokenizer", "RoCBertTokenizer", "TapasTokenizer", "VitsTokenizer", "Wav2Vec2CTCTokenizer",
+    "Wav2Vec2PhonemeCTCTokenizer", "XLMTokenizer",
+})
 # class -> (add bos, add eos) of the post-processor it builds in place of tokenizer.json's.
 REBUILT_POST_PROCESSORS: Mapping[str, tuple[bool, bool]] = MappingProxyType({
     "CodeLlamaTokenizer": (True, False),  # its __init__'s add_bos_token=True, passed on explicitly
@@ -100,7 +134,20 @@ def auto_tokenizer_class(tokenizer_config: Mapping[str, Any], model_config: Mapp
     name = named.removesuffix("Fast")
     if name == "LlamaTokenizer" and byte_level:  # a Llama-3-style file: LlamaTokenizer would rebuild it as SentencePiece's
         return GENERIC_CLASS
-    return GENERIC_CLASS if name in ("PreTrainedTokenizer", "PythonBackend") else name
+    return GENERIC_CLASS if name in ("PreTrainedTokenizer", "PythonBackend") else CLASS_ALIASES.get(name, name)
+
+
+def unreproduced_class(tokenizer_class: str) -> str | None:
+    """Why lorafleet cannot tokenize as ``tokenizer_class`` (as ``auto_tokenizer_class`` returns it)
+    does, None when it can: a class in ``REBUILDING_CLASSES_NOT_REPRODUCED`` or ``PYTHON_CLASSES``.
+    Following tokenizer.json for one of them would give other prompt ids than transformers."""
+    if tokenizer_class in REBUILDING_CLASSES_NOT_REPRODUCED:
+        return (f"transformers' AutoTokenizer loads {tokenizer_class}, which builds its own normaliser, pre-tokenizer, decoder "
+                "or post-processor in place of tokenizer.json's; lorafleet does not reproduce that class")
+    if tokenizer_class in PYTHON_CLASSES:
+        return (f"transformers' AutoTokenizer loads {tokenizer_class}, a Python tokenizer that does not read tokenizer.json; "
+                "lorafleet does not reproduce that class")
+    return None
 
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens (a chat template sees them).

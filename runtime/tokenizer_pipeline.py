@@ -35,9 +35,9 @@ every part after a special token, so for every prompt their chat templates rende
 and GPT-2 files are built as their classes build them, so their ids stay; a qwen2 checkpoint with
 another pre-tokenizer (DeepSeek-R1-Distill-Qwen's: digits in threes, no NFC) gets Qwen2's, and
 ``add_prefix_space: false`` now counts. A class not listed keeps tokenizer.json's steps, as
-``TokenizersBackend`` does; transformers' encoder and seq2seq classes (``BertTokenizer``,
-``T5Tokenizer``, ...) also rebuild theirs, which is not reproduced (decoder-only checkpoints do not
-name them). The rebuilt model is a BPE: a rebuilding class over another model (a Unigram
+``TokenizersBackend`` does; transformers' other classes that rebuild theirs (encoder and seq2seq
+classes, ``BertTokenizer``, ``T5Tokenizer``, ...) are refused when the tokenizer loads
+(``runtime.tokenizer_class.REBUILDING_CLASSES_NOT_REPRODUCED``). The rebuilt model is a BPE: a rebuilding class over another model (a Unigram
 tokenizer.json) is refused (``PipelineError``), where transformers would read the vocabulary as a
 BPE's without merges.
 """

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from runtime.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, TokenizerError
-from runtime.tokenizer_class import auto_tokenizer_class
+from runtime.tokenizer_class import CLASS_ALIASES, PYTHON_CLASSES, REBUILDING_CLASSES_NOT_REPRODUCED, auto_tokenizer_class
+from runtime.tokenizer_pipeline import REBUILT_PIPELINES
 
 TEXTS = ["hello world", "<s>hi</s>", "", " x"]
 FLAGS = [(None, None), (True, False), (False, True), (True, True), (False, False)]  # None: the key is absent
@@ -260,3 +261,83 @@ def test_code_llama_infilling_prompts_are_refused_not_encoded_otherwise(tmp_path
             ours.encode(text)
         with pytest.raises(ValueError, match="infilling"):
             ours.encode_with_spans(text)
+
+
+def transformers_tokenizer_classes() -> dict[str, type]:
+    """Every tokenizer class name transformers 5 can be asked for (the values of AutoTokenizer's
+    mapping, the ``*Tokenizer`` / ``*TokenizerFast`` names it exports, the names its slow-to-fast
+    converters know), without ``Fast``, -> the class ``tokenizer_class_from_name`` resolves it to
+    (skipped: names that resolve to no class here, e.g. those needing sentencepiece)."""
+    import warnings
+
+    import transformers
+    from transformers.convert_slow_tokenizer import SLOW_TO_FAST_CONVERTERS
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    names = {n for n in TOKENIZER_MAPPING_NAMES.values() if n} | set(SLOW_TO_FAST_CONVERTERS)
+    names |= {n for n in transformers._class_to_module if n.endswith(("Tokenizer", "TokenizerFast"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolved = {name: tokenizer_class_from_name(name) for name in sorted({n.removesuffix("Fast") for n in names})}
+    return {name: cls for name, cls in resolved.items() if isinstance(cls, type)}
+
+
+def builds_its_own_steps(cls: type) -> bool:
+    """``cls`` (a TokenizersBackend subclass) has an ``__init__`` below TokenizersBackend that builds a
+    new backend tokenizer or sets its normaliser, pre-tokenizer, decoder or post-processor."""
+    import inspect
+    import re
+
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    below = cls.__mro__[:cls.__mro__.index(TokenizersBackend)]
+    source = "\n".join(inspect.getsource(c.__init__) for c in below if "__init__" in c.__dict__)
+    return re.search(r"_tokenizer = Tokenizer\(|_tokenizer\.(normalizer|pre_tokenizer|decoder|post_processor) =|update_post_processor\(", source) is not None
+
+
+def test_the_classes_lorafleet_refuses_or_aliases_are_transformers_own():
+    """The static lists in runtime.tokenizer_class, against transformers' source: every class name that
+    loads a class building its own steps is rebuilt (REBUILT_PIPELINES), an alias of one that is
+    (CLASS_ALIASES), or refused; every Python tokenizer (which never reads tokenizer.json) is refused.
+    Before, a llama checkpoint naming BertTokenizer, T5Tokenizer or ByT5Tokenizer silently followed
+    its tokenizer.json, and one naming Phi3Tokenizer (transformers: LlamaTokenizer) had no bos/eos."""
+    from transformers.tokenization_python import PythonBackend
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    classes = transformers_tokenizer_classes()
+    rebuilding = {name: cls.__name__ for name, cls in classes.items()
+                  if issubclass(cls, TokenizersBackend) and cls is not TokenizersBackend and builds_its_own_steps(cls)}
+    assert {name: loaded for name, loaded in rebuilding.items() if name != loaded and loaded in REBUILT_PIPELINES} == dict(CLASS_ALIASES)
+    assert {name for name, loaded in rebuilding.items() if loaded not in REBUILT_PIPELINES} == REBUILDING_CLASSES_NOT_REPRODUCED
+    assert {name for name, cls in classes.items() if issubclass(cls, PythonBackend) and cls is not PythonBackend} == PYTHON_CLASSES
+    assert set(REBUILT_PIPELINES) <= set(rebuilding)  # and what lorafleet rebuilds, transformers does
+
+
+@pytest.mark.parametrize("tokenizer_class", ["BertTokenizerFast", "T5Tokenizer", "XLMRobertaTokenizerFast", "ByT5Tokenizer"])
+def test_a_class_lorafleet_does_not_reproduce_is_refused_at_load(tmp_path, tokenizer_class):
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "bos")
+    write_configs(tmp_path, tokenizer_class, "llama", (None, None))
+    if tokenizer_class == "ByT5Tokenizer":  # transformers encodes bytes, whatever tokenizer.json says
+        assert AutoTokenizer.from_pretrained(str(tmp_path))("hi")["input_ids"] != [1, 10, 11]
+    with pytest.raises(TokenizerError, match=rf"tokenizer_config\.json: tokenizer_class '{tokenizer_class}': transformers' AutoTokenizer "
+                                             rf"loads {tokenizer_class.removesuffix('Fast')}, .*lorafleet does not reproduce that class"):
+        Tokenizer(tmp_path)
+    write_configs(tmp_path, tokenizer_class, "qwen2", (None, None))  # a qwen2 checkpoint loads Qwen2Tokenizer whatever it names
+    assert Tokenizer(tmp_path).tokenizer_class == "Qwen2Tokenizer"
+
+
+def test_phi3_tokenizer_loads_as_llama_tokenizer_as_in_transformers(tmp_path):
+    """transformers loads LlamaTokenizer for ``Phi3Tokenizer``: its default bos / eos and its steps."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "bos")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Phi3TokenizerFast", "legacy": False}))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(ref).__name__ == ours.tokenizer_class == "LlamaTokenizer"
+    assert (ours.bos_token, ours.eos_token, ours.bos_token_id, ours.eos_token_id) == (ref.bos_token, ref.eos_token, ref.bos_token_id, ref.eos_token_id)
+    for text in ["hello world", "<s> hi</s>", " hi"]:
+        assert ours.encode(text) == ref(text)["input_ids"], text
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}]) == ref.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True, chat_template=DEFAULT_CHAT_TEMPLATE)
