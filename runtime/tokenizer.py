@@ -74,6 +74,7 @@ from runtime.tokenizer_class import (
     SPECIAL_TOKEN_NAMES,
     auto_tokenizer_class,
     infilling_token,
+    readded_special_tokens,
     special_token_values,
     template_tokens,
     unreproduced_class,
@@ -462,12 +463,16 @@ class Tokenizer:
         bos, eos, ..., ``extra_special_tokens``) an added token, as transformers'
         ``TokenizersBackend.__init__`` does with those tokenizer.json does not list among its added
         tokens: spelled in a text it is then that one token, and decoding with ``skip_special_tokens``
-        drops it (when special). One not in the vocabulary gets the next id, as there."""
+        drops it (when special). One not in the vocabulary gets the next id, as there. Then those
+        the class adds again (``readded_special_tokens``: Qwen2Tokenizer, CohereTokenizer), which
+        take the flags it gives them, also those tokenizer.json lists."""
         from tokenizers import AddedToken
 
         added = {token.content for token in self._tok.get_added_tokens_decoder().values()}
         # One call, as there: a token listed twice keeps its first id and takes its last flags.
         self._tok.add_tokens([AddedToken(text, **flags) for text, flags in special_token_values(cfg) if text not in added])
+        # Then those the class adds again, which take these flags (runtime.tokenizer_class.readded_special_tokens).
+        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in readded_special_tokens(self.tokenizer_class, cfg)])
 
 
 def _generation_block() -> Any:

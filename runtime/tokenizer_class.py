@@ -27,8 +27,9 @@ not list among its added tokens becomes an added token (a new id when the vocabu
 except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
 stop would then hold an id the model does not have. A token listed twice (as a string and as an
 object with other flags) gets its first listing's id and its last listing's flags, as in
-transformers. ``template_tokens``: those a chat template sees as variables (the named and the
-model-specific ones, as transformers' ``special_tokens_map``).
+transformers; ``Qwen2Tokenizer`` and ``CohereTokenizer`` then add them again, with other flags
+(``readded_special_tokens``). ``template_tokens``: those a chat template sees as variables (the
+named and the model-specific ones, as transformers' ``special_tokens_map``).
 CodeLlamaTokenizer's defaults include its infilling tokens (``prefix_token`` ``▁<PRE>``, ...,
 ``fill_token`` ``<FILL_ME>``: model-specific tokens, so a string the config gives is one too;
 null: none), which are its extra special tokens as well (``with_class_defaults``).
@@ -272,6 +273,26 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
                 listed.append(e)
     return listed
 
+
+
+def readded_special_tokens(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The special tokens ``tokenizer_class``'s ``__init__`` adds again once ``TokenizersBackend``'s
+    has added them (``special_token_values``), each ``(content, AddedToken flags)``: re-adding a token
+    replaces its flags, those tokenizer.json gives it too. ``Qwen2Tokenizer`` re-adds the text of each
+    of its ``all_special_tokens`` (the named and model-specific ones, then the extra ones) as
+    ``AddedToken(text, special=True)``: default flags (no ``lstrip``, ``rstrip``, ``single_word``, not
+    normalised), special. ``CohereTokenizer`` calls ``_post_init``, which re-adds each one as
+    ``special_token_values`` gives it, marked special (``add_special_tokens``): an extra token listed
+    as not special is special after all. Empty for the other classes. ``tokenizer_config`` as
+    ``with_class_defaults`` returns it. (transformers' Cohere keeps, for a named token given as a
+    string, the flags of tokenizer_config.json's ``added_tokens_decoder`` entry for it; lorafleet
+    uses the defaults, which real checkpoints' entries have.)"""
+    if tokenizer_class == "Qwen2Tokenizer":
+        texts = [*template_tokens(tokenizer_class, tokenizer_config).values(), *(text for text, _ in special_token_values(tokenizer_config))]
+        return [(text, {"special": True}) for text in dict.fromkeys(texts)]
+    if tokenizer_class == "CohereTokenizer":
+        return [(text, {**flags, "special": True}) for text, flags in special_token_values(tokenizer_config)]
+    return []
 
 
 def infilling_token(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> str | None:
