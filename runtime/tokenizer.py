@@ -72,11 +72,13 @@ from runtime.tokenizer_class import (
     CLASS_SPECIAL_TOKENS,
     REBUILT_POST_PROCESSORS,
     SPECIAL_TOKEN_NAMES,
+    TOKEN_FLAGS,
     auto_tokenizer_class,
+    declared_tokens,
     infilling_token,
     readded_special_tokens,
-    special_token_values,
     template_tokens,
+    tokens_to_add,
     unreproduced_class,
     with_class_defaults,
     with_special_tokens_map,
@@ -463,16 +465,19 @@ class Tokenizer:
         bos, eos, ..., ``extra_special_tokens``) an added token, as transformers'
         ``TokenizersBackend.__init__`` does with those tokenizer.json does not list among its added
         tokens: spelled in a text it is then that one token, and decoding with ``skip_special_tokens``
-        drops it (when special). One not in the vocabulary gets the next id, as there. Then those
+        drops it (when special). One not in the vocabulary gets the next id, as there. The declared
+        added tokens go first, with tokenizer_config.json's flags, special when named
+        (``tokens_to_add``). Then those
         the class adds again (``readded_special_tokens``: Qwen2Tokenizer, CohereTokenizer), which
         take the flags it gives them, also those tokenizer.json lists."""
         from tokenizers import AddedToken
 
-        added = {token.content for token in self._tok.get_added_tokens_decoder().values()}
+        file_tokens = [(t.content, {flag: getattr(t, flag) for flag in TOKEN_FLAGS}) for _, t in sorted(self._tok.get_added_tokens_decoder().items())]
         # One call, as there: a token listed twice keeps its first id and takes its last flags.
-        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in special_token_values(cfg) if text not in added])
+        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in tokens_to_add(cfg, file_tokens)])
         # Then those the class adds again, which take these flags (runtime.tokenizer_class.readded_special_tokens).
-        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in readded_special_tokens(self.tokenizer_class, cfg)])
+        readded = readded_special_tokens(self.tokenizer_class, cfg, declared_tokens(cfg, file_tokens))
+        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in readded])
 
 
 def _generation_block() -> Any:

@@ -27,7 +27,9 @@ not list among its added tokens becomes an added token (a new id when the vocabu
 except that a bos or eos the vocabulary lacks is refused (``TokenizerError``), as every prompt or
 stop would then hold an id the model does not have. A token listed twice (as a string and as an
 object with other flags) gets its first listing's id and its last listing's flags, as in
-transformers; ``Qwen2Tokenizer`` and ``CohereTokenizer`` then add them again, with other flags
+transformers, and the declared added tokens (tokenizer_config.json's ``added_tokens_decoder``, else
+tokenizer.json's) are added again first, a named one as special (``tokens_to_add``);
+``Qwen2Tokenizer`` and ``CohereTokenizer`` then add them again, with other flags
 (``readded_special_tokens``). ``template_tokens``: those a chat template sees as variables (the
 named and the model-specific ones, as transformers' ``special_tokens_map``).
 CodeLlamaTokenizer's defaults include its infilling tokens (``prefix_token`` ``▁<PRE>``, ...,
@@ -60,7 +62,7 @@ lorafleet never runs).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 GENERIC_CLASS = "TokenizersBackend"  # transformers 5's PreTrainedTokenizerFast
 # model_type -> the class AutoTokenizer loads for it whatever the configs name (qwen2 is in
@@ -228,12 +230,8 @@ def template_tokens(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -
     ``tokenizer_config`` as ``with_class_defaults`` returns it. CodeLlamaTokenizer sets its
     ``fill_token`` after the others, from its own argument: the config's string has gone to the
     model-specific tokens, so the template sees ``<FILL_ME>`` (``infilling_token``; none when null)."""
-    def text(value: Any) -> str | None:
-        value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) else None
-
-    tokens = {name: text(tokenizer_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
-    tokens.update({name: text(value) for name, value in _model_specific_tokens(tokenizer_config).items()})
+    tokens = {name: _token_text(tokenizer_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    tokens.update({name: _token_text(value) for name, value in _model_specific_tokens(tokenizer_config).items()})
     if tokenizer_class == "CodeLlamaTokenizer":
         tokens["fill_token"] = infilling_token(tokenizer_class, tokenizer_config)
     return {name: value for name, value in tokens.items() if value is not None}
@@ -275,7 +273,40 @@ def special_token_values(tokenizer_config: Mapping[str, Any]) -> list[tuple[str,
 
 
 
-def readded_special_tokens(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def declared_tokens(tokenizer_config: Mapping[str, Any], file_tokens: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """The added tokens transformers reads as declared, each ``(content, AddedToken flags)`` in id
+    order: tokenizer_config.json's ``added_tokens_decoder``, else tokenizer.json's (``file_tokens``)."""
+    declared_map = tokenizer_config.get("added_tokens_decoder")
+    if not isinstance(declared_map, dict):
+        return list(file_tokens)
+    entries = sorted((int(i), e) for i, e in declared_map.items() if isinstance(e, dict) and isinstance(e.get("content"), str))
+    return [(e["content"], {k: e[k] for k in TOKEN_FLAGS if k in e}) for _, e in entries]
+
+
+def tokens_to_add(tokenizer_config: Mapping[str, Any], file_tokens: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """What transformers' ``TokenizersBackend.__init__`` hands to one ``add_tokens`` call, each
+    ``(content, AddedToken flags)``, over a tokenizer.json whose added tokens are ``file_tokens`` (in
+    id order): first the declared added tokens, tokenizer_config.json's ``added_tokens_decoder``
+    (in id order; tokenizer.json's own when the config has none), all of them (its check for those
+    already there never matches), so the config's flags win; then the special tokens
+    (``special_token_values``) that neither lists. A declared token whose content is a named or
+    model-specific special token is special, whatever it says (a pad token tokenizer.json lists as
+    not special is then skipped in decoding). ``tokenizer_config`` as ``with_class_defaults``
+    returns it."""
+    declared = declared_tokens(tokenizer_config, file_tokens)
+    named = {_token_text(value) for value in (*(tokenizer_config.get(name) for name in SPECIAL_TOKEN_NAMES), *_model_specific_tokens(tokenizer_config).values())}
+    listed = [(text, {**flags, "special": True} if text in named else flags) for text, flags in declared]
+    known = {text for text, _ in file_tokens} | {text for text, _ in declared}
+    return listed + [(text, flags) for text, flags in special_token_values(tokenizer_config) if text not in known]
+
+
+def _token_text(value: Any) -> str | None:
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def readded_special_tokens(tokenizer_class: str, tokenizer_config: Mapping[str, Any],
+                           declared: Sequence[tuple[str, dict[str, Any]]] = ()) -> list[tuple[str, dict[str, Any]]]:
     """The special tokens ``tokenizer_class``'s ``__init__`` adds again once ``TokenizersBackend``'s
     has added them (``special_token_values``), each ``(content, AddedToken flags)``: re-adding a token
     replaces its flags, those tokenizer.json gives it too. ``Qwen2Tokenizer`` re-adds the text of each
@@ -283,15 +314,18 @@ def readded_special_tokens(tokenizer_class: str, tokenizer_config: Mapping[str, 
     ``AddedToken(text, special=True)``: default flags (no ``lstrip``, ``rstrip``, ``single_word``, not
     normalised), special. ``CohereTokenizer`` calls ``_post_init``, which re-adds each one as
     ``special_token_values`` gives it, marked special (``add_special_tokens``): an extra token listed
-    as not special is special after all. Empty for the other classes. ``tokenizer_config`` as
-    ``with_class_defaults`` returns it. (transformers' Cohere keeps, for a named token given as a
-    string, the flags of tokenizer_config.json's ``added_tokens_decoder`` entry for it; lorafleet
-    uses the defaults, which real checkpoints' entries have.)"""
+    as not special is special after all, and a named one (bos, ..., mask) that is ``declared``
+    (``declared_tokens``) has the declared flags (transformers' loading hands the class the declared
+    token in its place). Empty for the other classes. ``tokenizer_config`` as
+    ``with_class_defaults`` returns it."""
     if tokenizer_class == "Qwen2Tokenizer":
         texts = [*template_tokens(tokenizer_class, tokenizer_config).values(), *(text for text, _ in special_token_values(tokenizer_config))]
         return [(text, {"special": True}) for text in dict.fromkeys(texts)]
     if tokenizer_class == "CohereTokenizer":
-        return [(text, {**flags, "special": True}) for text, flags in special_token_values(tokenizer_config)]
+        declared_flags = dict(declared)
+        named = {_token_text(tokenizer_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        return [(text, {**(declared_flags[text] if text in named and text in declared_flags else flags), "special": True})
+                for text, flags in special_token_values(tokenizer_config)]
     return []
 
 

@@ -206,6 +206,26 @@ def test_a_special_token_listed_twice_takes_its_last_flags_as_in_transformers(tm
         assert [ours.decode(ids, skip_special_tokens=skip) for skip in (True, False)] == [ref.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
 
 
+@pytest.mark.parametrize("tokenizer_config", [
+    {"pad_token": "<pad>"},  # tokenizer.json lists <pad> as an added token that is not special
+    {"pad_token": "<pad>", "added_tokens_decoder": {"30": {"content": "<pad>", "lstrip": True, "special": False}}},  # the config's flags win
+])
+def test_a_named_token_tokenizer_json_lists_as_not_special_is_special_as_in_transformers(tmp_path, tokenizer_config):
+    """transformers re-adds the declared added tokens, a named one as special: decoding with
+    skip_special_tokens drops the pad token; lorafleet kept tokenizer.json's flags and wrote it out."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "none")
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["added_tokens"].append({"id": 30, "content": "<pad>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": True, "special": False})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", **tokenizer_config}))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = ref("ab <pad> c")["input_ids"]
+    assert ours.encode("ab <pad> c") == ids
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) and ours.is_special(30)
+
+
 TOKEN_VARIABLES = ["bos_token", "unk_token", "pad_token", "image_token", "image_id_token", "video_token", "audio_token", "prefix_token",
                    "eot_token", "fill_token"]
 TOKEN_TEMPLATE = "".join(f"{{{{ {name} | default('-') }}}}|" for name in TOKEN_VARIABLES) + "{{ messages[0]['content'] }}"

@@ -20,7 +20,7 @@ from tests.fixtures.tiny_models import build_tiny_model
 from tests.test_tokenizer_class import write_configs as write_class_configs, write_tokenizer
 from tests.test_tokenizer_pipeline import BYTE_LEVEL, LLAMA, write_byte_level, write_configs, write_sentencepiece
 
-TEXTS_PER_SHAPE = 150
+TEXTS_PER_SHAPE = 120
 PIECES = [*"hello wrdINSTthe[]/0123456789.", " ", "  ", "\n", "\t", "\r\n", "<s>", "</s>", "<unk>", "<|im_start|>", "<|endoftext|>",
           "▁", "Ġ", "Ċ", "e\u0301", "é", "Å", "A\u030a", "ﬁ", "Ⅻ", "１２", "日本", "🙂", "👍🏽", "\u200d", "\u00a0", "\u3000", "\u2028",
           "\x00", "\x7f", "\ufeff", "\ufffd", "ß", "İ", "ǅ", "'s", "'LL", "don't", "<|tool|>", " hi!", "hi!", "<x>", "<y>", "<w>",
@@ -35,6 +35,15 @@ def added_token(content: str, **flags: bool) -> dict:
 # tokenizer.json that are not special: one normalised, one a single word with a space in it.
 EXTRA = {"extra_special_tokens": [added_token("<x>", lstrip=True), added_token("<y>", rstrip=True, special=True),
                                   added_token("<w>", single_word=True), added_token("<n>", normalized=True, special=True)]}
+
+
+# Named and model-specific special tokens with flags of their own; the pad token is an added token
+# tokenizer.json lists as not special.
+NAMED = {"bos_token": added_token("<s>", lstrip=True), "eos_token": added_token("</s>", rstrip=True, normalized=True), "pad_token": "<|tool|>",
+         "image_token": added_token("<x>", single_word=True)}
+# tokenizer_config.json's own list of the added tokens, with other flags than tokenizer.json's.
+DECLARED = {"added_tokens_decoder": {"1": {"content": "<s>", "lstrip": False, "rstrip": True, "normalized": False, "single_word": False, "special": True},
+                                     "319": {"content": "<|tool|>", "lstrip": True, "rstrip": False, "normalized": False, "single_word": False, "special": False}}}
 
 
 def with_added_tokens(folder: Path) -> None:
@@ -92,6 +101,13 @@ SHAPES: dict[str, Callable[[Path], None]] = {
     **{f"added-{name}": byte_level(shape, {**BYTE_LEVEL, "tokenizer_class": cls, **EXTRA}, model_type, added=True)
        for name, shape, cls, model_type in [("qwen2", "llama3", None, "qwen2"), ("gpt2", "gpt2", "GPT2Tokenizer", "llama"),
                                             ("gpt-neox", "llama3", "GPTNeoXTokenizerFast", "llama"), ("cohere", "gpt2", "CohereTokenizerFast", "llama")]},
+    **{f"named-{name}": sentencepiece(True, {**LLAMA, "tokenizer_class": cls, **NO_INFILL, **NAMED, **extra}, added=True)
+       for name, cls, extra in [("llama", "LlamaTokenizerFast", EXTRA), ("code-llama", "CodeLlamaTokenizer", {}),
+                                ("gemma-split-special-tokens", "GemmaTokenizerFast", {"split_special_tokens": True}),
+                                ("generic-declared", None, {**DECLARED, **EXTRA})]},
+    **{f"named-{name}": byte_level(shape, {**BYTE_LEVEL, "tokenizer_class": cls, **NAMED, **extra}, model_type, added=True)
+       for name, shape, cls, model_type, extra in [("qwen2", "llama3", None, "qwen2", EXTRA), ("gpt2", "gpt2", "GPT2Tokenizer", "llama", {}),
+                                                   ("cohere", "gpt2", "CohereTokenizerFast", "llama", EXTRA)]},
     "tiny-llama": lambda folder: build_tiny_model(folder, "llama", seed=0),
     "tiny-qwen2": lambda folder: build_tiny_model(folder, "qwen2", seed=1),
 }
