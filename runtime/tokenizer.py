@@ -1,7 +1,9 @@
 """Tokenizer: a HF ``tokenizer.json`` through the ``tokenizers`` library, plus the checkpoint's configs.
 
 Sources, in the checkpoint folder:
-- ``tokenizer.json`` (required): vocabulary, normaliser, pre-tokenizer, post-processor, decoder.
+- ``tokenizer.json`` (required): vocabulary, normaliser, pre-tokenizer, post-processor, decoder;
+  not its ``truncation`` and ``padding`` (a saving call's), which transformers never applies to a
+  call that does not ask for them: a prompt is neither cut nor padded.
 - ``tokenizer_config.json`` (optional): ``bos_token``, ``eos_token``, ``tokenizer_class``,
   ``chat_template``. Tokens may be strings or ``{"content": ...}`` objects. ``add_bos_token`` and
   ``add_eos_token`` are not read: transformers drops them when there is a tokenizer.json (below).
@@ -182,6 +184,11 @@ class Tokenizer:
         # transformers hands split_special_tokens to the backend: special tokens spelled in the text
         # are then read as plain text, not as the special tokens.
         self._tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
+        # tokenizer.json may carry the truncation and padding of the call that saved it (a "truncation"
+        # section with a max_length); transformers turns both off for each call that does not ask for
+        # them, so a prompt is never cut nor padded. Kept here, they cut every prompt (and padded a long one).
+        self._tok.no_truncation()
+        self._tok.no_padding()
         # transformers' decode then removes spaces before punctuation (" ." -> "."), except on a BPE
         # model (v5 skips it there unless told to corrupt BPE output); lorafleet's text never does.
         model_type = type(self._tok.model).__name__

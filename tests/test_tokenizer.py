@@ -532,3 +532,20 @@ def test_template_kwargs_render_as_transformers_extra_arguments(model_copy):
                 "raise_exception", "strftime_now", "namespace", "range", "self"):  # self: was "failed on these inputs with TypeError"
         with pytest.raises(TokenizerError, match=f"^chat_template_kwargs: '{key}' cannot be set: lorafleet sets it to "):
             Tokenizer(model_copy).apply_chat_template(messages, template_kwargs={key: 1})
+
+
+@pytest.mark.parametrize("padding", ["BatchLongest", {"Fixed": 40000}])
+def test_tokenizer_json_truncation_and_padding_do_not_cut_or_pad_prompts_as_in_transformers(model_copy, padding):
+    """A tokenizer.json saved with the truncation and padding of a call (``"truncation": {"max_length":
+    4, ...}``) cut every prompt to 4 tokens, and a fixed padding padded a long one (encoded in a
+    batch of one); transformers turns both off for a call that does not ask for them."""
+    from transformers import AutoTokenizer
+
+    data = json.loads((model_copy / "tokenizer.json").read_text())
+    data["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    data["padding"] = {"strategy": padding, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}
+    (model_copy / "tokenizer.json").write_text(json.dumps(data))
+    ours, ref = Tokenizer(model_copy), AutoTokenizer.from_pretrained(str(model_copy))
+    for text in ["Hello, world! and more words", "word " * 4000]:  # the second is encoded in a batch of one (LONG_TEXT_CHARS)
+        assert ours.encode(text) == ref(text)["input_ids"]
+        assert len(ours.encode(text)) > 4
