@@ -15,7 +15,8 @@ Sources, in the checkpoint folder:
 - ``generation_config.json`` and ``config.json`` (optional): ``eos_token_id`` (int or list).
 
 Named special tokens the configs lack (no key) are the tokenizer class's defaults
-(``runtime.tokenizer_class.CLASS_SPECIAL_TOKENS``), and each special token the configs name (bos,
+(``runtime.tokenizer_class.CLASS_SPECIAL_TOKENS``; a pad token, tokenizer.json's ``padding.pad_token``
+for the classes without their own: ``with_padding_pad_token``), and each special token the configs name (bos,
 eos, ..., ``extra_special_tokens``, model-specific ``*_token`` keys) is an added token
 (``special_token_values``), as in transformers 5.
 
@@ -83,6 +84,7 @@ from runtime.tokenizer_class import (
     tokens_to_add,
     unreproduced_class,
     with_class_defaults,
+    with_padding_pad_token,
     with_special_tokens_map,
 )
 from runtime.tokenizer_pipeline import PipelineError, rebuild_pipeline
@@ -187,6 +189,7 @@ class Tokenizer:
         # tokenizer.json may carry the truncation and padding of the call that saved it (a "truncation"
         # section with a max_length); transformers turns both off for each call that does not ask for
         # them, so a prompt is never cut nor padded. Kept here, they cut every prompt (and padded a long one).
+        file_padding = self._tok.padding
         self._tok.no_truncation()
         self._tok.no_padding()
         # transformers' decode then removes spaces before punctuation (" ." -> "."), except on a BPE
@@ -224,6 +227,7 @@ class Tokenizer:
             if name not in cfg and name in CLASS_SPECIAL_TOKENS.get(self.tokenizer_class, {}):
                 token_file[name] = (f"{root / 'tokenizer_config.json'} (no {name}: {self.tokenizer_class}'s default, as "
                                     "transformers' AutoTokenizer loads it; name one, or null for none)")
+        cfg = with_padding_pad_token(self.tokenizer_class, cfg, (file_padding or {}).get("pad_token"))
         cfg = with_class_defaults(self.tokenizer_class, cfg)
         # The special tokens transformers passes to a chat template: the named ones that are set, and the model-specific ones.
         self._template_tokens = template_tokens(self.tokenizer_class, cfg)

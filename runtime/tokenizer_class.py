@@ -194,6 +194,22 @@ def with_special_tokens_map(tokenizer_config: Mapping[str, Any], special_tokens_
     return cfg
 
 
+# The classes whose ``__init__`` passes its own ``pad_token`` on (its default; None for GPT2Tokenizer).
+OWN_PAD_TOKEN_CLASSES = frozenset({"GemmaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer", "GPTNeoXTokenizer", "CohereTokenizer"})
+
+
+def with_padding_pad_token(tokenizer_class: str, tokenizer_config: Mapping[str, Any], padding_pad_token: str | None) -> dict[str, Any]:
+    """``tokenizer_config`` (as ``with_special_tokens_map`` returns it) with tokenizer.json's
+    ``padding.pad_token`` as its ``pad_token`` when it has no such key (null names none), as
+    ``TokenizersBackend.__init__`` sets it (``kwargs.setdefault("pad_token", ...)``), except for the
+    classes that pass their own (``OWN_PAD_TOKEN_CLASSES``). The pad token is then a named special
+    token: an added special token, and the chat template's ``pad_token``."""
+    cfg = dict(tokenizer_config)
+    if padding_pad_token is not None and "pad_token" not in cfg and tokenizer_class not in OWN_PAD_TOKEN_CLASSES:
+        cfg["pad_token"] = padding_pad_token
+    return cfg
+
+
 def with_class_defaults(tokenizer_class: str, tokenizer_config: Mapping[str, Any]) -> dict[str, Any]:
     """``tokenizer_config`` (as ``with_special_tokens_map`` returns it) with ``tokenizer_class``'s
     defaults (``CLASS_SPECIAL_TOKENS``) for the keys it lacks; CodeLlamaTokenizer also makes its

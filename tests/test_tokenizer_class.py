@@ -361,3 +361,25 @@ def test_phi3_tokenizer_loads_as_llama_tokenizer_as_in_transformers(tmp_path):
         assert ours.encode(text) == ref(text)["input_ids"], text
     assert ours.apply_chat_template([{"role": "user", "content": "hi"}]) == ref.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True, chat_template=DEFAULT_CHAT_TEMPLATE)
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "LlamaTokenizerFast", "CodeLlamaTokenizerFast", "GemmaTokenizerFast", "GPT2Tokenizer", "GPTNeoXTokenizerFast"])
+@pytest.mark.parametrize("pad_token", ["absent", None, "<s>"])
+def test_tokenizer_json_padding_names_the_pad_token_as_in_transformers(tmp_path, tokenizer_class, pad_token):
+    """transformers takes tokenizer.json's ``padding.pad_token`` as the pad token when the configs name
+    none (no key), except for the classes that pass their own; lorafleet ignored it: a chat template
+    saw no ``pad_token``, and the token was not made special."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "metaspace", "none")
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 30, "pad_type_id": 0, "pad_token": "<p>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": tokenizer_class, "pad_token": pad_token,
+           "chat_template": "{{ pad_token | default('-') }}|{{ messages[0]['content'] }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v != "absent"}))
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = ref("a<p>b")["input_ids"]
+    assert ours.encode("a<p>b") == ids and ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
