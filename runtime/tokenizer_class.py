@@ -18,7 +18,8 @@ nothing. The bos is the tokenizer's named one.
 ``CLASS_SPECIAL_TOKENS``: the special tokens (bos, eos, unk, pad, ...) a class defaults to
 when neither tokenizer_config.json nor special_tokens_map.json has the key (``"bos_token": null``
 names none): ``LlamaTokenizer`` and ``CodeLlamaTokenizer`` ``<s>`` / ``</s>`` / ``<unk>``,
-``GPTNeoXTokenizer`` ``<|endoftext|>``, ... (``TokenizersBackend`` has none). They are the
+``GPTNeoXTokenizer`` ``<|endoftext|>``, ... (``TokenizersBackend`` has none); a pad token none
+names is tokenizer.json's ``padding.pad_token`` for a class without one (``with_padding_pad_token``). They are the
 tokenizer's as if named: CodeLlamaTokenizer's bos first, the eos among the stop tokens, the chat
 template's variables. As in transformers (``TokenizersBackend.__init__``), each special token the
 configs name (``special_token_values``: the named ones, model-specific ``*_token`` keys such as
@@ -69,7 +70,8 @@ GENERIC_CLASS = "TokenizersBackend"  # transformers 5's PreTrainedTokenizerFast
 # transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS; mistral's registered class is the generic one).
 MODEL_TYPE_CLASSES: Mapping[str, str] = MappingProxyType({"qwen2": "Qwen2Tokenizer", "mistral": GENERIC_CLASS})
 # Names transformers' AutoTokenizer resolves to another class than the one they name (its
-# ``tokenizer_class_from_name``, through ``convert_slow_tokenizer``'s aliases): the class it loads.
+# ``tokenizer_class_from_name``: ``transformers.Phi3Tokenizer`` is ``LlamaTokenizer``): the class it
+# loads. (Its other aliases name encoder classes, refused below.)
 CLASS_ALIASES: Mapping[str, str] = MappingProxyType({"Phi3Tokenizer": "LlamaTokenizer"})
 # The classes (names as a config gives them, without ``Fast``) whose ``__init__`` builds its own
 # normaliser, pre-tokenizer, decoder or post-processor in place of tokenizer.json's, and which
