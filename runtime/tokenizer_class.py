@@ -92,14 +92,17 @@ REBUILDING_CLASSES_NOT_REPRODUCED = frozenset({
     "WhisperTokenizer", "XGLMTokenizer", "XLMRobertaTokenizer", "XLNetTokenizer",
 })
 # The classes transformers loads as Python tokenizers, which do not read tokenizer.json at all
-# (bytes, characters, their own vocabulary files).
+# (bytes, characters, their own vocabulary files; some need sentencepiece, without which
+# transformers does not load them at all).
 PYTHON_CLASSES = frozenset({
-    "BertJapaneseTokenizer", "BertweetTokenizer", "BioGptTokenizer", "BlenderbotSmallTokenizer",
-    "ByT5Tokenizer", "CTRLTokenizer", "CanineTokenizer", "ClvpTokenizer", "CpmAntTokenizer", "DiaTokenizer",
-    "EsmTokenizer", "FSMTTokenizer", "FastSpeech2ConformerTokenizer", "FlaubertTokenizer",
-    "GPTNeoXJapaneseTokenizer", "MgpstrTokenizer", "MyT5Tokenizer", "PerceiverTokenizer", "PhobertTokenizer",
-    "ProphetNetTokenizer", "RoCBertTokenizer", "TapasTokenizer", "VitsTokenizer", "Wav2Vec2CTCTokenizer",
-    "Wav2Vec2PhonemeCTCTokenizer", "XLMTokenizer",
+    "BartphoTokenizer", "BertGenerationTokenizer", "BertJapaneseTokenizer", "BertweetTokenizer",
+    "BioGptTokenizer", "BlenderbotSmallTokenizer", "ByT5Tokenizer", "CTRLTokenizer", "CanineTokenizer",
+    "ClvpTokenizer", "CpmAntTokenizer", "CpmTokenizer", "DiaTokenizer", "EsmTokenizer", "FSMTTokenizer",
+    "FastSpeech2ConformerTokenizer", "FlaubertTokenizer", "GPTNeoXJapaneseTokenizer", "GPTSw3Tokenizer",
+    "M2M100Tokenizer", "MarianTokenizer", "MgpstrTokenizer", "MyT5Tokenizer", "PLBartTokenizer",
+    "PerceiverTokenizer", "PhobertTokenizer", "Pop2PianoTokenizer", "ProphetNetTokenizer", "RoCBertTokenizer",
+    "SiglipTokenizer", "Speech2TextTokenizer", "SpeechT5Tokenizer", "TapasTokenizer", "VitsTokenizer",
+    "Wav2Vec2CTCTokenizer", "Wav2Vec2PhonemeCTCTokenizer", "XLMTokenizer",
 })
 # class -> (add bos, add eos) of the post-processor it builds in place of tokenizer.json's.
 REBUILT_POST_PROCESSORS: Mapping[str, tuple[bool, bool]] = MappingProxyType({
