@@ -12,7 +12,8 @@ threads; one more is refused at once with the subclass's ``busy`` error (its rou
 backlog whose clients gave up cannot pile up. A call counts until its work ends, even if its
 caller went away meanwhile (the work goes on in its thread); one still waiting for a thread
 when its caller goes away is dropped. ``shutdown`` drops the calls still waiting and lets the
-threads end once their work has (the server's shutdown).
+threads end once their work has (the server's shutdown); ``start`` takes calls again, on new
+threads (an app's lifespan that begins again).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ class BoundedWorkers:
         if isinstance(max_in_progress, bool) or not isinstance(max_in_progress, int) or max_in_progress < threads:
             raise ValueError(f"{kind}: max_in_progress must be an integer >= threads ({threads}), got {max_in_progress!r}")
         self.threads, self.max_in_progress = threads, max_in_progress
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_name, initializer=initializer)
+        self._thread_name, self._initializer = thread_name, initializer
+        self._executor = self._new_executor()
+        self._shut_down = False
         self._lock = threading.Lock()
         self._in_progress = 0
 
@@ -65,7 +68,17 @@ class BoundedWorkers:
     def shutdown(self) -> None:
         """Take no more calls (``run`` then raises RuntimeError), drop those waiting for a thread,
         and let the threads end once their work has; returns at once."""
+        self._shut_down = True
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def start(self) -> None:
+        """Take calls again after ``shutdown``, on new threads (an app whose lifespan begins again:
+        a test client, or an ASGI server, entering it once more); nothing to do otherwise."""
+        if self._shut_down:
+            self._executor, self._shut_down = self._new_executor(), False
+
+    def _new_executor(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=self._thread_name, initializer=self._initializer)
 
     def _finished(self, _work: "Future[Any] | None") -> None:
         with self._lock:

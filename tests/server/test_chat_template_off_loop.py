@@ -140,6 +140,10 @@ async def test_the_render_threads_end_with_the_app(engine, workers: str) -> None
         assert await pool.run(lambda: "done") == "done"
     with pytest.raises(RuntimeError, match="after shutdown"):
         await pool.run(lambda: "too late")
+    # A lifespan that begins again (a test client entering the app once more, as schemathesis's
+    # does per case) serves again: the pools used to stay shut down, every chat render a 500.
+    async with app.router.lifespan_context(app):
+        assert await pool.run(lambda: "again") == "again"
 
 
 def test_the_docs_give_the_render_bounds() -> None:
