@@ -693,9 +693,9 @@ def test_a_waiter_interrupted_in_the_engine_lock_does_not_take_it_with_it() -> N
     thread and shutdown() included, waited for ever."""
     import signal
 
-    from runtime.async_engine import _FairLock
+    from runtime.fair_lock import FairLock
 
-    lock = _FairLock()
+    lock = FairLock()
     held, release = threading.Event(), threading.Event()
 
     def holder() -> None:
@@ -729,9 +729,9 @@ def test_the_holder_of_an_abandoned_engine_lock_can_still_notify_and_release() -
     checks ownership with a non-blocking acquire, which raised EngineDeadError): a holder that was
     handed the lock as shutdown gave up on a step (an abort, which notifies the step thread) failed
     with it. Waiters and later callers are still refused."""
-    from runtime.async_engine import _FairLock
+    from runtime.fair_lock import FairLock
 
-    lock = _FairLock()
+    lock = FairLock()
     wake = threading.Condition(lock)
     lock.acquire()
     lock.abandon(lambda: EngineDeadError("gave up"))
@@ -747,9 +747,9 @@ def test_a_condition_wait_that_cannot_retake_an_abandoned_lock_leaves_the_holder
     """A thread woken in Condition.wait re-takes the lock; abandoned meanwhile, that raised, and the
     release of the waiter's ``with`` block on the way out then released a lock it did not hold: it
     cleared the hold of the thread that had it (whose own release then raised "unheld"), or raised."""
-    from runtime.async_engine import _FairLock
+    from runtime.fair_lock import FairLock
 
-    lock = _FairLock()
+    lock = FairLock()
     wake = threading.Condition(lock)
     waiting = threading.Event()
     ended: list[BaseException] = []
@@ -1036,9 +1036,9 @@ def test_shutdown_does_not_give_up_on_a_holder_that_let_go_as_the_grace_ended(ti
 def test_the_engine_lock_is_abandoned_only_by_the_acquisition_that_held_it() -> None:
     """The same at the lock: the hold seen as a timed wait ended, let go of and taken again under the
     same name, is another acquisition; abandoning the first changes nothing."""
-    from runtime.async_engine import _FairLock
+    from runtime.fair_lock import FairLock
 
-    lock = _FairLock()
+    lock = FairLock()
     lock.acquire(holder="a snapshot")
     taken, seen = lock.acquire_or_holder(timeout=0, holder="shutdown")
     assert not taken and seen is not None and seen.holder == "a snapshot"
