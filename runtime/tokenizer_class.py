@@ -76,12 +76,12 @@ CLASS_ALIASES: Mapping[str, str] = MappingProxyType({"Phi3Tokenizer": "LlamaToke
 # The classes (names as a config gives them, without ``Fast``) whose ``__init__`` builds its own
 # normaliser, pre-tokenizer, decoder or post-processor in place of tokenizer.json's, and which
 # lorafleet does not rebuild likewise (``runtime.tokenizer_pipeline.REBUILT_PIPELINES`` holds those
-# it does): transformers' encoder, seq2seq and other models' classes (checked with 5.24).
+# it does): transformers' encoder, seq2seq and other models' classes (checked with 5.24 and 5.25).
 REBUILDING_CLASSES_NOT_REPRODUCED = frozenset({
     "AlbertTokenizer", "BartTokenizer", "BarthezTokenizer", "BertTokenizer", "BigBirdTokenizer",
     "BlenderbotTokenizer", "CLIPTokenizer", "CamembertTokenizer", "CodeGenTokenizer", "ConvBertTokenizer",
     "DPRContextEncoderTokenizer", "DPRQuestionEncoderTokenizer", "DPRReaderTokenizer", "DebertaTokenizer",
-    "DebertaV2Tokenizer", "DistilBertTokenizer", "ElectraTokenizer", "EsmcTokenizer", "FNetTokenizer",
+    "DebertaV2Tokenizer", "DistilBertTokenizer", "ElectraTokenizer", "ErgoTokenizer", "EsmcTokenizer", "FNetTokenizer",
     "FunnelTokenizer", "HerbertTokenizer", "LEDTokenizer", "LasrTokenizer", "LayoutLMTokenizer",
     "LayoutLMv2Tokenizer", "LayoutLMv3Tokenizer", "LayoutXLMTokenizer", "LongformerTokenizer", "LukeTokenizer",
     "LxmertTokenizer", "MBart50Tokenizer", "MBartTokenizer", "MLukeTokenizer", "MPNetTokenizer",
