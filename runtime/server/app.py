@@ -60,7 +60,7 @@ class AppState:
     max_seq_tokens: ``sequence_token_limit``; a request without max_tokens gets its default
     capped to what its prompt leaves of it.
     chat_renders: the threads chat templates render in (chat completions, ``/tokenize`` of
-    messages), shut down with the app (its lifespan's end) and started again should its lifespan begin again.
+    messages), shut down with the app (its lifespan's end); a call after that starts new threads.
     admin_workers: the threads the admin routes read and install adapters in, likewise.
     """
 
@@ -110,8 +110,6 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        state.chat_renders.start()  # after an earlier lifespan's end (a test client entering it again)
-        state.admin_workers.start()
         try:
             yield
         finally:

@@ -12,8 +12,7 @@ threads; one more is refused at once with the subclass's ``busy`` error (its rou
 backlog whose clients gave up cannot pile up. A call counts until its work ends, even if its
 caller went away meanwhile (the work goes on in its thread); one still waiting for a thread
 when its caller goes away is dropped. ``shutdown`` drops the calls still waiting and lets the
-threads end once their work has (the server's shutdown); ``start`` takes calls again, on new
-threads (an app's lifespan that begins again).
+threads end once their work has (the server's shutdown); a call after it starts new threads.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ class BoundedWorkers:
         self.threads, self.max_in_progress = threads, max_in_progress
         self._thread_name, self._initializer = thread_name, initializer
         self._executor = self._new_executor()
-        self._shut_down = False
+        self._shut_down = False  # the executor is shut down: the next call makes a new one
         self._lock = threading.Lock()
         self._in_progress = 0
 
@@ -57,8 +56,11 @@ class BoundedWorkers:
             if self._in_progress >= self.max_in_progress:
                 raise self.busy(self._in_progress)
             self._in_progress += 1
+            if self._shut_down:
+                self._executor, self._shut_down = self._new_executor(), False
+            executor = self._executor
         try:
-            work = self._executor.submit(fn, *args)
+            work = executor.submit(fn, *args)
         except BaseException:
             self._finished(None)
             raise
@@ -66,16 +68,13 @@ class BoundedWorkers:
         return await asyncio.wrap_future(work)
 
     def shutdown(self) -> None:
-        """Take no more calls (``run`` then raises RuntimeError), drop those waiting for a thread,
-        and let the threads end once their work has; returns at once."""
-        self._shut_down = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def start(self) -> None:
-        """Take calls again after ``shutdown``, on new threads (an app whose lifespan begins again:
-        a test client, or an ASGI server, entering it once more); nothing to do otherwise."""
-        if self._shut_down:
-            self._executor, self._shut_down = self._new_executor(), False
+        """Drop the calls waiting for a thread and let the threads end once their work has;
+        returns at once. A later ``run`` starts new threads (an app used again after its
+        lifespan ended: a test client entering it once more, or one driving it without a lifespan)."""
+        with self._lock:
+            self._shut_down = True
+            executor = self._executor
+        executor.shutdown(wait=False, cancel_futures=True)
 
     def _new_executor(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=self._thread_name, initializer=self._initializer)
