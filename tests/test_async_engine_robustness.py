@@ -804,18 +804,26 @@ def test_an_idle_step_thread_woken_after_shutdown_gave_up_on_the_lock_does_not_r
     engine.engine.close()
 
 
+def stuck_engine_and_consumer(tiny_llama_dir: Path, max_tokens: int) -> tuple[StuckStepEngine, AsyncLLMEngine, list[RequestOutput], threading.Thread]:
+    """An engine whose step blocks (``StuckStepEngine``: ``entered`` once in the step,
+    ``unstuck`` releases it) and a consumer thread, not started, streaming one request's outputs
+    into the list returned."""
+    inner = StuckStepEngine(config(tiny_llama_dir))
+    engine = AsyncLLMEngine(None, engine=inner)
+    outputs: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate("stuck", [5, 6, 7], greedy(max_tokens)):
+            outputs.append(out)
+
+    return inner, engine, outputs, threading.Thread(target=asyncio.run, args=(consume(),))
+
+
 def test_a_shutdown_called_while_another_gives_up_on_a_stuck_step_returns(tiny_llama_dir: Path, monkeypatch) -> None:
     """A second shutdown() (a second signal, a replica's cleanup) made while the first was waiting
     for a stuck step waited for the engine lock too; when the first gave up on the step, the
     abandoned lock made the second raise EngineDeadError instead of returning."""
-    inner = StuckStepEngine(config(tiny_llama_dir))
-    engine = AsyncLLMEngine(None, engine=inner)
-
-    async def consume() -> None:
-        async for _ in engine.generate("stuck", [5, 6, 7], greedy(4)):
-            pass
-
-    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    inner, engine, _, consumer = stuck_engine_and_consumer(tiny_llama_dir, 4)
     abandoning, go = threading.Event(), threading.Event()
     abandon_step = engine._abandon_holder
 
@@ -887,15 +895,7 @@ def test_a_concurrent_shutdown_gives_up_on_a_stuck_step_by_its_own_deadline(tiny
     """A second shutdown() made while another was waiting for a stuck step waited for that one's
     (far longer) timeout, ignoring its own. Now it holds the running call to its own deadlines:
     the stuck step is given up on ``timeout + step_grace_s`` after the second call, and both return."""
-    inner = StuckStepEngine(config(tiny_llama_dir))
-    engine = AsyncLLMEngine(None, engine=inner)
-    outputs: list[RequestOutput] = []
-
-    async def consume() -> None:
-        async for out in engine.generate("stuck", [5, 6, 7], greedy(4)):
-            outputs.append(out)
-
-    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    inner, engine, outputs, consumer = stuck_engine_and_consumer(tiny_llama_dir, 4)
     first = threading.Thread(target=engine.shutdown, args=(600.0, 600.0), daemon=True)
     second = threading.Thread(target=engine.shutdown, args=(0.05, 0.05), daemon=True)
     try:
@@ -922,15 +922,7 @@ def test_a_concurrent_shutdown_ends_the_drain_by_its_own_timeout(tiny_llama_dir:
     """The same for the drain: a second shutdown(timeout=0) made while the first let the requests
     in flight run for up to 600 s ended nothing; now the drain ends then, the request in flight
     gets the "shutdown" error once its step returns, and the engine is closed as usual."""
-    inner = StuckStepEngine(config(tiny_llama_dir))
-    engine = AsyncLLMEngine(None, engine=inner)
-    outputs: list[RequestOutput] = []
-
-    async def consume() -> None:
-        async for out in engine.generate("long", [5, 6, 7], greedy(80)):
-            outputs.append(out)
-
-    consumer = threading.Thread(target=asyncio.run, args=(consume(),))
+    inner, engine, outputs, consumer = stuck_engine_and_consumer(tiny_llama_dir, 80)
     first = threading.Thread(target=engine.shutdown, args=(600.0, 600.0), daemon=True)
     second = threading.Thread(target=engine.shutdown, args=(0.0, 600.0), daemon=True)
     try:

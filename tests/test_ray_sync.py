@@ -487,11 +487,9 @@ def test_a_path_refusal_on_ray_answers_the_single_server_s_403(replica, service,
     replica's refusal came back as a plain message, a ValueError, so the ingress answered 400
     invalid_adapter. Now its kind crosses the wire: the same status, code and message."""
     import runtime.server.admin as admin_module
-    from runtime.distributed.replica_set import ReplicaSetEngine
     from runtime.lora.adapter import WEIGHTS_FILE
     from runtime.server.app import create_app
     from runtime.server.options import ServerOptions
-    from tests.server.conftest import client_for
 
     root = tmp_path / "root"
     folder = Path(shutil.copytree(folders.v1, root / "swapped"))
@@ -506,20 +504,12 @@ def test_a_path_refusal_on_ray_answers_the_single_server_s_403(replica, service,
         return path
 
     monkeypatch.setattr(admin_module, "confine_adapter_folder", confine_then_swap)
-    for module in (registry_client, replica_set_module()):
-        monkeypatch.setattr(module, "ray", SimpleNamespace(get=asyncio.run))
-    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
-        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
-    ingress = ReplicaSetEngine(replicas, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, apply_timeout_s=0.0)
+    ingress = local_ingress(replica, service, tiny_llama_dir, monkeypatch)
 
     def load(app: Any) -> Any:
-        async def run() -> Any:
-            async with client_for(app) as c:
-                return await c.post("/v1/load_lora_adapter", json={"lora_name": "swapped", "lora_path": str(folder)})
-
         (folder / WEIGHTS_FILE).unlink()
         shutil.copy2(folders.v1 / WEIGHTS_FILE, folder / WEIGHTS_FILE)  # a regular file inside the root again
-        return asyncio.run(run())
+        return admin_load(app, "swapped", folder)
 
     single, on_ray = load(create_app(replica.engine, options)), load(create_app(ingress, options))
     assert single.status_code == 403 and single.json()["error"]["code"] == "path_not_allowed", single.text
@@ -535,11 +525,9 @@ def test_an_unreadable_adapter_file_on_ray_answers_the_single_server_s_400(repli
     'FILE'". Now its parts cross the wire: the same status, code and message. (The denial is stood
     in for: as root, a chmod would not deny the read.)"""
     import runtime.lora.adapter as adapter_module
-    from runtime.distributed.replica_set import ReplicaSetEngine
     from runtime.lora.adapter import WEIGHTS_FILE
     from runtime.server.app import create_app
     from runtime.server.options import ServerOptions
-    from tests.server.conftest import client_for
 
     root = tmp_path / "root"
     folder = Path(shutil.copytree(folders.v1, root / "locked"))
@@ -552,18 +540,10 @@ def test_an_unreadable_adapter_file_on_ray_answers_the_single_server_s_400(repli
         return real_open(resolved)
 
     monkeypatch.setattr(adapter_module, "open_symlink_free", open_denied)
-    for module in (registry_client, replica_set_module()):
-        monkeypatch.setattr(module, "ray", SimpleNamespace(get=asyncio.run))
-    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
-        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
-    ingress = ReplicaSetEngine(replicas, LocalHandle(service), str(tiny_llama_dir), "tiny", 64, apply_timeout_s=0.0)
+    ingress = local_ingress(replica, service, tiny_llama_dir, monkeypatch)
 
     def load(app: Any) -> Any:
-        async def run() -> Any:
-            async with client_for(app) as c:
-                return await c.post("/v1/load_lora_adapter", json={"lora_name": "locked", "lora_path": str(folder)})
-
-        return asyncio.run(run())
+        return admin_load(app, "locked", folder)
 
     single, on_ray = load(create_app(replica.engine, options)), load(create_app(ingress, options))
     assert single.status_code == 400 and single.json()["error"]["code"] == "invalid_adapter", single.text
@@ -612,6 +592,29 @@ def test_every_replica_s_read_of_an_admin_load_stays_in_the_adapter_root(replica
     manifest.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"adapters\.A\.within: expected a list of folders"):
         AdapterRegistryService(service.folder())
+
+
+def local_ingress(replica: Any, service: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ReplicaSetEngine over ``replica`` and the registry ``service``, their Ray calls made in
+    process (``ray.get`` runs the coroutine)."""
+    from runtime.distributed.replica_set import ReplicaSetEngine
+
+    for module in (registry_client, replica_set_module()):
+        monkeypatch.setattr(module, "ray", SimpleNamespace(get=asyncio.run))
+    replicas = SimpleNamespace(validate_adapter=SimpleNamespace(
+        remote=lambda name, path, **kw: SimpleNamespace(result=lambda: asyncio.run(replica.validate_adapter(name, path, **kw)))))
+    return ReplicaSetEngine(replicas, LocalHandle(service), str(model_dir), "tiny", 64, apply_timeout_s=0.0)
+
+
+def admin_load(app: Any, name: str, folder: Path) -> Any:
+    """POST /v1/load_lora_adapter of ``folder`` as ``name`` to ``app``: the response."""
+    from tests.server.conftest import client_for
+
+    async def run() -> Any:
+        async with client_for(app) as c:
+            return await c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+
+    return asyncio.run(run())
 
 
 def replica_set_module() -> Any:

@@ -588,11 +588,8 @@ def test_ray_start_whose_registry_or_ingress_dies_while_deploying_ends_with_one_
     what was deployed is stopped."""
     from types import SimpleNamespace
 
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
-
-    from runtime.distributed import application
-    from runtime.distributed.launcher import run_ray
 
     def fails() -> Any:
         if step == "ingress_raised":  # the ingress's own call to the registry raised there
@@ -605,21 +602,8 @@ def test_ray_start_whose_registry_or_ingress_dies_while_deploying_ends_with_one_
     handle = SimpleNamespace(sync_registry=SimpleNamespace(remote=lambda: SimpleNamespace(
         result=fails if step.startswith("ingress") else lambda: None)))
     registry = SimpleNamespace(begin_deploy=SimpleNamespace(remote=lambda: "begin_deploy"), set_ready=SimpleNamespace(remote=lambda ready: "set_ready"))
-    stopped: list[Any] = []
-    monkeypatch.setattr(application, "start_serve", lambda cfg: None)
-    monkeypatch.setattr(application, "start_registry", lambda cfg: registry)
-    monkeypatch.setattr(application, "build", lambda cfg: None)
-    monkeypatch.setattr(application.serve, "run", lambda app, **kw: handle)
-    monkeypatch.setattr(application, "stop", stopped.append)
-    monkeypatch.setattr(ray, "get", get)
-    monkeypatch.setattr(ray, "init", lambda **kw: None)
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
-    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--ray", "--port", str(free_port()),
-                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
-    assert run_ray(settings) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
+    stopped = fake_ray_deploy(monkeypatch, registry, run=lambda app, **kw: handle, get=get)
+    err, lines = one_line_ray_start_failure(tiny_llama_dir, tmp_path, capsys)
     what = {"begin_deploy": "resetting the adapter registry actor", "set_ready": "marking the adapter registry ready"}.get(
         step, "the ingress taking the registry's adapter set")
     cause = "RayActorError: The actor experienced an error" if step == "ingress_raised" else "ActorDiedError: The actor died unexpectedly"
@@ -655,9 +639,8 @@ def test_ray_start_whose_replicas_fail_to_start_ends_with_one_line_naming_their_
     stopped."""
     from types import SimpleNamespace
 
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from runtime.distributed import application
-    from runtime.distributed.launcher import run_ray
 
     def run(app: Any, **kw: Any) -> Any:
         raise RuntimeError(f"Deploying application {kw['name']} failed: Failed to update the deployments ['LoraReplica'].")
@@ -666,22 +649,9 @@ def test_ray_start_whose_replicas_fail_to_start_ends_with_one_line_naming_their_
         "LoraIngress": SimpleNamespace(status="UPDATING", message=""),
         "LoraReplica": SimpleNamespace(status="DEPLOY_FAILED", message=REPLICA_START_FAILURE)})})
     registry = SimpleNamespace(begin_deploy=SimpleNamespace(remote=lambda: None))
-    stopped: list[Any] = []
-    monkeypatch.setattr(application, "start_serve", lambda cfg: None)
-    monkeypatch.setattr(application, "start_registry", lambda cfg: registry)
-    monkeypatch.setattr(application, "build", lambda cfg: None)
-    monkeypatch.setattr(application.serve, "run", run)
     monkeypatch.setattr(application.serve, "status", lambda: status)
-    monkeypatch.setattr(application, "stop", stopped.append)
-    monkeypatch.setattr(ray, "get", lambda ref: None)
-    monkeypatch.setattr(ray, "init", lambda **kw: None)
-    monkeypatch.setattr(ray, "shutdown", lambda: None)
-    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--ray", "--port", str(free_port()),
-                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
-    assert run_ray(settings) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
+    stopped = fake_ray_deploy(monkeypatch, registry, run=run, get=lambda ref: None)
+    err, lines = one_line_ray_start_failure(tiny_llama_dir, tmp_path, capsys)
     assert lines[0] == ("lorafleet serve: Ray Serve could not start the application's replicas (the LoraReplica deployment: ConfigError: "
                         "num_kv_blocks: 2 blocks of 8 tokens cannot hold one sequence of 64); nothing is served (Ray's logs have the "
                         "whole error)"), err  # fmt: skip
@@ -972,6 +942,39 @@ def test_summary_says_an_int8_checkpoint_runs_its_projections_int8(tiny_llama_di
     assert (f"dtype float32, projections int8 (weight-only checkpoint), untied LM head float32 GEMM {auto_kernel} "
             "(auto for this CPU; --cpu-gemm to choose)") in text
     assert tied == ""  # with the head tied to the embedding no float32 GEMM is left to name
+
+
+def fake_ray_deploy(monkeypatch: pytest.MonkeyPatch, registry: Any, run: Any, get: Any) -> list[Any]:
+    """``application.deploy`` against fakes: Serve started, ``registry`` as the registry actor,
+    ``run`` as ``serve.run``, ``get`` as ``ray.get``, no cluster. Returns the list ``stop`` appends to."""
+    import ray
+
+    from runtime.distributed import application
+
+    stopped: list[Any] = []
+    monkeypatch.setattr(application, "start_serve", lambda cfg: None)
+    monkeypatch.setattr(application, "start_registry", lambda cfg: registry)
+    monkeypatch.setattr(application, "build", lambda cfg: None)
+    monkeypatch.setattr(application.serve, "run", run)
+    monkeypatch.setattr(application, "stop", stopped.append)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    return stopped
+
+
+def one_line_ray_start_failure(tiny_llama_dir: Path, tmp_path: Path, capsys: Any) -> tuple[str, list[str]]:
+    """``serve --ray`` on the tiny model must end with exit status 2 and one stderr line, no
+    traceback: (stderr, its lines)."""
+    from runtime.distributed.launcher import run_ray
+
+    settings = serve.load_settings(parse("--model", str(tiny_llama_dir), "--served-model-name", "base", "--ray", "--port", str(free_port()),
+                                         "--registry-dir", str(tmp_path / "reg")))  # fmt: skip
+    assert run_ray(settings) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return err, lines
 
 
 class FakeRay:
