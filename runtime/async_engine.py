@@ -48,12 +48,11 @@ from runtime.file_reader import FileReader
 from runtime.lora.registry import AdapterInfo
 from runtime.output_mailbox import OutputMailbox
 from runtime.request import AdapterRef, ErrorKind, RequestOutput, SamplingParams
-from runtime.shutdown_seconds import check_shutdown_seconds
+from runtime.shutdown_seconds import STEP_GRACE_S, check_shutdown_seconds  # noqa: F401 - STEP_GRACE_S is this module's API too
 from runtime.tokenizer import LONG_TEXT_CHARS
 from runtime.torch_threads import single_threaded_torch
 
 logger = logging.getLogger(__name__)
-STEP_GRACE_S = 3.0  # shutdown(): how long a step still running when the drain ends is waited for before it counts as stuck
 SHUTDOWN_POLL_S = 0.05  # shutdown(): how often its wait for the engine lock looks again at its deadline, which a later call may bring forward
 STEP_HOLDER = "a step"  # the step thread's name as the engine lock's holder
 

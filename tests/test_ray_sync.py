@@ -2135,7 +2135,7 @@ def test_registry_tells_replicas_about_the_drain_and_the_ingress_about_readiness
     service.set_ready(False)
     assert service.view()["ready"] is False
     service.begin_drain(20.0)
-    service.begin_drain(100.0)  # the first call sets the deadline
+    service.begin_drain(5.0)  # the first call sets the deadline
     reply = service.heartbeat("r1", service.state()["revision"], {})
     assert reply["state"] is None and 19.0 < reply["drain_s"] <= 20.0
 

@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence
 
 from runtime.distributed.manifest import Manifest, ManifestEntry, ManifestStore
 from runtime.distributed.report_delta import apply_report
+from runtime.distributed.shutdown_timeouts import check_shutdown_timeouts
 
 
 @dataclass
@@ -213,10 +214,16 @@ class AdapterRegistryService:
     def begin_drain(self, drain_s: float) -> None:
         """The application is shutting down: replicas learn it at their next heartbeat, and let
         their requests in flight run for what is left of ``drain_s`` (the first call sets it).
-        Called by ``LoraIngress.begin_shutdown``, which checks ``drain_s`` first
-        (``shutdown_timeouts.check_shutdown_timeouts``; not here, where torch is not loaded)."""
+
+        ValueError (``check_shutdown_timeouts``), nothing begun, for a ``drain_s`` that is negative,
+        NaN, or does not end, with the step grace, inside the replicas' graceful shutdown timeout.
+        ``LoraIngress.begin_shutdown`` checks it before calling this, but the actor is a named one
+        that a script can call directly: a negative or NaN drain was taken as none at all (the
+        requests in flight cut at once), and one too long for Serve's timeout had Serve kill the
+        replicas while their requests still ran, before the drain could end them with a 503."""
+        check_shutdown_timeouts(drain_s)
         if self.drain_deadline is None:
-            self.drain_deadline = time.monotonic() + max(0.0, float(drain_s))
+            self.drain_deadline = time.monotonic() + float(drain_s)
 
     def drain_left(self) -> Optional[float]:
         """Seconds the replicas' requests in flight may still run; None while not shutting down."""

@@ -1,7 +1,7 @@
 """How long the Ray application's shutdown may take, and the check that its parts fit together.
 
 Shutdown: requests in flight get DRAIN_S to finish (a single server's ENGINE_DRAIN_S); a step
-still running then gets async_engine.STEP_GRACE_S more before the replica's engine gives up on
+still running then gets STEP_GRACE_S more before the replica's engine gives up on
 it and fails its requests (AsyncLLMEngine.shutdown); the ingress waits up to DRAIN_MARGIN_S past
 the drain (more than that grace) to pass the last outputs and errors on. Serve's graceful
 shutdown of a replica waits for its requests in flight, then kills it: longer than the drain and
@@ -9,16 +9,16 @@ the step grace, and the ingress's longer than the replicas', so a request cut by
 gets its 503.
 
 ``check_shutdown_timeouts`` checks these relations, before anything begins, at every public entry
-of a drain: ``application.build`` (for ``DRAIN_S``), ``application.drain`` and
-``LoraIngress.begin_shutdown`` (a script may call it through a Serve handle, without ``drain``).
-``AdapterRegistryService.begin_drain`` is the ingress's call to the registry, made after that check
-(here, not in the registry: the check needs ``async_engine``'s ``STEP_GRACE_S``, and so torch,
-which the registry actor does not load).
+of a drain: ``application.build`` (for ``DRAIN_S``), ``application.drain``,
+``LoraIngress.begin_shutdown`` (a script may call it through a Serve handle, without ``drain``) and
+``AdapterRegistryService.begin_drain``, the ingress's call to the registry, which a script may make
+too (the registry is a named actor): a drain it took unchecked went to every replica's engine. This
+module needs no torch (``STEP_GRACE_S`` is in ``runtime/shutdown_seconds.py``), which the registry
+actor does not load.
 """
 from __future__ import annotations
 
-from runtime.async_engine import STEP_GRACE_S
-from runtime.shutdown_seconds import check_shutdown_seconds
+from runtime.shutdown_seconds import STEP_GRACE_S, check_shutdown_seconds
 
 DRAIN_S = 25.0
 DRAIN_MARGIN_S = 5.0
