@@ -5,21 +5,77 @@ replica's teardown. No Ray cluster: the replica, registry and ingress of ``test_
 fixtures and helpers, called in process."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
+from runtime.async_engine import AsyncLLMEngine  # noqa: E402
 from runtime.distributed.shutdown_timeouts import check_shutdown_timeouts  # noqa: E402
+from runtime.request import SamplingParams  # noqa: E402
 from tests.test_ray_sync import (  # noqa: E402,F401 - fixtures and helpers shared with the sync tests
+    ScriptedReplicas,
+    folders,
+    ingress_app,
+    record,
+    replica,
     service,
+    slow_steps,
 )
 
 pytestmark = pytest.mark.ray
+
+
+# ---- a draining replica refuses before it looks the adapter up, as an engine does ------------------
+def test_a_draining_replica_answers_a_name_it_does_not_know_with_the_single_server_s_503(replica, service, folders, tiny_llama_dir,
+                                                                                        monkeypatch) -> None:
+    """The ingress's view names A (it is refreshed every 0.5 s); the registry has unloaded it since,
+    and the replica, draining, does not hold it. The replica looked A up before it checked its
+    drain and answered unknown_adapter: a 404 model_not_found. A single server whose engine drains
+    refuses a request for a name its routes resolve with a 503 engine_unavailable (the engine
+    checks that it accepts requests before it looks the adapter up); so does the replica now."""
+    from runtime.server.app import create_app
+    from tests.server.conftest import client_for
+
+    record(replica, service, "A", folders.v1)
+    ingress, ray_app = ingress_app(ScriptedReplicas(replica.generate), tiny_llama_dir)
+    ingress._take(service.view())
+    service.unregister("A")
+    single = AsyncLLMEngine(replica.engine.config)
+    single.register_adapter("A", str(folders.v1))
+    single_app = create_app(single)
+    slow_steps(replica, 0.05, monkeypatch)
+    request = {"model": "A", "prompt": "hello", "max_tokens": 2}
+
+    async def while_draining(engine: Any, app: Any, drain: Any, draining: AsyncLLMEngine) -> Any:
+        """POST ``request`` to ``app`` while ``engine`` drains (``drain()`` begins it, in a thread, and
+        ``draining`` stops accepting requests) with a request in flight."""
+        in_flight = engine.generate("long", "hello there", SamplingParams(max_tokens=50, ignore_eos=True), None)
+        await in_flight.__anext__()
+        drain()
+        for _ in range(2000):
+            if not draining.accepting:
+                break
+            await asyncio.sleep(0.005)
+        try:
+            async with client_for(app) as c:
+                return await c.post("/v1/completions", json=request)
+        finally:
+            await in_flight.aclose()
+
+    try:
+        ray_answer = asyncio.run(while_draining(replica, ray_app, lambda: replica.begin_drain(20.0), replica.engine))
+        single_answer = asyncio.run(while_draining(single, single_app, lambda: single.shutdown_in_background(20.0), single))
+    finally:
+        single.shutdown()
+    assert single_answer.status_code == 503 and single_answer.json()["error"]["code"] == "engine_unavailable", single_answer.text
+    assert (ray_answer.status_code, ray_answer.json()) == (single_answer.status_code, single_answer.json()), ray_answer.text
 
 
 # ---- the registry checks a drain it is asked for, as the ingress does -----------------------------

@@ -65,6 +65,7 @@ from runtime.request import PromptTooLongError, RequestOutput, RequestRejected, 
 from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, AdminBusy, AdminWorkers
 
 logger = logging.getLogger("lorafleet.replica")
+DRAINING = "engine is shutting down; no new requests are accepted"  # what a draining engine's own refusal says
 
 
 
@@ -519,16 +520,20 @@ class LoraReplica:
                     self._finished.pop(request_id, None)
 
     def _dead_refusal(self) -> Optional[tuple]:
-        """The ``engine_dead`` error item (the engine's ``dead_error``, the message its own refusal
-        gives) for a request on a replica whose engine is gone (shut down, or its step failed), else
-        None. Checked before the syncs a request may need (``_catch_up``, Serve's loader ``_lease``):
-        they cannot help, the engine refuses the request anyway, and on an engine that was shut down
-        no apply ever completes, so every request was behind and cost a registry round trip or two
-        before it was refused. Logged once (``_catch_up_failed``)."""
-        dead = self.engine.dead_error
-        if dead is None:
+        """The ``engine_dead`` error item (the message the engine's own refusal gives: its
+        ``dead_error``, else that it is shutting down) for a request on a replica whose engine is
+        gone (shut down, or its step failed) or draining (``begin_drain``), else None.
+
+        Checked before the syncs a request may need (``_catch_up``, Serve's loader ``_lease``): they
+        cannot help, the engine refuses the request anyway, and on an engine that was shut down no
+        apply ever completes, so every request was behind and cost a registry round trip or two
+        before it was refused. And before the adapter's lookup, as the engine itself checks
+        (``AsyncLLMEngine._check``): a draining replica answered a name it did not hold, and the
+        registry no longer had, with ``unknown_adapter`` (a 404) where a single server's draining
+        engine refuses any request with a 503. Logged once (``_catch_up_failed``)."""
+        if self.engine.accepting and self._drain is None:
             return None
-        err = EngineDeadError(dead)
+        err = EngineDeadError(self.engine.dead_error or DRAINING)
         self._catch_up_failed(err)
         return error_item(err)
 
@@ -557,7 +562,8 @@ class LoraReplica:
         failing = self._catch_up_failing
         if failing is None or failing[0] != kind:
             if isinstance(err, EngineDeadError):
-                logger.warning("replica %s: its engine is gone (%s); requests that reach it are refused", self.replica_id, err)
+                gone = "its engine is gone" if self.engine.dead_error is not None else "it is shutting down"
+                logger.warning("replica %s: %s (%s); requests that reach it are refused", self.replica_id, gone, err)
             else:
                 logger.warning("replica %s: sync before a request failed (%s: %s); serving the adapters it holds in their current version "
                                "(not logged again for each request until such a sync works)", self.replica_id, kind, err)  # fmt: skip
