@@ -9,6 +9,7 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,10 +18,14 @@ pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 from runtime.async_engine import AsyncLLMEngine  # noqa: E402
+from runtime.distributed.registry_service import AdapterRegistryService  # noqa: E402
 from runtime.distributed.shutdown_timeouts import check_shutdown_timeouts  # noqa: E402
-from runtime.request import SamplingParams  # noqa: E402
+from runtime.request import AdapterRef, SamplingParams  # noqa: E402
+from runtime.server.errors import APIError  # noqa: E402
 from tests.test_ray_sync import (  # noqa: E402,F401 - fixtures and helpers shared with the sync tests
+    RestartsAfter,
     ScriptedReplicas,
+    admin_client,
     folders,
     ingress_app,
     record,
@@ -76,6 +81,29 @@ def test_a_draining_replica_answers_a_name_it_does_not_know_with_the_single_serv
         single.shutdown()
     assert single_answer.status_code == 503 and single_answer.json()["error"]["code"] == "engine_unavailable", single_answer.text
     assert (ray_answer.status_code, ray_answer.json()) == (single_answer.status_code, single_answer.json()), ray_answer.text
+
+
+# ---- a restarted registry holds a load only with the same --adapter-root folders --------------------
+def test_a_load_whose_restarted_registry_holds_it_under_other_roots_answers_503_not_200(service, monkeypatch, tmp_path) -> None:
+    """The registry restarted from its manifest between recording a load and the replicas applying
+    it. The admin call compared the restarted registry's entry on version and path only: one that
+    another admin call had loaded again with other --adapter-root folders (a change of its own in the
+    registry) counted as this call's, and the call answered 200 for confinement not in effect. Now the
+    roots are compared too: 503 registry_restarted, as for any change the restarted registry lacks."""
+    checked = {"version": "1" * 64, "max_rank": 4}
+    client = admin_client(service, checked, monkeypatch)
+    validated = SimpleNamespace(result=lambda: checked)
+    client.replicas = SimpleNamespace(validate_adapter=SimpleNamespace(remote=lambda name, path, **kw: validated))
+    other_roots = AdapterRegistryService(str(tmp_path / "other-roots"))
+    other_roots.register("A", "/adapters/a", checked["version"], 4, within=["/elsewhere"])
+    client.registry = RestartsAfter(service, other_roots, "register")
+    with pytest.raises(APIError) as refused:
+        client.register("A", "/adapters/a", within=["/adapters"])
+    assert (refused.value.status, refused.value.code) == (503, "registry_restarted"), refused.value.message
+    same_roots = AdapterRegistryService(str(tmp_path / "same-roots"))
+    same_roots.register("A", "/adapters/a", checked["version"], 4, within=["/adapters"])
+    client.registry = RestartsAfter(AdapterRegistryService(str(tmp_path / "before")), same_roots, "register")
+    assert client.register("A", "/adapters/a", within=["/adapters"]) == AdapterRef("A", checked["version"])
 
 
 # ---- the registry checks a drain it is asked for, as the ingress does -----------------------------

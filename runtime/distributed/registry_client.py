@@ -174,11 +174,18 @@ class RegistryClient:
             raise RegistryFailed(what, err, recorded) from err
 
     def _record(self, name: str, path: str, checked: dict[str, Any], within: Optional[Sequence[str]] = None) -> AdapterRef:
+        """Record the validated adapter, then wait for the replicas (``_wait``). A registry that
+        restarted meanwhile holds this change only if its entry has the same version, path and
+        ``within``: the registry records a load again with other roots as a change of its own
+        (``AdapterRegistryService.register``), so an entry with other roots, left by another admin
+        call, is not this one, and waiting on it answered 200 for confinement not in effect."""
         what = f"register {name}@{checked['version']}"
-        confined = {"within": [str(r) for r in within]} if within is not None else {}
+        roots = [str(r) for r in within] if within is not None else None
+        confined = {"within": roots} if roots is not None else {}
         result = self._ask(self.registry.register.remote(name, str(path), checked["version"], checked["max_rank"], **confined), what,
                            recorded=None)
-        self._wait(result, what, name, lambda entry: entry is not None and (entry["version"], entry["path"]) == (checked["version"], str(path)))
+        wanted = (checked["version"], str(path), roots)
+        self._wait(result, what, name, lambda entry: entry is not None and (entry["version"], entry["path"], entry.get("within")) == wanted)
         return AdapterRef(name, checked["version"])
 
     def unregister(self, name: str) -> None:
