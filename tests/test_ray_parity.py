@@ -83,6 +83,93 @@ def test_a_draining_replica_answers_a_name_it_does_not_know_with_the_single_serv
     assert (ray_answer.status_code, ray_answer.json()) == (single_answer.status_code, single_answer.json()), ray_answer.text
 
 
+# ---- a starting ingress or replica waits for a missing registry a while, then says so in one line ---
+def gone_registry(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``ray.get_actor`` answers as Ray does for a name no live actor has; returns the names asked.
+    The wait for it is 0.05 s (checked every 0.01 s)."""
+    from runtime.distributed import registry_lookup
+
+    asked: list[str] = []
+
+    def get_actor(name: str, namespace: str) -> Any:
+        asked.append(name)
+        raise ValueError(f"Failed to look up actor with name '{name}'. This could because 1. You are trying to look up a named actor you "
+                         "didn't create. 2. The named actor died. 3. You did not use a namespace matching the namespace of the actor.")
+
+    monkeypatch.setattr(registry_lookup.ray, "get_actor", get_actor)
+    monkeypatch.setattr(registry_lookup, "REGISTRY_WAIT_S", 0.05)
+    monkeypatch.setattr(registry_lookup, "REGISTRY_POLL_S", 0.01)
+    return asked
+
+
+def start_ingress(tiny_llama_dir: Path) -> None:
+    """``LoraIngress``'s constructor, as Serve runs it, without Serve (its replicas' handle a stand-in)."""
+    from runtime.distributed.ingress import LoraIngress
+    from runtime.server.options import ServerOptions
+
+    replicas = SimpleNamespace(describe=SimpleNamespace(remote=lambda: asyncio.sleep(0, {"model_name": "tiny", "max_model_len": 64})))
+    written = user_class(LoraIngress)
+    asyncio.run(written.__init__(object.__new__(written), replicas, str(tiny_llama_dir), ServerOptions(), "lorafleet-registry-app", "lorafleet"))
+
+
+def start_replica(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LoraReplica``'s constructor, as Serve runs it, without Serve (its replica context a stand-in)."""
+    from runtime.config import EngineConfig
+    from runtime.distributed import replica as replica_module
+
+    monkeypatch.setattr(replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1")))
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", max_num_seqs=4, max_model_len=64, block_size=8, num_kv_blocks=48)
+    made = object.__new__(replica_module.LoraReplica)
+    try:
+        asyncio.run(replica_module.LoraReplica.__init__(made, config, "lorafleet-registry-app", "lorafleet"))
+    finally:
+        engine = getattr(made, "engine", None)
+        if engine is not None:  # the constructor got as far as building one
+            engine.shutdown()
+
+
+def user_class(cls: type) -> type:
+    """The class lorafleet wrote that ``serve.ingress`` wrapped in ``cls``: Serve's wrapper has an
+    ``__init__`` of its own, which also builds the ASGI app, and an async ``__del__``."""
+    return next(c for c in cls.__mro__ if getattr(c.__dict__.get("__init__"), "__module__", "").startswith("runtime."))
+
+
+@pytest.mark.parametrize("deployment", ["ingress", "replica"])
+def test_a_deployment_starting_without_its_registry_waits_a_while_then_fails_in_one_line(deployment, tiny_llama_dir, monkeypatch, caplog) -> None:
+    """With the registry actor gone (stopped, or a failed restart), the ingress's and the replicas'
+    constructors failed at once with Ray's lookup error, a ValueError that said nothing of what to do,
+    and Serve started them again and again. Now they look again for a while (one WARNING line), so a
+    registry created meanwhile is found, then fail with one line naming the actor and what to do:
+    what ``deploy`` shows as its start-up error (``test_serve_cli``)."""
+    from runtime.distributed.registry_lookup import RegistryMissing
+
+    asked = gone_registry(monkeypatch)
+    with caplog.at_level("DEBUG", logger="lorafleet"), pytest.raises(RegistryMissing) as missing:
+        start_ingress(tiny_llama_dir) if deployment == "ingress" else start_replica(tiny_llama_dir, monkeypatch)
+    message = str(missing.value)
+    assert message.startswith("the adapter registry actor 'lorafleet-registry-app' (namespace 'lorafleet') is not running (waited 0.05 s)")
+    assert "start the application again" in message and "\n" not in message, message
+    assert len(asked) > 1, "the constructor did not wait for the registry"
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert lines == ["the adapter registry actor 'lorafleet-registry-app' (namespace 'lorafleet') is not running; waiting up to 0.05 s for it"]
+
+
+def test_a_registry_that_appears_during_the_wait_is_found(monkeypatch) -> None:
+    from runtime.distributed import registry_lookup
+
+    found = object()
+    answers: list[Any] = [ValueError("Failed to look up actor"), ValueError("Failed to look up actor"), found]
+
+    def get_actor(name: str, namespace: str) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(registry_lookup.ray, "get_actor", get_actor)
+    assert asyncio.run(registry_lookup.find_registry("reg", "ns", wait_s=5.0, poll_s=0.0)) is found
+
+
 # ---- a restarted registry holds a load only with the same --adapter-root folders --------------------
 def test_a_load_whose_restarted_registry_holds_it_under_other_roots_answers_503_not_200(service, monkeypatch, tmp_path) -> None:
     """The registry restarted from its manifest between recording a load and the replicas applying

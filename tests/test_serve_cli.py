@@ -658,6 +658,38 @@ def test_ray_start_whose_replicas_fail_to_start_ends_with_one_line_naming_their_
     assert len(stopped) == 1  # the failed application and the registry actor are deleted
 
 
+def test_ray_start_whose_registry_is_gone_when_the_ingress_starts_ends_with_one_line(tmp_path: Path, tiny_llama_dir, monkeypatch,
+                                                                                   capsys) -> None:
+    """The registry actor gone when the ingress starts (stopped between its creation and the
+    deployment): the ingress's constructor waits for it a while, then raises ``RegistryMissing``,
+    and Serve gives up after 3 tries. ``serve --ray`` ends with that error's one line, exit 2."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray")
+    from runtime.distributed import application
+    from runtime.distributed.registry_lookup import RegistryMissing
+
+    error = RegistryMissing("the adapter registry actor 'lorafleet-registry-lorafleet' (namespace 'lorafleet') is not running (waited 10 s): "
+                            "it was stopped, or could not restart; start the application again")  # fmt: skip
+    failure = REPLICA_START_FAILURE.replace("LoraReplica", "LoraIngress").replace(
+        "runtime.config.ConfigError: num_kv_blocks: 2 blocks of 8 tokens cannot hold one sequence of 64\nsecond line of the message",
+        f"runtime.distributed.registry_lookup.RegistryMissing: {error}")
+
+    def run(app: Any, **kw: Any) -> Any:
+        raise RuntimeError(f"Deploying application {kw['name']} failed: Failed to update the deployments ['LoraIngress'].")
+
+    status = SimpleNamespace(applications={"lorafleet": SimpleNamespace(deployments={
+        "LoraIngress": SimpleNamespace(status="DEPLOY_FAILED", message=failure),
+        "LoraReplica": SimpleNamespace(status="HEALTHY", message="")})})
+    registry = SimpleNamespace(begin_deploy=SimpleNamespace(remote=lambda: None))
+    monkeypatch.setattr(application.serve, "status", lambda: status)
+    stopped = fake_ray_deploy(monkeypatch, registry, run=run, get=lambda ref: None)
+    err, lines = one_line_ray_start_failure(tiny_llama_dir, tmp_path, capsys)
+    assert lines[0] == (f"lorafleet serve: Ray Serve could not start the application's replicas (the LoraIngress deployment: RegistryMissing: "
+                        f"{error}); nothing is served (Ray's logs have the whole error)"), err  # fmt: skip
+    assert len(stopped) == 1
+
+
 def test_a_replica_start_error_without_a_traceback_is_its_first_line() -> None:
     pytest.importorskip("ray")
     from runtime.distributed.application import replica_start_error

@@ -15,6 +15,7 @@ import ray
 from ray import serve
 
 from runtime.distributed.log_level import apply_log_level
+from runtime.distributed.registry_lookup import find_registry
 from runtime.distributed.replica_set import ReplicaSetEngine
 from runtime.distributed.shutdown_timeouts import check_shutdown_timeouts
 from runtime.server.app import create_app
@@ -61,11 +62,12 @@ class LoraIngress:
         log_level: str = "info",
     ) -> None:
         apply_log_level(log_level)
+        registry = await find_registry(registry_name, namespace)  # a bounded wait, then one line (RegistryMissing)
         info = await replicas.describe.remote()
         self.options = options
         self.engine = ReplicaSetEngine(
             replicas,
-            ray.get_actor(registry_name, namespace=namespace),
+            registry,
             model_dir,
             info["model_name"],
             info["max_model_len"],

@@ -58,6 +58,7 @@ from runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from runtime.config import EngineConfig
 from runtime.distributed.apply_backoff import ApplyBackoff
 from runtime.distributed.log_level import apply_log_level
+from runtime.distributed.registry_lookup import find_registry
 from runtime.distributed.report_delta import ReportSender
 from runtime.lora.adapter import AdapterPathError
 from runtime.lora.registry import AdapterInfo
@@ -155,9 +156,10 @@ class LoraReplica:
                        log_level: str = "info") -> None:
         apply_log_level(log_level)
         replica_id = serve.get_replica_context().replica_id.unique_id
+        registry = await find_registry(registry_name, namespace)  # before the engine: a bounded wait, then one line (RegistryMissing)
         engine = AsyncLLMEngine(dataclasses.replace(engine_config, seed=replica_seed(engine_config.seed, replica_id)))
         engine.start()
-        self._setup(engine, ray.get_actor(registry_name, namespace=namespace), replica_id, sync_interval_s)
+        self._setup(engine, registry, replica_id, sync_interval_s)
 
         async def load_adapter(name: str) -> AdapterLease:
             return await self._lease(name)
