@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -215,3 +216,23 @@ def test_the_registry_module_still_loads_without_torch() -> None:
     assert out.stdout.strip() == "False", out.stderr
 
 
+# ---- a replica's teardown ends its validation thread ------------------------------------------------
+def test_the_teardown_serve_calls_ends_the_replica_s_validation_thread(replica, folders, monkeypatch) -> None:
+    """Serve stops a replica by calling its ``__del__`` (``UserCallableWrapper.call_destructor``);
+    that cancelled the sync task and shut the engine down, but the thread validate_adapter runs on
+    (``_validations``) stayed, waiting for work that would never come. Now the teardown lets it end."""
+    threads: list[threading.Thread] = []
+    real = replica.engine.load_adapter_files
+
+    def load(name: str, path: str, **kw: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real(name, path, **kw)
+
+    monkeypatch.setattr(replica.engine, "load_adapter_files", load)
+    assert "version" in asyncio.run(replica.validate_adapter("A", str(folders.v1)))
+    assert len(threads) == 1 and threads[0].name.startswith("lorafleet-admin"), threads
+    replica.registry = None  # no registry to say goodbye to here
+    replica.__del__()
+    threads[0].join(timeout=5.0)
+    assert not threads[0].is_alive(), "the replica's validation thread outlived its teardown"
+    replica.__del__()  # Python may call it again when the object is collected

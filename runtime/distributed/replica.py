@@ -647,9 +647,15 @@ class LoraReplica:
             raise RuntimeError(f"replica {self.replica_id}: {problem}")
 
     def __del__(self) -> None:
+        """The replica's teardown: Serve calls it when it stops the replica (its graceful shutdown,
+        ``UserCallableWrapper.call_destructor``), before the actor process ends; Python may call it
+        again when the object is collected, so each step is one that can run twice."""
         task = getattr(self, "_sync_task", None)
         if task is not None:
             task.cancel()
+        validations = getattr(self, "_validations", None)
+        if validations is not None:  # its thread outlived the replica: drop waiting validations, let it end
+            validations.shutdown()
         if getattr(self, "registry", None) is not None:
             self.registry.forget.remote(self.replica_id)
         if getattr(self, "_drain", None) is not None:
