@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 from pathlib import Path
 
@@ -170,5 +171,34 @@ def test_merge_streams_forwards_a_stream_s_own_errors_cancellation_included() ->
             await asyncio.wait_for(collect(KeyError("x")), 10)
         with pytest.raises(asyncio.CancelledError):  # it used to hang: the pump took it for its own cancellation
             await asyncio.wait_for(collect(asyncio.CancelledError()), 10)
+
+    asyncio.run(main())
+
+
+def test_an_unread_stream_holds_nothing_per_step_it_missed() -> None:
+    """Merged outputs used to keep each step's new ids and text until read (joined on get): about
+    110 bytes a token for a stream nobody reads. Now the merged entry is the latest output and
+    where its new part starts; what the box holds beyond the outputs themselves stays flat."""
+    import tracemalloc
+
+    steps = 5000
+
+    def step(k: int) -> RequestOutput:  # the output of step k; range and str stand in for the engine's tuple and text
+        return RequestOutput("r", None, (k,), "x", range(k + 1), "x" * (k + 1), False, None, None, (1,))
+
+    async def main() -> None:
+        box = OutputMailbox()
+        tracemalloc.start()
+        try:
+            for k in range(steps):
+                box.put(step(k))
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        last = sys.getsizeof(step(steps - 1).text)
+        assert held < last + 16_384, f"{held} bytes held for {steps} steps (the last output's text alone: {last})"
+        outs = [await box.get() for _ in range(len(box))]
+        assert "".join(o.new_text for o in outs) == step(steps - 1).text
+        assert sum((tuple(o.new_token_ids) for o in outs), ()) == tuple(range(steps))
 
     asyncio.run(main())
