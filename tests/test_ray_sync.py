@@ -1767,7 +1767,7 @@ def test_heartbeat_keeps_the_event_loop_free_while_a_step_holds_the_engine_lock(
 
 def test_a_request_the_client_abandons_is_counted_as_an_abort_at_the_ingress(tiny_llama_dir) -> None:
     """The replica's own record of the abort never travels back (its stream is cancelled), so
-    the ingress reports what it knows: the adapter, the prompt and the tokens passed on."""
+    the ingress reports what it knows: the adapter, the prompt and the tokens it received."""
     from runtime.distributed.replica_set import ReplicaSetEngine
     from runtime.request import RequestOutput
     from runtime.server.metrics import ServerMetrics
@@ -1776,13 +1776,12 @@ def test_a_request_the_client_abandons_is_counted_as_an_abort_at_the_ingress(tin
         ids = tuple(range(10, 10 + n))
         return RequestOutput("req", AdapterRef("A", "v1"), ids[-1:], "x", ids, "x" * n, False, None, None, (1, 2, 3, 4, 5))
 
-    async def endless(*args: Any) -> Any:
-        n = 0
-        while True:
-            n += 1
+    async def three_then_running(*args: Any) -> Any:  # the replica's request goes on, but nothing more arrives
+        for n in range(1, 4):
             yield ("out", on_the_wire(out(n), out(n - 1) if n > 1 else None), None)
+        await asyncio.Event().wait()
 
-    ingress = ReplicaSetEngine(ScriptedReplicas(endless), None, str(tiny_llama_dir), "tiny", 64)
+    ingress = ReplicaSetEngine(ScriptedReplicas(three_then_running), None, str(tiny_llama_dir), "tiny", 64)
     seen: list[Any] = []
     ingress.add_observer(seen.append)
     metrics = ServerMetrics(lambda: {})

@@ -39,6 +39,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from runtime.async_engine import EngineDeadError
+from runtime.distributed.read_ahead import read_ahead
 from runtime.distributed.registry_client import RegistryClient
 from runtime.distributed.replica import ERROR_KINDS, off_the_wire
 from runtime.lora.registry import AdapterInfo
@@ -351,11 +352,13 @@ class ReplicaSetEngine:
         group: Optional["VersionGroup"] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request from a replica. ``group``: pin it, with the group's other requests, to
-        one adapter version (``VersionGroup``)."""
+        one adapter version (``VersionGroup``). The replica's outputs are read as they arrive and
+        merged while the caller lags (``read_ahead``): a client that stops reading does not leave
+        one Ray object per step waiting at the ingress."""
         if not self.accepting:
             raise EngineDeadError(self.dead_error or SHUTTING_DOWN)
         self.active += 1
-        stream = self._generate(request_id, prompt, params, adapter, group)
+        stream = read_ahead(self._generate(request_id, prompt, params, adapter, group))
         try:
             async for delta in stream:
                 yield delta
@@ -505,7 +508,9 @@ def abandoned_request_metrics(
     finish_reason: str = "abort",
 ) -> RequestMetrics:
     """What the ingress knows of a request whose client went away: its adapter and the tokens
-    passed on (prompt tokens only once an output showed the prompt ran), no timings. The
+    it received (prompt tokens only once an output showed the prompt ran; ``read_ahead`` takes
+    tokens off the wire before the client reads them, as the replica's engine counts the tokens it
+    generated, read or not), no timings. The
     replica's engine records the abort in full, but its stream is cancelled before that record
     could travel back, so /metrics counts the abort from this. ``finish_reason`` "error": one
     that failed because its replica died (or its replay failed), whose record is lost too."""
