@@ -6,6 +6,7 @@ store and +47 MB of RSS at the caller). A client that goes away cancels the repl
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
@@ -18,6 +19,7 @@ from runtime.distributed.replica import on_the_wire  # noqa: E402
 from runtime.distributed.replica_set import ReplicaSetEngine  # noqa: E402
 from runtime.output_mailbox import OutputMailbox  # noqa: E402
 from runtime.request import RequestOutput, SamplingParams  # noqa: E402
+from tests.test_ray_sync import replica, service  # noqa: E402,F401 - the in-process replica fixtures
 
 
 def step_output(n: int, finished: bool = False) -> RequestOutput:
@@ -96,3 +98,46 @@ def test_a_client_gone_mid_stream_cancels_the_replica_stream_at_once(tiny_llama_
 
     replica = asyncio.run(run())
     assert replica.cancelled and replica.closed  # Serve's cancel reaches the replica, whose engine aborts the request
+
+
+class LocalReplicaStream:
+    """A real replica's ``generate`` called in-process, as a Serve stream: iterating it runs the
+    replica's generator in the reading task, so cancelling that task (as Serve's ``cancel`` does
+    the replica's) reaches the replica's clean-up, which aborts the engine request."""
+
+    def __init__(self, items: AsyncIterator[tuple]) -> None:
+        self.items = items
+
+    def __aiter__(self) -> AsyncIterator[tuple]:
+        return self.items
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_client_gone_mid_stream_aborts_the_request_in_the_replica_s_engine(replica, tiny_llama_dir: Path) -> None:
+    """Through the ingress's read-ahead, a real replica and its engine: the request ends as an
+    abort long before its 40 slowed steps (2 s) are done."""
+    finished: list[Any] = []
+    replica.engine.add_observer(finished.append)
+    runner = replica.engine.engine.runner
+    real_execute = runner.execute
+    runner.execute = lambda steps: (time.sleep(0.05), real_execute(steps))[1]
+    handle = SimpleNamespace(generate=SimpleNamespace(remote=lambda *args: LocalReplicaStream(replica.generate(*args))))
+    handle.options = lambda **options: handle
+    ingress = ReplicaSetEngine(handle, None, str(tiny_llama_dir), "tiny", 64)
+
+    async def run() -> None:
+        stream = ingress.generate("req", "hello there", SamplingParams(max_tokens=40, ignore_eos=True))
+        first = await asyncio.wait_for(stream.__anext__(), 30)
+        assert not first.finished
+        await asyncio.wait_for(stream.aclose(), 10)
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        runner.execute = real_execute
+    assert [(m.finish_reason, m.output_tokens < 40) for m in finished] == [("abort", True)], finished
