@@ -1,4 +1,4 @@
-"""The Ray ingress takes each replica stream off the wire as it arrives (``read_ahead``): a client
+"""The Ray ingress takes each replica stream off the wire as it arrives (``read_ahead``): a consumer
 that stops reading leaves a merged output or two at the ingress, not one Ray object per step
 (Serve's streaming calls have no backpressure: the replica pushes every item to the ingress, read
 or not; measured with a real Serve deployment, 20000 unread items held 20000 objects, 10 MB of

@@ -282,6 +282,22 @@ def test_greedy_outputs_equal_single_server(app, tiny_llama_dir: Path) -> None:
     assert sum(expected[(name, prompt)] != expected[(None, prompt)] for name, prompt in adapter_cases) >= 2
 
 
+def test_a_client_that_stops_reading_a_stream_loses_nothing(app) -> None:
+    """Through Serve's proxy, the ingress (``read_ahead``) and a replica, a client that reads one
+    chunk, then nothing while the rest is generated, then the rest, reads the whole reply."""
+    _, url, _ = app
+    whole = complete(url, "a", PROMPTS[1], 60).json()["choices"][0]["text"]
+    body = {"model": "a", "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        events = [next(line for line in lines if line.startswith("data: "))]
+        time.sleep(1.0)  # the replica generates the rest meanwhile
+        events += [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
+
+
 def test_replicas_draw_different_seeds_for_unseeded_requests(app) -> None:
     """Both replicas run with the app's seed 0 in their config, yet each derives its own engine
     seed (``replica_seed``): with the same seed, unseeded choices came back in identical pairs."""

@@ -1,14 +1,20 @@
-"""read_ahead: take a replica's outputs off the wire as they arrive, merging what the client has
-not read yet, so a slow or stalled client cannot make the ingress hold one object per step.
+"""read_ahead: take a replica's outputs off the wire as they arrive, merging what the ingress's
+routes have not taken yet, so a consumer that lags cannot make the ingress hold one object per step.
 
 A replica's ``generate`` is a Serve streaming call: a Ray streaming generator, which Serve
 starts without ``_generator_backpressure_num_objects``. The replica pushes every item to the
 ingress (the generator's owner) as soon as it is made, whether or not anyone reads it; and Serve
 runs the replica's generator in its own task that puts each item on an unbounded queue, so even
-Ray's backpressure would only move the pile to the replica. A stream whose client stopped
-reading therefore left every step's output in the ingress's object store until the request
-ended and the client read them, or went away: one small object (~0.6 KB with Ray's bookkeeping,
-measured) per generated token, for every such stream.
+Ray's backpressure would only move the pile to the replica. A stream the ingress read slower
+than the replica generated therefore left every step's output in the ingress's object store
+until it was read: one small object (~0.5 KB of store, ~2.4 KB of RSS, measured with a Serve
+deployment) per generated token.
+
+What this does not bound: an HTTP client that stops reading. The ingress's ASGI ``send`` only
+queues each message for Serve's HTTP proxy (Serve's replica wrapper, ``MessageQueue.put_nowait``),
+so the routes never wait for the client and take outputs as fast as they come; the SSE chunks then
+wait in the proxy, which this process cannot see (docs/scale-out.md says so). Here the merging
+matters when the ingress's event loop falls behind its replicas (many streams, a long /metrics).
 
 Here the ingress reads each stream as it arrives and keeps what its consumer has not taken in an
 ``OutputMailbox``, which merges it as the single server's engine does for its own streams: a

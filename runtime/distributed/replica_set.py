@@ -353,7 +353,7 @@ class ReplicaSetEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request from a replica. ``group``: pin it, with the group's other requests, to
         one adapter version (``VersionGroup``). The replica's outputs are read as they arrive and
-        merged while the caller lags (``read_ahead``): a client that stops reading does not leave
+        merged while the caller lags (``read_ahead``): a caller that falls behind does not leave
         one Ray object per step waiting at the ingress."""
         if not self.accepting:
             raise EngineDeadError(self.dead_error or SHUTTING_DOWN)
