@@ -37,11 +37,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from runtime.config import EngineConfig
+from runtime.daemon_executor import DaemonExecutor
 from runtime.engine import CheckedRequest, LLMEngine
 from runtime.fair_lock import Acquisition, FairLock
 from runtime.file_reader import FileReader
@@ -130,7 +131,9 @@ class AsyncLLMEngine:
         self._queues_lock = threading.Lock()  # guards _queues alone, for dict operations only
         # The engine lock can be held for a whole step, so the event loop never takes it:
         # admissions and aborts run in these helper threads (one OpenMP team: see torch_threads).
-        self._submit = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lorafleet-submit", initializer=single_threaded_torch)
+        # Daemons: one stuck holding the lock (an adapter install on a hung device), which shutdown
+        # gives up on, must not hold the process's exit (runtime/daemon_executor.py).
+        self._submit = DaemonExecutor(max_workers=4, thread_name_prefix="lorafleet-submit", initializer=single_threaded_torch)
         self._helper_tasks: set["Future[Any]"] = set()  # _submit's tasks not finished yet (shutdown waits for them until its deadline)
         self._helper_tasks_lock = threading.Lock()
         # Requests waiting to be admitted: whoever holds the lock next (a helper or the step thread)

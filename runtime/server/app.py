@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from runtime.async_engine import EngineDeadError
+from runtime.daemon_executor import DaemonExecutor
 from runtime.server import admin, chat, completions, tokenize
 from runtime.server.admin_workers import ADMIN_MAX_IN_PROGRESS, ADMIN_THREADS, AdminWorkers
 from runtime.server.chat_render_workers import CHAT_RENDER_MAX_IN_PROGRESS, CHAT_RENDER_THREADS, ChatRenderWorkers
@@ -25,6 +26,7 @@ from runtime.server.options import ServerOptions
 from runtime.server.security import GuardMiddleware
 
 server_log = logging.getLogger("lorafleet.server")  # errors.py's: what the operator should look at
+METRICS_THREADS = 2  # /metrics renders at once (a scrape waits for the engine lock: at most one step); more queue for a thread
 
 
 def unavailable_reason(engine: Any) -> str | None:
@@ -62,6 +64,9 @@ class AppState:
     chat_renders: the threads chat templates render in (chat completions, ``/tokenize`` of
     messages), shut down with the app (its lifespan's end); a call after that starts new threads.
     admin_workers: the threads the admin routes read and install adapters in, likewise.
+    metrics_threads: the threads /metrics renders in. Its engine snapshot takes the engine lock, so
+    a render can be the lock's holder that a shutdown gives up on (a hung device): daemon threads
+    (``DaemonExecutor``; the event loop's default executor is joined at exit), which end with the app.
     """
 
     engine: Any
@@ -74,6 +79,7 @@ class AppState:
     started: int
     chat_renders: ChatRenderWorkers
     admin_workers: AdminWorkers
+    metrics_threads: DaemonExecutor
 
 
 def create_app(
@@ -106,6 +112,7 @@ def create_app(
         started=int(time.time()),
         chat_renders=ChatRenderWorkers(CHAT_RENDER_THREADS, CHAT_RENDER_MAX_IN_PROGRESS),
         admin_workers=AdminWorkers(ADMIN_THREADS, ADMIN_MAX_IN_PROGRESS),
+        metrics_threads=DaemonExecutor(METRICS_THREADS, "lorafleet-metrics"),
     )
 
     @contextlib.asynccontextmanager
@@ -132,7 +139,7 @@ def create_app(
     async def prometheus_metrics() -> Response:
         # The engine snapshot takes the engine lock (held for a whole step): wait for it off the event loop.
         try:
-            body = await asyncio.to_thread(metrics.render)
+            body = await asyncio.get_running_loop().run_in_executor(state.metrics_threads, metrics.render)
         except EngineDeadError as err:  # shutdown gave up on a stuck step: its lock refuses everyone
             return error_response(503, f"engine unavailable: {err}", code="engine_unavailable")
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

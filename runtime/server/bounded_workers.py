@@ -13,13 +13,19 @@ backlog whose clients gave up cannot pile up. A call counts until its work ends,
 caller went away meanwhile (the work goes on in its thread); one still waiting for a thread
 when its caller goes away is dropped. ``shutdown`` drops the calls still waiting and lets the
 threads end once their work has (the server's shutdown); a call after it starts new threads.
+
+The threads are daemons (``DaemonExecutor``): an admin load can hold the engine lock, and one
+stuck there, which the engine's shutdown gives up on, must not keep the process from exiting
+(a ``ThreadPoolExecutor``'s threads are joined at exit).
 """
 from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Optional, TypeVar
+
+from runtime.daemon_executor import DaemonExecutor
 
 T = TypeVar("T")
 
@@ -76,8 +82,8 @@ class BoundedWorkers:
             executor = self._executor
         executor.shutdown(wait=False, cancel_futures=True)
 
-    def _new_executor(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix=self._thread_name, initializer=self._initializer)
+    def _new_executor(self) -> DaemonExecutor:
+        return DaemonExecutor(max_workers=self.threads, thread_name_prefix=self._thread_name, initializer=self._initializer)
 
     def _finished(self, _work: "Future[Any] | None") -> None:
         with self._lock:
