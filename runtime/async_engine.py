@@ -291,15 +291,11 @@ class AsyncLLMEngine:
 
     def _acquire_before(self, ends: Callable[[], float]) -> tuple[bool, Optional[Acquisition]]:
         """Take the engine lock (as shutdown) unless ``ends()`` passes first; ``ends()`` is read
-        again every ``SHUTDOWN_POLL_S``, as a later shutdown() call may bring it forward.
+        again every ``SHUTDOWN_POLL_S``, as a later shutdown() call may bring it forward. The wait
+        keeps its place in the lock's queue (``FairLock.acquire_or_holder(until=...)``): callers
+        that queued after it (admissions, /metrics) do not go first.
         (True, None) once taken, else (False, the acquisition that held it as the wait ended)."""
-        while True:
-            left = ends() - time.monotonic()
-            taken, holding = self._lock.acquire_or_holder(timeout=max(0.0, min(left, SHUTDOWN_POLL_S)), holder="shutdown")
-            if taken:
-                return True, None
-            if ends() <= time.monotonic():
-                return False, holding
+        return self._lock.acquire_or_holder(timeout=SHUTDOWN_POLL_S, holder="shutdown", until=ends)
 
     def _shut_down_now(self, started: float) -> None:
         """``shutdown``'s work, done once, by the call made at ``started``."""

@@ -10,10 +10,16 @@ waiting for ever. It works as the lock of a ``threading.Condition``.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, NamedTuple, Optional
 
 UNNAMED_HOLDER = "a caller"  # what holds a FairLock taken without naming itself
+
+
+def _slice(until: Callable[[], float], longest: float) -> float:
+    """How long to wait before reading the deadline ``until()`` again: what is left of it, at most ``longest``."""
+    return max(0.0, min(until() - time.monotonic(), longest))
 
 
 class _Turn:
@@ -110,9 +116,18 @@ class FairLock:
     def acquire(self, blocking: bool = True, timeout: float = -1, holder: str = UNNAMED_HOLDER) -> bool:
         return self.acquire_or_holder(blocking, timeout, holder)[0]
 
-    def acquire_or_holder(self, blocking: bool = True, timeout: float = -1, holder: str = UNNAMED_HOLDER) -> tuple[bool, Optional[Acquisition]]:
+    def acquire_or_holder(self, blocking: bool = True, timeout: float = -1, holder: str = UNNAMED_HOLDER,
+                          until: Optional[Callable[[], float]] = None) -> tuple[bool, Optional[Acquisition]]:
         """``acquire``: (True, None) once taken; else (False, the acquisition that held the lock as
-        the wait ended, read under the lock's mutex), which ``abandon(error, only=...)`` takes."""
+        the wait ended, read under the lock's mutex), which ``abandon(error, only=...)`` takes.
+
+        ``until``: wait until that ``time.monotonic()`` deadline instead, in the place in the queue
+        taken at the call; ``until()`` is read again every ``timeout`` s (> 0), as it may come
+        sooner meanwhile (a later ``shutdown`` call's). A wait in slices of plain ``acquire(timeout=)``
+        calls would leave the queue after each and join it again at the back, behind everyone who
+        came meanwhile: unfair to a shutdown waiting for its turn to fail the requests."""
+        if until is not None and not timeout > 0:
+            raise ValueError(f"FairLock: acquire_or_holder(until=...) reads the deadline every timeout s, which must be > 0, got {timeout!r}")
         with self._mutex:
             if self._abandoned is not None:
                 raise self._abandoned()
@@ -126,7 +141,9 @@ class FairLock:
             turn = _Turn(holder)
             self._waiters.append(turn)
         try:
-            woken = turn.gate.acquire(timeout=timeout)  # released by release() (ownership handed over) or by abandon()
+            woken = turn.gate.acquire(timeout=timeout if until is None else _slice(until, timeout))  # released by release() (handed over) or abandon()
+            while not woken and until is not None and until() > time.monotonic():
+                woken = turn.gate.acquire(timeout=_slice(until, timeout))
         except BaseException:  # interrupted (Ctrl-C in the main thread): leave the queue, or pass on what came
             with self._mutex:
                 if turn in self._waiters:

@@ -174,3 +174,55 @@ def test_a_consumer_cancelled_twice_still_aborts_its_request(tiny_llama_dir: Pat
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_a_shutdown_waiting_for_the_lock_goes_before_callers_that_queued_after_it(tiny_llama_dir: Path, monkeypatch) -> None:
+    """Shutdown waited for the engine lock in SHUTDOWN_POLL_S slices, each a fresh ``acquire``
+    that left the lock's queue when it timed out and joined it again at the back: snapshots (or
+    admissions) queued after it went first, however long it had waited. Now it keeps its place."""
+    import threading
+    import time
+
+    import runtime.async_engine as async_engine
+    from runtime.engine import LLMEngine
+
+    monkeypatch.setattr(async_engine, "SHUTDOWN_POLL_S", 0.005)
+    order: list[str] = []
+
+    class Recorded(LLMEngine):
+        def snapshot(self):  # type: ignore[no-untyped-def]
+            order.append("a snapshot")
+            return super().snapshot()
+
+        def fail_all(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            order.append("shutdown")
+            return super().fail_all(*args, **kwargs)
+
+    engine = AsyncLLMEngine(None, engine=Recorded(engine_config(tiny_llama_dir)))
+    lock = engine._lock  # noqa: SLF001 - a long step stands in as its holder
+
+    def queued_for_the_lock(count: int) -> bool:
+        for _ in range(3000):
+            with lock._mutex:  # noqa: SLF001
+                if len(lock._waiters) >= count:  # noqa: SLF001
+                    return True
+            time.sleep(0.001)
+        return False
+
+    lock.acquire(holder="a step")
+    shutdown = threading.Thread(target=engine.shutdown, args=(0.0, 60.0))  # no drain: straight to failing the requests
+    snapshots = [threading.Thread(target=engine.snapshot) for _ in range(2)]
+    try:
+        shutdown.start()
+        assert queued_for_the_lock(1)
+        for thread in snapshots:
+            thread.start()
+        assert queued_for_the_lock(3)
+        time.sleep(20 * async_engine.SHUTDOWN_POLL_S)  # shutdown read its deadline again many times meanwhile
+    finally:
+        lock.release()
+        shutdown.join(30)
+        for thread in snapshots:
+            thread.join(30)
+    assert order[:3] == ["shutdown", "a snapshot", "a snapshot"], order
+    assert not shutdown.is_alive() and not engine.step_abandoned
