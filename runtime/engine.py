@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -52,6 +53,7 @@ from runtime.request import (
 )
 from runtime.sampler import NoToken, Sampler, token_logprobs, token_stop_reason
 from runtime.scheduler import Scheduler
+from runtime.shutdown_seconds import check_shutdown_seconds
 from runtime.stats import BASE_LABEL, OTHER_LABEL, AdapterRequestCounters, RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class LLMEngine:
             backend = get_backend(config.device)
         self._closed = False  # close() has released the model: requests and adapter changes are refused
         self._close_lock = threading.Lock()  # one close() tears down; a concurrent one waits for it
+        self._tearing_down: Optional[int] = None  # the thread in close()'s teardown, while it is (a call from it again raises)
         asked_gemm = config.cpu_gemm
         config = config.for_backend(backend.name)  # the step budget's default depends on the device
         check_cpu_gemm_applies(config, asked_gemm)  # an int8 checkpoint with a tied LM head has no float32 GEMM to choose
@@ -730,14 +733,30 @@ class LLMEngine:
         released either way (the engine object itself, with its host tier of adapters, stays
         referenced by that read until it ends).
 
+        ``timeout`` must be None or a number of seconds >= 0 (``math.inf``: as None), else ValueError
+        and nothing is closed (``check_shutdown_seconds``).
+
         Thread-safe: one call tears down; a call made meanwhile from another thread waits for it,
-        so either returns only once the memory is released (or the teardown raised)."""
+        so either returns only once the memory is released (or the teardown raised). A call made
+        from inside the teardown itself (a callback run by it, in the same thread) would wait for
+        itself for ever: it raises RuntimeError instead."""
+        if timeout is not None:
+            check_shutdown_seconds(timeout=timeout)
+            if math.isinf(timeout):
+                timeout = None  # a wait for ever: what None means (an infinite one overflows the platform's timeout)
+        if self._tearing_down == threading.get_ident():
+            raise RuntimeError("LLMEngine.close: called again from inside its own teardown (in the same thread), "
+                               "which would wait for itself for ever")
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-            left = self.pool.close(timeout)
-            self.runner.release()
+            self._tearing_down = threading.get_ident()
+            try:
+                left = self.pool.close(timeout)
+                self.runner.release()
+            finally:
+                self._tearing_down = None
         if left:
             logger.warning("engine closed without waiting for %d adapter read(s) from disk still going after %s s, which cannot be "
                            "interrupted: %s", len(left), timeout, ", ".join(left))

@@ -25,6 +25,7 @@ from runtime.engine import LLMEngine, check_adapter_name
 from runtime.lora.adapter import check_adapter_folder, check_adapter_path_type
 from runtime.progress_bar import ProgressBar
 from runtime.request import SamplingParams, TokenLogprobs
+from runtime.shutdown_seconds import check_shutdown_seconds
 
 Prompt = Union[str, Sequence[int]]
 
@@ -91,11 +92,20 @@ class LLM:
         self._turn = threading.Lock()  # one call into the engine at a time
         self._closed = False
 
-    def close(self) -> None:
-        """Release the engine (model weights, KV cache, adapter loader thread)."""
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Release the engine (model weights, KV cache, adapter loader thread), as ``LLMEngine.close``.
+
+        ``timeout``: how long to wait for an adapter read from disk still running (None, the
+        default, or ``math.inf``: until it ends). A read cannot be interrupted: one still going
+        then (a hung network mount) is left to the loader's daemon thread, which cannot hold the
+        process's exit, with a WARNING; the model and KV cache are released either way. It must be
+        None or a number of seconds >= 0, else ValueError and nothing is closed. Waits for a
+        ``generate`` running in another thread first (one call at a time)."""
+        if timeout is not None:
+            check_shutdown_seconds(timeout=timeout)  # before the wait for a running call: a typo must not wait for it
         with self._turn:
             self._closed = True
-            self.engine.close()
+            self.engine.close(timeout)
 
     def _check_open(self) -> None:
         if self._closed:

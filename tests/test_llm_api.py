@@ -169,7 +169,7 @@ def test_close_and_a_failed_constructor_release_the_engine(tiny_llama_dir, tiny_
 
     closed = []
     real_close = LLMEngine.close
-    monkeypatch.setattr(LLMEngine, "close", lambda self: (closed.append(self), real_close(self)))
+    monkeypatch.setattr(LLMEngine, "close", lambda self, *args: (closed.append(self), real_close(self, *args)))  # LLM.close passes its timeout
     with pytest.raises(ValueError, match=r"adapters\['big'\]|rank"):  # rank 16 over max_lora_rank 8: found once the model is loaded
         LLM(str(tiny_llama_dir), adapters={"good": str(tiny_adapters["a"]), "big": str(tiny_adapters["c"])}, max_lora_rank=8,
             num_kv_blocks=32, block_size=4)  # fmt: skip
