@@ -20,7 +20,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     if isinstance(p, str):
         return [p]
     if not p:
-        raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_parameter")
+        raise APIError(400, "prompt: must not be an empty list", param="prompt", code="invalid_parameter")
     if all(isinstance(x, int) for x in p):
         return [list(p)]
     if len(p) > MAX_PROMPTS:

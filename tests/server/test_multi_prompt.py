@@ -156,6 +156,15 @@ def test_number_of_prompts_is_capped(engine) -> None:
         assert err["param"] == "prompt" and f"at most {MAX_PROMPTS} prompts" in err["message"]
 
 
+def test_an_empty_prompt_list_is_worded_as_every_other_field_error(engine) -> None:
+    """``"prompt": []`` was "prompt must not be empty", the one field error without the ``prompt:`` prefix."""
+    app = create_app(engine, ServerOptions())
+    with running_server(app) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body(engine, []), timeout=30)
+    assert r.status_code == 400 and r.json()["error"] == {"message": "prompt: must not be an empty list", "type": "invalid_request_error",
+                                                          "param": "prompt", "code": "invalid_parameter"}
+
+
 @pytest.mark.parametrize("prompt, param, start", [([[]], "prompt", "prompt: "), ([[5], []], "prompt.1", "prompt 1 (of 2): ")])
 def test_an_empty_token_id_prompt_is_named_as_the_engine_names_a_refused_prompt(engine, prompt, param: str, start: str) -> None:
     """An empty token-id list is refused as any other prompt the engine refuses (docs/api.md):
