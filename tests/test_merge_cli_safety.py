@@ -52,11 +52,17 @@ def test_base_without_tokenizer_fails_verification_early_and_merges_with_no_veri
     assert _merge(base, tiny_adapters["a"], out, "--no-verify") == 0
 
 
-def test_verification_flags_with_no_verify_are_an_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):
+@pytest.mark.parametrize("flags, words", [
+    (("--verify-threshold", "0.5"), "--verify-threshold applies only to verification"),  # was "--verify-threshold apply only"
+    (("--verify-threshold", "0.5", "--device", "cpu"), "--verify-threshold and --device apply only to verification"),
+    (("--verify-threshold", "0.5", "--verify-tokens", "4", "--device", "cpu"),
+     "--verify-threshold, --verify-tokens and --device apply only to verification"),
+])
+def test_verification_flags_with_no_verify_are_an_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys, flags, words):
     out = tmp_path / "m"
-    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--no-verify", "--verify-threshold", "0.5", "--device", "cpu") == 2
+    assert _merge(tiny_llama_dir, tiny_adapters["a"], out, "--no-verify", *flags) == 2
     err = capsys.readouterr().err
-    assert "--verify-threshold, --device apply only to verification" in err and not out.exists()
+    assert err == f"lorafleet merge: error: {words}, which --no-verify skips\n" and not out.exists()
 
 
 def test_unavailable_verification_device_is_an_input_error(tiny_llama_dir, tiny_adapters, tmp_path, capsys):

@@ -71,12 +71,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int8 base only: requantize the merged weights to int8 (default) or, with --no-requantize, write float")
 
 
+def _listed(flags: list[str]) -> str:
+    """Flags as a sentence names them: ``A``, ``A and B``, ``A, B and C``."""
+    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.verify:
         unused = [flag for flag, value in (("--verify-threshold", args.verify_threshold), ("--verify-tokens", args.verify_tokens),
                                            ("--device", args.device)) if value is not None]  # fmt: skip
         if unused:
-            print(f"lorafleet merge: error: {', '.join(unused)} apply only to verification, which --no-verify skips", file=sys.stderr)
+            print(f"lorafleet merge: error: {_listed(unused)} {'applies' if len(unused) == 1 else 'apply'} only to verification, "
+                  "which --no-verify skips", file=sys.stderr)  # fmt: skip
             return 2
     opts = MergeOptions(
         model=args.model, adapter=args.adapter, out=args.out, dtype=args.dtype, force=args.force, verify=args.verify,
