@@ -87,9 +87,28 @@ def test_unserved_workload_adapters_are_refused_before_any_request(stub: StubSer
     assert stub.paths == ["/v1/models"]  # type: ignore[attr-defined]
 
 
-def test_the_fix_names_adapters_to_drop_to_when_the_server_has_fewer(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, "--adapters", "5", "--popularity", "distinct")
-    assert rc == 2 and "--adapters 3 --adapter-names upper,reverse,rot13" in one_error_line(err)
+@pytest.mark.parametrize("argv, hint", [
+    (["--adapters", "5", "--popularity", "distinct"], "--adapter-names upper,reverse,rot13 in place of --adapters 5, or"),
+    ([], "--adapter-names upper,reverse,rot13, or"),  # the default 16 adapters: it named a redundant --adapters 3
+    (["--popularity", "identical"], "--adapter-names upper, or"),  # one adapter takes every request: three names were refused
+])
+def test_the_fix_for_fewer_served_adapters_is_a_command_that_works(stub: StubServer, capsys: pytest.CaptureFixture[str],
+                                                                   argv: list[str], hint: str) -> None:
+    """The hint, applied as it says (the names added, the --adapters it names dropped), passes
+    every check: the run sends its requests (which the stub fails: exit 1)."""
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, *argv)
+    line = one_error_line(err)
+    assert rc == 2 and f"map them onto served adapters with {hint}" in line, line
+    names = hint.split()[1].rstrip(",")
+    fixed = list(argv)
+    if "in place of --adapters" in hint:
+        at = fixed.index("--adapters")
+        del fixed[at:at + 2]
+    rc, err = bench_cli(capsys, "--url", url(stub), *SMALL, *fixed, "--adapter-names", names)
+    assert rc == 1 and completions_sent(stub), err
+
+
+def test_the_fix_says_when_the_server_lists_no_adapters(stub: StubServer, capsys: pytest.CaptureFixture[str]) -> None:
     stub.cards = [card("base", None)]  # type: ignore[attr-defined]
     rc, err = bench_cli(capsys, "--url", url(stub), *SMALL)
     assert rc == 2 and "the server lists no adapters: load some, or pass --base-fraction 1" in one_error_line(err)

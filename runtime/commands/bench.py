@@ -434,16 +434,27 @@ def _check_served(args: argparse.Namespace, workload: Any, mapping: dict[str, st
             fix = (f"map them onto served adapters with --adapter-names {','.join(offered[:n])}" if len(offered) >= n else
                    f"it has {len(offered)} adapters for the workload's {n}: write a workload with --adapters {len(offered)} and pass "
                    f"--adapter-names {','.join(offered)}")  # fmt: skip
-        elif len(offered) >= n:
-            fix = f"map them onto served adapters with --adapter-names {','.join(offered[:n])}, or pass --base-fraction 1 (without --adapters, --ranks, --popularity, --alpha)"
         else:
-            fix = f"map them onto served adapters with --adapters {len(offered)} --adapter-names {','.join(offered)}, or pass --base-fraction 1 (without --adapters, --ranks, --popularity, --alpha)"
+            fix = f"{_adapter_names_fix(args, offered, n)}, or pass --base-fraction 1 (without --adapters, --ranks, --popularity, --alpha)"
         raise SetupError(where_url, f"does not serve the adapter{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}"
                                     f"{', ...' if len(missing) > 4 else ''} that the workload's requests name (GET /v1/models lists: "
                                     f"{_models_text(cards)}); {fix}")  # fmt: skip
     if not args.no_length_check:
         check_lengths(args, requests, base, served)
     return requests
+
+
+def _adapter_names_fix(args: argparse.Namespace, offered: list[str], n: int) -> str:
+    """The --adapter-names that maps a generated workload of ``n`` adapters onto the served ones
+    (``offered``), worded so that the command it gives works: one name with --popularity identical
+    (every request uses one adapter), else as many as are served, up to ``n``. --adapter-names sets
+    the number of adapters, so an --adapters the user typed is named only where the names change it
+    (it would then refuse the names)."""
+    names = offered[:1] if args.popularity == "identical" else offered[:n]
+    fix = f"map them onto served adapters with --adapter-names {','.join(names)}"
+    if "--adapters" in given_flags(args) and args.adapters != len(names):
+        fix += f" in place of --adapters {args.adapters}"
+    return fix
 
 
 def check_lengths(args: argparse.Namespace, requests: list[Any], base: str, served: dict[str, dict[str, Any]]) -> None:
