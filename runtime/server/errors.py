@@ -151,6 +151,18 @@ class UTF8Route(APIRoute):
         return utf8_handler
 
 
+def _routing_message(request: Request, err: StarletteHTTPException) -> str:
+    """The message of an HTTP error Starlette raised: for its router's 404 and 405, whose detail is
+    only the status phrase ("Not Found"), what was asked and what the server has; else the detail."""
+    asked = f"{request.method} {request.url.path}"
+    if err.status_code == 404 and err.detail == "Not Found":
+        return f"no route {asked}; GET /openapi.json lists the routes"
+    if err.status_code == 405 and err.detail == "Method Not Allowed":
+        allowed = (err.headers or {}).get("Allow") or (err.headers or {}).get("allow")
+        return f"{asked}: method not allowed" + (f"; this route takes {allowed}" if allowed else "")
+    return str(err.detail)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error a route can end in is answered in the OpenAI shape, never as plain text."""
 
@@ -173,12 +185,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, param=param, code="invalid_parameter")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         if err.status_code == 400:  # FastAPI could not parse the body at all (e.g. it is not UTF-8: UTF8Route)
             cause = err.__cause__
             message = _not_utf8_message(cause) if isinstance(cause, UnicodeDecodeError) else f"the request body is not valid JSON: {err.detail}"
             return error_response(400, message, code="invalid_json")
-        response = error_response(err.status_code, str(err.detail))
+        response = error_response(err.status_code, _routing_message(request, err))
         response.headers.update(err.headers or {})  # e.g. the Allow header Starlette's router sets on a 405
         return response
 

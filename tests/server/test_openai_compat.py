@@ -137,6 +137,20 @@ async def test_retrieve_model_card(app, demo_engine) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+async def test_an_unknown_route_or_a_wrong_method_says_what_was_asked(app) -> None:
+    """Starlette's router answered "Not Found" and "Method Not Allowed" (its status phrases, in the
+    OpenAI shape): the message now names the request and what the server has instead."""
+    async with client_for(app) as c:
+        no_route = await c.post("/v1/nothing-here", json={})
+        wrong_method = await c.get("/v1/chat/completions")
+    assert no_route.status_code == 404 and no_route.json()["error"] == {
+        "message": "no route POST /v1/nothing-here; GET /openapi.json lists the routes", "type": "not_found_error", "param": None,
+        "code": "not_found"}
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST" and wrong_method.json()["error"] == {
+        "message": "GET /v1/chat/completions: method not allowed; this route takes POST", "type": "invalid_request_error", "param": None,
+        "code": "method_not_allowed"}
+
+
 async def test_error_fields(app, demo_engine) -> None:
     name = demo_engine.model_name
     async with client_for(app) as c:
