@@ -383,6 +383,10 @@ class Tokenizer:
                             continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default).
 
+        A key whose value is None (OpenAI's ``"content": null``) is left out of the message the
+        template sees, as transformers' ``apply_chat_template`` leaves it out (many templates render
+        a None as the text "None", or fail on it, where they handle a missing key).
+
         ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``, e.g.
         ``enable_thinking``), as transformers passes its extra keyword arguments; one that the
         template does not read changes nothing. A special token's variable (``bos_token``,
@@ -418,12 +422,12 @@ class Tokenizer:
             why = RENDER_VARIABLES.get(key) or ("a function templates call" if key in TEMPLATE_FUNCTIONS or key in _jinja_globals() else None)
             if why is not None:
                 raise TokenizerError(f"chat_template_kwargs: {key!r} cannot be set: lorafleet sets it to {why}")
-        shown = [dict(m) for m in messages]
+        shown = [{key: value for key, value in m.items() if value is not None} for m in messages]  # transformers' _normalize_chat_messages
         if not continue_final_message:
             return self._render(shown, add_generation_prompt, extra)
         if add_generation_prompt:
             raise TokenizerError("continue_final_message: not with add_generation_prompt, which starts a new message after it")
-        if not shown or not isinstance(shown[-1]["content"], str):
+        if not shown or not isinstance(shown[-1].get("content"), str):
             raise TokenizerError("continue_final_message: needs a last message whose content is a string")
         if "content" not in (self.chat_template or DEFAULT_CHAT_TEMPLATE):  # transformers' test: the template's text
             raise TokenizerError("continue_final_message: the chat template's text never names 'content' (it writes the messages "

@@ -151,6 +151,8 @@ CONVERSATIONS = {
     "after_the_answer": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>x</think>a"}],
     "two_users": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}],
     "late_system": [{"role": "user", "content": "u"}, {"role": "system", "content": "late"}, {"role": "assistant", "content": "a"}],
+    # OpenAI's null content of an assistant turn with no text: transformers leaves the key out (it had been passed as None)
+    "null_content": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "so"}],
 }
 
 
@@ -191,7 +193,7 @@ def _render_both(ours, ref, messages, add_generation_prompt, **kwargs):
         try:
             results.append(render())
         except Exception as err:  # lorafleet's TokenizerError, transformers' jinja TemplateError
-            results.append(("refused", str(err).removeprefix("chat_template: ")))
+            results.append(("refused", str(err).removeprefix("chat_template: ").removeprefix("cannot render: ")))  # lorafleet's words for a jinja error
     return results
 
 

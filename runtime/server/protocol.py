@@ -223,7 +223,8 @@ class ChatMessage(BaseModel):
     as vLLM does for text); ``developer`` (OpenAI's newer name for the system role)
     reaches the chat template as ``system``, which is the role templates know; ``name`` is
     passed to the template, which may use it or not. Only an assistant message may have null
-    content (an earlier turn with no text), which the template sees as ``""``."""
+    content (an earlier turn with no text), which reaches the tokenizer as None: it leaves the key
+    out, as transformers' ``apply_chat_template`` does (``Tokenizer.apply_chat_template``)."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
@@ -259,9 +260,10 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {role} message needs content")
         return value
 
-    def template_fields(self) -> dict[str, str]:
-        """What the chat template sees: role, content as one string, and name when given."""
-        content = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content or [])
+    def template_fields(self) -> dict[str, str | None]:
+        """The message as the tokenizer takes it: role, content as one string (None when null, which the
+        tokenizer leaves out), and name when given."""
+        content = self.content if self.content is None or isinstance(self.content, str) else "\n".join(part.text for part in self.content)
         fields = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             fields["name"] = self.name

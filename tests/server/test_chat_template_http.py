@@ -122,6 +122,31 @@ async def test_add_generation_prompt_and_continue_final_message_render_as_transf
         assert want[-1] != ours.eos_token_ids[0] and ours.decode(want).endswith("Sure, the colour is")
 
 
+# The ways a template can take a message's content: left out, null, empty, or text.
+CONTENT_AWARE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.content is not defined %}(left out){% elif m.content is none %}(null)"
+                 "{% elif m.content %}{{ m.content }}{% else %}(empty){% endif %}</s>{% endfor %}<|assistant|>")
+
+
+async def test_null_content_reaches_the_template_as_transformers_passes_it(tiny_llama_dir, tmp_path):
+    """An assistant message with ``"content": null`` (allowed by the OpenAI API: a turn with no
+    text) reached the template as ``""``; transformers' apply_chat_template leaves a null key out,
+    and templates tell the two apart (``message.content is defined``). The prompt is now transformers'."""
+    from transformers import AutoTokenizer
+
+    from runtime.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "so?"}]
+    async with served(tiny_llama_dir, tmp_path, CONTENT_AWARE) as c:
+        model = tmp_path / "model"
+        text = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert "<|assistant|>(left out)</s><|assistant|>(empty)</s>" in text
+        want = Tokenizer(model).encode(text, add_special_tokens=False)
+        counted = await c.post("/tokenize", json={"messages": messages})
+        r = await c.post("/v1/chat/completions", json=chat_body(c, messages, return_token_ids=True))
+    assert counted.status_code == 200 and counted.json()["tokens"] == want, counted.text
+    assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == want, r.text
+
 FIELD_REFUSALS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "continue_final_message": True},
      "continue_final_message: not with add_generation_prompt: true (the default), which starts a new message; send add_generation_prompt: false"),
