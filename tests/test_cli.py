@@ -1,6 +1,9 @@
 """The `lorafleet` entry point: help, version, and usage errors."""
 from __future__ import annotations
 
+import argparse
+import importlib
+
 import pytest
 
 from runtime.cli import COMMANDS, main, version
@@ -52,3 +55,30 @@ def test_commands_that_exit_with_several_codes_list_them_in_their_help(name: str
     listed = out[max(out.lower().find("exit status"), out.lower().find("exit codes")):]
     for code in codes:
         assert f"  {code} " in listed, (code, listed)
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """`lorafleet NAME`'s parser, as ``main`` builds it."""
+    parser = argparse.ArgumentParser(prog=f"lorafleet {name}", description=COMMANDS[name])
+    importlib.import_module(f"runtime.commands.{name}").add_arguments(parser)
+    return parser
+
+
+def value_flags(name: str) -> list[argparse.Action]:
+    """The flags of `lorafleet NAME` that take a value (not the switches, nor --help)."""
+    return [a for a in command_parser(name)._actions if a.option_strings and a.nargs != 0]  # noqa: SLF001
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_flag_that_takes_a_value_names_it_in_a_word(name: str) -> None:
+    """A flag without a metavar (or choices) is shown with its name upper-cased: serve's and bench's
+    usage lines read `--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS` beside `--adapter-root DIR`."""
+    assert [a.option_strings[0] for a in value_flags(name) if a.metavar is None and a.choices is None] == []
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_flag_with_a_default_states_it(name: str) -> None:
+    """A flag whose default is a value (not None: the help then says in words what applies) says
+    it in its help (probe's --device did not)."""
+    silent = [a.option_strings[0] for a in value_flags(name) if a.default is not None and "default" not in (a.help or "")]
+    assert silent == []

@@ -304,23 +304,23 @@ SPEC_FLAGS = {"num_requests": "--num-requests", "num_adapters": "--adapters", "p
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     """The workload flags. Defaults are WorkloadSpec's; each flag records its explicit use (``given_flags``)."""
     d = WorkloadSpec()
-    p.add_argument("--num-requests", type=int, default=d.num_requests, action=Given, help="requests in the workload (default: %(default)s)")
-    p.add_argument("--adapters", type=int, default=d.num_adapters, action=Given, help="number of adapters; not with --popularity identical (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, metavar="N", default=d.num_requests, action=Given, help="requests in the workload (default: %(default)s)")
+    p.add_argument("--adapters", type=int, metavar="N", default=d.num_adapters, action=Given, help="number of adapters; not with --popularity identical (default: %(default)s)")
     p.add_argument("--popularity", choices=POPULARITIES, default=d.popularity, action=Given,
                    help="which adapter each request uses: identical (all adapter 0), distinct (round robin), uniform, or zipf "
                         "(see --alpha) (default: %(default)s)")  # fmt: skip
-    p.add_argument("--alpha", type=float, default=d.alpha, action=Given, help="zipf exponent; only with --popularity zipf (default: %(default)s)")
+    p.add_argument("--alpha", type=float, metavar="X", default=d.alpha, action=Given, help="zipf exponent; only with --popularity zipf (default: %(default)s)")
     p.add_argument("--ranks", type=_arg_type(parse_ranks), metavar="R,R,...", default=",".join(map(str, d.ranks)), action=Given,
                    help="comma-separated rank set; each adapter's rank is drawn from it (default: %(default)s)")
-    p.add_argument("--rate", type=float, default=d.rate, action=Given, help="mean arrivals per second; <= 0: all at once (default: %(default)s)")
-    p.add_argument("--cv", type=float, default=d.cv, action=Given, help="inter-arrival coefficient of variation; 1 = Poisson; only with --rate above 0 (default: %(default)s)")
+    p.add_argument("--rate", type=float, metavar="X", default=d.rate, action=Given, help="mean arrivals per second; <= 0: all at once (default: %(default)s)")
+    p.add_argument("--cv", type=float, metavar="X", default=d.cv, action=Given, help="inter-arrival coefficient of variation; 1 = Poisson; only with --rate above 0 (default: %(default)s)")
     p.add_argument("--input-len", type=_arg_type(parse_pair), metavar="LO,HI", default=",".join(map(str, d.input_len)), action=Given,
                    help="prompt words, uniform in lo,hi (default: %(default)s)")
     p.add_argument("--output-len", type=_arg_type(parse_pair), metavar="LO,HI", default=",".join(map(str, d.output_len)), action=Given,
                    help="output tokens, uniform in lo,hi (default: %(default)s)")
-    p.add_argument("--base-fraction", type=float, default=d.base_fraction, action=Given,
+    p.add_argument("--base-fraction", type=float, metavar="X", default=d.base_fraction, action=Given,
                    help="share of requests that name no adapter; at 1 the adapter flags are refused (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, action=Given, help="seed of every random draw (default: %(default)s)")
+    p.add_argument("--seed", type=int, metavar="N", default=d.seed, action=Given, help="seed of every random draw (default: %(default)s)")
 
 
 def spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
@@ -384,7 +384,7 @@ def offline_spec_problems(a: argparse.Namespace) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_arguments(p)
-    p.add_argument("--out", required=True, help="JSONL file to write; an existing file is refused unless --force")
+    p.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write; an existing file is refused unless --force")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = p.parse_args()
     ignored = ignored_spec_flags(a)

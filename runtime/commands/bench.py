@@ -114,25 +114,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"engine device; auto picks cuda, then npu, then cpu{engine} (default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", action=Given,
                    help=f"weights and compute dtype{engine} (default: %(default)s)")
-    p.add_argument("--hidden", type=int, default=512, action=Given, help=f"synthetic model hidden size{engine} (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, action=Given, help=f"synthetic model layers{engine} (default: %(default)s)")
-    p.add_argument("--max-loras", type=int, default=8, action=Given, help=f"distinct adapters in one step (device slots){engine} (default: %(default)s)")
-    p.add_argument("--max-cpu-loras", type=int, default=None, action=Given,
+    p.add_argument("--hidden", type=int, metavar="N", default=512, action=Given, help=f"synthetic model hidden size{engine} (default: %(default)s)")
+    p.add_argument("--layers", type=int, metavar="N", default=4, action=Given, help=f"synthetic model layers{engine} (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, metavar="N", default=8, action=Given, help=f"distinct adapters in one step (device slots){engine} (default: %(default)s)")
+    p.add_argument("--max-cpu-loras", type=int, metavar="N", default=None, action=Given,
                    help=f"host-tier adapters, at least --max-loras{engine} (default: max(32, --max-loras))")
-    p.add_argument("--workdir", default=str(DEFAULT_WORKDIR), action=Given,
+    p.add_argument("--workdir", metavar="DIR", default=str(DEFAULT_WORKDIR), action=Given,
                    help=f"where the synthetic model and adapters are written, and reused by later runs{engine} (default: %(default)s)")
     p.add_argument("--workload", metavar="FILE",
                    help="replay this JSONL workload (python -m runtime.bench.workload --out FILE) instead of generating one; "
                         "the workload flags above are then refused (default: generate from them)")  # fmt: skip
-    p.add_argument("--url", help="benchmark a running `lorafleet serve` (or another OpenAI-compatible server) at this URL, its root "
+    p.add_argument("--url", metavar="URL", help="benchmark a running `lorafleet serve` (or another OpenAI-compatible server) at this URL, its root "
                                  "(http://HOST:PORT, without the /v1 an OpenAI client's base_url ends in), instead of an "
                                  "in-process engine. Before any request is sent, GET URL/v1/models must list every model the workload "
                                  "uses: the base, and its adapters lora-0000, lora-0001, ... (or the --adapter-names they map onto); "
                                  "and each request's prompt + output must fit the card's max_model_len. Otherwise exit 2 "
                                  "(default: in-process)")  # fmt: skip
-    p.add_argument("--base-model", action=Given, help="with --url: the served base model's name (default: the /v1/models entry with "
+    p.add_argument("--base-model", metavar="NAME", action=Given, help="with --url: the served base model's name (default: the /v1/models entry with "
                                                       "parent null, else the first entry)")  # fmt: skip
-    p.add_argument("--api-key", action=Given, help="with --url: the server's bearer key (default: none)")
+    p.add_argument("--api-key", metavar="KEY", action=Given, help="with --url: the server's bearer key (default: none)")
     p.add_argument("--adapter-names", type=_arg_type(parse_names), metavar="NAME,NAME,...", action=Given,
                    help="with --url: send the workload's adapters as these served adapters, one name per adapter: the adapter "
                         "with the most requests goes to the first name, the next to the second, and so on (ties: lora-0000 "
@@ -143,8 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --url: do not refuse requests that may exceed the server's max_model_len. The check counts "
                         "prompts with the server's POST /tokenize; a server without it gets one token per prompt byte plus "
                         f"{PROMPT_SPECIAL_TOKENS}, an upper bound several times a subword tokenizer's count (default: checked)")  # fmt: skip
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on time to first token, seconds (default: %(default)s)")
-    p.add_argument("--slo-tpot", type=float, default=0.5, help="SLO on time per output token, seconds (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, metavar="SECONDS", default=2.0, help="SLO on time to first token, seconds (default: %(default)s)")
+    p.add_argument("--slo-tpot", type=float, metavar="SECONDS", default=0.5, help="SLO on time per output token, seconds (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", help="also write the workload spec and the full summary as JSON here; an existing file "
                                                   "is refused unless --force (default: not written)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="let --json replace an existing file, never the --workload file (default: refuse an existing file)")

@@ -37,7 +37,7 @@ from runtime.models.loader import DTYPES, CheckpointError
 from runtime.tokenizer import TokenizerError
 
 INPUT_ERRORS = (AdapterError, MergeError, OutputPathError, ModelConfigError, CheckpointError, ConfigError, TokenizerError)
-VERIFY_DEVICES = ("cpu", "cuda", "npu", "auto")
+VERIFY_DEVICES = ("auto", "cpu", "cuda", "npu")
 
 
 EXIT_STATUS = """exit status:

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EXIT_STATUS
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="backend to probe (auto: cuda, then npu, then cpu)")
+                        help="backend to probe; auto picks cuda, then npu, then cpu (default auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--matrix", metavar="PATH", default=None,
                         help="capability matrix whose entries the verifiers check (default: runtime/capability_matrix.yaml, in a checkout a "

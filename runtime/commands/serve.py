@@ -25,33 +25,33 @@ ENGINE_SHUTDOWN_S = 5.0  # shutting the engine down when uvicorn stopped without
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # Every default is None so that only flags actually given override the --config file; the boolean
     # ones take a --no- form too, so that a flag can turn off what the file turns on.
-    p.add_argument("--config", help="YAML file with the same keys as these flags; flags override it; relative paths in it "
+    p.add_argument("--config", metavar="FILE", help="YAML file with the same keys as these flags; flags override it; relative paths in it "
                                      "are taken from the current directory")
-    p.add_argument("--model", help="HF checkpoint folder; default: the bundled demo model and its adapters")
+    p.add_argument("--model", metavar="DIR", help="HF checkpoint folder (default: the bundled demo model and its adapters)")
     # vLLM's `vllm serve MODEL`: taken only to be refused with the flag to use (load_settings).
     p.add_argument("positional_model", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--lora-modules", nargs="+", action="extend", metavar="SPEC", help='adapters to serve: name=path, or JSON {"name":..., "path":..., "base_model_name":...}')
     p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="auto picks cuda, then npu, then cpu (default auto)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights and compute dtype (default float32)")
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8000; 0: any free port, which the start-up log names; not with --ray)")
-    p.add_argument("--served-model-name", help="the base model's name in the API (default: the checkpoint's name)")
-    p.add_argument("--max-loras", type=int, help="distinct adapters in one step (device slots; default 8)")
-    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (default 64)")
-    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory, at least --max-loras (default: max(32, --max-loras))")
-    p.add_argument("--lora-pool-rows", type=int, help="device rank-rows per target slice (default max_loras * max_lora_rank)")
-    p.add_argument("--max-num-seqs", type=int, help="running sequences per step (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (prefill chunks + decodes), at least --max-num-seqs so every running sequence "
+    p.add_argument("--host", metavar="HOST", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, metavar="PORT", help="listen port (default 8000; 0: any free port, which the start-up log names; not with --ray)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the base model's name in the API (default: the checkpoint's name)")
+    p.add_argument("--max-loras", type=int, metavar="N", help="distinct adapters in one step (device slots; default 8)")
+    p.add_argument("--max-lora-rank", type=int, metavar="R", help="largest adapter rank accepted (default 64)")
+    p.add_argument("--max-cpu-loras", type=int, metavar="N", help="adapters kept in host memory, at least --max-loras (default: max(32, --max-loras))")
+    p.add_argument("--lora-pool-rows", type=int, metavar="N", help="device rank-rows per target slice (default: --max-loras x --max-lora-rank)")
+    p.add_argument("--max-num-seqs", type=int, metavar="N", help="running sequences per step (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step (prefill chunks + decodes), at least --max-num-seqs so every running sequence "
                    "decodes each step (default: max(256, --max-num-seqs) on the cpu, where smaller steps run faster; max(2048, --max-num-seqs) "
                    "on a GPU or NPU)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens (default: the model's limit)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV blocks of --block-size tokens (default: enough for --max-num-seqs sequences of "
+    p.add_argument("--max-model-len", type=int, metavar="N", help="longest prompt + output, in tokens (default: the model's limit)")
+    p.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV blocks of --block-size tokens (default: enough for --max-num-seqs sequences of "
                                                     "--max-model-len tokens, capped by --kv-cache-mb)")
-    p.add_argument("--kv-cache-mb", type=int, help="KV memory cap in MiB that sizes the pool (default 1024); not with --num-kv-blocks")
+    p.add_argument("--kv-cache-mb", type=int, metavar="MIB", help="KV memory cap in MiB that sizes the pool (default 1024); not with --num-kv-blocks")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, help="reuse KV blocks across requests of the same adapter version: a shared system "
-                   "prompt, the n choices of one prompt (computed once, even when they arrive together); off by default")
-    p.add_argument("--seed", type=int, help="default sampling seed (default 0)")
+                   "prompt, the n choices of one prompt (computed once, even when they arrive together) (default off)")
+    p.add_argument("--seed", type=int, metavar="N", help="default sampling seed (default 0)")
     p.add_argument("--cpu-gemm", choices=["auto", "onednn", "mkl"],
                    help="--device cpu, float32: the base GEMM kernel. onednn packs the large projections for oneDNN, mkl keeps "
                         "them plain on torch's F.linear (MKL); auto (the default) is onednn wherever torch has it. On an Intel CPU mkl "
@@ -61,17 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-adapter-admin", action=argparse.BooleanOptionalAction, help="expose /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                                                                         "(default off)")
     p.add_argument("--adapter-root", action="append", metavar="DIR", help="folder admin-loaded adapters must live in (repeatable)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health (at least 8 characters; "
                                       "api_key in --config keeps it out of `ps`)")
-    p.add_argument("--max-request-bytes", type=int, help="largest request body in bytes, at least 1024 (default 1048576, 1 MiB)")
+    p.add_argument("--max-request-bytes", type=int, metavar="N", help="largest request body in bytes, at least 1024 (default 1048576, 1 MiB)")
     p.add_argument("--metrics-max-adapters", type=int, metavar="N", help="adapters with /metrics series of their own, the first N to get a request; "
                    "the others share adapter=\"__other__\" (default 100: each adapter adds ~80 lines, and rendering ~8 us a line holds up serving)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="the least severe log lines written (default info)")
     p.add_argument("--ray", action=argparse.BooleanOptionalAction, help="run as a Ray Serve application (needs the 'ray' extra; default off)")
-    p.add_argument("--num-replicas", type=int, help="Ray Serve replicas (default 1; more need --ray, and 1 without it is the single server)")
-    p.add_argument("--ray-address", help="with --ray: join an existing Ray cluster (e.g. 'auto'); default: $RAY_ADDRESS's cluster when "
+    p.add_argument("--num-replicas", type=int, metavar="N", help="Ray Serve replicas (default 1; more need --ray, and 1 without it is the single server)")
+    p.add_argument("--ray-address", metavar="ADDRESS", help="with --ray: join an existing Ray cluster (e.g. 'auto'); default: $RAY_ADDRESS's cluster when "
                                         "it is set, else start a local one")
-    p.add_argument("--registry-dir", help=f"with --ray: folder for the shared adapter registry manifest (default: ./{DEFAULT_REGISTRY_DIR}, in the working directory)")
+    p.add_argument("--registry-dir", metavar="DIR", help=f"with --ray: folder for the shared adapter registry manifest (default: ./{DEFAULT_REGISTRY_DIR}, in the working directory)")
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
