@@ -171,12 +171,19 @@ class ChatTemplateTooLarge(TokenizerError):
 LONG_TEXT_CHARS = 16_384
 
 
+def tokenizer_file(model_dir: str | Path) -> Path:
+    """The checkpoint's tokenizer.json; TokenizerError when it has none (also checked on its own by
+    ``lorafleet serve`` before the weights load)."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"{path}: missing (lorafleet reads HF fast tokenizers: tokenizer.json)")
+    return path
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         root = Path(model_dir)
-        path = root / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(f"{path}: missing (lorafleet reads HF fast tokenizers: tokenizer.json)")
+        path = tokenizer_file(root)
         try:
             json_text = path.read_text(encoding="utf-8")
             self._tok = HFTokenizer.from_str(json_text)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -269,8 +270,10 @@ def test_ray_deployment_checks_declared_base_names_before_starting(tiny_llama_di
     assert "base_model_name 'some-other-model'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model", ["missing", "pickled"])
-def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, tiny_llama_dir: Path, capsys, monkeypatch, model: str) -> None:
+@pytest.mark.parametrize("model, error", [("missing", ": no such folder"), ("pickled", ": only pickled weights"),
+                                          ("no-tokenizer", "/tokenizer.json: missing")])
+def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, tiny_llama_dir: Path, capsys, monkeypatch, model: str,
+                                                              error: str) -> None:
     """A local cluster's replicas read the model on this machine: a bad folder is one line now, not
     32 s of Ray start-up and then replica tracebacks (exit 1)."""
     ray = pytest.importorskip("ray")
@@ -283,11 +286,14 @@ def test_a_local_ray_start_checks_the_model_before_ray_starts(tmp_path: Path, ti
         folder.mkdir()
         (folder / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
         (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
+    if model == "no-tokenizer":
+        shutil.copytree(tiny_llama_dir, folder)
+        (folder / "tokenizer.json").unlink()
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     settings = serve.load_settings(parse("--model", str(folder), "--ray", "--port", str(free_port()), "--registry-dir", str(tmp_path / "reg")))
     assert run_ray(settings) == 2 and not started
     err = capsys.readouterr().err
-    assert err.startswith(f"lorafleet serve: {folder}: ") and ("no such folder" in err if model == "missing" else "only pickled weights" in err), err
+    assert err.startswith(f"lorafleet serve: {folder}{error}"), err
     # With $RAY_ADDRESS, ray.init joins that cluster, whose nodes may hold the model: not checked here.
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
 
@@ -727,7 +733,7 @@ def test_busy_port_or_bad_host_is_one_line_before_the_model_loads(tiny_llama_dir
     import socket
 
     built = []
-    monkeypatch.setattr(serve, "build_engine", lambda settings: built.append(settings) or pytest.fail("engine built"))
+    monkeypatch.setattr(serve, "load_engine", lambda settings: built.append(settings) or pytest.fail("engine built"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -740,23 +746,6 @@ def test_busy_port_or_bad_host_is_one_line_before_the_model_loads(tiny_llama_dir
     assert built == []
 
 
-def test_a_line_says_the_model_is_loading_before_it_loads(tiny_llama_dir: Path, tiny_adapters: dict[str, Path], caplog, monkeypatch) -> None:
-    """Nothing was logged from the start until "serving on", after the weights had loaded (and, on the
-    cpu, been packed) and every adapter was read: minutes of silence for a large checkpoint, with no
-    sign that anything was happening or what."""
-    import logging
-
-    def fail(settings):  # type: ignore[no-untyped-def]
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(serve, "build_engine", fail)
-    caplog.set_level(logging.INFO, logger="lorafleet.serve")
-    assert serve.run(parse("--model", str(tiny_llama_dir), "--lora-modules", f"a={tiny_adapters['a']}", "--port", "0")) == 2
-    size = sum(p.stat().st_size for p in tiny_llama_dir.glob("*.safetensors")) / 2**20
-    assert (f"lorafleet serve: loading {tiny_llama_dir} ({size:.1f} MiB of weights) and 1 adapter on --device auto, dtype float32; "
-            "'serving on' follows once they are ready") in caplog.messages
-
-
 def test_engine_errors_after_binding_release_the_port(tiny_llama_dir: Path, capsys, monkeypatch) -> None:
     import socket
 
@@ -767,7 +756,7 @@ def test_engine_errors_after_binding_release_the_port(tiny_llama_dir: Path, caps
     def fail(settings):  # type: ignore[no-untyped-def]
         raise ValueError("no such adapter")
 
-    monkeypatch.setattr(serve, "build_engine", fail)
+    monkeypatch.setattr(serve, "load_engine", fail)
     assert serve.run(parse("--model", str(tiny_llama_dir), "--port", str(port))) == 2
     assert "no such adapter" in capsys.readouterr().err
     with socket.socket() as again:  # released: binding it again works
@@ -893,7 +882,7 @@ def test_a_step_budget_below_max_num_seqs_is_refused(tmp_path: Path, tiny_llama_
     """A step budget C below max_num_seqs S would decode only C of S running sequences a step (the
     others stall holding KV blocks): serve refuses it, from flags or the file, in one line."""
     model = ("--model", str(tiny_llama_dir))
-    monkeypatch.setattr(serve, "build_engine", lambda settings: pytest.fail("the settings were accepted"))
+    monkeypatch.setattr(serve, "load_engine", lambda settings: pytest.fail("the settings were accepted"))
     assert serve.run(parse(*model, "--port", "0", "--max-num-batched-tokens", "32")) == 2  # max_num_seqs' default: 64
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "max_num_batched_tokens: 32 is below max_num_seqs=64" in err and "Traceback" not in err
@@ -1058,7 +1047,7 @@ def test_ray_sigterm_during_start_up_stops_once_deployed(tiny_llama_dir: Path, t
     assert run_ray(ray_settings(tiny_llama_dir, tmp_path)) == 0
     assert fake.calls == ["init", "deploy", "stop", "shutdown"]  # no drain: nothing was served
     out = capsys.readouterr()
-    assert "serving on" not in out.out and "stopped during start-up" in out.err
+    assert "lorafleet serving on" not in out.out and "stopped during start-up" in out.err
     assert signal.getsignal(signal.SIGTERM) is sigterm_guard  # the launcher's handlers are gone again
 
 
@@ -1124,7 +1113,7 @@ def test_ray_sigterm_drains_the_application_then_stops_it(tiny_llama_dir: Path, 
         timer.cancel()
     assert fake.calls == ["init", "deploy", f"drain {DRAIN_S:.0f}", "stop", "shutdown"]
     out = capsys.readouterr()
-    assert "serving on" in out.out and f"requests in flight get up to {DRAIN_S:.0f} s" in out.err
+    assert "lorafleet serving on" in out.out and f"requests in flight get up to {DRAIN_S:.0f} s" in out.err
 
 
 def test_ray_busy_port_and_unusable_registry_dir_are_one_line_before_ray_starts(tiny_llama_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:

@@ -119,20 +119,37 @@ def _mb(n: float) -> str:
 
 
 def build_engine(settings: Any) -> Any:
-    """Create the async engine and register the configured adapters (validated, all or nothing).
+    """Create the async engine and register the configured adapters (validated, all or nothing),
+    after ``check_before_loading``."""
+    check_before_loading(settings)
+    return load_engine(settings)
 
-    What needs no weights is checked before the model loads (minutes for a large one): the adapter
-    names against the base model's (from its config.json) and each adapter folder's shape, so a
-    mistyped ``--lora-modules`` path is one line at once, as for ``LLM`` and ``--ray``."""
-    from runtime.async_engine import AsyncLLMEngine
+
+def check_before_loading(settings: Any) -> None:
+    """What needs no weights loaded, checked before the model loads (minutes for a large one), so
+    that a mistyped path is one line at once, as for ``LLM`` and ``--ray``: the model folder (its
+    config.json, the safetensors files it names: headers only, and its tokenizer.json), the adapter
+    names against the base model's, and each adapter folder's shape."""
     from runtime.lora.adapter import check_adapter_folder
     from runtime.models.hf_config import load_model_config
+    from runtime.models.loader import weight_files
     from runtime.server.serve_config import check_base_model_names
+    from runtime.tokenizer import tokenizer_file
 
+    model_name = load_model_config(settings.engine.model).name
+    weight_files(settings.engine.model)
+    tokenizer_file(settings.engine.model)
     if settings.lora_modules:
-        check_base_model_names(settings.lora_modules, settings.server.served_model_name, load_model_config(settings.engine.model).name)
+        check_base_model_names(settings.lora_modules, settings.server.served_model_name, model_name)
         for module in settings.lora_modules:
             check_adapter_folder(Path(module.path))
+
+
+def load_engine(settings: Any) -> Any:
+    """The async engine with the configured adapters registered (all or nothing): the model's
+    weights read (and on the cpu packed) and every adapter read."""
+    from runtime.async_engine import AsyncLLMEngine
+
     engine = AsyncLLMEngine(settings.engine)
     try:
         for module in settings.lora_modules:
@@ -222,9 +239,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"lorafleet serve: cannot listen on {settings.server.host}:{settings.server.port}: {err.strerror or err}", file=sys.stderr)
         return 2
-    log.info("%s", loading_line(settings))
     try:
-        engine = build_engine(settings)
+        check_before_loading(settings)
+        log.info("%s", loading_line(settings))
+        engine = load_engine(settings)
     except (ConfigError, ValueError, RuntimeError, OSError) as err:
         sock.close()
         print(f"lorafleet serve: {one_line_error(err)}", file=sys.stderr)
@@ -256,19 +274,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def loading_line(settings: Any) -> str:
-    """The line logged before the engine is built, which can take minutes (the weights read, cast and
+def loading_line(settings: Any, replicas: int | None = None) -> str:
+    """The line said before the engine is built, which can take minutes (the weights read, cast and
     on the cpu packed, every adapter read): what loads, with the size of the checkpoint's safetensors
-    files (only stat'ed; left out when there are none, an error build_engine reports), and where."""
+    files (only stat'ed; left out when there are none here, e.g. a model only a remote Ray cluster
+    has), and where. With ``replicas`` (``--ray``), it says that each replica loads it."""
     try:
         files = list(Path(settings.engine.model).glob("*.safetensors"))
         size = f" ({sum(f.stat().st_size for f in files) / 2**20:.1f} MiB of weights)" if files else ""
-    except OSError:  # a dangling shard link, a folder it may not read: build_engine says what is wrong
+    except OSError:  # a dangling shard link, a folder it may not read: the load says what is wrong
         size = ""
     count = len(settings.lora_modules)
     adapters = f" and {count} adapter{'s' if count != 1 else ''}" if count else ""
-    return (f"lorafleet serve: loading {settings.engine.model}{size}{adapters} on --device {settings.engine.device}, dtype {settings.engine.dtype}; "
-            "'serving on' follows once they are ready")
+    what = f"{settings.engine.model}{size}{adapters} on --device {settings.engine.device}, dtype {settings.engine.dtype}"
+    start = "loading" if replicas is None else f"starting Ray Serve with {replicas} replica{'s' if replicas != 1 else ''}, each loading"
+    return f"lorafleet serve: {start} {what}; 'serving on' follows once they are ready"
 
 
 def stopped_line(engine: Any) -> tuple[int, str]:

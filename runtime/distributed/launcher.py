@@ -81,10 +81,11 @@ def run_ray(settings: Any) -> int:
     from runtime.distributed.registry_client import RegistryRestarted, ReplicasFailedToApply
     from runtime.server.admin_workers import AdminBusy
     from runtime.server.errors import APIError
-    from runtime.commands.serve import one_line_error
+    from runtime.commands.serve import loading_line, one_line_error
     from runtime.models.hf_config import load_model_config
     from runtime.lora.adapter import check_adapter_folder
     from runtime.models.loader import weight_files
+    from runtime.tokenizer import tokenizer_file
     from runtime.server.serve_config import check_base_model_names
 
     declared = any(m.base_model_name for m in settings.lora_modules)
@@ -132,11 +133,12 @@ def run_ray(settings: Any) -> int:
             print(f"lorafleet serve: {err}", file=sys.stderr)
             return 2
         # The replicas will read the model and the adapters on this machine too: a missing folder, a config
-        # that does not parse or pickled-only weights are found now, not after Ray's start-up and in replica
+        # that does not parse, pickled-only weights or no tokenizer.json are found now, not after Ray's start-up and in replica
         # tracebacks. (What the files hold is validated by a replica, for every adapter before any is recorded.)
         try:
             served = settings.server.served_model_name or load_model_config(settings.engine.model).name
             weight_files(settings.engine.model)
+            tokenizer_file(settings.engine.model)
             for module in settings.lora_modules:
                 check_adapter_folder(Path(module.path))
         except (ConfigError, ValueError, OSError) as err:
@@ -151,6 +153,7 @@ def run_ray(settings: Any) -> int:
     if unreachable:
         print(f"lorafleet serve: {unreachable}", file=sys.stderr)
         return 2
+    print(loading_line(settings, replicas=settings.num_replicas), flush=True)  # Ray's start-up and the replicas' loads take minutes
     try:
         ray.init(address=settings.ray_address, include_dashboard=False, logging_level=settings.log_level.upper())
     except (ConnectionError, TimeoutError, ValueError) as err:  # no cluster there (or it did not answer), or a malformed address
