@@ -35,7 +35,9 @@ nothing), which lorafleet builds likewise, with the tokenizer's own named bos/eo
 (tokenizer_config.json or special_tokens_map.json; never config.json's ``bos_token_id``). The text
 is tokenized, and ids decoded, with the normaliser, pre-tokenizer, decoder and BPE options of that
 class where it builds its own in place of tokenizer.json's (``runtime.tokenizer_pipeline``:
-``LlamaTokenizer`` with ``legacy`` / ``add_prefix_space``, ``Qwen2Tokenizer``, ...).
+``LlamaTokenizer`` with ``legacy`` / ``add_prefix_space``, ``Qwen2Tokenizer``, ...). Such a class
+keeps only the added tokens that tokenizer_config.json declares (``runtime.tokenizer_rebuild``),
+and a checkpoint where that moves a token's id is refused.
 
 ``apply_chat_template`` renders the checkpoint's Jinja ``chat_template`` in a sandbox set up
 like transformers' (``jinja2.ext.loopcontrols`` for ``{% break %}``/``{% continue %}``,
@@ -87,7 +89,8 @@ from runtime.tokenizer_class import (
     with_padding_pad_token,
     with_special_tokens_map,
 )
-from runtime.tokenizer_pipeline import PipelineError, rebuild_pipeline
+from runtime.tokenizer_pipeline import REBUILT_PIPELINES, PipelineError, rebuild_pipeline
+from runtime.tokenizer_rebuild import fresh_backend, left_out, moved_id
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token or '' }}\n"
@@ -190,9 +193,6 @@ class Tokenizer:
         except Exception as err:  # the tokenizers library raises plain Exception subclasses; name the file
             raise TokenizerError(f"{path}: cannot be parsed by the tokenizers library: {err}") from err
         cfg = _read_json(root / "tokenizer_config.json")
-        # transformers hands split_special_tokens to the backend: special tokens spelled in the text
-        # are then read as plain text, not as the special tokens.
-        self._tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         # tokenizer.json may carry the truncation and padding of the call that saved it (a "truncation"
         # section with a max_length); transformers turns both off for each call that does not ask for
         # them, so a prompt is never cut nor padded. Kept here, they cut every prompt (and padded a long one).
@@ -225,10 +225,18 @@ class Tokenizer:
             raise TokenizerError(f"{named}: tokenizer_class {cfg.get('tokenizer_class') or model_cfg.get('tokenizer_class')!r}: {refused}, "
                                  "whose prompt ids differ from tokenizer.json's; name the class that fits the file "
                                  "(PreTrainedTokenizerFast, or none, to follow tokenizer.json)")
+        # A class that rebuilds its pipeline starts from tokenizer.json's model alone and adds back only
+        # the declared added tokens (runtime.tokenizer_rebuild); the file as loaded stays, to compare ids with.
+        file_tok = self._tok
+        if self.tokenizer_class in REBUILT_PIPELINES:
+            self._tok = fresh_backend(file_tok)
         try:
             rebuild_pipeline(self._tok, self.tokenizer_class, cfg, str(path))
         except PipelineError as err:
             raise TokenizerError(str(err)) from None
+        # transformers hands split_special_tokens to the backend: special tokens spelled in the text
+        # are then read as plain text, not as the special tokens.
+        self._tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         # A special token that neither file names (no key; null names none) is the class's default.
         for name in SPECIAL_TOKEN_NAMES:
             if name not in cfg and name in CLASS_SPECIAL_TOKENS.get(self.tokenizer_class, {}):
@@ -240,11 +248,17 @@ class Tokenizer:
         self._template_tokens = template_tokens(self.tokenizer_class, cfg)
         self.bos_token = self._template_tokens.get("bos_token")
         self.eos_token = self._template_tokens.get("eos_token")
-        # The ids of the tokenizer's own bos and eos, None when its files name none: transformers never
-        # reads config.json's bos_token_id or eos_token_id for the tokenizer.
-        self.bos_token_id = self._id_of(self.bos_token, token_file["bos_token"], "bos_token")
-        self.eos_token_id = self._id_of(self.eos_token, token_file["eos_token"], "eos_token")
-        self._add_named_special_tokens(cfg)
+        # A bos or eos that tokenizer.json lacks would get an id the model never learnt: refused.
+        for key, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token)):
+            if token is not None and file_tok.token_to_id(token) is None:
+                raise TokenizerError(f"{token_file[key]}: {key} {token!r} is not in tokenizer.json's vocabulary")
+        self._add_named_special_tokens(cfg, file_tok)
+        if self._tok is not file_tok:
+            self._refuse_moved_ids(file_tok, root, cfg)
+        # The ids of the tokenizer's own bos and eos (added tokens by now), None when its files name none:
+        # transformers never reads config.json's bos_token_id or eos_token_id for the tokenizer.
+        self.bos_token_id = None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
+        self.eos_token_id = None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
         self._infilling_token = infilling_token(self.tokenizer_class, cfg)
         # A class that builds its own post-processor gets it here, in place of tokenizer.json's
         # (tokenizer_config's add_bos_token / add_eos_token count for no class).
@@ -474,29 +488,38 @@ class Tokenizer:
         except TEMPLATE_DATA_ERRORS as err:
             raise ChatTemplateError(f"chat_template: failed on these inputs with {type(err).__name__}: {err}") from err
 
-    def _id_of(self, token: str | None, source: Path | str, key: str) -> int | None:
-        if token is None:
-            return None
-        tid = self._tok.token_to_id(token)
-        if tid is None:
-            raise TokenizerError(f"{source}: {key} {token!r} is not in tokenizer.json's vocabulary")
-        return tid
+    def _refuse_moved_ids(self, file_tok: Any, root: Path, cfg: Mapping[str, Any]) -> None:
+        """TokenizerError when the rebuilt backend gives a token another id than tokenizer.json
+        (``runtime.tokenizer_rebuild.moved_id``): the model would read those tokens as others."""
+        why = moved_id(file_tok, self._tok)
+        if why is None:
+            return
+        dropped = left_out(file_tok, self._tok)
+        declared = "tokenizer_config.json's added_tokens_decoder" if isinstance(cfg.get("added_tokens_decoder"), dict) else "tokenizer.json's added tokens"
+        raise TokenizerError(
+            f"{root / 'tokenizer.json'}: transformers' {self.tokenizer_class} rebuilds the tokenizer from tokenizer.json's "
+            f"vocabulary and adds back only {declared} and the named special tokens"
+            f"{f' (it leaves out {dropped[:4]})' if dropped else ''}, in that order, so {why}: prompts and outputs would hold "
+            "ids the model reads as other tokens, so lorafleet refuses this checkpoint; declare every added token of "
+            "tokenizer.json, with its id, in tokenizer_config.json's added_tokens_decoder")
 
-    def _add_named_special_tokens(self, cfg: Mapping[str, Any]) -> None:
+    def _add_named_special_tokens(self, cfg: Mapping[str, Any], file_tok: Any) -> None:
         """Make each special token the config names (``runtime.tokenizer_class.special_token_values``:
         bos, eos, ..., ``extra_special_tokens``) an added token, as transformers'
         ``TokenizersBackend.__init__`` does with those tokenizer.json does not list among its added
         tokens: spelled in a text it is then that one token, and decoding with ``skip_special_tokens``
         drops it (when special). One not in the vocabulary gets the next id, as there. The declared
         added tokens go first, with tokenizer_config.json's flags, special when named
-        (``tokens_to_add``). Then those
+        (``tokens_to_add``); after a rebuild (``runtime.tokenizer_rebuild``) the backend holds none of
+        tokenizer.json's added tokens, so the declared ones are all it gets back. Then those
         the class adds again (``readded_special_tokens``: Qwen2Tokenizer, CohereTokenizer), which
         take the flags it gives them, also those tokenizer.json lists."""
         from tokenizers import AddedToken
 
-        file_tokens = [(t.content, {flag: getattr(t, flag) for flag in TOKEN_FLAGS}) for _, t in sorted(self._tok.get_added_tokens_decoder().items())]
+        file_tokens = [(t.content, {flag: getattr(t, flag) for flag in TOKEN_FLAGS}) for _, t in sorted(file_tok.get_added_tokens_decoder().items())]
+        held = [t.content for t in self._tok.get_added_tokens_decoder().values()]  # none after a rebuild
         # One call, as there: a token listed twice keeps its first id and takes its last flags.
-        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in tokens_to_add(cfg, file_tokens)])
+        self._tok.add_tokens([AddedToken(text, **flags) for text, flags in tokens_to_add(cfg, file_tokens, held)])
         # Then those the class adds again, which take these flags (runtime.tokenizer_class.readded_special_tokens).
         readded = readded_special_tokens(self.tokenizer_class, cfg, declared_tokens(cfg, file_tokens))
         self._tok.add_tokens([AddedToken(text, **flags) for text, flags in readded])

@@ -63,7 +63,7 @@ lorafleet never runs).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 GENERIC_CLASS = "TokenizersBackend"  # transformers 5's PreTrainedTokenizerFast
 # model_type -> the class AutoTokenizer loads for it whatever the configs name (qwen2 is in
@@ -304,20 +304,23 @@ def declared_tokens(tokenizer_config: Mapping[str, Any], file_tokens: Sequence[t
     return [(e["content"], {k: e[k] for k in TOKEN_FLAGS if k in e}) for _, e in entries]
 
 
-def tokens_to_add(tokenizer_config: Mapping[str, Any], file_tokens: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+def tokens_to_add(tokenizer_config: Mapping[str, Any], file_tokens: Sequence[tuple[str, dict[str, Any]]],
+                  held: Collection[str]) -> list[tuple[str, dict[str, Any]]]:
     """What transformers' ``TokenizersBackend.__init__`` hands to one ``add_tokens`` call, each
     ``(content, AddedToken flags)``, over a tokenizer.json whose added tokens are ``file_tokens`` (in
-    id order): first the declared added tokens, tokenizer_config.json's ``added_tokens_decoder``
+    id order), to a backend that already holds the added tokens ``held`` (tokenizer.json's for a class
+    that keeps its backend, none for one that builds a fresh one: ``runtime.tokenizer_rebuild``):
+    first the declared added tokens, tokenizer_config.json's ``added_tokens_decoder``
     (in id order; tokenizer.json's own when the config has none), all of them (its check for those
     already there never matches), so the config's flags win; then the special tokens
-    (``special_token_values``) that neither lists. A declared token whose content is a named or
+    (``special_token_values``) that neither ``held`` nor the declared ones hold. A declared token whose content is a named or
     model-specific special token is special, whatever it says (a pad token tokenizer.json lists as
     not special is then skipped in decoding). ``tokenizer_config`` as ``with_class_defaults``
     returns it."""
     declared = declared_tokens(tokenizer_config, file_tokens)
     named = {_token_text(value) for value in (*(tokenizer_config.get(name) for name in SPECIAL_TOKEN_NAMES), *_model_specific_tokens(tokenizer_config).values())}
     listed = [(text, {**flags, "special": True} if text in named else flags) for text, flags in declared]
-    known = {text for text, _ in file_tokens} | {text for text, _ in declared}
+    known = set(held) | {text for text, _ in declared}
     return listed + [(text, flags) for text, flags in special_token_values(tokenizer_config) if text not in known]
 
 

@@ -1,8 +1,9 @@
 """Tokenizer pipeline: the BPE options, normaliser, pre-tokenizer and decoder that transformers 5's
 tokenizer classes build in place of tokenizer.json's (checked with transformers 5.24).
 
-A class with an ``__init__`` of its own keeps only tokenizer.json's vocabulary, merges, added tokens
-and post-processor (``TokenizersBackend.convert_to_native_format``): its ``__init__`` builds a new
+A class with an ``__init__`` of its own keeps only tokenizer.json's vocabulary, merges and
+post-processor (``TokenizersBackend.convert_to_native_format``; of its added tokens, only those
+tokenizer_config.json declares come back: ``runtime.tokenizer_rebuild``): its ``__init__`` builds a new
 ``BPE`` model with its own options (any option it does not pass takes ``BPE``'s default) and its own
 normaliser, pre-tokenizer and decoder, from tokenizer_config.json's flags and its defaults. The
 prompt ids then follow the class, not tokenizer.json. ``REBUILT_PIPELINES`` holds, per class, what
@@ -166,9 +167,9 @@ REBUILT_PIPELINES: Mapping[str, Callable[[Mapping[str, Any]], Pipeline]] = Mappi
 
 
 def rebuild_pipeline(tok: Any, tokenizer_class: str, tokenizer_config: Mapping[str, Any], source: str) -> None:
-    """Give ``tok`` (a ``tokenizers.Tokenizer`` loaded from tokenizer.json, named ``source`` in
-    errors) the pipeline ``tokenizer_class`` builds, in place: its vocabulary, merges, added tokens
-    and post-processor stay. A class not in ``REBUILT_PIPELINES`` leaves it as it is."""
+    """Give ``tok`` (``runtime.tokenizer_rebuild.fresh_backend`` of tokenizer.json, named ``source`` in
+    errors) the pipeline ``tokenizer_class`` builds, in place: its vocabulary, merges and
+    post-processor stay. A class not in ``REBUILT_PIPELINES`` leaves it as it is."""
     build = REBUILT_PIPELINES.get(tokenizer_class)
     if build is None:
         return
