@@ -7,7 +7,7 @@ whatever its class (``PreTrainedTokenizerBase._from_pretrained``): tokenizer.jso
 alone says which special tokens ``encode`` adds, and a tokenizer.json without one adds none
 (``TokenizersBackend.update_post_processor``, both flags off). So ``[256, 71, 72]`` for a
 tokenizer.json whose post-processor puts bos first, with or without ``add_eos_token: true``;
-``LlamaTokenizer``, ``Qwen2Tokenizer``, ``GemmaTokenizer``, ``GPT2Tokenizer`` and the generic
+``LlamaTokenizer``, ``Qwen2Tokenizer``, ``Qwen3_5Tokenizer``, ``GemmaTokenizer``, ``GPT2Tokenizer`` and the generic
 ``TokenizersBackend`` (``PreTrainedTokenizerFast``) all keep the post-processor so.
 
 ``REBUILT_POST_PROCESSORS``: the classes (for decoder-only checkpoints) whose ``__init__`` puts a
@@ -44,7 +44,8 @@ These classes, and others, also build their own normaliser, pre-tokenizer and de
 
 ``auto_tokenizer_class(tokenizer_config, model_config, byte_level)``: the class, as ``AutoTokenizer`` picks it for
 the model types lorafleet serves: ``qwen2`` always loads ``Qwen2Tokenizer`` and ``mistral``
-``TokenizersBackend`` (without mistral-common), whatever class the configs name; otherwise
+``TokenizersBackend`` (without mistral-common), whatever class the configs name (and so do the
+``qwen3_5`` types, which lorafleet's models do not serve, ``Qwen3_5Tokenizer``); otherwise
 (``llama``, or no ``model_type``) tokenizer_config.json's ``tokenizer_class``, else
 config.json's, with ``Fast`` taken off, as transformers looks it up; none named (or
 ``PreTrainedTokenizerFast``) is ``TokenizersBackend``, and so is ``LlamaTokenizer`` over a tokenizer.json whose text names
@@ -68,7 +69,12 @@ from typing import Any, Collection, Mapping, Sequence
 GENERIC_CLASS = "TokenizersBackend"  # transformers 5's PreTrainedTokenizerFast
 # model_type -> the class AutoTokenizer loads for it whatever the configs name (qwen2 is in
 # transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS; mistral's registered class is the generic one).
-MODEL_TYPE_CLASSES: Mapping[str, str] = MappingProxyType({"qwen2": "Qwen2Tokenizer", "mistral": GENERIC_CLASS})
+# The qwen3_5 types (also in that set) are not among those runtime/models serves, but their tokenizer
+# loads as there.
+MODEL_TYPE_CLASSES: Mapping[str, str] = MappingProxyType({
+    "qwen2": "Qwen2Tokenizer", "mistral": GENERIC_CLASS,
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp"), "Qwen3_5Tokenizer"),
+})
 # Names transformers' AutoTokenizer resolves to another class than the one they name (its
 # ``tokenizer_class_from_name``: ``transformers.Phi3Tokenizer`` is ``LlamaTokenizer``): the class it
 # loads. (Its other aliases name encoder classes, refused below.)
@@ -86,7 +92,7 @@ REBUILDING_CLASSES_NOT_REPRODUCED = frozenset({
     "LayoutLMv2Tokenizer", "LayoutLMv3Tokenizer", "LayoutXLMTokenizer", "LongformerTokenizer", "LukeTokenizer",
     "LxmertTokenizer", "MBart50Tokenizer", "MBartTokenizer", "MLukeTokenizer", "MPNetTokenizer",
     "MarkupLMTokenizer", "MobileBertTokenizer", "MvpTokenizer", "NllbTokenizer", "NougatTokenizer",
-    "OpenAIGPTTokenizer", "PegasusTokenizer", "Qwen3_5Tokenizer", "ReformerTokenizer", "RemBertTokenizer",
+    "OpenAIGPTTokenizer", "PegasusTokenizer", "ReformerTokenizer", "RemBertTokenizer",
     "RoFormerTokenizer", "RobertaTokenizer", "SeamlessM4TTokenizer", "Siglip2Tokenizer", "SplinterTokenizer",
     "SqueezeBertTokenizer", "T5Tokenizer", "Tipsv2Tokenizer", "UdopTokenizer", "VideoPrismTokenizer",
     "WhisperTokenizer", "XGLMTokenizer", "XLMRobertaTokenizer", "XLNetTokenizer",
@@ -123,6 +129,7 @@ CLASS_SPECIAL_TOKENS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "CodeLlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **CODE_LLAMA_INFILLING_TOKENS},
     "GemmaTokenizer": {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>"},
     "Qwen2Tokenizer": {"unk_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "pad_token": _ENDOFTEXT},
+    "Qwen3_5Tokenizer": {"unk_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "pad_token": _ENDOFTEXT},
     "GPT2Tokenizer": {"unk_token": _ENDOFTEXT, "bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT},
     "GPTNeoXTokenizer": {"unk_token": _ENDOFTEXT, "bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "pad_token": "<|padding|>"},
     "CohereTokenizer": {"unk_token": "<UNK>", "bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "pad_token": "<PAD>",
@@ -200,7 +207,7 @@ def with_special_tokens_map(tokenizer_config: Mapping[str, Any], special_tokens_
 
 
 # The classes whose ``__init__`` passes its own ``pad_token`` on (its default; None for GPT2Tokenizer).
-OWN_PAD_TOKEN_CLASSES = frozenset({"GemmaTokenizer", "Qwen2Tokenizer", "GPT2Tokenizer", "GPTNeoXTokenizer", "CohereTokenizer"})
+OWN_PAD_TOKEN_CLASSES = frozenset({"GemmaTokenizer", "Qwen2Tokenizer", "Qwen3_5Tokenizer", "GPT2Tokenizer", "GPTNeoXTokenizer", "CohereTokenizer"})
 
 
 def with_padding_pad_token(tokenizer_class: str, tokenizer_config: Mapping[str, Any], padding_pad_token: str | None) -> dict[str, Any]:

@@ -24,6 +24,8 @@ its ``__init__`` builds (``models/<name>/tokenization_<name>.py``):
 - ``Qwen2Tokenizer``: ``NFC``; ``Split(Qwen2's regex, "isolated")`` then ``ByteLevel(add_prefix_space,
   use_regex=False)``; decoder ``ByteLevel``; BPE with empty subword prefix / suffix. ``model_type:
   qwen2`` loads it whatever tokenizer.json says (``runtime.tokenizer_class``).
+- ``Qwen3_5Tokenizer``: Qwen2's steps with its own regex, which keeps combining marks (Unicode category M)
+  with the letters before them; the ``qwen3_5`` model types load it whatever the configs name.
 - ``GPT2Tokenizer``: ``ByteLevel(add_prefix_space)``, decoder ``ByteLevel``, no normaliser;
   ``GPTNeoXTokenizer`` the same after ``NFC`` (and ``trim_offsets``); ``CohereTokenizer`` ``NFC``,
   ``Digits(individual_digits=True)`` then ``ByteLevel(add_prefix_space, trim_offsets=True)``, decoder
@@ -52,6 +54,11 @@ METASPACE = "\u2581"  # SentencePiece's visible space, "▁"
 # Qwen2Tokenizer's PRETOKENIZE_REGEX (models/qwen2/tokenization_qwen2.py).
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Qwen3_5Tokenizer's (models/qwen3_5/tokenization_qwen3_5.py): Qwen2's, with combining marks (\p{M})
+# read as part of a word (``x\u0301`` is one piece there, two in Qwen2's).
+QWEN3_5_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 # ``tokenizers.models.BPE``'s options and their defaults: what a class's ``BPE(...)`` leaves unset.
 BPE_DEFAULTS: Mapping[str, Any] = MappingProxyType({
@@ -123,13 +130,22 @@ def _gemma(cfg: Mapping[str, Any]) -> Pipeline:
 BYTE_LEVEL_BPE: Mapping[str, Any] = MappingProxyType({"continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False})
 
 
-def _qwen2(cfg: Mapping[str, Any]) -> Pipeline:
+def _qwen_steps(cfg: Mapping[str, Any], regex: str) -> Pipeline:
+    """Qwen2Tokenizer's steps, and Qwen3_5Tokenizer's: they differ only in the splitting ``regex``."""
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     return Pipeline(normalizers.NFC(), pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=_flag(cfg, "add_prefix_space", False), use_regex=False),
     ]), decoders.ByteLevel(), BYTE_LEVEL_BPE)
+
+
+def _qwen2(cfg: Mapping[str, Any]) -> Pipeline:
+    return _qwen_steps(cfg, QWEN2_PRETOKENIZE_REGEX)
+
+
+def _qwen3_5(cfg: Mapping[str, Any]) -> Pipeline:
+    return _qwen_steps(cfg, QWEN3_5_PRETOKENIZE_REGEX)
 
 
 def _gpt2(cfg: Mapping[str, Any]) -> Pipeline:
@@ -160,6 +176,7 @@ REBUILT_PIPELINES: Mapping[str, Callable[[Mapping[str, Any]], Pipeline]] = Mappi
     "CodeLlamaTokenizer": _code_llama,
     "GemmaTokenizer": _gemma,
     "Qwen2Tokenizer": _qwen2,
+    "Qwen3_5Tokenizer": _qwen3_5,
     "GPT2Tokenizer": _gpt2,
     "GPTNeoXTokenizer": _gpt_neox,
     "CohereTokenizer": _cohere,

@@ -3,7 +3,7 @@ real checkpoints, for the tokenizer classes that build their own normaliser / pr
 decoder / BPE options in place of tokenizer.json's (runtime.tokenizer_pipeline): Llama 2 and
 TinyLlama (tokenizer.json converted the legacy way, ``legacy`` false / true / absent,
 ``add_prefix_space``), CodeLlama, a qwen2 checkpoint whose tokenizer.json has another
-pre-tokenizer (DeepSeek-R1-Distill-Qwen's shape), and GPT-2 / GPT-NeoX / Cohere / Gemma over files
+pre-tokenizer (DeepSeek-R1-Distill-Qwen's shape), Qwen3.5 (combining marks), and GPT-2 / GPT-NeoX / Cohere / Gemma over files
 that do not match them."""
 from __future__ import annotations
 
@@ -142,6 +142,47 @@ def test_byte_level_classes_build_their_own_steps(tmp_path, shape, tokenizer_con
     write_byte_level(tmp_path, shape)
     write_configs(tmp_path, tokenizer_config, model_type)
     assert_as_transformers(tmp_path)
+
+
+MARKED = ["x\u0301", "q\u0303", "के"]  # combining marks that NFC leaves after their letter
+
+
+def with_marked_words(folder: Path) -> None:
+    """tokenizer.json with pieces and merges for ``MARKED``'s words, letters and marks together (as
+    Qwen3.5's vocabulary has them), so the splitting regex decides whether they merge."""
+    from tokenizers import pre_tokenizers
+
+    data = json.loads((folder / "tokenizer.json").read_text())
+    model = data["model"]
+    words = [piece for word in MARKED for piece, _ in pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(word)]
+    vocab, merges = with_merges(words, {k: v for k, v in model["vocab"].items() if k not in {t["content"] for t in data["added_tokens"]}})
+    first = len(vocab)
+    for i, token in enumerate(data["added_tokens"]):
+        token["id"] = first + i
+    model["vocab"], model["merges"] = vocab, [*model["merges"], *merges]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("model_type, tokenizer_class", [
+    ("llama", "Qwen3_5Tokenizer"),  # a llama checkpoint naming it: the class named
+    ("qwen3_5", "Qwen2Tokenizer"),  # the qwen3_5 types load it whatever they name, as qwen2 loads Qwen2Tokenizer
+])
+def test_qwen3_5_tokenizer_builds_its_own_steps(tmp_path, model_type, tokenizer_class):
+    """Qwen3_5Tokenizer: Qwen2's steps with combining marks kept in their word (lorafleet refused the
+    class). The marked words are one token each there, and several under Qwen2Tokenizer."""
+    from transformers import AutoTokenizer
+
+    write_byte_level(tmp_path, "llama3")
+    with_marked_words(tmp_path)
+    write_configs(tmp_path, {**BYTE_LEVEL, "tokenizer_class": tokenizer_class, "eos_token": "<|im_end|>"}, model_type)
+    assert_as_transformers(tmp_path)
+    ours, ref = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(ref).__name__ == ours.tokenizer_class == "Qwen3_5Tokenizer"
+    for text in [*MARKED, " x\u0301y", "a के b", "hix\u0301q\u0303"]:
+        assert ours.encode_with_spans(text) == (ref(text)["input_ids"], [tuple(s) for s in ref(text, return_offsets_mapping=True)["offset_mapping"]])
+    assert [len(ours.encode(word)) for word in MARKED] == [1, 1, 1]
+    write_configs(tmp_path, {**BYTE_LEVEL, "tokenizer_class": "Qwen2Tokenizer"}, "qwen2")
+    assert all(len(Tokenizer(tmp_path).encode(word)) > 1 for word in MARKED)
 
 
 def test_gemma_tokenizer_builds_its_own_steps(tmp_path):

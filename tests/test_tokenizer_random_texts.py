@@ -89,6 +89,7 @@ SHAPES: dict[str, Callable[[Path], None]] = {
     "gemma": sentencepiece(True, {**LLAMA, "tokenizer_class": "GemmaTokenizerFast", "pad_token": "<unk>", "mask_token": "<unk>"}),
     "qwen2-over-llama3-file": byte_level("llama3", {**BYTE_LEVEL, "tokenizer_class": "LlamaTokenizerFast"}, "qwen2"),
     "qwen2-prefix-space": byte_level("gpt2", {**BYTE_LEVEL, "tokenizer_class": "Qwen2Tokenizer", "add_prefix_space": True}, "qwen2"),
+    "qwen3_5": byte_level("llama3", {**BYTE_LEVEL, "tokenizer_class": "Qwen3_5Tokenizer"}, "llama"),
     "gpt2": byte_level("gpt2", {**BYTE_LEVEL, "tokenizer_class": "GPT2Tokenizer", "add_prefix_space": True}, "llama"),
     "gpt-neox": byte_level("llama3", {**BYTE_LEVEL, "tokenizer_class": "GPTNeoXTokenizerFast"}, "llama"),
     "cohere": byte_level("gpt2", {**BYTE_LEVEL, "tokenizer_class": "CohereTokenizerFast", "cls_token": "<s>", "sep_token": "</s>", "mask_token": "</s>"}, "llama"),
