@@ -83,6 +83,8 @@ CLASS_ALIASES: Mapping[str, str] = MappingProxyType({"Phi3Tokenizer": "LlamaToke
 # normaliser, pre-tokenizer, decoder or post-processor in place of tokenizer.json's, and which
 # lorafleet does not rebuild likewise (``runtime.tokenizer_pipeline.REBUILT_PIPELINES`` holds those
 # it does): transformers' encoder, seq2seq and other models' classes (checked with 5.24 and 5.25).
+# The decoder-only families' among them (OpenAIGPTTokenizer, XGLMTokenizer, CodeGenTokenizer: openai-gpt,
+# xglm, codegen / phi) are of architectures runtime/models does not serve.
 REBUILDING_CLASSES_NOT_REPRODUCED = frozenset({
     "AlbertTokenizer", "BartTokenizer", "BarthezTokenizer", "BertTokenizer", "BigBirdTokenizer",
     "BlenderbotTokenizer", "CLIPTokenizer", "CamembertTokenizer", "CodeGenTokenizer", "ConvBertTokenizer",

@@ -22,6 +22,7 @@ CLASSES = {
     "CodeLlamaTokenizer": ("sentencepiece", {**LLAMA, "tokenizer_class": "CodeLlamaTokenizer", **NO_INFILL}, "llama"),
     "GemmaTokenizer": ("sentencepiece", {**LLAMA, "tokenizer_class": "GemmaTokenizerFast", "pad_token": "<unk>", "mask_token": "<unk>"}, "llama"),
     "Qwen2Tokenizer": ("byte_level", BYTE_LEVEL, "qwen2"),
+    "Qwen3_5Tokenizer": ("byte_level", {**BYTE_LEVEL, "tokenizer_class": "Qwen3_5Tokenizer"}, "llama"),
     "GPT2Tokenizer": ("byte_level", {**BYTE_LEVEL, "tokenizer_class": "GPT2Tokenizer"}, "llama"),
     "GPTNeoXTokenizer": ("byte_level", {**BYTE_LEVEL, "tokenizer_class": "GPTNeoXTokenizerFast"}, "llama"),
     "CohereTokenizer": ("byte_level", {**BYTE_LEVEL, "tokenizer_class": "CohereTokenizerFast", "cls_token": "<s>", "sep_token": "</s>",
