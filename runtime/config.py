@@ -33,8 +33,11 @@ class EngineConfig:
     dtype:                  float32 | bfloat16 | float16 (compute and weight dtype)
     max_loras:              distinct adapters in one step (= device slots)
     max_lora_rank:          largest rank accepted at adapter load
-    max_cpu_loras:          host-tier LRU capacity (adapters), at least max_loras; None = max(32, max_loras)
-                            (``host_tier_size``)
+    max_cpu_loras:          host-tier LRU capacity (adapters), at least max_loras; None = max(32, max_loras),
+                            or no entry bound when max_cpu_lora_bytes is given (``host_tier_size``)
+    max_cpu_lora_bytes:     host-tier bound in bytes of adapter tensors (their A and B matrices), alone or with
+                            max_cpu_loras (both then hold); None = no byte bound. An adapter larger than it
+                            is refused when it is registered (``AdapterPool.check_fits_host``)
     lora_pool_rows:         device rank-rows per target slice; None = max_loras * max_lora_rank.
                             Adapters take only their own rank's rows, so a smaller value
                             still fits many low-rank adapters.
@@ -67,6 +70,7 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    max_cpu_lora_bytes: int | None = None
     lora_pool_rows: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -90,7 +94,8 @@ class EngineConfig:
         positive = ("max_loras", "max_lora_rank", "max_num_seqs", "block_size")
         for name in positive:
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("max_num_batched_tokens", "max_cpu_loras", "lora_pool_rows", "max_model_len", "num_kv_blocks", "kv_cache_mb"):
+        for name in ("max_num_batched_tokens", "max_cpu_loras", "max_cpu_lora_bytes", "lora_pool_rows", "max_model_len", "num_kv_blocks",
+                     "kv_cache_mb"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
@@ -138,9 +143,13 @@ class EngineConfig:
         return self.kv_cache_mb if self.kv_cache_mb is not None else DEFAULT_KV_CACHE_MB
 
     @property
-    def host_tier_size(self) -> int:
-        """Adapters the host tier holds: max_cpu_loras, or max(32, max_loras) when it is not given."""
-        return self.max_cpu_loras if self.max_cpu_loras is not None else max(DEFAULT_HOST_LORAS, self.max_loras)
+    def host_tier_size(self) -> int | None:
+        """Adapters the host tier holds: max_cpu_loras; when it is not given, max(32, max_loras), or None
+        (no entry bound) when max_cpu_lora_bytes bounds the tier instead: an operator who sizes it in
+        bytes for thousands of small adapters would otherwise meet the default 32 first."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return None if self.max_cpu_lora_bytes is not None else max(DEFAULT_HOST_LORAS, self.max_loras)
 
     @property
     def pool_rows(self) -> int:
@@ -171,6 +180,18 @@ def check_every_decode_fits(config: EngineConfig) -> None:
         raise ConfigError(
             f"max_num_batched_tokens: {budget} is below max_num_seqs={seqs}: a step could decode only {budget} of {seqs} running "
             f"sequences and the others would stall holding their KV blocks; raise it to at least {seqs} or lower max_num_seqs"
+        )
+
+
+def check_host_tier_counted(config: EngineConfig) -> None:
+    """The Ray application's rule: each replica's host tier has an entry bound. Serve's adapter
+    affinity (``serve.multiplexed(max_num_models_per_replica=...)``) counts the adapters a replica
+    holds and needs that count, so ``max_cpu_lora_bytes`` alone, which leaves the entries
+    uncounted (``host_tier_size`` None), is refused rather than given Serve a made-up number."""
+    if config.host_tier_size is None:
+        raise ConfigError(
+            "max_cpu_lora_bytes: under --ray give max_cpu_loras (--max-cpu-loras) too: Serve routes by the number of adapters each "
+            "replica holds, so the host tier needs an entry bound besides the byte bound (both then hold)"
         )
 
 

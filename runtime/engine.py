@@ -154,6 +154,7 @@ class LLMEngine:
             loader=self._load_registered,
             max_loras=config.max_loras,
             max_cpu_loras=config.host_tier_size,
+            max_cpu_lora_bytes=config.max_cpu_lora_bytes,
             pool_rows=config.pool_rows,
             max_lora_rank=config.max_lora_rank,
             row_bytes=row_bytes,
@@ -194,12 +195,14 @@ class LLMEngine:
         )
         self.gate.check_adapter(adapter)
         _check_range(adapter, path, self.runner.dtype)
+        self.pool.check_fits_host(adapter)  # also here, not only at install: a Ray replica validates with this alone
         return adapter
 
     def install_adapter(self, adapter: LoRAAdapter, path: str) -> AdapterRef:
         """Make a loaded adapter the current version of its name (hot update if the name exists)."""
         self._check_open()
         ref = AdapterRef(adapter.name, adapter.version)
+        self.pool.check_fits_host(adapter)  # before anything changes: one that can never be read into the host tier is refused
         previous = self.registry.register(ref, str(path), adapter.max_rank, adapter.files)
         self.pool.revive(ref)  # same content registered again after an unregister: current, not retired
         self.pool.insert_host(ref, adapter)
@@ -690,6 +693,8 @@ class LLMEngine:
             "pool_device_bytes_capacity": pool["device_bytes_capacity"],
             "pool_device_bytes_if_padded": pool["device_bytes_if_padded"],
             "host_entries": pool["host_entries"],
+            "host_bytes_in_use": pool["host_bytes_in_use"],
+            "host_bytes_capacity": pool["host_bytes_capacity"],
             "total_refcounts": {"adapter_demand": pool["total_demand"], "adapter_device_refs": pool["total_device_refs"]},
             "adapters": per_adapter,
             "steps": self.steps,

@@ -18,6 +18,11 @@ class FakeAdapter:
     version: str
     max_rank: int
 
+    @property
+    def nbytes(self) -> int:
+        """Host bytes, growing with the rank as a real adapter's do (``max_cpu_lora_bytes`` tests)."""
+        return self.max_rank * 1000
+
 
 class FakeWriter:
     """Records what each slot holds and which rows each slot's weights occupy."""
@@ -35,7 +40,7 @@ class FakeWriter:
 RANKS = (4, 8, 16, 32)
 
 
-def make_pool(max_loras=3, max_cpu_loras=4, pool_rows=48, stale: set | None = None):
+def make_pool(max_loras=3, max_cpu_loras=4, pool_rows=48, stale: set | None = None, max_cpu_lora_bytes=None):
     """``stale``: versions whose files changed on disk (an in-place update): reading them fails."""
     writer = FakeWriter()
     adapters: dict[AdapterRef, FakeAdapter] = {}
@@ -45,7 +50,8 @@ def make_pool(max_loras=3, max_cpu_loras=4, pool_rows=48, stale: set | None = No
             raise ValueError(f"{ref}: the adapter changed on disk since it was registered")
         return adapters[ref]
 
-    pool = AdapterPool(writer, loader, max_loras, max_cpu_loras, pool_rows, max_lora_rank=32, row_bytes=10, async_loads=False)
+    pool = AdapterPool(writer, loader, max_loras, max_cpu_loras, pool_rows, max_lora_rank=32, row_bytes=10, async_loads=False,
+                       max_cpu_lora_bytes=max_cpu_lora_bytes)
     return pool, writer, adapters
 
 
@@ -67,10 +73,13 @@ ops = st.lists(
 # An idle device resident pushed out of a full host tier by three loads (random draws hit this
 # about once in 300 examples): it must leave the device too.
 @example(operations=[("demand", 0, 0), ("acquire", 0, 0), ("finish", 0, 0), ("demand", 1, 0), ("demand", 2, 0), ("demand", 3, 0)])
-@pytest.mark.parametrize("max_cpu_loras", [3, 4])  # 3: a host tier no larger than the device's, evicting device residents often
-def test_pool_invariants_under_random_operations(max_cpu_loras, operations):
+# 3: a host tier no larger than the device's, evicting device residents often. A byte bound of 40000
+# (FakeAdapter: 1000 bytes a rank, ranks 4..32) holds one rank-32 adapter with one of rank 8 at most,
+# alone or with an entry bound.
+@pytest.mark.parametrize("max_cpu_loras, max_cpu_lora_bytes", [(3, None), (4, None), (None, 40_000), (4, 40_000)])
+def test_pool_invariants_under_random_operations(max_cpu_loras, max_cpu_lora_bytes, operations):
     stale: set[AdapterRef] = set()  # retired versions' files were overwritten in place: no disk read can bring them back
-    pool, writer, adapters = make_pool(max_cpu_loras=max_cpu_loras, stale=stale)
+    pool, writer, adapters = make_pool(max_cpu_loras=max_cpu_loras, stale=stale, max_cpu_lora_bytes=max_cpu_lora_bytes)
     current = {f"n{i}": new_ref(adapters, f"n{i}", 0, RANKS[i % 4]) for i in range(6)}
     versions = {name: 0 for name in current}
     live: list[dict] = []  # each request: ref, running(bool)
@@ -116,7 +125,9 @@ def test_pool_invariants_under_random_operations(max_cpu_loras, operations):
         assert not [f for f in failures if f.ref in pinned], failures
         snap = pool.snapshot()
         # capacity
-        assert snap["host_entries"] + snap["loads_in_flight"] <= max_cpu_loras
+        assert max_cpu_loras is None or snap["host_entries"] + snap["loads_in_flight"] <= max_cpu_loras
+        assert snap["host_bytes_in_use"] == sum(adapters[ref].nbytes for ref in pool.host_refs())
+        assert max_cpu_lora_bytes is None or snap["host_bytes_in_use"] <= max_cpu_lora_bytes  # (no load stays in flight: async_loads=False)
         assert snap["device_rows_used"] <= 48  # (slots cannot exceed 3: there are 3 list entries)
         residents = pool.device_residents()
         assert len({ref for ref, _, _ in residents.values()}) == len(residents), "an adapter resident in two slots"

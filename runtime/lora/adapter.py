@@ -126,7 +126,8 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.lora_a.numel() * 4 + m.lora_b.numel() * 4 for m in self.modules.values())
+        """Bytes of its A and B matrices (what it holds in the host tier; ``max_cpu_lora_bytes``)."""
+        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.lora_a, m.lora_b))
 
 
 def resolved_files(folder: str | Path) -> tuple[str, ...]:

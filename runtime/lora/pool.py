@@ -1,4 +1,4 @@
-"""Two-tier adapter pool: host LRU (``max_cpu_loras``) + device slots (``max_loras``).
+"""Two-tier adapter pool: host LRU (``max_cpu_loras`` entries and/or ``max_cpu_lora_bytes``) + device slots (``max_loras``).
 
 Stages: disk -> host (``loader``: read + validate, one at a time in a daemon thread of its own,
 ``runtime.file_reader``) -> device
@@ -38,6 +38,19 @@ The host tier holds every device resident (host ⊇ device; ``max_cpu_loras >= m
 So a device copy is never the only copy: evicting it from the device never needs a disk
 read, which matters for a retired version, whose files may already hold newer content (an
 in-place update) or be gone. Host capacity counts resident entries plus loads in flight.
+
+Host bytes. ``max_cpu_lora_bytes`` bounds the host tier's tensor bytes too (an adapter's ``nbytes``:
+its A and B matrices), alone (``max_cpu_loras`` None) or with the entry count, both holding:
+
+    sum over host entries e of nbytes(e)  +  sum over loads in flight l of reserved(l)  <=  max_cpu_lora_bytes
+
+A load reserves its version's size, known since the version was inserted (at registration) or
+read once (a version's content is fixed, so every read of it takes the same bytes); a version
+never seen (only a bare pool reads those) reserves the whole bound. The totals change only when
+an entry or a load comes or goes, never per step. An adapter larger than the whole bound can never
+fit: ``check_fits_host`` refuses it before it is registered. With mixed sizes one eviction may not
+make room: idle entries then go until it does, and the drained one (below) goes even when the room
+is still short, so that ``host_drain`` names the next, until the read fits.
 To make room the host evicts its least recently used entry that no request demands and no
 running sequence references, preferring entries not on the device; an idle device resident
 chosen this way leaves the device too. When every host entry is demanded, further loads
@@ -66,6 +79,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from runtime.byte_size import format_byte_size
 from runtime.file_reader import FileReader
 from runtime.request import AdapterRef
 from runtime.torch_threads import single_threaded_torch
@@ -105,6 +119,16 @@ class _DeviceEntry:
 @dataclass
 class _Load:
     future: Future  # of (adapter, seconds the loader took)
+    reserved: int  # host bytes held for it until it lands (see the module docstring)
+
+
+class AdapterTooLarge(ValueError):
+    """An adapter takes more host memory than the whole host tier may hold (``max_cpu_lora_bytes``)."""
+
+
+def adapter_nbytes(adapter: Any) -> int:
+    """The host bytes an adapter takes: its ``nbytes`` (``LoRAAdapter``: its A and B matrices)."""
+    return int(adapter.nbytes)
 
 
 class CopyFence:
@@ -156,21 +180,25 @@ class AdapterPool:
         writer: DeviceWriter,
         loader: Loader,
         max_loras: int,
-        max_cpu_loras: int,
+        max_cpu_loras: Optional[int],
         pool_rows: int,
         max_lora_rank: int,
         row_bytes: int = 0,
         device: torch.device | str = "cpu",
         async_loads: bool = True,
+        max_cpu_lora_bytes: Optional[int] = None,
     ) -> None:
-        if max_cpu_loras < max_loras:
+        if max_cpu_loras is None and max_cpu_lora_bytes is None:
+            raise ValueError("the host tier needs a bound: max_cpu_loras, max_cpu_lora_bytes or both")
+        if max_cpu_loras is not None and max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         if pool_rows < max_lora_rank:
             raise ValueError(f"pool_rows ({pool_rows}) cannot hold one adapter of max_lora_rank={max_lora_rank}")
         self.writer = writer
         self.loader = loader
         self.max_loras = max_loras
-        self.max_cpu_loras = max_cpu_loras
+        self.max_cpu_loras = max_cpu_loras  # None: entries are not counted, only bytes
+        self.max_cpu_lora_bytes = max_cpu_lora_bytes  # None: bytes are not bounded, only entries
         self.pool_rows = pool_rows
         self.max_lora_rank = max_lora_rank
         self.row_bytes = row_bytes
@@ -179,6 +207,9 @@ class AdapterPool:
         # hung mount held the process (and close()) for ever. See close().
         self._reader: Optional[FileReader] = FileReader("lorafleet-adapter-load", initializer=single_threaded_torch) if async_loads else None
         self._host: "OrderedDict[AdapterRef, Any]" = OrderedDict()  # LRU: oldest first
+        self._host_bytes = 0  # sum of the host entries' sizes
+        self._loading_bytes = 0  # sum of the loads in flight's reservations
+        self._size_of: dict[AdapterRef, int] = {}  # every version inserted or read (until it is retired and gone)
         self._loading: dict[AdapterRef, _Load] = {}
         self._load_queue: deque[AdapterRef] = deque()
         self._demand: dict[AdapterRef, int] = {}
@@ -197,16 +228,31 @@ class AdapterPool:
         self._blockers_memo: dict[tuple[int, tuple[AdapterRef, ...]], Optional[list[AdapterRef]]] = {}
 
     # ---- host tier ---------------------------------------------------------------------
+    def check_fits_host(self, adapter: Any) -> None:
+        """AdapterTooLarge when ``adapter`` alone takes more bytes than ``max_cpu_lora_bytes``: it
+        could never be read into the host tier (every request for it would wait for ever)."""
+        nbytes = adapter_nbytes(adapter)
+        if self.max_cpu_lora_bytes is not None and nbytes > self.max_cpu_lora_bytes:
+            raise AdapterTooLarge(
+                f"adapter {adapter.name!r}: its weights take {format_byte_size(nbytes)} ({nbytes} bytes) of host memory, more than the whole "
+                f"host tier may hold (max_cpu_lora_bytes {format_byte_size(self.max_cpu_lora_bytes)}, {self.max_cpu_lora_bytes} bytes); "
+                "raise --max-cpu-lora-bytes or serve a smaller adapter"
+            )
+
     def insert_host(self, ref: AdapterRef, adapter: Any) -> bool:
-        """Cache an adapter loaded elsewhere (at registration); False if the host tier is full of demanded entries."""
+        """Cache an adapter loaded elsewhere (at registration); False if the host tier is full of demanded entries.
+        AdapterTooLarge (nothing changed) when it can never fit (``check_fits_host``)."""
+        self.check_fits_host(adapter)
+        self._size_of[ref] = adapter_nbytes(adapter)
         if ref in self._host:
             self._host.move_to_end(ref)
             return True
-        if not self._make_host_room():
+        # Checked first: with mixed sizes, evicting idle entries one by one could drop some and still find no room.
+        if not self._room_after_idle_leave(self._size_of[ref]) or not self._make_host_room(self._size_of[ref]):
             return False  # a queued disk read of it stays queued: its waiting requests still need one
         if ref in self._load_queue:  # a queued disk read of the same version is not needed any more
             self._load_queue.remove(ref)
-        self._host[ref] = adapter
+        self._add_host(ref, adapter)
         self._counters(ref).loads += 1
         return True
 
@@ -401,7 +447,9 @@ class AdapterPool:
             "device_bytes_capacity": self.pool_rows * self.row_bytes,
             "device_bytes_if_padded": len(resident) * self.max_lora_rank * self.row_bytes,
             "host_entries": len(self._host),
-            "host_capacity": self.max_cpu_loras,
+            "host_capacity": self.max_cpu_loras,  # None: only bytes bound the host tier
+            "host_bytes_in_use": self._host_bytes,
+            "host_bytes_capacity": self.max_cpu_lora_bytes,  # None: only entries bound the host tier
             "loads_in_flight": len(self._loading),
             "loads_queued": len(self._load_queue),
             "total_demand": sum(self._demand.values()),
@@ -460,15 +508,36 @@ class AdapterPool:
         """No request wants ``ref`` and no sequence runs on it: the host may evict it."""
         return self._demand.get(ref, 0) == 0 and self._device_refs.get(ref, 0) == 0
 
-    def _host_has_idle_room(self) -> bool:
-        return len(self._host) + len(self._loading) < self.max_cpu_loras or any(self._idle(r) for r in self._host)
+    def _reservation(self, ref: AdapterRef) -> int:
+        """Host bytes a read of ``ref`` holds until it lands: its known size, else the whole bound."""
+        return self._size_of.get(ref, self.max_cpu_lora_bytes or 0)
 
-    def _make_host_room(self, evict_drained: bool = False) -> bool:
-        """Evict idle host entries until one more entry fits: least recently used first, entries
-        not on the device before idle device residents (which then leave the device too, so the
-        host keeps holding every device resident). ``evict_drained`` (a queued read starting):
+    def _fits(self, nbytes: int, freed_entries: int = 0, freed_bytes: int = 0) -> bool:
+        """One more entry of ``nbytes`` fits both bounds, once entries holding ``freed_entries`` and
+        ``freed_bytes`` leave."""
+        entries_fit = self.max_cpu_loras is None or len(self._host) + len(self._loading) - freed_entries < self.max_cpu_loras
+        bytes_fit = self.max_cpu_lora_bytes is None or self._host_bytes + self._loading_bytes - freed_bytes + nbytes <= self.max_cpu_lora_bytes
+        return entries_fit and bytes_fit
+
+    def _host_has_idle_room(self) -> bool:
+        """The oldest queued read fits once every idle entry leaves (``_make_host_room`` evicts them)."""
+        return self._room_after_idle_leave(self._reservation(self._load_queue[0]))
+
+    def _room_after_idle_leave(self, nbytes: int) -> bool:
+        """One more entry of ``nbytes`` fits now or once every idle entry leaves."""
+        if self._fits(nbytes):
+            return True
+        if self.max_cpu_lora_bytes is None:  # entries only: one idle entry is room
+            return any(self._idle(r) for r in self._host)
+        idle = [r for r in self._host if self._idle(r)]
+        return bool(idle) and self._fits(nbytes, len(idle), sum(self._size_of[r] for r in idle))
+
+    def _make_host_room(self, nbytes: int, evict_drained: bool = False) -> bool:
+        """Evict idle host entries until one more entry of ``nbytes`` fits: least recently used first,
+        entries not on the device before idle device residents (which then leave the device too, so
+        the host keeps holding every device resident). ``evict_drained`` (a queued read starting):
         when no entry is idle, the ``host_drain`` victim goes once no sequence runs on it."""
-        while len(self._host) + len(self._loading) >= self.max_cpu_loras:
+        while not self._fits(nbytes):
             idle = [r for r in self._host if self._idle(r)]
             victim = next((r for r in idle if r not in self._slot_of), None) or next(iter(idle), None)
             if victim is None:
@@ -488,13 +557,13 @@ class AdapterPool:
         """Drop the drained entry from both tiers although requests wait for it; they need it read again."""
         if ref in self._slot_of:
             self._evict_device(ref)
-        del self._host[ref]
+        self._drop_host(ref)
         self._counters(ref).host_evictions += 1
         self._host_victim = None
         self._queue_load(ref)  # behind the reads already waiting
 
     def _start_loads(self) -> None:
-        while self._load_queue and self._make_host_room(evict_drained=True):
+        while self._load_queue and self._make_host_room(self._reservation(self._load_queue[0]), evict_drained=True):
             ref = self._load_queue.popleft()
             if self._reader is None:
                 future: Future = Future()
@@ -504,7 +573,8 @@ class AdapterPool:
                     future.set_exception(err)
             else:
                 future = self._reader.submit(f"adapter {ref.name!r} (version {ref.version[:12]})", self._timed_load, ref)
-            self._loading[ref] = _Load(future)
+            self._loading[ref] = _Load(future, self._reservation(ref))
+            self._loading_bytes += self._loading[ref].reserved
             if self._reader is None:
                 self._finish_load(ref, self._loading[ref])
 
@@ -516,6 +586,7 @@ class AdapterPool:
 
     def _finish_load(self, ref: AdapterRef, load: _Load) -> None:
         del self._loading[ref]
+        self._loading_bytes -= load.reserved
         counters = self._counters(ref)
         err = load.future.exception()
         if ref in self._host:  # registered again while this read ran: the weights are already in place
@@ -532,7 +603,14 @@ class AdapterPool:
         if self._demand.get(ref, 0) == 0 and ref in self._retired:
             self._free_version(ref)  # aborted while loading and retired: nobody will read it
             return
-        self._host[ref] = adapter
+        try:
+            self.check_fits_host(adapter)  # a version never seen reserved the whole bound: this is the only way past it
+        except AdapterTooLarge as err:
+            if self._demand.get(ref, 0) > 0:
+                self._failures.append(PoolFailure(ref, str(err)))
+            return
+        self._size_of[ref] = adapter_nbytes(adapter)
+        self._add_host(ref, adapter)
 
     def _layout_changed(self) -> None:
         """The slots or their references changed: forget the answers kept since the last change.
@@ -601,10 +679,18 @@ class AdapterPool:
         if self._demand.get(ref, 0) > 0 and ref not in self._host:
             self._queue_load(ref)  # its waiting requests need it back
 
+    def _add_host(self, ref: AdapterRef, adapter: Any) -> None:
+        self._host[ref] = adapter
+        self._host_bytes += self._size_of[ref]
+
+    def _drop_host(self, ref: AdapterRef) -> None:
+        del self._host[ref]
+        self._host_bytes -= self._size_of[ref]
+
     def _evict_host(self, ref: AdapterRef, counted: bool = True) -> None:
         if self._demand.get(ref, 0) > 0:
             raise AssertionError(f"adapter {ref} is demanded by a request and cannot be evicted from the host")
-        del self._host[ref]
+        self._drop_host(ref)
         if counted:
             self._counters(ref).host_evictions += 1
 
@@ -619,6 +705,7 @@ class AdapterPool:
             self._load_queue.remove(ref)
         if ref not in self._slot_of and ref not in self._loading and ref in self._retired:
             self._retired.discard(ref)
+            self._size_of.pop(ref, None)  # gone for good: registering it again inserts it, with its size
             self._counters(ref).retired += 1
 
 
