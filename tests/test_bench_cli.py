@@ -33,6 +33,7 @@ SMALL = ["--hidden", "64", "--layers", "1", "--num-requests", "4"]
 @pytest.mark.parametrize("argv, want", [
     (["--max-loras", "0"], "lorafleet bench: --max-loras: must be >= 1, got 0"),
     (["--max-loras", "8", "--max-cpu-loras", "4"], "lorafleet bench: --max-cpu-loras 4 is below --max-loras 8"),
+    (["--ranks", "8", "--max-cpu-lora-bytes", "16383"], "lorafleet bench: --max-cpu-lora-bytes: the workload's rank-8 adapters take 16.0 KiB (16384 bytes) each"),
     (["--ranks", "512"], "lorafleet bench: --ranks: cpu: max_rank: adapter 'lora-0000': rank 512 is outside 1..256"),
     (["--ranks", "8,0"], "lorafleet bench: --ranks: need positive ranks"),
     (["--cv", "0"], "lorafleet bench: --cv: must be > 0, got 0.0"),
@@ -205,7 +206,7 @@ SPEC_FLAG_VALUES = [("--num-requests", "4"), ("--adapters", "2"), ("--popularity
                     ("--rate", "0"), ("--cv", "2"), ("--input-len", "2,3"), ("--output-len", "2,3"), ("--base-fraction", "0.5"),
                     ("--seed", "1")]  # fmt: skip
 ENGINE_FLAG_VALUES = [("--device", "cpu"), ("--dtype", "float32"), ("--hidden", "64"), ("--layers", "1"), ("--max-loras", "8"),
-                      ("--max-cpu-loras", "32"), ("--workdir", "/tmp/never")]  # fmt: skip
+                      ("--max-cpu-loras", "32"), ("--max-cpu-lora-bytes", "2G"), ("--workdir", "/tmp/never")]  # fmt: skip
 
 
 @pytest.mark.parametrize("flag, value", SPEC_FLAG_VALUES)

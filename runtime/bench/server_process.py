@@ -52,6 +52,8 @@ def serve_command(setup: BenchSetup, model_dir: Path, adapters: dict[str, Path],
         cmd += ["--max-num-batched-tokens", str(setup.max_num_batched_tokens)]
     if setup.max_cpu_loras is not None:
         cmd += ["--max-cpu-loras", str(setup.max_cpu_loras)]
+    if setup.max_cpu_lora_bytes is not None:
+        cmd += ["--max-cpu-lora-bytes", str(setup.max_cpu_lora_bytes)]
     if adapters:
         cmd += ["--lora-modules", *(f"{name}={Path(path).resolve()}" for name, path in sorted(adapters.items()))]
     return cmd

@@ -35,6 +35,7 @@ class BenchSetup:
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.5
     targets: tuple[str, ...] = ATTENTION
+    max_cpu_lora_bytes: int | None = None  # None: no byte bound on the host tier
 
 
 def add_engine_pair_arguments(p: Any, rounds: int) -> None:
@@ -96,8 +97,8 @@ def prepare(workload: Any, setup: BenchSetup) -> tuple[Path, dict[str, Path]]:
 
 def engine_config(setup: BenchSetup, model_dir: Path, **overrides: Any) -> EngineConfig:
     values = dict(model=str(model_dir), device=setup.device, dtype=setup.dtype, max_loras=setup.max_loras,
-                  max_cpu_loras=setup.max_cpu_loras, max_lora_rank=setup.max_lora_rank, max_num_seqs=setup.max_num_seqs,
-                  max_num_batched_tokens=setup.max_num_batched_tokens)
+                  max_cpu_loras=setup.max_cpu_loras, max_cpu_lora_bytes=setup.max_cpu_lora_bytes, max_lora_rank=setup.max_lora_rank,
+                  max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens)
     values.update(overrides)
     return EngineConfig(**values)
 

@@ -57,6 +57,13 @@ class LlamaShape:
         }
 
 
+    def adapter_nbytes(self, rank: int, targets: Sequence[str]) -> int:
+        """Host bytes of a ``build_random_adapter`` of ``rank`` on ``targets``: A [rank, in] and
+        B [out, rank] per target and layer, float32 as the loader keeps them (``LoRAAdapter.nbytes``)."""
+        dims = self.module_dims()
+        return self.num_hidden_layers * sum(rank * (dims[t][1] + dims[t][2]) * 4 for t in targets)
+
+
 def write_byte_tokenizer(out_dir: Path, vocab_size: int, chat_template: str | None = None, model_max_length: int | None = None) -> dict[str, int]:
     """Byte-level BPE tokenizer (no merges) + tokenizer_config.json; returns the special token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors

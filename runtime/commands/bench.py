@@ -75,7 +75,7 @@ server's POST /tokenize, or as one token per byte plus 2 where it has none (an u
 """
 
 # Flags that only the in-process engine uses: with --url the server's own settings apply.
-ENGINE_FLAGS = ("--device", "--dtype", "--hidden", "--layers", "--max-loras", "--max-cpu-loras", "--workdir")
+ENGINE_FLAGS = ("--device", "--dtype", "--hidden", "--layers", "--max-loras", "--max-cpu-loras", "--max-cpu-lora-bytes", "--workdir")
 URL_ONLY_FLAGS = ("--base-model", "--api-key", "--adapter-names", "--no-length-check")
 # For a server without POST /tokenize, prompt tokens are bounded by one per UTF-8 byte plus this many
 # (a BOS and SentencePiece's leading word marker; see the module docstring).
@@ -105,6 +105,7 @@ def parse_names(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from runtime.bench.workload import Given, _arg_type, add_spec_arguments
+    from runtime.byte_size import parse_byte_size
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the epilog's lines
     p.epilog = EPILOG
@@ -118,7 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, metavar="N", default=4, action=Given, help=f"synthetic model layers{engine} (default: %(default)s)")
     p.add_argument("--max-loras", type=int, metavar="N", default=8, action=Given, help=f"distinct adapters in one step (device slots){engine} (default: %(default)s)")
     p.add_argument("--max-cpu-loras", type=int, metavar="N", default=None, action=Given,
-                   help=f"host-tier adapters, at least --max-loras{engine} (default: max(32, --max-loras))")
+                   help=f"host-tier adapters, at least --max-loras{engine} (default: max(32, --max-loras), or none with --max-cpu-lora-bytes alone)")
+    p.add_argument("--max-cpu-lora-bytes", metavar="SIZE", type=_arg_type(parse_byte_size), default=None, action=Given,
+                   help=f"host-tier bound in bytes of adapter weights, e.g. 512M, 2G (binary units) or bytes; with --max-cpu-loras both hold{engine} "
+                        "(default: none, only --max-cpu-loras bounds the host tier)")
     p.add_argument("--workdir", metavar="DIR", default=str(DEFAULT_WORKDIR), action=Given,
                    help=f"where the synthetic model and adapters are written, and reused by later runs{engine} (default: %(default)s)")
     p.add_argument("--workload", metavar="FILE",
@@ -293,6 +297,7 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
     import backends
     from runtime.bench.suite import BenchSetup, engine_config, host_tier_size
     from runtime.bench.synthetic import LlamaShape
+    from runtime.byte_size import format_byte_size
     from runtime.capabilities import CapabilityError, check_adapter, check_engine_config
     from runtime.config import ConfigError
 
@@ -301,16 +306,19 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
     except ValueError as err:
         raise SetupError("--layers" if args.layers < 1 else "--hidden", str(err)) from None
     try:
-        host_cpu_loras = host_tier_size(args.max_loras, args.max_cpu_loras)
+        # Bytes alone leave the entries uncounted (EngineConfig.host_tier_size): no default count then.
+        bytes_alone = args.max_cpu_lora_bytes is not None and args.max_cpu_loras is None
+        host_cpu_loras = None if bytes_alone else host_tier_size(args.max_loras, args.max_cpu_loras)
     except ValueError as err:  # "--max-cpu-loras N is below --max-loras M: ..."
         raise SetupError("--max-cpu-loras", str(err)) from None
     ranks = sorted(set(workload.spec.ranks) | set(workload.adapter_ranks.values()))
     _check_fits(args, workload, shape.max_position_embeddings)
     check_workdir(args.workdir)
     setup = BenchSetup(Path(args.workdir), shape, args.device, args.dtype, args.max_loras, host_cpu_loras,
-                       max_lora_rank=max(64, *ranks), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)  # fmt: skip
+                       max_lora_rank=max(64, *ranks), slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                       max_cpu_lora_bytes=args.max_cpu_lora_bytes)  # fmt: skip
     flag_of = {"device": "--device", "dtype": "--dtype", "max_loras": "--max-loras", "max_cpu_loras": "--max-cpu-loras",
-               "max_lora_rank": _ranks_source(args)}  # fmt: skip
+               "max_cpu_lora_bytes": "--max-cpu-lora-bytes", "max_lora_rank": _ranks_source(args)}  # fmt: skip
     try:
         config = engine_config(setup, setup.workdir / "model")
     except ConfigError as err:  # "key: reason"
@@ -331,6 +339,10 @@ def _check_engine(args: argparse.Namespace, workload: Any) -> Any:
             check_adapter(SimpleNamespace(name=name, modules=modules), backend_name)
         except CapabilityError as err:
             raise SetupError(_ranks_source(args), str(err)) from None
+    largest = shape.adapter_nbytes(max(ranks), setup.targets)
+    if args.max_cpu_lora_bytes is not None and largest > args.max_cpu_lora_bytes:  # the engine would refuse it at registration
+        raise SetupError("--max-cpu-lora-bytes", f"the workload's rank-{max(ranks)} adapters take {format_byte_size(largest)} ({largest} bytes) each, "
+                                                 f"more than the whole host tier may hold ({args.max_cpu_lora_bytes} bytes); raise it or lower {_ranks_source(args)}")
     config = config.for_backend(backend_name)  # the device's default step budget, recorded in --json's setup block
     setup = dataclasses.replace(setup, max_num_batched_tokens=config.max_num_batched_tokens)
     try:
@@ -620,7 +632,8 @@ def _run(args: argparse.Namespace) -> int:
             ran = {"url": args.url, "base_model": base}
         else:
             ran = {"device": setup.device, "dtype": setup.dtype, "hidden_size": setup.shape.hidden_size, "layers": setup.shape.num_hidden_layers,
-                   "max_loras": setup.max_loras, "max_cpu_loras": setup.max_cpu_loras, "max_lora_rank": setup.max_lora_rank,
+                   "max_loras": setup.max_loras, "max_cpu_loras": setup.max_cpu_loras, "max_cpu_lora_bytes": setup.max_cpu_lora_bytes,
+                   "max_lora_rank": setup.max_lora_rank,
                    "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
                    "workdir": str(setup.workdir)}  # fmt: skip
         # The machine only for an in-process run: over --url the server's machine is not known here.

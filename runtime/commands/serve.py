@@ -38,7 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME", help="the base model's name in the API (default: the checkpoint's name)")
     p.add_argument("--max-loras", type=int, metavar="N", help="distinct adapters in one step (device slots; default 8)")
     p.add_argument("--max-lora-rank", type=int, metavar="R", help="largest adapter rank accepted (default 64)")
-    p.add_argument("--max-cpu-loras", type=int, metavar="N", help="adapters kept in host memory, at least --max-loras (default: max(32, --max-loras))")
+    p.add_argument("--max-cpu-loras", type=int, metavar="N", help="adapters kept in host memory, at least --max-loras (default: max(32, --max-loras), "
+                                                                "or no count of its own with --max-cpu-lora-bytes alone)")
+    p.add_argument("--max-cpu-lora-bytes", metavar="SIZE", help="bound on the host memory those adapters' weights take: 512M, 2G (binary "
+                   "units) or bytes; with --max-cpu-loras both bounds hold. An adapter larger than it is refused when loaded. Unset, "
+                   "only --max-cpu-loras bounds the host tier")
     p.add_argument("--lora-pool-rows", type=int, metavar="N", help="device rank-rows per target slice (default: --max-loras x --max-lora-rank)")
     p.add_argument("--max-num-seqs", type=int, metavar="N", help="running sequences per step (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="tokens per step (prefill chunks + decodes), at least --max-num-seqs so every running sequence "

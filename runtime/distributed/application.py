@@ -32,7 +32,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import backends
-from runtime.config import EngineConfig, check_every_decode_fits
+from runtime.config import EngineConfig, check_every_decode_fits, check_host_tier_counted
 from runtime.distributed.ingress import LoraIngress
 from runtime.distributed.log_level import LOG_LEVELS
 from runtime.distributed.manifest import ManifestError
@@ -129,7 +129,8 @@ def _start_step(what: str, call: Callable[[], Any]) -> Any:
 @dataclass(frozen=True)
 class ScaleOutConfig:
     """
-    engine:            each replica's engine (its adapter pool: max_loras on device, max_cpu_loras in host)
+    engine:            each replica's engine (its adapter pool: max_loras on device, max_cpu_loras in host, and
+                       max_cpu_lora_bytes if given; max_cpu_loras is then needed too: ``check_host_tier_counted``)
     server:            the ingress's HTTP options (host/port/admin/api key/adapter roots)
     num_replicas:      generating replicas
     registry_dir:      folder of the persisted adapter manifest
@@ -142,7 +143,8 @@ class ScaleOutConfig:
     log_level:         lorafleet's log level inside the ingress and replica actors (``log_level.py``)
 
     Raises ConfigError (a ValueError) for an engine whose step budget is below max_num_seqs, as
-    ``lorafleet serve`` does (``check_every_decode_fits``): the replicas are servers.
+    ``lorafleet serve`` does (``check_every_decode_fits``): the replicas are servers; and for one
+    whose host tier has no entry bound (``check_host_tier_counted``).
     """
 
     engine: EngineConfig
@@ -168,6 +170,7 @@ class ScaleOutConfig:
         # ``benchmarks/ray_affinity.py``) gets it, not only ``lorafleet serve``: its settings check
         # it first, so a config it builds never fails here and the message is said once.
         check_every_decode_fits(self.engine)
+        check_host_tier_counted(self.engine)  # Serve's affinity counts adapters per replica
 
     @property
     def registry_name(self) -> str:

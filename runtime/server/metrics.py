@@ -24,6 +24,7 @@ through the registry to that replica, whose engine folds them the same way at it
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Iterable
 
@@ -158,6 +159,9 @@ class _SnapshotCollector:
             "pool_device_bytes_in_use": GaugeMetricFamily("lorafleet_adapter_pool_bytes_in_use", "Device adapter pool bytes in use", labels=extra),
             "pool_device_bytes_capacity": GaugeMetricFamily("lorafleet_adapter_pool_bytes_capacity", "Device adapter pool capacity in bytes", labels=extra),
             "host_entries": GaugeMetricFamily("lorafleet_adapter_host_entries", "Adapters in the host tier", labels=extra),
+            "host_bytes_in_use": GaugeMetricFamily("lorafleet_adapter_host_bytes_in_use", "Bytes of adapter weights in the host tier", labels=extra),
+            "host_bytes_capacity": GaugeMetricFamily("lorafleet_adapter_host_bytes_capacity", "The host tier's bound in bytes "
+                                                     "(--max-cpu-lora-bytes; +Inf when only --max-cpu-loras bounds it)", labels=extra),
             "kv_block_refcount_total": GaugeMetricFamily("lorafleet_kv_block_refcount", "References held on KV blocks (summed)", labels=extra),
         }
         totals = {
@@ -192,7 +196,8 @@ class _SnapshotCollector:
         for replica, snap in rows:
             extra_values = [replica or ""] if self.labelled else []
             for key, gauge in gauges.items():
-                gauge.add_metric(extra_values, float(snap.get(key, 0)))
+                value = snap.get(key, 0)
+                gauge.add_metric(extra_values, math.inf if value is None else float(value))  # None: no bound (host_bytes_capacity)
             for key, total in totals.items():
                 total.add_metric(extra_values, float(snap.get(key, 0)))
             for key, gauge in refcounts.items():

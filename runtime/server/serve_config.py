@@ -12,11 +12,12 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from runtime.config import ConfigError, EngineConfig, check_every_decode_fits
+from runtime.byte_size import parse_byte_size
+from runtime.config import ConfigError, EngineConfig, check_every_decode_fits, check_host_tier_counted
 from runtime.server.options import ADAPTER_NAME_RULE, ServerOptions, is_adapter_name
 
 ENGINE_KEYS = (
-    "model", "device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_pool_rows",
+    "model", "device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras", "max_cpu_lora_bytes", "lora_pool_rows",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
     "kv_cache_mb", "enable_prefix_caching", "seed", "cpu_gemm",
 )
@@ -34,6 +35,7 @@ KEY_TYPES: dict[str, tuple[tuple[type, ...], str, bool]] = {
     **{k: (*_STR, True) for k in NULLABLE_KEYS},
     **{k: (*_BOOL, False) for k in ("enable_prefix_caching", "enable_adapter_admin", "ray")},
     "adapter_root": ((str, list), "a folder or a list of folders", True),
+    "max_cpu_lora_bytes": ((int, str), "a size such as 2G, 512M or a number of bytes", True),
     "lora_modules": ((list,), "a list of adapters", True),
 }  # fmt: skip
 # Keys whose values in effect no later check would catch with a wrong type (the others get range
@@ -241,6 +243,11 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
         if demo_model is None:
             raise ConfigError("model: no --model given and the bundled demo model is not installed")
         merged["model"] = demo_model
+    if merged.get("max_cpu_lora_bytes") is not None:
+        try:
+            merged["max_cpu_lora_bytes"] = parse_byte_size(merged["max_cpu_lora_bytes"])
+        except ValueError as err:
+            raise ConfigError(f"max_cpu_lora_bytes: {err}") from None
     engine = EngineConfig.from_dict({k: merged[k] for k in ENGINE_KEYS if k in merged})
     check_every_decode_fits(engine)
     roots = adapter_roots(merged.get("adapter_root"))
@@ -276,6 +283,8 @@ def build_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any
     ray_only = [k for k in ("num_replicas", "ray_address", "registry_dir") if merged.get(k) is not None and not (k == "num_replicas" and merged[k] == 1)]
     if ray_only and not ray:
         raise ConfigError(f"{ray_only[0]}: only used by a Ray Serve deployment; add --ray (or 'ray: true'), or drop it")
+    if ray:
+        check_host_tier_counted(engine)
     return ServeSettings(
         engine=engine,
         server=server,
