@@ -96,3 +96,12 @@ def test_the_bench_counts_a_synthetic_adapter_as_the_loader_does(tmp_path: Path)
     targets = {name: (n_in, n_out) for name, (_, n_in, n_out) in shape.module_dims().items()}
     loaded = load_adapter(folder, "a", targets, num_layers=2, max_lora_rank=64)
     assert loaded.nbytes == shape.adapter_nbytes(8, ATTENTION) == 2 * 4 * 8 * (64 + 64) * 4
+
+
+def test_the_start_up_summary_states_the_host_tier_bounds(tiny_llama_dir: Path) -> None:
+    def line(*flags: str) -> str:
+        return serve.host_tier_line(serve.load_settings(parse("--model", str(tiny_llama_dir), *flags)).engine)
+
+    assert line() == "at most 32 adapters (--max-cpu-loras)"
+    assert line("--max-cpu-lora-bytes", "2G") == "at most 2.0 GiB (2147483648 bytes) of adapter weights; adapters not counted"
+    assert line("--max-cpu-lora-bytes", "512M", "--max-cpu-loras", "40") == "at most 40 adapters and 512.0 MiB (536870912 bytes) of adapter weights"

@@ -929,6 +929,7 @@ def test_summary_states_the_kv_pool_and_where_admin_loads_from(tiny_llama_dir: P
     finally:
         engine.shutdown()
     assert "kv pool    4 blocks x 8 tokens = 32 tokens (one request: at most 32 of prompt + output)" in text
+    assert "host tier  at most 32 adapters (--max-cpu-loras)\n" in text
     # The device --device auto chose, and the step budget in effect (its default depends on that device).
     assert "device     cpu (backend cpu, chosen by --device auto), dtype float32" in text
     assert "max_num_seqs=64 max_num_batched_tokens=256 max_model_len=" in text

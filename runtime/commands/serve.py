@@ -201,6 +201,18 @@ def _dtype_note(settings: Any, core: Any) -> str:
     return note + _gemm_note(settings.engine.cpu_gemm, core.config, quantized=quantized, tied_head=core.runner.model_config.tie_word_embeddings)
 
 
+def host_tier_line(config: Any) -> str:
+    """The host tier's bounds as the start-up summary states them: adapters, bytes of their
+    weights, or both (``EngineConfig.host_tier_size``, ``max_cpu_lora_bytes``)."""
+    from runtime.byte_size import format_byte_size
+
+    entries, size = config.host_tier_size, config.max_cpu_lora_bytes
+    if size is None:
+        return f"at most {entries} adapters (--max-cpu-loras)"
+    weights = f"{format_byte_size(size)} ({size} bytes) of adapter weights"
+    return f"at most {entries} adapters and {weights}" if entries is not None else f"at most {weights}; adapters not counted"
+
+
 def summary(settings: Any, engine: Any) -> str:
     core = engine.engine
     mem = core.runner.memory_report()
@@ -214,6 +226,7 @@ def summary(settings: Any, engine: Any) -> str:
         f"memory     weights {_mb(mem.get('weights_bytes', 0))}, KV cache {_mb(mem.get('kv_cache_bytes', 0))}, adapter pool {_mb(mem.get('lora_pool_bytes', 0))}",
         f"limits     max_loras={settings.engine.max_loras} max_lora_rank={settings.engine.max_lora_rank} max_num_seqs={settings.engine.max_num_seqs} "
         f"max_num_batched_tokens={core.config.max_num_batched_tokens} max_model_len={engine.max_model_len}",  # the budget as resolved for the device
+        f"host tier  {host_tier_line(core.config)}",
         f"kv pool    {core.runner.num_kv_blocks} blocks x {core.runner.block_size} tokens = {pool_tokens} tokens"
         + (f" (one request: at most {pool_tokens} of prompt + output)" if pool_tokens < engine.max_model_len else ""),
         f"admin      {_admin_line(settings.server)}; api key {'required' if settings.server.api_key else 'not set'}",
