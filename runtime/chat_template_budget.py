@@ -1,4 +1,5 @@
-"""RenderBudget: how much work one chat template render may do, in steps and in time.
+"""RenderBudget: how much work one chat template render may do, in steps, in time and in nested
+calls, and how long a value it may build (``max_chars``, checked by ``runtime/chat_template_sizes.py``).
 
 A step is one item that a ``{% for %}`` loop (a recursive loop's ``loop(...)`` too) or a
 ``range()`` yields, or one call the template makes (a macro, a method such as ``.strip()``, a
@@ -30,15 +31,25 @@ filter, put there when the template is compiled (``count_loop_items``), which sp
 item; ``range`` is ``CountedRange``, lazy, whose items spend a step each as they are drawn, inside
 a loop or out (``range(n) | list``). A template cannot name the filter (its name is not an
 identifier), reach the budget, nor set ``range`` (``chat_template_kwargs`` may not).
+
+Calls nest at most ``MAX_CALL_DEPTH`` deep (a macro calling a macro, a recursive loop's
+``loop(...)``, a call block's ``caller()``): past it, ``TemplateCallsTooDeep`` (the tokenizer's
+``ChatTemplateTooDeep``). Without it, a macro recursing as deep as a client's input said raised
+Python's RecursionError (a 500 and a traceback per request) once its frames, about 6 per nested
+macro call, reached Python's limit of 1000: about 160 levels. 64 leaves the frames of the
+caller and of the template's filters room; real templates nest 3 calls at most.
 """
 from __future__ import annotations
 
 from time import monotonic
 from typing import Any, Callable, Iterable, Iterator
 
+from runtime.chat_template_sizes import MAX_RENDERED_CHARS
+
 MAX_TEMPLATE_STEPS = 1 << 20  # steps of one render: 1 Mi
 MAX_RENDER_SECONDS = 10.0  # one render's time, looked at every CLOCK_EVERY steps
 CLOCK_EVERY = 64
+MAX_CALL_DEPTH = 64  # calls nested inside one another in one render
 COUNTED_FILTER = "lorafleet counted loop"  # not an identifier: templates cannot name it
 
 
@@ -46,16 +57,36 @@ class TemplateStepsExhausted(Exception):
     """The render took more than its budget of steps (``RenderBudget``)."""
 
 
+class TemplateCallsTooDeep(Exception):
+    """The render nested calls deeper than its budget's ``max_depth`` (``RenderBudget.enter_call``)."""
+
+
 class RenderBudget:
     """``steps`` steps and ``seconds`` of ``clock`` (from the budget's making) for one render.
     ``spend`` takes a step, and raises ``TemplateStepsExhausted`` once more than ``steps`` were
     taken, or, looking at the clock every ``CLOCK_EVERY`` steps, once ``seconds`` have passed
-    (and again at every later step, so a caller that swallowed the error cannot go on)."""
+    (and again at every later step, so a caller that swallowed the error cannot go on).
+    ``enter_call`` / ``leave_call`` bracket a call: more than ``max_depth`` open at once raises
+    ``TemplateCallsTooDeep``. ``max_chars``: the longest value the render may build
+    (``runtime/chat_template_sizes.py``)."""
 
-    def __init__(self, steps: int, seconds: float, clock: Callable[[], float] = monotonic) -> None:
+    def __init__(self, steps: int, seconds: float, clock: Callable[[], float] = monotonic,
+                 max_chars: int = MAX_RENDERED_CHARS, max_depth: int = MAX_CALL_DEPTH) -> None:
         self.steps, self.seconds, self._clock = steps, seconds, clock
+        self.max_chars, self.max_depth = max_chars, max_depth
         self.left = steps
+        self.depth = 0
         self._deadline = clock() + seconds
+
+    def enter_call(self) -> None:
+        if self.depth >= self.max_depth:
+            raise TemplateCallsTooDeep(
+                f"chat_template: calls nested more than {self.max_depth} deep (a macro or a recursive loop calling itself), the limit; "
+                "these messages or chat_template_kwargs ask the template for more than a prompt needs")
+        self.depth += 1
+
+    def leave_call(self) -> None:
+        self.depth -= 1
 
     def spend(self) -> None:
         self.left -= 1
@@ -134,16 +165,21 @@ class CountedRange:
         return self._items.count(value)
 
 
+def render_budget(max_chars: int) -> RenderBudget:
+    """A fresh budget for one render: ``MAX_TEMPLATE_STEPS`` steps, ``MAX_RENDER_SECONDS``, values of at most ``max_chars``."""
+    return RenderBudget(MAX_TEMPLATE_STEPS, MAX_RENDER_SECONDS, monotonic, max_chars=max_chars)
+
+
 def budgeted_context_class() -> type:
-    """jinja's ``Context`` with a ``budget`` (a fresh ``RenderBudget(MAX_TEMPLATE_STEPS,
-    MAX_RENDER_SECONDS)`` per render), which the contexts jinja derives from it during the render (a ``pass_context``
+    """jinja's ``Context`` with a ``budget`` (a fresh ``render_budget`` per render; the tokenizer
+    gives each render its own, with the caller's ``max_chars``), which the contexts jinja derives from it during the render (a ``pass_context``
     call inside a loop, a block) share."""
     from jinja2.runtime import Context
 
     class BudgetedContext(Context):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.budget = RenderBudget(MAX_TEMPLATE_STEPS, MAX_RENDER_SECONDS, monotonic)
+            self.budget = render_budget(MAX_RENDERED_CHARS)
 
         def derived(self, locals: Any = None) -> "BudgetedContext":
             context = super().derived(locals)

@@ -72,7 +72,8 @@ from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from runtime import chat_template_budget
+from runtime import chat_template_budget, chat_template_sizes
+from runtime.chat_template_sizes import MAX_RENDERED_CHARS
 from runtime.tokenizer_class import (
     CLASS_SPECIAL_TOKENS,
     REBUILT_POST_PROCESSORS,
@@ -158,7 +159,7 @@ class ChatTemplateError(TokenizerError):
 # without them a template's ``'x' * n`` (or a loop's output) sized by a client's
 # ``chat_template_kwargs`` or messages took as much memory as asked (a 500, or the server killed).
 MAX_TEMPLATE_REPETITION = 1 << 20  # items (characters of a string) one ``*`` may build: 1 Mi
-MAX_RENDERED_CHARS = 1 << 24  # characters of the rendered prompt: 16 Mi, 16x what the default 1 MiB body carries
+# MAX_RENDERED_CHARS (runtime/chat_template_sizes.py): the prompt and any value built on the way, 16 Mi characters by default
 
 
 class ChatTemplateTooLarge(TokenizerError):
@@ -167,6 +168,12 @@ class ChatTemplateTooLarge(TokenizerError):
     ``MAX_RENDERED_CHARS``, or more than ``MAX_TEMPLATE_STEPS`` steps or ``MAX_RENDER_SECONDS``
     of work (``runtime/chat_template_budget.py``). The template is fixed for the server's
     lifetime, so the inputs of the render (messages, ``chat_template_kwargs``) are what ask for it: the request's error."""
+
+
+class ChatTemplateTooDeep(ChatTemplateTooLarge):
+    """The render nested calls past ``chat_template_budget.MAX_CALL_DEPTH`` (a macro or a
+    recursive loop calling itself as deep as the inputs say). A template that does so on any
+    input is found when the tokenizer loads (``chat_template_problem``)."""
 
 
 # Texts this long (characters) are encoded without holding the GIL (``Tokenizer._encoding``);
@@ -289,6 +296,7 @@ class Tokenizer:
         if self.chat_template_problem is None:
             try:
                 self._compiled_template = _compile_chat_template(self.chat_template or DEFAULT_CHAT_TEMPLATE, self.chat_template_source)
+                self.chat_template_problem = self._nesting_problem()
             except ChatTemplateUnusable as err:
                 self.chat_template_problem = err
         eos: list[int] = [] if self.eos_token_id is None else [self.eos_token_id]
@@ -401,7 +409,8 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
+                            max_chars: int = MAX_RENDERED_CHARS) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's template (or the default).
 
         A key whose value is None (OpenAI's ``"content": null``) is left out of the message the
@@ -431,8 +440,11 @@ class Tokenizer:
         (``raise_exception``) or jinja fails (sandbox, an undefined value used), and its subclass
         ChatTemplateError when the template's own code fails on these values with one of
         ``TEMPLATE_DATA_ERRORS``, and ChatTemplateTooLarge when the render would build more than
-        ``MAX_TEMPLATE_REPETITION`` items with one ``*`` or ``MAX_RENDERED_CHARS`` of text, or
-        takes more than its budget of steps or time (``runtime/chat_template_budget.py``)."""
+        ``MAX_TEMPLATE_REPETITION`` items with one ``*`` or more than ``max_chars`` characters in
+        any value or the prompt (``runtime/chat_template_sizes.py``; a server passes its
+        ``size_cap``), or takes more than its budget of steps or time
+        (``runtime/chat_template_budget.py``); its subclass ChatTemplateTooDeep when calls nest
+        past ``chat_template_budget.MAX_CALL_DEPTH``."""
         if self.chat_template_problem is not None:
             raise self.chat_template_problem
         for i, m in enumerate(messages):
@@ -445,7 +457,7 @@ class Tokenizer:
                 raise TokenizerError(f"chat_template_kwargs: {key!r} cannot be set: lorafleet sets it to {why}")
         shown = [{key: value for key, value in m.items() if value is not None} for m in messages]  # transformers' _normalize_chat_messages
         if not continue_final_message:
-            return self._render(shown, add_generation_prompt, extra)
+            return self._render(shown, add_generation_prompt, extra, max_chars)
         if add_generation_prompt:
             raise TokenizerError("continue_final_message: not with add_generation_prompt, which starts a new message after it")
         if not shown or not isinstance(shown[-1].get("content"), str):
@@ -455,7 +467,7 @@ class Tokenizer:
                                  "whole, e.g. with tojson), so the prompt cannot end inside the last message's content")
         final = shown[-1]["content"]
         shown[-1]["content"] = final + CONTINUE_MARKER
-        text = self._render(shown, False, extra)
+        text = self._render(shown, False, extra, max_chars)
         marker = CONTINUE_MARKER.strip()
         if final.strip() not in text or marker not in text:
             raise TokenizerError("continue_final_message: the chat template does not write the last message's content as given, "
@@ -463,25 +475,30 @@ class Tokenizer:
         cut = text.rindex(marker)
         return text[:cut] if text.startswith(CONTINUE_MARKER, cut) else text[:cut].rstrip()
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: Mapping[str, Any]) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: Mapping[str, Any], max_chars: int) -> str:
         """The template's text for ``messages``, with the variables transformers passes and ``extra`` (checked
-        by the caller); its errors as ``apply_chat_template`` says. The text is joined from the
-        pieces the template writes as it goes, and the render stops (ChatTemplateTooLarge) once they
-        pass ``MAX_RENDERED_CHARS``, rather than after building all of it."""
+        by the caller); its errors as ``apply_chat_template`` says. The render's context gets a
+        budget of its own with ``max_chars`` (what jinja's ``generate`` does, but for that). The
+        text is joined from the pieces the template writes as it goes, and the render stops
+        (ChatTemplateTooLarge) once they pass ``max_chars``, rather than after building all of it."""
         import jinja2
 
+        template = self._compiled_template
+        context = template.new_context({
+            "messages": messages,
+            "tools": None,  # transformers passes both, None without tools or documents; a template may test ``is none``
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self._template_tokens, **extra,  # transformers' {**special_tokens_map, **kwargs}
+        })
+        context.budget = chat_template_budget.render_budget(max_chars)
         try:
-            pieces = self._compiled_template.generate(
-                messages=messages,
-                tools=None,  # transformers passes both, None without tools or documents; a template may test ``is none``
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **{**self._template_tokens, **extra},  # transformers' {**special_tokens_map, **kwargs}
-            )
-            return _joined_within(pieces, MAX_RENDERED_CHARS)
+            return _joined_within(template.root_render_func(context), max_chars)
         except TokenizerError:  # the template's raise_exception, ChatTemplateTooLarge
             raise
-        except chat_template_budget.TemplateStepsExhausted as err:
+        except chat_template_budget.TemplateCallsTooDeep as err:
+            raise ChatTemplateTooDeep(str(err)) from None
+        except (chat_template_budget.TemplateStepsExhausted, chat_template_sizes.ValueTooLarge) as err:
             raise ChatTemplateTooLarge(str(err)) from None
         except jinja2.TemplateError as err:
             raise TokenizerError(f"chat_template: cannot render: {err}") from err
@@ -502,6 +519,19 @@ class Tokenizer:
             f"{f' (it leaves out {dropped[:4]})' if dropped else ''}, in that order, so {why}: prompts and outputs would hold "
             "ids the model reads as other tokens, so lorafleet refuses this checkpoint; declare every added token of "
             "tokenizer.json, with its id, in tokenizer_config.json's added_tokens_decoder")
+
+    def _nesting_problem(self) -> ChatTemplateUnusable | None:
+        """ChatTemplateUnusable when the template nests calls past ``MAX_CALL_DEPTH`` rendering one
+        short user message: such a template (a macro that always calls itself) fails for every
+        request, the server's fault, known at load. Any other refusal of that message is the
+        message's (a template may require a system message), not the template's: not judged here."""
+        try:
+            self._render([{"role": "user", "content": "Hello"}], True, {}, MAX_RENDERED_CHARS)
+        except ChatTemplateTooDeep as err:
+            return ChatTemplateUnusable(self.chat_template_source, f"rendering one user message, {str(err).removeprefix('chat_template: ').split(';')[0]}")
+        except TokenizerError:
+            pass
+        return None
 
     def _add_named_special_tokens(self, cfg: Mapping[str, Any], file_tok: Any) -> None:
         """Make each special token the config names (``runtime.tokenizer_class.special_token_values``:
@@ -598,32 +628,42 @@ def _compile_chat_template(text: str, source: str) -> Any:
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)  # TEMPLATE_FUNCTIONS
     env.globals.update(dict=_TemplateDict(), namespace=_template_namespace())  # transformers' narrower versions of jinja's
     chat_template_budget.install(env)  # a counted range, and the filter every loop's items pass through
+    chat_template_sizes.install(env)  # filters, lipsum, ~ and what {{ }} writes, bounded in size
     try:
-        return env.from_string(chat_template_budget.count_loop_items(env, env.parse(text)))
+        tree = chat_template_budget.count_loop_items(env, env.parse(text))
+        return env.from_string(chat_template_sizes.bound_concats(env, tree))
     except jinja2.TemplateSyntaxError as err:
         raise ChatTemplateUnusable(source, f"does not compile: line {err.lineno}: {err.message}") from err
 
 
 def _bounded_sandbox() -> type:
     """jinja's ``ImmutableSandboxedEnvironment`` with its ``*`` bounded (``_check_repetition``):
-    jinja's sandbox bounds ``range()`` (100000 items) but builds whatever ``'x' * n`` asks for.
-    Products of numbers are Python's. An intercepted operator is also never evaluated at compile
+    jinja's sandbox bounds ``range()`` (100000 items) but builds whatever ``'x' * n`` asks for;
+    ``+``, ``%``, ``**``, integers' ``*`` and string methods' results bounded in length
+    (``runtime/chat_template_sizes.py``); calls nested at most ``MAX_CALL_DEPTH`` deep. An intercepted operator is also never evaluated at compile
     time, so a constant ``'x' * 10**10`` in a template is the render's error, not the load's.
     Each render's context holds its ``RenderBudget`` of steps, and every call the template makes
     spends one (``runtime/chat_template_budget.py``)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*"})
+        intercepted_binops = frozenset({"*", "+", "%", "**"})
         context_class = chat_template_budget.budgeted_context_class()
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "*":
                 _check_repetition(left, right)
+            chat_template_sizes.check_binop(context, operator, left, right)
             return super().call_binop(context, operator, left, right)
 
         def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return super().call(context, obj, *chat_template_budget.spend_on_call(context, obj, args), **kwargs)
+            args = chat_template_budget.spend_on_call(context, obj, args)
+            chat_template_sizes.check_str_method(context, obj, args, kwargs)
+            context.budget.enter_call()
+            try:
+                return super().call(context, obj, *args, **kwargs)
+            finally:
+                context.budget.leave_call()
 
     return BoundedSandbox
 

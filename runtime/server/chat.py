@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from runtime.chat_template_sizes import size_cap
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route, error_body
 from runtime.server.logprobs import StreamedEntries, chat_logprobs, has_text_before
@@ -33,7 +34,7 @@ def build_router(state: Any) -> APIRouter:
         if body.max_tokens == 0:
             raise APIError(400, "max_tokens: must be >= 1 (0, scoring a prompt, is for completions with echo)", param="max_tokens",
                            code="invalid_parameter")  # fmt: skip
-        prompt = await gen.render_chat_off_loop(state.chat_renders, state.tokenizer, body)
+        prompt = await gen.render_chat_off_loop(state.chat_renders, state.tokenizer, body, size_cap(state.options.max_request_bytes))
         # The template writes the special tokens it wants (e.g. ``{{ bos_token }}``) as text; encoding
         # with special tokens added would put a second BOS in front (as HF and vLLM, encode without).
         prompt_ids = await gen.encode_text(state.tokenizer, prompt, add_special_tokens=False)

@@ -20,7 +20,8 @@ from runtime.request import PromptTooLongError, RequestRejected, SamplingParams,
 from runtime.server.chat_render_workers import ChatRenderBusy, ChatRenderWorkers
 from runtime.server.errors import APIError, error_body, internal_error_body
 from runtime.server.protocol import CHAT_TEMPLATE_FIELDS, _SamplingFields
-from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError, ChatTemplateUnusable
+from runtime.chat_template_sizes import MAX_RENDERED_CHARS
+from runtime.tokenizer import LONG_TEXT_CHARS, ChatTemplateError, ChatTemplateTooDeep, ChatTemplateUnusable
 
 DEFAULT_COMPLETION_TOKENS = 16
 # SamplingParams.seed is in [0, SEED_MODULUS); a request's seed is any int64, taken modulo this (two's complement).
@@ -59,7 +60,7 @@ async def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True
     return await off_loop_if_long(len(text), lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-async def render_chat_off_loop(workers: ChatRenderWorkers, tokenizer: Any, request: Any) -> str:
+async def render_chat_off_loop(workers: ChatRenderWorkers, tokenizer: Any, request: Any, max_chars: int = MAX_RENDERED_CHARS) -> str:
     """``render_chat(tokenizer, request)`` in one of ``workers``' threads (the app's
     ``ChatRenderWorkers``), whatever the request's size; its errors are ``render_chat``'s, raised
     here, and a 429 ``too_many_chat_renders`` when ``workers`` has as many renders in progress as
@@ -76,26 +77,30 @@ async def render_chat_off_loop(workers: ChatRenderWorkers, tokenizer: Any, reque
     ``asyncio.to_thread`` (2-core AMD EPYC, a ``/tmp`` script, not kept), which is nothing next
     to the request's prefill. A render cannot be stopped from outside once started (not by a
     client that goes away either); it holds its thread until it ends. What it builds is bounded
-    (``tokenizer.MAX_TEMPLATE_REPETITION``, ``MAX_RENDERED_CHARS``), and so is what it does
-    (``chat_template_budget.MAX_TEMPLATE_STEPS``, ``MAX_RENDER_SECONDS``)."""
+    (``tokenizer.MAX_TEMPLATE_REPETITION``; ``max_chars``, the routes' ``chat_template_sizes.size_cap``
+    of the server's ``--max-request-bytes``), and so is what it does
+    (``chat_template_budget.MAX_TEMPLATE_STEPS``, ``MAX_RENDER_SECONDS``, ``MAX_CALL_DEPTH``)."""
     try:
-        return await workers.run(render_chat, tokenizer, request)
+        return await workers.run(render_chat, tokenizer, request, max_chars)
     except ChatRenderBusy as err:
         raise APIError(429, str(err), code="too_many_chat_renders") from err
 
 
-def render_chat(tokenizer: Any, request: Any) -> str:
+def render_chat(tokenizer: Any, request: Any, max_chars: int = MAX_RENDERED_CHARS) -> str:
     """The chat template's text for a request's ``messages`` (pydantic chat messages), with its chat
     template fields (``protocol.CHAT_TEMPLATE_FIELDS``). ``continue_final_message`` needs
     ``add_generation_prompt`` false (vLLM's rule), else a 400 on it; it continues the last message
     whatever its role (as vLLM and transformers do); a template that does not write that message's
     content as given is a 400 on it too. A ``chat_template_kwargs`` key the render sets itself is a
     400 on that field (a special token's overrides it, as in transformers).
-    A refusal by the template (its ``raise_exception``, a sandbox violation) is a 400 on
-    ``messages`` whose text starts with the field's name, as every field's error does. So is a
-    Python error the template's code raises on the request's values (ChatTemplateError: e.g. a
-    TypeError); as it may as well be the template's fault, it is also logged, with its traceback,
-    on ``lorafleet.server``. A template that cannot render anything (ChatTemplateUnusable: it does
+    A refusal by the template (its ``raise_exception``, a sandbox violation, a limit of its
+    render) is a 400 on the inputs that drove the render (``template_inputs``: ``messages``, and
+    ``chat_template_kwargs`` when the request sent any, since either may have), whose text starts
+    with their names, as every field's error does. So is a Python error the template's code
+    raises on the request's values (ChatTemplateError: e.g. a TypeError); as it may as well be the
+    template's fault, it is also logged, with its traceback, on ``lorafleet.server``; calls nested
+    past the limit (ChatTemplateTooDeep) are logged there too, without one (the template and the
+    inputs say it all). A template that cannot render anything (ChatTemplateUnusable: it does
     not compile, found at load and logged by ``create_app``) is the server's fault: a 500,
     ``chat_template_unusable``, that says so with jinja's reason."""
     messages = request.messages
@@ -105,16 +110,27 @@ def render_chat(tokenizer: Any, request: Any) -> str:
     try:
         return tokenizer.apply_chat_template([m.template_fields() for m in messages], add_generation_prompt=request.add_generation_prompt,
                                              continue_final_message=request.continue_final_message,
-                                             template_kwargs=request.chat_template_kwargs)  # fmt: skip
+                                             template_kwargs=request.chat_template_kwargs, max_chars=max_chars)  # fmt: skip
     except ChatTemplateUnusable as err:
         raise APIError(500, f"the server's chat template cannot be used ({err.reason}); chat fails until the server's operator "
                        "fixes it (completions work)", code="chat_template_unusable") from err
     except ValueError as err:
         if isinstance(err, ChatTemplateError):
             server_log.warning("the chat template failed on a request's values: %s", err, exc_info=err.__cause__)
+        elif isinstance(err, ChatTemplateTooDeep):
+            server_log.warning("the chat template nested its calls too deep on a request's values: %s", err)
         message = str(err)
-        param = next((field for field in CHAT_TEMPLATE_FIELDS if message.startswith(f"{field}:")), "messages")
+        fields = [field for field in CHAT_TEMPLATE_FIELDS if message.startswith(f"{field}:")]
+        param = template_inputs(request) if message.startswith("chat_template:") else (fields or ["messages"])[0]
         raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param=param, code="invalid_parameter") from err
+
+
+def template_inputs(request: Any) -> str:
+    """What a template's failure names: ``messages``, or ``messages, chat_template_kwargs`` when the
+    request sent variables too. The template is the server's and fixed, so the inputs drove it,
+    and which of the two cannot be told from the failure (``'-' * width`` fails on the kwargs'
+    width; a loop over the messages on their number)."""
+    return "messages, chat_template_kwargs" if request.chat_template_kwargs else "messages"
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: Optional[int] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:

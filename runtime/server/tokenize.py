@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from runtime.chat_template_sizes import size_cap
 from runtime.server import generation as gen
 from runtime.server.errors import APIError, UTF8Route
 from runtime.server.protocol import CHAT_TEMPLATE_FIELDS, DetokenizeRequest, TokenizeRequest
@@ -33,7 +34,7 @@ def build_router(state: Any) -> APIRouter:
             raise APIError(400, f"{given[0]}: only with messages (it is how the chat template renders them)", param=given[0],
                            code="invalid_parameter")  # fmt: skip
         if body.messages is not None:
-            text = await gen.render_chat_off_loop(state.chat_renders, tokenizer, body)
+            text = await gen.render_chat_off_loop(state.chat_renders, tokenizer, body, size_cap(state.options.max_request_bytes))
             ids = await gen.encode_text(tokenizer, text, add_special_tokens=bool(body.add_special_tokens))
         else:
             ids = await gen.encode_text(tokenizer, body.prompt, add_special_tokens=body.add_special_tokens is not False)

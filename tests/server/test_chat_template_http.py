@@ -76,13 +76,50 @@ async def test_a_template_failing_on_the_request_values_is_a_400_naming_the_erro
     assert logged and all(rec.levelno == logging.WARNING and rec.exc_info for rec in logged)  # the traceback, for the operator
 
 
-async def test_a_template_failing_otherwise_is_still_a_500(tiny_llama_dir, tmp_path, caplog):
-    """A template that recurses without end fails for every request: a server fault (RecursionError), logged as one."""
-    async with served(tiny_llama_dir, tmp_path, "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}") as c:
-        with caplog.at_level(logging.ERROR, logger="lorafleet.server"):
+async def test_a_template_that_always_recurses_is_the_servers_500_and_a_startup_warning(tiny_llama_dir, tmp_path, caplog):
+    """A template that recurses without end fails for every request: still the server's fault (a
+    500), now known at load (calls nested past MAX_CALL_DEPTH rendering one short message), said
+    once in a start-up warning, and each chat a 500 ``chat_template_unusable`` saying why; it was a
+    RecursionError, a 500 "internal server error" and an ERROR traceback per request."""
+    with caplog.at_level(logging.WARNING, logger="lorafleet.server"):
+        async with served(tiny_llama_dir, tmp_path, "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}") as c:
             r = await c.post("/v1/chat/completions", json=chat_body(c, [{"role": "user", "content": "hi"}]))
-    assert r.status_code == 500 and "RecursionError" in r.json()["error"]["message"]
-    assert any(rec.levelno == logging.ERROR and rec.exc_info for rec in caplog.records if rec.name == "lorafleet.server")
+    reason = "rendering one user message, calls nested more than 64 deep (a macro or a recursive loop calling itself), the limit"
+    assert r.status_code == 500 and r.json()["error"]["code"] == "chat_template_unusable" and reason in r.json()["error"]["message"]
+    logged = [rec for rec in caplog.records if rec.name == "lorafleet.server"]
+    assert [rec.levelno for rec in logged] == [logging.WARNING] and reason in logged[0].getMessage()
+
+
+async def test_calls_nested_too_deep_by_a_request_are_a_400_logged_without_a_traceback(tiny_llama_dir, tmp_path, caplog):
+    """A macro recursing as deep as ``chat_template_kwargs`` says: past MAX_CALL_DEPTH a 400 naming
+    the inputs and the limit, and a WARNING for the operator without a traceback (it was a
+    RecursionError: a 500 and an ERROR traceback per request)."""
+    template = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(depth) }}{{ messages[0]['content'] }}"
+    async with served(tiny_llama_dir, tmp_path, template) as c:
+        messages = [{"role": "user", "content": "hi"}]
+        fine = await c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"depth": 3}})
+        with caplog.at_level(logging.WARNING, logger="lorafleet.server"):
+            r = await c.post("/v1/chat/completions", json=chat_body(c, messages, chat_template_kwargs={"depth": 5000}))
+    assert fine.status_code == 200 and fine.json()["count"] == 2
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "messages, chat_template_kwargs: chat_template: calls nested more than 64 deep (a macro or a recursive "
+                                            "loop calling itself), the limit; these messages or chat_template_kwargs ask the template for more "
+                                            "than a prompt needs",
+                                 "type": "invalid_request_error", "param": "messages, chat_template_kwargs", "code": "invalid_parameter"}
+    logged = [rec for rec in caplog.records if rec.name == "lorafleet.server"]
+    assert len(logged) == 1 and logged[0].levelno == logging.WARNING and not logged[0].exc_info
+
+
+async def test_the_render_cap_follows_max_request_bytes(tiny_llama_dir, tmp_path, monkeypatch):
+    """The cap on what a render builds was a fixed 16 Mi characters, whatever ``--max-request-bytes``
+    said: a server taking larger bodies refused their prompts. It is now ``size_cap``: twice the
+    body, never under MAX_RENDERED_CHARS (made 1000 here, so a small body shows it)."""
+    import runtime.chat_template_sizes as sizes
+
+    monkeypatch.setattr(sizes, "MAX_RENDERED_CHARS", 1000)
+    async with served(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m['content'] ~ m['content'] }}{% endfor %}") as c:
+        r = await c.post("/tokenize", json={"messages": [{"role": "user", "content": "a " * 1500}]})  # 6000 characters: under 2 x 1 MiB
+    assert r.status_code == 200 and r.json()["count"] == 6000, r.text  # "a" and " ", a token each
 
 
 async def test_add_generation_prompt_and_continue_final_message_render_as_transformers(tiny_llama_dir, tmp_path):
@@ -214,8 +251,10 @@ async def test_chat_template_kwargs_reach_the_template(tiny_llama_dir, tmp_path,
     assert tok.decode(ids[False], skip_special_tokens=False) == "<s><|user|>hi</s><|assistant|>"
     assert tok.decode(ids[True], skip_special_tokens=False) == "<s><|nothink|><|long|><|user|>hi</s><|assistant|>"
     assert wrong_type.status_code == 400, wrong_type.text  # the template compares it with a number: the request's fault, not a 500
-    assert wrong_type.json()["error"]["message"] == ("messages: chat_template: failed on these inputs with TypeError: "
+    # kwargs drove it: the error names both inputs (it named messages alone), as which one cannot be told
+    assert wrong_type.json()["error"]["message"] == ("messages, chat_template_kwargs: chat_template: failed on these inputs with TypeError: "
                                                      "'>' not supported between instances of 'str' and 'int'")
+    assert wrong_type.json()["error"]["param"] == "messages, chat_template_kwargs"
 
 
 KWARGS_REFUSALS = [
@@ -253,10 +292,10 @@ async def test_a_template_asked_to_build_too_much_is_a_400(tiny_llama_dir, tmp_p
         for route, body in (("/v1/chat/completions", chat_body(c, messages)), ("/tokenize", {"messages": messages})):
             r = await c.post(route, json={**body, "chat_template_kwargs": {"width": 2**62}})
             assert r.status_code == 400, r.text
-            assert r.json()["error"] == {"message": f"messages: chat_template: '*' would build a str of {2**62} characters (1 x {2**62}), past the limit "
+            assert r.json()["error"] == {"message": f"messages, chat_template_kwargs: chat_template: '*' would build a str of {2**62} characters (1 x {2**62}), past the limit "
                                                     f"of {MAX_TEMPLATE_REPETITION} characters; these messages or chat_template_kwargs ask the "
                                                     "template for more than a prompt needs",
-                                         "type": "invalid_request_error", "param": "messages", "code": "invalid_parameter"}
+                                         "type": "invalid_request_error", "param": "messages, chat_template_kwargs", "code": "invalid_parameter"}
     assert fine.status_code == 200 and fine.json()["count"] == 5  # "---hi", a byte each
 
 
@@ -275,10 +314,10 @@ async def test_a_template_asked_for_too_many_steps_is_a_400(tiny_llama_dir, tmp_
         for route, body in (("/v1/chat/completions", chat_body(c, messages)), ("/tokenize", {"messages": messages})):
             r = await c.post(route, json={**body, "chat_template_kwargs": {"n": math.isqrt(MAX_TEMPLATE_STEPS) + 1}})
             assert r.status_code == 400, r.text
-            assert r.json()["error"] == {"message": f"messages: chat_template: the render took more than {MAX_TEMPLATE_STEPS} steps (loop items, "
+            assert r.json()["error"] == {"message": f"messages, chat_template_kwargs: chat_template: the render took more than {MAX_TEMPLATE_STEPS} steps (loop items, "
                                                     "range items and calls), the limit; these messages or chat_template_kwargs ask the "
                                                     "template for more work than a prompt needs",
-                                         "type": "invalid_request_error", "param": "messages", "code": "invalid_parameter"}
+                                         "type": "invalid_request_error", "param": "messages, chat_template_kwargs", "code": "invalid_parameter"}
     assert fine.status_code == 200 and fine.json()["count"] == 2
 
 
